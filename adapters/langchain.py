@@ -1,0 +1,522 @@
+"""LangChain integration: `ChatOpenJet` (a chat model) and `OpenJetLLM` (a text-completion LLM).
+
+    from openjet_plugin.adapters.langchain import ChatOpenJet
+    chat = ChatOpenJet(temperature=0, max_tokens=64)          # the embedded default model
+    chat.invoke("Hello").content
+
+Both translate LangChain calls into `Engine.generate` / `Engine.render_chat` and back; the engine
+samples, stops and counts. Models are loaded once per (file, backend, n_ctx, draft depth, KV type)
+and shared by every instance, so constructing a model is cheap and loads nothing.
+
+Chat specifics:
+- Thinking: `enable_thinking=True` (a field, or per call) renders the template in thinking mode;
+  the `<think>` part of the reply goes to `additional_kwargs["reasoning_content"]` (streamed too),
+  the rest to `content`.
+- Tools: `bind_tools(...)` renders the tools into the Qwen template's tools section; the model's
+  `<tool_call>{json}</tool_call>` blocks become `AIMessage.tool_calls`, malformed ones
+  `invalid_tool_calls` (never an exception). `AIMessage.tool_calls` and `ToolMessage`s in the
+  history go back in as the template expects. `tool_choice`: "none" hides the tools, a tool name
+  shows only that tool, "auto"/"any"/"required" show all: there is no grammar-constrained decoding,
+  so a forced choice is a request to the model, not a guarantee.
+- `with_structured_output`: LangChain's default tool-calling path (bind the schema as a tool,
+  parse the call), which works as well as the model follows the tools section.
+- `usage_metadata` on every reply (`input_token_details.cache_read` = prompt tokens reused from
+  the previous request), `response_metadata` with the model name, backend, finish reason,
+  timings and, on the native backend, the speculative-decoding counters.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Iterator, Literal, Sequence
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.language_models.llms import LLM
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    FunctionMessage,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from langchain_core.utils.function_calling import convert_to_openai_tool
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._shared import (
+    Reply,
+    ReplyStreamer,
+    SAMPLING_KEYS,
+    iterate_in_thread,
+    model_label,
+    prompt_opens_think,
+    run_in_thread,
+    select_tools,
+    shared_engine,
+    template_tool_call,
+    text_of,
+)
+
+PROVIDER = "openjet"
+
+# per-call keywords that are LangChain's own plumbing, not requests to the model
+_IGNORED_CALL_KEYS = ("stream", "ls_structured_output_format")
+
+
+class _OpenJetParams(BaseModel):
+    """Fields shared by the chat model and the text LLM: which model, how it runs, how it samples."""
+
+    model_config = ConfigDict(populate_by_name=True, protected_namespaces=())
+
+    model: str | None = Field(default=None, alias="model_path")
+    """Path to a qwen35 GGUF file, or "default" / None for the embedded default model."""
+
+    backend: Literal["auto", "llama.cpp", "native"] = "auto"
+    """"native" (CUDA, speculative), "llama.cpp" (CPU), or "auto": native where it can run."""
+
+    n_ctx: int = 4096
+    """Context window in tokens (prompt plus reply)."""
+
+    draft_depth: int = 4
+    """MTP draft tokens per speculative cycle on the native backend (0 turns drafting off)."""
+
+    kv_type: Literal["f16", "q8_0"] = "f16"
+    """Type of the attention KV cache."""
+
+    temperature: float = 0.8
+    """Sampling temperature; 0 is greedy."""
+
+    max_tokens: int | None = 256
+    """Most tokens to generate; None: until the context is full."""
+
+    top_p: float = 0.95
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+
+    top_k: int = 40
+    """Keep the k most likely tokens (0: no limit)."""
+
+    min_p: float = 0.05
+    """Drop tokens less likely than min_p times the most likely one."""
+
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already present in the recent context."""
+
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence of a token in the recent context."""
+
+    repeat_penalty: float = 1.0
+    """llama.cpp's repetition penalty (1.0: off)."""
+
+    seed: int | None = None
+    """Seed of the sampler; None draws a fresh one per request."""
+
+    stop: list[str] | None = None
+    """Strings that end the reply (not included in it)."""
+
+    def _engine_for(self, model: str | None):
+        return shared_engine(model if model is not None else self.model, backend=self.backend,
+                             n_ctx=self.n_ctx, draft_depth=self.draft_depth, kv_type=self.kv_type)
+
+    def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """This call's sampling options: the fields, overridden by per-call keywords."""
+        params = {k: getattr(self, k) for k in SAMPLING_KEYS}
+        for k in SAMPLING_KEYS:
+            if k in kwargs:
+                params[k] = kwargs.pop(k)
+        if stop is not None:
+            params["stop"] = stop
+        params["stop"] = list(params["stop"] or []) or None
+        return params
+
+    def _label(self, model: str | None) -> str:
+        return model_label(model if model is not None else self.model)
+
+
+def _usage(stats, output_tokens: int) -> UsageMetadata:
+    return UsageMetadata(
+        input_tokens=stats.prompt_tokens,
+        output_tokens=output_tokens,
+        total_tokens=stats.prompt_tokens + output_tokens,
+        input_token_details={"cache_read": stats.cached_prompt_tokens},
+    )
+
+
+def _response_metadata(eng, label: str, finish_reason: str | None, stats) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "model_name": label,
+        "model_provider": PROVIDER,
+        "backend": eng.backend_name,
+        "finish_reason": finish_reason,
+        "prefill_seconds": stats.prefill_seconds,
+        "decode_seconds": stats.decode_seconds,
+        "tokens_per_second": stats.tokens_per_second,
+    }
+    if eng.supports_speculative:
+        meta["speculative"] = {
+            "cycles": stats.cycles,
+            "drafts_proposed": stats.drafts_proposed,
+            "drafts_accepted": stats.drafts_accepted,
+            "acceptance_rate": (stats.drafts_accepted / stats.drafts_proposed
+                                if stats.drafts_proposed else 0.0),
+        }
+    return meta
+
+
+def _template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
+    """LangChain messages -> the OpenAI-style dicts the Qwen chat template reads."""
+    out: list[dict] = []
+    for m in messages:
+        if isinstance(m, SystemMessage):
+            out.append({"role": "system", "content": text_of(m.content)})
+        elif isinstance(m, HumanMessage):
+            out.append({"role": "user", "content": text_of(m.content)})
+        elif isinstance(m, AIMessage):
+            msg: dict[str, Any] = {"role": "assistant", "content": text_of(m.content)}
+            calls = [template_tool_call(tc["name"], tc["args"], tc.get("id")) for tc in m.tool_calls]
+            calls += [template_tool_call(tc.get("name") or "", tc.get("args") or "", tc.get("id"))
+                      for tc in m.invalid_tool_calls]
+            if calls:
+                msg["tool_calls"] = calls
+            reasoning = m.additional_kwargs.get("reasoning_content")
+            if isinstance(reasoning, str):
+                msg["reasoning_content"] = reasoning
+            out.append(msg)
+        elif isinstance(m, (ToolMessage, FunctionMessage)):
+            content = m.content if isinstance(m.content, (str, list)) else json.dumps(m.content)
+            msg = {"role": "tool", "content": text_of(content)}
+            if isinstance(m, ToolMessage):
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        elif isinstance(m, ChatMessage):
+            out.append({"role": m.role, "content": text_of(m.content)})
+        else:
+            raise ValueError(f"unsupported message type {type(m).__name__}")
+    return out
+
+
+def _lc_tool_calls(reply: Reply) -> tuple[list, list]:
+    calls = [tool_call(name=c["name"], args=c["arguments"], id=c["id"]) for c in reply.tool_calls]
+    invalid = [invalid_tool_call(name=c["name"], args=c["arguments"], id=c["id"], error=c["error"])
+               for c in reply.invalid_tool_calls]
+    return calls, invalid
+
+
+class ChatOpenJet(_OpenJetParams, BaseChatModel):
+    """Chat model on the openjet engine (qwen35 GGUF models, native CUDA or llama.cpp).
+
+    Example:
+        ```python
+        from openjet_plugin.adapters.langchain import ChatOpenJet
+
+        chat = ChatOpenJet(model="/models/qwen3.8-27b-q4_k_m.gguf", temperature=0.7)
+        chat.invoke([("system", "Be brief."), ("human", "Name a prime.")])
+        ```
+    """
+
+    enable_thinking: bool = False
+    """Let the model think first; the thinking is returned in `additional_kwargs["reasoning_content"]`."""
+
+    streaming: bool = False
+    """Stream by default in `invoke` (tokens reach `on_llm_new_token` callbacks as they come)."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "openjet-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self._label(None), "backend": self.backend, "n_ctx": self.n_ctx,
+                "draft_depth": self.draft_depth, "kv_type": self.kv_type,
+                **{k: getattr(self, k) for k in SAMPLING_KEYS}, "enable_thinking": self.enable_thinking}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs["model"] if isinstance(kwargs.get("model"), str) else self._label(None)
+        params["ls_temperature"] = kwargs.get("temperature", self.temperature)
+        if (max_tokens := kwargs.get("max_tokens", self.max_tokens)) is not None:
+            params["ls_max_tokens"] = max_tokens
+        if stop or self.stop:
+            params["ls_stop"] = stop or self.stop
+        return params
+
+    # --- tools -----------------------------------------------------------------------------------
+    def bind_tools(
+        self,
+        tools: Sequence[dict[str, Any] | type | Any | BaseTool],
+        *,
+        tool_choice: str | dict | bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Offer tools to the model (rendered into the template's tools section).
+
+        tool_choice: None/"auto" (the model decides), "any"/"required"/True (asked to call one),
+        "none"/False (tools hidden), or a tool name / {"function": {"name": ...}} (only that tool).
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        select_tools(formatted, _normalise_tool_choice(tool_choice))   # validates a named choice now
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    # --- generation ------------------------------------------------------------------------------
+    def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
+        kwargs = dict(kwargs)
+        for k in _IGNORED_CALL_KEYS:
+            kwargs.pop(k, None)
+        model = kwargs.pop("model", None)
+        thinking = bool(kwargs.pop("enable_thinking", self.enable_thinking))
+        tools = select_tools(kwargs.pop("tools", None), _normalise_tool_choice(kwargs.pop("tool_choice", None)))
+        params = self._sampling(stop, kwargs)
+        if kwargs:
+            raise ValueError(f"ChatOpenJet got unknown keyword arguments {sorted(kwargs)}; sampling "
+                             f"options are {', '.join(SAMPLING_KEYS)}, plus enable_thinking, tools, "
+                             f"tool_choice and model")
+        eng = self._engine_for(model)
+        prompt = eng.render_chat(_template_messages(messages), tools=tools, enable_thinking=thinking)
+        shape = dict(thinking=thinking, tools=bool(tools), prompt_opens_think=prompt_opens_think(prompt))
+        return eng, prompt, params, shape, self._label(model)
+
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        eng, prompt, params, shape, label = self._prepare(messages, stop, kwargs)
+        result = eng.generate(prompt, **params)
+        reply = Reply(result.text, **shape)
+        calls, invalid = _lc_tool_calls(reply)
+        additional = {"reasoning_content": reply.reasoning} if reply.reasoning is not None else {}
+        meta = _response_metadata(eng, label, result.finish_reason, result.stats)
+        message = AIMessage(
+            content=reply.content,
+            additional_kwargs=additional,
+            tool_calls=calls,
+            invalid_tool_calls=invalid,
+            usage_metadata=_usage(result.stats, len(result.tokens)),
+            response_metadata=meta,
+        )
+        return ChatResult(generations=[ChatGeneration(
+            message=message, generation_info={"finish_reason": result.finish_reason})])
+
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
+        eng, prompt, params, shape, label = self._prepare(messages, stop, kwargs)
+        streamer = ReplyStreamer(**shape)
+        n_tokens = 0
+        stream = eng.generate(prompt, stream=True, **params)
+        try:
+            for piece in stream:
+                n_tokens += len(piece.tokens)
+                if piece.finish_reason is None:
+                    dr, dc = streamer.feed(piece.text)
+                    if dr or dc:
+                        chunk = _chunk(dc, dr)
+                        if run_manager:
+                            run_manager.on_llm_new_token(dc, chunk=chunk)
+                        yield chunk
+                    continue
+                dr, dc, reply = streamer.finish(piece.text)
+                calls, invalid = _lc_tool_calls(reply)
+                chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
+                          for i, c in enumerate(calls)]
+                chunks += [tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=len(chunks) + i)
+                           for i, c in enumerate(invalid)]
+                last = ChatGenerationChunk(
+                    message=AIMessageChunk(
+                        content=dc,
+                        additional_kwargs={"reasoning_content": dr} if dr else {},
+                        tool_call_chunks=chunks,
+                        usage_metadata=_usage(piece.stats, n_tokens),
+                        response_metadata=_response_metadata(eng, label, piece.finish_reason, piece.stats),
+                        chunk_position="last",
+                    ),
+                    generation_info={"finish_reason": piece.finish_reason},
+                )
+                if run_manager:
+                    run_manager.on_llm_new_token(dc, chunk=last)
+                yield last
+        finally:
+            stream.close()
+
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
+        return await run_in_thread(lambda: self._generate(messages, stop, None, **kwargs))
+
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+def _chunk(content: str, reasoning: str) -> ChatGenerationChunk:
+    return ChatGenerationChunk(message=AIMessageChunk(
+        content=content, additional_kwargs={"reasoning_content": reasoning} if reasoning else {}))
+
+
+def _normalise_tool_choice(choice: Any) -> Any:
+    """LangChain's spellings -> OpenAI's: a bare tool name means that tool."""
+    if isinstance(choice, str) and choice not in ("auto", "any", "required", "none"):
+        return {"type": "function", "function": {"name": choice}}
+    return choice
+
+
+class OpenJetLLM(_OpenJetParams, LLM):
+    """Text-completion LLM on the openjet engine: the prompt is continued as is (no chat template).
+
+    Example:
+        ```python
+        from openjet_plugin.adapters.langchain import OpenJetLLM
+
+        llm = OpenJetLLM(temperature=0, max_tokens=32)
+        llm.invoke("def fibonacci(n):")
+        ```
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "openjet"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self._label(None), "backend": self.backend, "n_ctx": self.n_ctx,
+                "draft_depth": self.draft_depth, "kv_type": self.kv_type,
+                **{k: getattr(self, k) for k in SAMPLING_KEYS}}
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any):
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = PROVIDER
+        params["ls_model_name"] = kwargs["model"] if isinstance(kwargs.get("model"), str) else self._label(None)
+        return params
+
+    def _prepare(self, stop: list[str] | None, kwargs: dict[str, Any]):
+        kwargs = dict(kwargs)
+        kwargs.pop("stream", None)
+        model = kwargs.pop("model", None)
+        params = self._sampling(stop, kwargs)
+        if kwargs:
+            raise ValueError(f"OpenJetLLM got unknown keyword arguments {sorted(kwargs)}; sampling "
+                             f"options are {', '.join(SAMPLING_KEYS)}, plus model")
+        return self._engine_for(model), params, self._label(model)
+
+    def _call(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        eng, params, _ = self._prepare(stop, kwargs)
+        return eng.generate(prompt, **params).text
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        totals = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        label = self._label(kwargs.get("model"))
+        for prompt in prompts:
+            eng, params, _ = self._prepare(stop, kwargs)
+            result = eng.generate(prompt, **params)
+            usage = {"prompt_tokens": result.stats.prompt_tokens,
+                     "completion_tokens": len(result.tokens),
+                     "total_tokens": result.stats.prompt_tokens + len(result.tokens)}
+            info = {"finish_reason": result.finish_reason, "usage": usage,
+                    **_response_metadata(eng, label, result.finish_reason, result.stats)}
+            generations.append([Generation(text=result.text, generation_info=info)])
+            for k in totals:
+                totals[k] += usage.get(k, 0)
+        return LLMResult(generations=generations, llm_output={"token_usage": totals, "model_name": label})
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        eng, params, label = self._prepare(stop, kwargs)
+        n_tokens = 0
+        stream = eng.generate(prompt, stream=True, **params)
+        try:
+            for piece in stream:
+                n_tokens += len(piece.tokens)
+                info = None
+                if piece.finish_reason is not None:
+                    usage = {"prompt_tokens": piece.stats.prompt_tokens, "completion_tokens": n_tokens,
+                             "total_tokens": piece.stats.prompt_tokens + n_tokens}
+                    info = {"finish_reason": piece.finish_reason, "usage": usage,
+                            **_response_metadata(eng, label, piece.finish_reason, piece.stats)}
+                if not piece.text and info is None:
+                    continue
+                chunk = GenerationChunk(text=piece.text, generation_info=info)
+                if run_manager:
+                    run_manager.on_llm_new_token(piece.text, chunk=chunk)
+                yield chunk
+        finally:
+            stream.close()
+
+    async def _acall(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return await run_in_thread(lambda: self._call(prompt, stop, None, **kwargs))
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        return await run_in_thread(lambda: self._generate(prompts, stop, None, **kwargs))
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        async for chunk in iterate_in_thread(lambda: self._stream(prompt, stop, None, **kwargs)):
+            if run_manager:
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+            yield chunk
+
+
+__all__ = ["ChatOpenJet", "OpenJetLLM"]

@@ -1,0 +1,299 @@
+// api.cu: the C API of openjet.h. Every entry point catches oj::Error (and anything else) and
+// turns it into a status code plus a message; no exception, abort or print crosses this file.
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "engine.cuh"
+
+struct oj_engine {
+    oj::Engine e;
+};
+
+namespace {
+
+thread_local std::string g_error;   // errors of calls without an engine
+
+int32_t set_error(oj_engine *h, int code, const std::string &message) {
+    if (h) h->e.error = message;
+    else g_error = message;
+    return code;
+}
+
+// A sticky CUDA error (illegal address, launch failure) poisons the context for good: remember
+// it so later calls fail fast with a clear message instead of an unrelated one.
+void note_sticky(oj_engine *h) {
+    if (!h) return;
+    const cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess && err != cudaErrorMemoryAllocation) h->e.failed = true;
+}
+
+template <typename F>
+int32_t guarded(oj_engine *h, F &&body) {
+    if (h && h->e.failed)
+        return set_error(h, OJ_ERR_FAILED_STATE, "an earlier CUDA fault poisoned this engine's context (" + h->e.error +
+                                                     "); free it and create a new process");
+    try {
+        body();
+        return OJ_OK;
+    } catch (const oj::Error &err) {
+        if (err.code == OJ_ERR_CUDA) note_sticky(h);
+        return set_error(h, err.code, err.message);
+    } catch (const std::bad_alloc &) {
+        return set_error(h, OJ_ERR_OUT_OF_MEMORY, "host memory exhausted");
+    } catch (...) {
+        return set_error(h, OJ_ERR_CUDA, "unexpected internal error");
+    }
+}
+
+void check_index(const oj::Engine &e, int32_t index, int32_t have, const char *what) {
+    if (index < 0 || index >= have)
+        oj::fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + " index " + std::to_string(index) + " is outside [0, " +
+                                              std::to_string(have) + ")");
+}
+
+void check_out(const void *out, uint64_t have, uint64_t need, const char *what) {
+    if (!out) oj::fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": out is NULL");
+    if (have < need)
+        oj::fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": out holds " + std::to_string(have) + " values, " +
+                                              std::to_string(need) + " needed");
+}
+
+void copy_to_host(oj::Engine &e, void *dst, const void *src, size_t bytes, const char *what) {
+    oj::check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, e.stream), what);
+    oj::check_cuda(cudaStreamSynchronize(e.stream), what);
+}
+
+const oj::Layer &layer_at(const oj::Engine &e, int32_t layer) {
+    if (layer == e.dims.hp.n_layer && e.has_mtp) return e.mtp.block;
+    if (layer < 0 || layer >= e.dims.hp.n_layer)
+        oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " does not exist");
+    return e.layers[layer];
+}
+
+}  // namespace
+
+extern "C" {
+
+int32_t oj_abi_version(void) { return OJ_ABI_VERSION; }
+
+const char *oj_last_error(const oj_engine *engine) {
+    return engine ? engine->e.error.c_str() : g_error.c_str();
+}
+
+int32_t oj_device_info(int32_t device, int32_t *cc_major, int32_t *cc_minor, uint64_t *free_bytes,
+                       uint64_t *total_bytes, char *name, int32_t name_capacity) {
+    return guarded(nullptr, [&] {
+        int count = 0;
+        const cudaError_t err = cudaGetDeviceCount(&count);
+        if (err != cudaSuccess || count == 0)
+            oj::fail(OJ_ERR_NO_DEVICE, std::string("no CUDA device: ") + (err == cudaSuccess ? "device count is 0" : cudaGetErrorString(err)));
+        if (device < 0 || device >= count)
+            oj::fail(OJ_ERR_INVALID_ARGUMENT, "device " + std::to_string(device) + " does not exist (" + std::to_string(count) + " found)");
+        cudaDeviceProp prop;
+        oj::check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+        if (cc_major) *cc_major = prop.major;
+        if (cc_minor) *cc_minor = prop.minor;
+        if (name && name_capacity > 0) {
+            std::strncpy(name, prop.name, name_capacity - 1);
+            name[name_capacity - 1] = '\0';
+        }
+        if (free_bytes || total_bytes) {
+            oj::check_cuda(cudaSetDevice(device), "cudaSetDevice");
+            size_t f = 0, t = 0;
+            oj::check_cuda(cudaMemGetInfo(&f, &t), "cudaMemGetInfo");
+            if (free_bytes) *free_bytes = f;
+            if (total_bytes) *total_bytes = t;
+        }
+    });
+}
+
+int32_t oj_engine_create(const oj_model_desc *desc, oj_engine **out) {
+    if (!out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "out is NULL");
+    *out = nullptr;
+    if (!desc) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "desc is NULL");
+    oj_engine *h = new (std::nothrow) oj_engine();
+    if (!h) return set_error(nullptr, OJ_ERR_OUT_OF_MEMORY, "host memory exhausted");
+    const int32_t rc = guarded(nullptr, [&] { oj::engine_load(h->e, *desc); });
+    if (rc != OJ_OK) {
+        h->e.release_all();
+        delete h;
+        return rc;
+    }
+    *out = h;
+    return OJ_OK;
+}
+
+void oj_engine_free(oj_engine *engine) {
+    if (!engine) return;
+    engine->e.release_all();
+    delete engine;
+}
+
+int32_t oj_memory(const oj_engine *engine, oj_memory_report *out) {
+    if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
+    *out = engine->e.memory;
+    return OJ_OK;
+}
+
+int32_t oj_reset(oj_engine *engine) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_reset(engine->e); });
+}
+
+int32_t oj_n_past(const oj_engine *engine, int32_t *out) {
+    if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
+    *out = engine->e.n_past;
+    return OJ_OK;
+}
+
+int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_eval(engine->e, tokens, n_tokens); });
+}
+
+int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        if (n < 1 || n > e.last_n) oj::fail(OJ_ERR_INVALID_ARGUMENT, "n must be 1.." + std::to_string(e.last_n) + " (the last eval's positions)");
+        check_out(out, n, n, "oj_get_argmax");
+        copy_to_host(e, out, e.s.argmax, n * sizeof(int32_t), "oj_get_argmax");
+    });
+}
+
+int32_t oj_get_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vocab) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        check_index(e, index, e.last_n, "oj_get_logits");
+        check_out(out, n_vocab, e.dims.hp.n_vocab, "oj_get_logits");
+        copy_to_host(e, out, e.s.logits + (size_t)index * e.dims.hp.n_vocab, (size_t)e.dims.hp.n_vocab * 4, "oj_get_logits");
+    });
+}
+
+int32_t oj_get_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        check_index(e, index, e.last_n, "oj_get_hidden");
+        check_out(out, n_embd, e.dims.hp.n_embd, "oj_get_hidden");
+        copy_to_host(e, out, e.s.hidden + (size_t)(index + 1) * e.dims.hp.n_embd, (size_t)e.dims.hp.n_embd * 4, "oj_get_hidden");
+    });
+}
+
+int32_t oj_mtp_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t pos0,
+                    int32_t h_source, const float *h_host) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_mtp_eval(engine->e, tokens, n_tokens, pos0, h_source, h_host); });
+}
+
+int32_t oj_mtp_n_past(const oj_engine *engine, int32_t *out) {
+    if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
+    *out = engine->e.mtp_n_past;
+    return OJ_OK;
+}
+
+int32_t oj_get_draft_argmax(oj_engine *engine, int32_t *out, int32_t n) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        if (n < 1 || n > e.last_mtp_n) oj::fail(OJ_ERR_INVALID_ARGUMENT, "n must be 1.." + std::to_string(e.last_mtp_n) + " (the last MTP eval's positions)");
+        check_out(out, n, n, "oj_get_draft_argmax");
+        copy_to_host(e, out, e.s.draft_argmax, n * sizeof(int32_t), "oj_get_draft_argmax");
+    });
+}
+
+int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vocab) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        check_index(e, index, e.last_mtp_n, "oj_get_draft_logits");
+        check_out(out, n_vocab, e.dims.hp.n_vocab, "oj_get_draft_logits");
+        copy_to_host(e, out, e.s.draft_logits + (size_t)index * e.dims.hp.n_vocab, (size_t)e.dims.hp.n_vocab * 4, "oj_get_draft_logits");
+    });
+}
+
+int32_t oj_get_draft_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        check_index(e, index, e.last_mtp_n, "oj_get_draft_hidden");
+        check_out(out, n_embd, e.dims.hp.n_embd, "oj_get_draft_hidden");
+        copy_to_host(e, out, e.s.draft_hidden + (size_t)index * e.dims.hp.n_embd, (size_t)e.dims.hp.n_embd * 4, "oj_get_draft_hidden");
+    });
+}
+
+int32_t oj_read_conv_state(oj_engine *engine, int32_t layer, float *out, uint64_t n) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        const oj::Layer &L = layer_at(e, layer);
+        if (!L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " is not a DeltaNet layer");
+        const uint64_t count = (uint64_t)e.dims.ssm_conv_dim() * (e.dims.hp.ssm_conv_kernel - 1);
+        check_out(out, n, count, "oj_read_conv_state");
+        copy_to_host(e, out, L.conv_state, count * 4, "oj_read_conv_state");
+    });
+}
+
+int32_t oj_read_ssm_state(oj_engine *engine, int32_t layer, float *out, uint64_t n) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        const oj::Layer &L = layer_at(e, layer);
+        if (!L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " is not a DeltaNet layer");
+        const uint64_t S = e.dims.hp.ssm_d_state;
+        const uint64_t count = (uint64_t)e.dims.hp.ssm_dt_rank * S * S;
+        check_out(out, n, count, "oj_read_ssm_state");
+        copy_to_host(e, out, L.ssm_state, count * 4, "oj_read_ssm_state");
+    });
+}
+
+int32_t oj_read_kv(oj_engine *engine, int32_t layer, int32_t which, int32_t pos0, int32_t n_pos, float *out, uint64_t n) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        const oj::Layer &L = layer_at(e, layer);
+        if (L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " has no KV cache (DeltaNet)");
+        if (which != 0 && which != 1) oj::fail(OJ_ERR_INVALID_ARGUMENT, "which must be 0 (K) or 1 (V)");
+        const bool mtp = layer == e.dims.hp.n_layer;
+        const int have = mtp ? e.mtp_n_past : e.n_past;
+        if (pos0 < 0 || n_pos < 0 || pos0 + n_pos > have)
+            oj::fail(OJ_ERR_INVALID_ARGUMENT, "positions [" + std::to_string(pos0) + ", " + std::to_string(pos0 + n_pos) +
+                                                  ") are outside the cache's [0, " + std::to_string(have) + ")");
+        const int Hkv = e.dims.hp.n_head_kv, D = e.dims.hp.head_dim;
+        const uint64_t count = (uint64_t)n_pos * Hkv * D;
+        check_out(out, n, count, "oj_read_kv");
+        std::vector<__half> buf((size_t)Hkv * n_pos * D);
+        const __half *cache = which == 0 ? L.k_cache : L.v_cache;
+        for (int g = 0; g < Hkv; ++g)
+            oj::check_cuda(cudaMemcpyAsync(buf.data() + (size_t)g * n_pos * D, cache + ((size_t)g * e.n_ctx + pos0) * D,
+                                           (size_t)n_pos * D * sizeof(__half), cudaMemcpyDeviceToHost, e.stream), "oj_read_kv");
+        oj::check_cuda(cudaStreamSynchronize(e.stream), "oj_read_kv");
+        for (int p = 0; p < n_pos; ++p)
+            for (int g = 0; g < Hkv; ++g)
+                for (int d = 0; d < D; ++d)
+                    out[((size_t)p * Hkv + g) * D + d] = __half2float(buf[((size_t)g * n_pos + p) * D + d]);
+    });
+}
+
+int32_t oj_debug_fault(oj_engine *engine, int32_t kind) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        oj::Engine &e = engine->e;
+        if (kind == 1) {
+            oj::fault_probe(e.s.fault_probe, e.stream);
+            oj::check_cuda(cudaStreamSynchronize(e.stream), "fault probe kernel");
+        } else if (kind == 2) {
+            size_t f = 0, t = 0;
+            oj::check_cuda(cudaMemGetInfo(&f, &t), "cudaMemGetInfo");
+            uint64_t scratch = 0;
+            void *p = e.alloc(t * 2, scratch);   // throws OJ_ERR_OUT_OF_MEMORY
+            (void)p;
+        } else {
+            oj::fail(OJ_ERR_INVALID_ARGUMENT, "fault kind must be 1 (illegal address) or 2 (out of memory)");
+        }
+    });
+}
+
+}  // extern "C"

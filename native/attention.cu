@@ -1,0 +1,194 @@
+// attention.cu: qwen35's gated attention for 1..8 positions (build_layer_attn between the
+// projections and attn_output; the MTP block runs the same code on its own KV cache).
+//
+//   1. attention_prepare: per head RMSNorm of q (the first head_dim of each head's 2*head_dim
+//      slice of attn_q; the second half is the output gate) and of k, times q_norm / k_norm;
+//      RoPE on the first n_rot dims, NEOX pairs (i, i + n_rot/2), angle pos * base^(-2i/n_rot)
+//      with llama.cpp's IMROPE sector rule (text: t = h = w = pos, e = 0); K and V appended to
+//      the fp16 cache [n_head_kv][n_ctx][head_dim] at their positions.
+//   2. attention_partial: split-K flash decoding; block (head, position, split) walks up to
+//      SPLIT cached positions (causal: position p sees 0..p) with an fp32 online softmax.
+//   3. attention_combine: merges the splits, times sigmoid(gate).
+// Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention.
+#include <cfloat>
+
+#include "engine.cuh"
+#include "reduce.cuh"
+
+namespace oj {
+
+namespace {
+
+constexpr int SPLIT = 256;        // cached positions per split-K block
+constexpr int PARTIAL_WARPS = 4;
+
+struct RopeParams {
+    int n_rot;
+    int sections[4];
+    float freq_base;
+};
+
+// Angle of pair i at text position pos (ggml_mrope_cache_init with is_imrope).
+__device__ float imrope_angle(const RopeParams &rp, int i, int pos) {
+    const int sect_dims = rp.sections[0] + rp.sections[1] + rp.sections[2] + rp.sections[3];
+    const int sector = i % sect_dims;
+    float coord;
+    if (sector % 3 == 1 && sector < 3 * rp.sections[1]) coord = (float)pos;        // h
+    else if (sector % 3 == 2 && sector < 3 * rp.sections[2]) coord = (float)pos;   // w
+    else if (sector % 3 == 0 && sector < 3 * rp.sections[0]) coord = (float)pos;   // t
+    else coord = 0.0f;                                                              // e
+    return coord * powf(rp.freq_base, -2.0f * (float)i / (float)rp.n_rot);
+}
+
+// grid (n, n_head + n_head_kv), block head_dim.
+__global__ void attention_prepare_kernel(const float *__restrict__ qg, const float *__restrict__ k,
+                                         const float *__restrict__ v, const float *__restrict__ q_norm,
+                                         const float *__restrict__ k_norm, float *__restrict__ q_rot,
+                                         __half *__restrict__ k_cache, __half *__restrict__ v_cache,
+                                         int n_head, int n_head_kv, int n_ctx, int pos0, float eps,
+                                         RopeParams rp) {
+    extern __shared__ float normed[];
+    const int n = blockIdx.x, hh = blockIdx.y, D = blockDim.x, t = threadIdx.x;
+    const bool is_q = hh < n_head;
+    const int g = hh - n_head;
+    const float *src = is_q ? qg + ((int64_t)n * n_head * 2 + hh * 2) * D
+                            : k + ((int64_t)n * n_head_kv + g) * D;
+    const float x = src[t];
+    const float ss = block_sum(x * x);
+    normed[t] = x / sqrtf(ss / D + eps) * (is_q ? q_norm[t] : k_norm[t]);
+    __syncthreads();
+    const int pos = pos0 + n;
+    float y = normed[t];
+    const int half = rp.n_rot / 2;
+    if (t < rp.n_rot) {
+        const int i = t < half ? t : t - half;
+        float sn, cs;
+        sincosf(imrope_angle(rp, i, pos), &sn, &cs);
+        const float x0 = normed[i], x1 = normed[i + half];
+        y = t < half ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+    }
+    if (is_q) {
+        q_rot[((int64_t)n * n_head + hh) * D + t] = y;
+    } else {
+        const int64_t at = ((int64_t)g * n_ctx + pos) * D + t;
+        k_cache[at] = __float2half(y);
+        v_cache[at] = __float2half(v[((int64_t)n * n_head_kv + g) * D + t]);
+    }
+}
+
+// grid (n_head, n, n_splits), block 32 * PARTIAL_WARPS. Lane l holds dims [l*PER, l*PER + PER).
+template <int D>
+__global__ void __launch_bounds__(32 * PARTIAL_WARPS)
+attention_partial_kernel(const float *__restrict__ q_rot, const __half *__restrict__ k_cache,
+                         const __half *__restrict__ v_cache, float *__restrict__ part_ml,
+                         float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx,
+                         int pos0, int n_splits, float scale) {
+    constexpr int PER = D / 32;
+    const int h = blockIdx.x, n = blockIdx.y, split = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = h / (n_head / n_head_kv);
+    const int len = pos0 + n + 1;
+    const int begin = split * SPLIT, end = min(begin + SPLIT, len);
+    float q[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) q[i] = q_rot[((int64_t)n * n_head + h) * D + lane * PER + i];
+    const __half *kb = k_cache + (int64_t)g * n_ctx * D + lane * PER;
+    const __half *vb = v_cache + (int64_t)g * n_ctx * D + lane * PER;
+    float m = -INFINITY, l = 0.0f, acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+    for (int p = begin + warp; p < end; p += PARTIAL_WARPS) {
+        const __half2 *kp = reinterpret_cast<const __half2 *>(kb + (int64_t)p * D);
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER / 2; ++i) {
+            const float2 kk = __half22float2(kp[i]);
+            dot += q[2 * i] * kk.x + q[2 * i + 1] * kk.y;
+        }
+        const float sc = warp_sum(dot) * scale;
+        const float m_new = fmaxf(m, sc);
+        const float corr = expf(m - m_new), w = expf(sc - m_new);
+        l = l * corr + w;
+        const __half2 *vp = reinterpret_cast<const __half2 *>(vb + (int64_t)p * D);
+#pragma unroll
+        for (int i = 0; i < PER / 2; ++i) {
+            const float2 vv = __half22float2(vp[i]);
+            acc[2 * i] = acc[2 * i] * corr + w * vv.x;
+            acc[2 * i + 1] = acc[2 * i + 1] * corr + w * vv.y;
+        }
+        m = m_new;
+    }
+    __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
+    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sm_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[w]);
+    const int64_t slot = ((int64_t)n * n_head + h) * n_splits + split;
+    for (int t = threadIdx.x; t < D; t += blockDim.x) {
+        float a = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[w][t] * expf(sm_m[w] - M);
+        part_acc[slot * D + t] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
+        part_ml[slot * 2] = M;
+        part_ml[slot * 2 + 1] = L;
+    }
+}
+
+// grid (n_head, n), block head_dim: out = (sum over splits) / l * sigmoid(gate).
+__global__ void attention_combine_kernel(const float *__restrict__ part_ml, const float *__restrict__ part_acc,
+                                         const float *__restrict__ qg, float *__restrict__ out,
+                                         int n_head, int n_splits) {
+    const int h = blockIdx.x, n = blockIdx.y, D = blockDim.x, t = threadIdx.x;
+    const int64_t base = ((int64_t)n * n_head + h) * n_splits;
+    float M = -INFINITY;
+    for (int s = 0; s < n_splits; ++s) M = fmaxf(M, part_ml[(base + s) * 2]);
+    float L = 0.0f, a = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float ms = part_ml[(base + s) * 2];
+        if (ms == -INFINITY) continue;
+        const float f = expf(ms - M);
+        L += part_ml[(base + s) * 2 + 1] * f;
+        a += part_acc[(base + s) * D + t] * f;
+    }
+    const float gate = qg[((int64_t)n * n_head * 2 + h * 2 + 1) * D + t];
+    out[((int64_t)n * n_head + h) * D + t] = a / L * sigmoid(gate);
+}
+
+}  // namespace
+
+void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
+    const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
+    RopeParams rp;
+    rp.n_rot = d.hp.n_rot;
+    for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
+    rp.freq_base = d.hp.rope_freq_base;
+    attention_prepare_kernel<<<dim3(n, H + Hkv), D, D * sizeof(float), st>>>(
+        s.qg, s.k, s.v, L.q_norm, L.k_norm, s.q_rot, L.k_cache, L.v_cache, H, Hkv, n_ctx, pos0,
+        d.hp.rms_eps, rp);
+    check_launch("attention_prepare");
+    const int n_splits = (pos0 + n + SPLIT - 1) / SPLIT;
+    if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
+    const float scale = 1.0f / sqrtf((float)D);
+    const dim3 grid(H, n, n_splits);
+    switch (D) {
+        case 64: attention_partial_kernel<64><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(s.q_rot, L.k_cache, L.v_cache, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale); break;
+        case 128: attention_partial_kernel<128><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(s.q_rot, L.k_cache, L.v_cache, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale); break;
+        case 256: attention_partial_kernel<256><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(s.q_rot, L.k_cache, L.v_cache, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale); break;
+        default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
+    }
+    check_launch("attention_partial");
+    attention_combine_kernel<<<dim3(H, n), D, 0, st>>>(s.part_ml, s.part_acc, s.qg, s.attn_out, H, n_splits);
+    check_launch("attention_combine");
+}
+
+int attention_splits_for(int n_ctx) { return (n_ctx + SPLIT - 1) / SPLIT; }
+
+}  // namespace oj

@@ -1,0 +1,88 @@
+// elementwise.cu: RMSNorm, SwiGLU, argmax over the vocabulary, and the fault probe.
+#include <cfloat>
+
+#include "engine.cuh"
+#include "reduce.cuh"
+
+namespace oj {
+
+namespace {
+
+// y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w   (ggml_rms_norm, then build_norm's weight).
+__global__ void rms_norm_kernel(const float *__restrict__ x, const float *__restrict__ w,
+                                float *__restrict__ y, int width, float eps, int y_stride) {
+    const float *xr = x + (int64_t)blockIdx.x * width;
+    float *yr = y + (int64_t)blockIdx.x * y_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    const float scale = 1.0f / sqrtf(ss / width + eps);
+    for (int i = threadIdx.x; i < width; i += blockDim.x) yr[i] = xr[i] * scale * w[i];
+}
+
+// gate = silu(gate) * up (LLM_FFN_SILU with LLM_FFN_PAR).
+__global__ void swiglu_kernel(float *__restrict__ gate, const float *__restrict__ up, int64_t count) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
+         i += (int64_t)gridDim.x * blockDim.x)
+        gate[i] = silu(gate[i]) * up[i];
+}
+
+// First index of the largest value of each row (numpy's argmax tie rule); NaN never wins.
+__global__ void argmax_kernel(const float *__restrict__ x, int32_t *__restrict__ out, int width) {
+    const float *xr = x + (int64_t)blockIdx.x * width;
+    float best = -FLT_MAX;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = xr[i];
+        if (v > best) { best = v; idx = i; }   // ascending i per thread: first index kept
+    }
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ov = sv[threadIdx.x + s];
+            const int oi = si[threadIdx.x + s];
+            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = si[0] == 0x7fffffff ? 0 : si[0];
+}
+
+// Reads through an address no allocation covers: the test of how a kernel fault surfaces.
+__global__ void fault_probe_kernel(int32_t *out) {
+    const int32_t *bad = reinterpret_cast<const int32_t *>(uintptr_t(0x10));
+    out[0] = bad[threadIdx.x];
+}
+
+}  // namespace
+
+void rms_norm(const float *x, const float *w, float *y, int n, int width, float eps, int y_stride,
+              cudaStream_t st) {
+    rms_norm_kernel<<<n, 256, 0, st>>>(x, w, y, width, eps, y_stride);
+    check_launch("rms_norm");
+}
+
+void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st) {
+    const int blocks = (int)((count + 255) / 256);
+    swiglu_kernel<<<blocks, 256, 0, st>>>(gate_inout, up, count);
+    check_launch("swiglu");
+}
+
+void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st) {
+    argmax_kernel<<<n, 1024, 0, st>>>(x, out, width);
+    check_launch("argmax");
+}
+
+void fault_probe(int32_t *out, cudaStream_t st) {
+    fault_probe_kernel<<<1, 32, 0, st>>>(out);
+    check_launch("fault_probe");
+}
+
+}  // namespace oj

@@ -1,0 +1,456 @@
+// engine.cu: loading a model description onto the device, and the forward passes of the main
+// model and the MTP block for 1..8 positions. api.cu wraps these into the C API.
+#include <cstring>
+#include <string>
+#include <unordered_map>
+
+#include "engine.cuh"
+
+namespace oj {
+
+void fail(int code, const std::string &message) { throw Error{code, message}; }
+
+void check_cuda(cudaError_t err, const char *what) {
+    if (err == cudaSuccess) return;
+    const int code = err == cudaErrorMemoryAllocation ? OJ_ERR_OUT_OF_MEMORY : OJ_ERR_CUDA;
+    fail(code, std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+}
+
+void *Engine::alloc(size_t bytes, uint64_t &counter) {
+    void *p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, bytes ? bytes : 16);
+    if (err != cudaSuccess) {
+        cudaGetLastError();   // a failed cudaMalloc is not sticky; clear it
+        const double mib = bytes / 1048576.0;
+        fail(err == cudaErrorMemoryAllocation ? OJ_ERR_OUT_OF_MEMORY : OJ_ERR_CUDA,
+             "cudaMalloc of " + std::to_string(mib) + " MiB failed (" + cudaGetErrorString(err) +
+                 "); already held: " + std::to_string(memory.total / 1048576.0) + " MiB");
+    }
+    allocations.push_back(p);
+    counter += bytes;
+    memory.total += bytes;
+    return p;
+}
+
+void Engine::release_all() {
+    for (void *p : allocations) cudaFree(p);
+    allocations.clear();
+    if (stream) cudaStreamDestroy(stream);
+    stream = nullptr;
+}
+
+namespace {
+
+bool is_float_type(int t) { return t == TYPE_F32 || t == TYPE_F16 || t == TYPE_BF16; }
+bool is_supported_type(int t) {
+    return is_float_type(t) || t == TYPE_Q8_0 || t == TYPE_Q4_K || t == TYPE_Q5_K || t == TYPE_Q6_K;
+}
+
+float half_to_float_host(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31;
+    int exp = (h >> 10) & 0x1F;
+    uint32_t mant = h & 0x3FF;
+    uint32_t bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else {   // subnormal: normalise
+            exp = 1;
+            while (!(mant & 0x400)) { mant <<= 1; --exp; }
+            mant &= 0x3FF;
+            bits = sign | (uint32_t)(exp + 112) << 23 | mant << 13;
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | mant << 13;
+    } else {
+        bits = sign | (uint32_t)(exp + 112) << 23 | mant << 13;
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+// Finds, checks and uploads the tensors of a model description.
+class Loader {
+public:
+    Loader(Engine &e, const oj_model_desc &desc) : e_(e) {
+        for (int i = 0; i < desc.n_tensors; ++i) {
+            const oj_tensor &t = desc.tensors[i];
+            if (!t.name) fail(OJ_ERR_INVALID_ARGUMENT, "tensor " + std::to_string(i) + " has no name");
+            by_name_[t.name] = &t;
+        }
+    }
+
+    bool has(const std::string &name) const { return by_name_.count(name) != 0; }
+
+    // A 2-D weight with ne = (K, M); absent and not required -> an empty Matrix.
+    Matrix matrix(const std::string &name, int64_t K, int64_t M, bool required = true) {
+        const oj_tensor *t = find(name, required);
+        Matrix w;
+        if (!t) return w;
+        if (t->n_dims != 2 || t->ne[0] != K || t->ne[1] != M)
+            fail(OJ_ERR_INVALID_ARGUMENT, "tensor '" + name + "' has shape " + shape(*t) +
+                                              ", expected [" + std::to_string(K) + ", " + std::to_string(M) + "]");
+        if (!is_supported_type(t->type))
+            fail(OJ_ERR_UNSUPPORTED, "tensor '" + name + "' has type id " + std::to_string(t->type) +
+                                         ", which the native engine does not support (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)");
+        const int unit = is_float_type(t->type) ? 8 : QK_K;
+        if (K % unit != 0)
+            fail(OJ_ERR_UNSUPPORTED, "tensor '" + name + "' (" + type_name(t->type) + ") has " + std::to_string(K) +
+                                         " columns; the native kernels need a multiple of " + std::to_string(unit));
+        check_bytes(*t, name, (uint64_t)(K / type_block_values(t->type)) * type_block_bytes(t->type) * (uint64_t)M);
+        w.type = t->type;
+        w.K = K;
+        w.M = M;
+        const std::vector<uint8_t> dev = to_device_layout(t->type, K, M, static_cast<const uint8_t *>(t->data));
+        w.data = static_cast<uint8_t *>(e_.alloc(dev.size(), e_.memory.weights));
+        check_cuda(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice), "upload weights");
+        return w;
+    }
+
+    // A small tensor (norm, bias, conv kernel) of `count` values, stored as fp32 on the device.
+    float *vector(const std::string &name, int64_t count, bool required = true) {
+        const oj_tensor *t = find(name, required);
+        if (!t) return nullptr;
+        int64_t elems = 1;
+        for (int i = 0; i < t->n_dims; ++i) elems *= t->ne[i];
+        if (elems != count)
+            fail(OJ_ERR_INVALID_ARGUMENT, "tensor '" + name + "' has shape " + shape(*t) + " (" +
+                                              std::to_string(elems) + " values), expected " + std::to_string(count));
+        if (!is_float_type(t->type))
+            fail(OJ_ERR_UNSUPPORTED, "tensor '" + name + "' has type " + type_name(t->type) +
+                                         "; the native engine reads norms, biases and conv kernels as F32, F16 or BF16");
+        check_bytes(*t, name, (uint64_t)count * type_block_bytes(t->type));
+        std::vector<float> host(count);
+        if (t->type == TYPE_F32) {
+            std::memcpy(host.data(), t->data, count * 4);
+        } else {
+            const uint16_t *src = static_cast<const uint16_t *>(t->data);
+            for (int64_t i = 0; i < count; ++i) {
+                if (t->type == TYPE_F16) {
+                    host[i] = half_to_float_host(src[i]);
+                } else {
+                    const uint32_t bits = (uint32_t)src[i] << 16;
+                    std::memcpy(&host[i], &bits, 4);
+                }
+            }
+        }
+        float *d = static_cast<float *>(e_.alloc(count * sizeof(float), e_.memory.weights));
+        check_cuda(cudaMemcpy(d, host.data(), count * sizeof(float), cudaMemcpyHostToDevice), "upload weights");
+        return d;
+    }
+
+private:
+    const oj_tensor *find(const std::string &name, bool required) const {
+        auto it = by_name_.find(name);
+        if (it == by_name_.end()) {
+            if (required) fail(OJ_ERR_INVALID_ARGUMENT, "tensor '" + name + "' is missing from the model description");
+            return nullptr;
+        }
+        if (!it->second->data) fail(OJ_ERR_INVALID_ARGUMENT, "tensor '" + name + "' has a NULL data pointer");
+        return it->second;
+    }
+
+    static std::string shape(const oj_tensor &t) {
+        std::string s = "[";
+        for (int i = 0; i < t.n_dims; ++i) s += (i ? ", " : "") + std::to_string(t.ne[i]);
+        return s + "]";
+    }
+
+    static void check_bytes(const oj_tensor &t, const std::string &name, uint64_t expected) {
+        if (t.n_bytes != expected)
+            fail(OJ_ERR_INVALID_ARGUMENT, "tensor '" + name + "' has " + std::to_string(t.n_bytes) + " bytes, its shape and type need " +
+                                              std::to_string(expected));
+    }
+
+    Engine &e_;
+    std::unordered_map<std::string, const oj_tensor *> by_name_;
+};
+
+void check_hparams(const oj_hparams &hp, int n_ctx) {
+    auto need = [](bool ok, const std::string &what) {
+        if (!ok) fail(OJ_ERR_INVALID_ARGUMENT, "hyperparameter check failed: " + what);
+    };
+    need(hp.n_vocab > 0 && hp.n_embd > 0 && hp.n_layer > 0 && hp.n_ff > 0, "n_vocab, n_embd, n_layer, n_ff must be positive");
+    need(hp.n_head > 0 && hp.n_head_kv > 0 && hp.n_head % hp.n_head_kv == 0, "n_head must be a positive multiple of n_head_kv");
+    need(hp.head_dim == 64 || hp.head_dim == 128 || hp.head_dim == 256, "head_dim must be 64, 128 or 256");
+    need(hp.n_rot > 0 && hp.n_rot <= hp.head_dim && hp.n_rot % 2 == 0, "n_rot must be even and <= head_dim");
+    need(hp.rope_sections[0] + hp.rope_sections[1] + hp.rope_sections[2] + hp.rope_sections[3] > 0, "rope sections are all zero");
+    need(hp.ssm_d_state == 32 || hp.ssm_d_state == 64 || hp.ssm_d_state == 128, "ssm_d_state must be 32, 64 or 128");
+    need(hp.ssm_n_group > 0 && hp.ssm_dt_rank % hp.ssm_n_group == 0, "ssm_dt_rank must be a multiple of ssm_n_group");
+    need(hp.ssm_conv_kernel >= 2 && hp.ssm_conv_kernel <= 4, "ssm_conv_kernel must be 2..4");
+    need(hp.full_attention_interval > 0, "full_attention_interval must be positive");
+    need(hp.n_layer_nextn == 0 || hp.n_layer_nextn == 1, "n_layer_nextn must be 0 or 1");
+    need(hp.rms_eps > 0.0f, "rms_eps must be positive");
+    need(n_ctx > 0, "n_ctx must be positive");
+}
+
+void load_common(Loader &ld, Engine &e, Layer &L, int il) {
+    const ModelDims &d = e.dims;
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const int E = d.hp.n_embd, F = d.hp.n_ff;
+    L.attn_norm = ld.vector(p + "attn_norm.weight", E);
+    L.post_norm = ld.vector(p + "post_attention_norm.weight", E);
+    L.ffn_gate = ld.matrix(p + "ffn_gate.weight", E, F);
+    L.ffn_up = ld.matrix(p + "ffn_up.weight", E, F);
+    L.ffn_down = ld.matrix(p + "ffn_down.weight", F, E);
+}
+
+void load_attention(Loader &ld, Engine &e, Layer &L, int il) {
+    const ModelDims &d = e.dims;
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const int E = d.hp.n_embd, D = d.hp.head_dim;
+    L.wq = ld.matrix(p + "attn_q.weight", E, 2 * d.q_dim());
+    L.wk = ld.matrix(p + "attn_k.weight", E, d.kv_dim());
+    L.wv = ld.matrix(p + "attn_v.weight", E, d.kv_dim());
+    L.wo = ld.matrix(p + "attn_output.weight", d.q_dim(), E);
+    L.q_norm = ld.vector(p + "attn_q_norm.weight", D);
+    L.k_norm = ld.vector(p + "attn_k_norm.weight", D);
+    const size_t kv_bytes = (size_t)d.kv_dim() * e.n_ctx * sizeof(__half);
+    L.k_cache = static_cast<__half *>(e.alloc(kv_bytes, e.memory.kv_cache));
+    L.v_cache = static_cast<__half *>(e.alloc(kv_bytes, e.memory.kv_cache));
+}
+
+void load_deltanet(Loader &ld, Engine &e, Layer &L, int il) {
+    const ModelDims &d = e.dims;
+    const std::string p = "blk." + std::to_string(il) + ".";
+    const int E = d.hp.n_embd, C = d.ssm_conv_dim(), Hv = d.hp.ssm_dt_rank, S = d.hp.ssm_d_state;
+    L.wqkv = ld.matrix(p + "attn_qkv.weight", E, C);
+    L.wgate = ld.matrix(p + "attn_gate.weight", E, d.ssm_value_dim());
+    L.wbeta = ld.matrix(p + "ssm_beta.weight", E, Hv);
+    L.walpha = ld.matrix(p + "ssm_alpha.weight", E, Hv);
+    L.wssm_out = ld.matrix(p + "ssm_out.weight", d.ssm_value_dim(), E);
+    L.conv1d = ld.vector(p + "ssm_conv1d.weight", (int64_t)d.hp.ssm_conv_kernel * C);
+    L.dt_bias = ld.vector(p + "ssm_dt.bias", Hv);
+    L.ssm_a = ld.vector(p + "ssm_a", Hv);
+    L.ssm_norm = ld.vector(p + "ssm_norm.weight", S);
+    L.conv_state = static_cast<float *>(e.alloc((size_t)C * (d.hp.ssm_conv_kernel - 1) * 4, e.memory.recurrent_state));
+    L.ssm_state = static_cast<float *>(e.alloc((size_t)Hv * S * S * 4, e.memory.recurrent_state));
+}
+
+void alloc_scratch(Engine &e) {
+    const ModelDims &d = e.dims;
+    const int N = OJ_MAX_POSITIONS;
+    const int64_t E = d.hp.n_embd, V = d.hp.n_vocab;
+    Scratch &s = e.s;
+    uint64_t &c = e.memory.activations;
+    auto f = [&](int64_t count) { return static_cast<float *>(e.alloc(count * sizeof(float), c)); };
+    s.tokens = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
+    s.x = f(N * E);
+    s.xn = f(N * E);
+    s.ffn_gate = f((int64_t)N * d.hp.n_ff);
+    s.ffn_up = f((int64_t)N * d.hp.n_ff);
+    s.qkv = f((int64_t)N * d.ssm_conv_dim());
+    s.conv_out = f((int64_t)N * d.ssm_conv_dim());
+    s.z = f((int64_t)N * d.ssm_value_dim());
+    s.dn_out = f((int64_t)N * d.ssm_value_dim());
+    s.beta = f((int64_t)N * d.hp.ssm_dt_rank);
+    s.alpha = f((int64_t)N * d.hp.ssm_dt_rank);
+    s.qg = f((int64_t)N * 2 * d.q_dim());
+    s.k = f((int64_t)N * d.kv_dim());
+    s.v = f((int64_t)N * d.kv_dim());
+    s.q_rot = f((int64_t)N * d.q_dim());
+    s.attn_out = f((int64_t)N * d.q_dim());
+    s.max_splits = attention_splits_for(e.n_ctx);
+    s.part_ml = f((int64_t)N * d.hp.n_head * s.max_splits * 2);
+    s.part_acc = f((int64_t)N * d.hp.n_head * s.max_splits * d.hp.head_dim);
+    s.cat = f(N * 2 * E);
+    s.h_in = f(N * E);
+    s.logits = f(N * V);
+    s.argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
+    s.hidden = f((N + 1) * E);
+    if (e.has_mtp) {
+        s.draft_logits = f(N * V);
+        s.draft_argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
+        s.draft_hidden = f(N * E);
+    }
+    s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
+}
+
+// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual).
+void ffn(Engine &e, Layer &L, int n) {
+    Scratch &s = e.s;
+    const ModelDims &d = e.dims;
+    rms_norm(s.x, L.post_norm, s.xn, n, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
+    matvec(L.ffn_gate, s.xn, s.ffn_gate, n, false, e.stream);
+    matvec(L.ffn_up, s.xn, s.ffn_up, n, false, e.stream);
+    swiglu(s.ffn_gate, s.ffn_up, (int64_t)n * d.hp.n_ff, e.stream);
+    matvec(L.ffn_down, s.ffn_gate, s.x, n, true, e.stream);
+}
+
+// s.xn (attn_norm'ed) -> gated attention added into s.x.
+void attention_layer(Engine &e, Layer &L, int n, int pos0) {
+    Scratch &s = e.s;
+    matvec(L.wq, s.xn, s.qg, n, false, e.stream);
+    matvec(L.wk, s.xn, s.k, n, false, e.stream);
+    matvec(L.wv, s.xn, s.v, n, false, e.stream);
+    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream);
+    matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
+}
+
+void deltanet_layer(Engine &e, Layer &L, int n) {
+    Scratch &s = e.s;
+    matvec(L.wqkv, s.xn, s.qkv, n, false, e.stream);
+    matvec(L.wgate, s.xn, s.z, n, false, e.stream);
+    matvec(L.wbeta, s.xn, s.beta, n, false, e.stream);
+    matvec(L.walpha, s.xn, s.alpha, n, false, e.stream);
+    deltanet_mix(e.dims, L, s, n, e.stream);
+    matvec(L.wssm_out, s.dn_out, s.x, n, true, e.stream);
+}
+
+void check_tokens(const Engine &e, const int32_t *tokens, int n) {
+    if (!tokens) fail(OJ_ERR_INVALID_ARGUMENT, "tokens is NULL");
+    if (n < 1 || n > OJ_MAX_POSITIONS)
+        fail(OJ_ERR_INVALID_ARGUMENT, "n_tokens is " + std::to_string(n) + "; one call takes 1.." + std::to_string(OJ_MAX_POSITIONS));
+    for (int i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= e.dims.hp.n_vocab)
+            fail(OJ_ERR_INVALID_ARGUMENT, "token id " + std::to_string(tokens[i]) + " is outside the vocabulary [0, " +
+                                              std::to_string(e.dims.hp.n_vocab) + ")");
+}
+
+void finish(Engine &e, const char *what) {
+    check_cuda(cudaStreamSynchronize(e.stream), what);
+}
+
+}  // namespace
+
+void engine_load(Engine &e, const oj_model_desc &desc) {
+    check_hparams(desc.hparams, desc.n_ctx);
+    if (desc.kv_type != OJ_KV_F16) fail(OJ_ERR_UNSUPPORTED, "kv_type " + std::to_string(desc.kv_type) + " is not supported (only f16)");
+    if (desc.n_tensors <= 0 || !desc.tensors) fail(OJ_ERR_INVALID_ARGUMENT, "the model description has no tensors");
+    e.dims.hp = desc.hparams;
+    e.n_ctx = desc.n_ctx;
+    e.device = desc.device;
+    check_cuda(cudaSetDevice(desc.device), "cudaSetDevice");
+    check_cuda(cudaStreamCreateWithFlags(&e.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd, V = d.hp.n_vocab;
+    Loader ld(e, desc);
+    e.tok_embd = ld.matrix("token_embd.weight", E, V);
+    e.output_norm = ld.vector("output_norm.weight", E);
+    e.output = ld.matrix("output.weight", E, V, false);
+    e.layers.resize(d.hp.n_layer);
+    for (int il = 0; il < d.hp.n_layer; ++il) {
+        Layer &L = e.layers[il];
+        L.recurrent = d.is_recurrent(il);
+        load_common(ld, e, L, il);
+        if (L.recurrent) load_deltanet(ld, e, L, il);
+        else load_attention(ld, e, L, il);
+    }
+    e.has_mtp = d.hp.n_layer_nextn == 1 && ld.has("blk." + std::to_string(d.hp.n_layer) + ".nextn.eh_proj.weight");
+    if (e.has_mtp) {
+        const int il = d.hp.n_layer;
+        const std::string p = "blk." + std::to_string(il) + ".";
+        Mtp &m = e.mtp;
+        load_common(ld, e, m.block, il);
+        load_attention(ld, e, m.block, il);
+        m.eh_proj = ld.matrix(p + "nextn.eh_proj.weight", 2 * E, E);
+        m.enorm = ld.vector(p + "nextn.enorm.weight", E);
+        m.hnorm = ld.vector(p + "nextn.hnorm.weight", E);
+        m.head_norm = ld.vector(p + "nextn.shared_head_norm.weight", E, false);
+        if (!m.head_norm) m.head_norm = e.output_norm;
+        m.own_embed = ld.matrix(p + "nextn.embed_tokens.weight", E, V, false);
+        m.own_head = ld.matrix(p + "nextn.shared_head_head.weight", E, V, false);
+        m.embed = m.own_embed.present() ? &m.own_embed : &e.tok_embd;
+        m.head = m.own_head.present() ? &m.own_head : (e.output.present() ? &e.output : &e.tok_embd);
+    }
+    alloc_scratch(e);
+    engine_reset(e);
+}
+
+void engine_reset(Engine &e) {
+    const ModelDims &d = e.dims;
+    for (Layer &L : e.layers) {
+        if (!L.recurrent) continue;
+        check_cuda(cudaMemsetAsync(L.conv_state, 0, (size_t)d.ssm_conv_dim() * (d.hp.ssm_conv_kernel - 1) * 4, e.stream), "reset");
+        check_cuda(cudaMemsetAsync(L.ssm_state, 0, (size_t)d.hp.ssm_dt_rank * d.hp.ssm_d_state * d.hp.ssm_d_state * 4, e.stream), "reset");
+    }
+    check_cuda(cudaMemsetAsync(e.s.hidden, 0, (size_t)(OJ_MAX_POSITIONS + 1) * d.hp.n_embd * 4, e.stream), "reset");
+    finish(e, "reset");
+    e.n_past = 0;
+    e.last_start = 0;
+    e.last_n = 0;
+    e.mtp_n_past = 0;
+    e.last_mtp_n = 0;
+}
+
+void engine_eval(Engine &e, const int32_t *tokens, int n) {
+    check_tokens(e, tokens, n);
+    if (e.n_past + n > e.n_ctx)
+        fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    Scratch &s = e.s;
+    check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    // Row 0 of the hidden window: the position just before this batch (zeros at position 0), so
+    // that the MTP block can pair every token of the batch with its predecessor's hidden state.
+    if (e.n_past > 0 && e.last_n > 0)
+        check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.last_n * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
+    else
+        check_cuda(cudaMemsetAsync(s.hidden, 0, E * 4, e.stream), "hidden window");
+    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
+    for (int il = 0; il < d.hp.n_layer; ++il) {
+        Layer &L = e.layers[il];
+        rms_norm(s.x, L.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
+        if (L.recurrent) deltanet_layer(e, L, n);
+        else attention_layer(e, L, n, e.n_past);
+        ffn(e, L, n);
+    }
+    float *h = s.hidden + E;
+    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
+    matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
+    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    finish(e, "eval");
+    e.last_start = e.n_past;
+    e.last_n = n;
+    e.n_past += n;
+}
+
+void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host) {
+    if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block (nextn_predict_layers = 0 or nextn tensors absent)");
+    check_tokens(e, tokens, n);
+    if (pos0 < 0 || pos0 > e.mtp_n_past)
+        fail(OJ_ERR_INVALID_ARGUMENT, "MTP pos0 " + std::to_string(pos0) + " must be in [0, " + std::to_string(e.mtp_n_past) +
+                                          "] (the MTP cache is contiguous from position 0)");
+    if (pos0 + n > e.n_ctx) fail(OJ_ERR_CONTEXT_FULL, "MTP positions exceed n_ctx " + std::to_string(e.n_ctx));
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    Scratch &s = e.s;
+    const float *h = nullptr;
+    if (h_source == OJ_H_MAIN) {
+        const int first = pos0 - e.last_start;   // row of h_{pos0-1} in the hidden window
+        if (first < 0 || first + n - 1 > e.last_n)
+            fail(OJ_ERR_INVALID_ARGUMENT, "OJ_H_MAIN needs the main hidden states of positions " + std::to_string(pos0 - 1) + ".." +
+                                              std::to_string(pos0 + n - 2) + ", but the last eval kept " + std::to_string(e.last_start - 1) +
+                                              ".." + std::to_string(e.last_start + e.last_n - 1));
+        h = s.hidden + (size_t)first * E;
+    } else if (h_source == OJ_H_DRAFT) {
+        if (n != 1 || e.last_mtp_n < 1) fail(OJ_ERR_INVALID_ARGUMENT, "OJ_H_DRAFT chains one position after an earlier oj_mtp_eval");
+        check_cuda(cudaMemcpyAsync(s.h_in, s.draft_hidden + (size_t)(e.last_mtp_n - 1) * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "draft h");
+        h = s.h_in;
+    } else if (h_source == OJ_H_HOST) {
+        if (!h_host) fail(OJ_ERR_INVALID_ARGUMENT, "OJ_H_HOST with a NULL h_host");
+        check_cuda(cudaMemcpyAsync(s.h_in, h_host, (size_t)n * E * 4, cudaMemcpyHostToDevice, e.stream), "host h");
+        h = s.h_in;
+    } else {
+        fail(OJ_ERR_INVALID_ARGUMENT, "h_source " + std::to_string(h_source) + " is not an oj_h_source");
+    }
+    Mtp &m = e.mtp;
+    check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    embed_rows(*m.embed, s.tokens, s.x, n, e.stream);
+    rms_norm(s.x, m.enorm, s.cat, n, E, d.hp.rms_eps, 2 * E, e.stream);
+    rms_norm(h, m.hnorm, s.cat + E, n, E, d.hp.rms_eps, 2 * E, e.stream);
+    matvec(m.eh_proj, s.cat, s.x, n, false, e.stream);
+    rms_norm(s.x, m.block.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
+    attention_layer(e, m.block, n, pos0);
+    ffn(e, m.block, n);
+    rms_norm(s.x, m.head_norm, s.draft_hidden, n, E, d.hp.rms_eps, E, e.stream);
+    matvec(*m.head, s.draft_hidden, s.draft_logits, n, false, e.stream);
+    argmax_rows(s.draft_logits, s.draft_argmax, n, d.hp.n_vocab, e.stream);
+    finish(e, "mtp_eval");
+    e.mtp_n_past = pos0 + n;
+    e.last_mtp_n = n;
+}
+
+}  // namespace oj

@@ -1,0 +1,144 @@
+// engine.cuh: the engine's internal types and the launchers each kernel file provides.
+// Internal code reports failures by throwing oj::Error; only api.cu's entry points catch, so no
+// exception ever crosses the C boundary.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model_dims.h"
+#include "openjet.h"
+#include "quant_blocks.cuh"
+
+namespace oj {
+
+struct Error {
+    int code;
+    std::string message;
+};
+
+[[noreturn]] void fail(int code, const std::string &message);
+// Turns a CUDA error into an Error (out of memory -> OJ_ERR_OUT_OF_MEMORY) naming `what`.
+void check_cuda(cudaError_t err, const char *what);
+// After a kernel launch: a launch error becomes an Error naming the kernel.
+inline void check_launch(const char *kernel) { check_cuda(cudaGetLastError(), kernel); }
+
+// A weight matrix on the device, in the layout of quant_blocks.cuh. K = ne[0] (inputs), M = ne[1].
+struct Matrix {
+    int type = -1;
+    int64_t K = 0;
+    int64_t M = 0;
+    uint8_t *data = nullptr;
+    bool present() const { return data != nullptr; }
+};
+
+struct Layer {
+    bool recurrent = false;
+    float *attn_norm = nullptr, *post_norm = nullptr;
+    Matrix ffn_gate, ffn_up, ffn_down;
+    // gated attention (also the MTP block)
+    Matrix wq, wk, wv, wo;
+    float *q_norm = nullptr, *k_norm = nullptr;
+    __half *k_cache = nullptr, *v_cache = nullptr;   // [n_head_kv][n_ctx][head_dim]
+    // Gated DeltaNet
+    Matrix wqkv, wgate, wbeta, walpha, wssm_out;
+    float *conv1d = nullptr, *dt_bias = nullptr, *ssm_a = nullptr, *ssm_norm = nullptr;
+    float *conv_state = nullptr;   // [conv_dim][kernel-1], oldest input first
+    float *ssm_state = nullptr;    // [n_v_heads][d_state (value j)][d_state (key i)]
+};
+
+struct Mtp {
+    Layer block;
+    Matrix eh_proj;
+    float *enorm = nullptr, *hnorm = nullptr, *head_norm = nullptr;
+    const Matrix *embed = nullptr;   // nextn.embed_tokens or token_embd
+    const Matrix *head = nullptr;    // nextn.shared_head_head or output
+    Matrix own_embed, own_head;
+};
+
+// Activation buffers, sized for OJ_MAX_POSITIONS positions.
+struct Scratch {
+    int32_t *tokens = nullptr;
+    float *x = nullptr, *xn = nullptr;                 // residual stream, normed input [N][E]
+    float *ffn_gate = nullptr, *ffn_up = nullptr;      // [N][n_ff]
+    float *qkv = nullptr, *conv_out = nullptr;         // [N][conv_dim]
+    float *z = nullptr, *dn_out = nullptr;             // [N][value_dim]
+    float *beta = nullptr, *alpha = nullptr;           // [N][n_v_heads]
+    float *qg = nullptr;                               // [N][2 * q_dim]: query and gate per head
+    float *k = nullptr, *v = nullptr;                  // [N][kv_dim]
+    float *q_rot = nullptr, *attn_out = nullptr;       // [N][q_dim]
+    float *part_ml = nullptr, *part_acc = nullptr;     // split-K partials
+    int max_splits = 0;
+    float *cat = nullptr;                              // [N][2E] MTP input
+    float *h_in = nullptr;                             // [N][E] MTP h
+    float *logits = nullptr, *draft_logits = nullptr;  // [N][n_vocab]
+    int32_t *argmax = nullptr, *draft_argmax = nullptr;
+    float *hidden = nullptr;                           // [N+1][E]: row 0 = position before the batch
+    float *draft_hidden = nullptr;                     // [N][E]
+    int32_t *fault_probe = nullptr;
+};
+
+struct Engine {
+    ModelDims dims;
+    int n_ctx = 0;
+    int device = 0;
+    cudaStream_t stream = nullptr;
+
+    Matrix tok_embd, output;
+    float *output_norm = nullptr;
+    std::vector<Layer> layers;
+    bool has_mtp = false;
+    Mtp mtp;
+    Scratch s;
+
+    int n_past = 0;
+    int last_start = 0, last_n = 0;   // the last oj_eval's first position and length
+    int mtp_n_past = 0, last_mtp_n = 0;
+
+    std::vector<void *> allocations;
+    oj_memory_report memory{};
+    std::string error;
+    bool failed = false;
+
+    void *alloc(size_t bytes, uint64_t &counter);
+    void release_all();
+};
+
+// engine.cu: model loading and the forward passes (throw Error on failure).
+void engine_load(Engine &e, const oj_model_desc &desc);
+void engine_reset(Engine &e);
+void engine_eval(Engine &e, const int32_t *tokens, int n);
+void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
+
+// --- launchers (each in the file of its kernel) --------------------------------------------
+// matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
+void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// matvec.cu: y[n][:] = row tokens[n] of W, dequantised (embedding lookup).
+void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st);
+// matvec.cu: host-side rearrangement of a file tensor into the device layout; returns bytes.
+std::vector<uint8_t> to_device_layout(int type, int64_t K, int64_t M, const uint8_t *src);
+size_t device_layout_bytes(int type, int64_t K, int64_t M);
+
+// elementwise.cu
+void rms_norm(const float *x, const float *w, float *y, int n, int width, float eps,
+              int y_stride, cudaStream_t st);
+void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st);
+void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st);
+void fault_probe(int32_t *out, cudaStream_t st);
+
+// deltanet.cu: one Gated DeltaNet layer's mixer for n positions, from qkv/z/beta/alpha
+// (already projected) to dn_out (gated-normed, before ssm_out).
+void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, cudaStream_t st);
+
+// attention.cu: q/k norms, RoPE, KV append at pos0.., split-K decode, sigmoid gate:
+// from s.qg/s.k/s.v to s.attn_out (before attn_output).
+void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
+                   cudaStream_t st);
+// attention.cu: split-K blocks needed per (head, position) at a context of n_ctx positions.
+int attention_splits_for(int n_ctx);
+
+}  // namespace oj

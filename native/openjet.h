@@ -1,0 +1,177 @@
+/* openjet.h: the whole C API of the native qwen35 engine.
+ *
+ * The Python binding (openjet_plugin/_native.py, cffi ABI mode) feeds this file to ffi.cdef after
+ * dropping preprocessor lines and the __cplusplus guard, so declarations here use plain C types
+ * only: no macros inside declarations, no function-like macros, no inline code.
+ *
+ * Contract:
+ * - Every function that can fail returns an oj_status; OJ_OK is 0. The message of the last
+ *   failure is oj_last_error(engine), or oj_last_error(NULL) for calls without an engine (create,
+ *   device queries). Nothing here prints, aborts or exits.
+ * - The caller describes the model (hyperparameters + one oj_tensor per GGUF tensor, pointing at
+ *   the memory-mapped raw bytes); oj_engine_create uploads everything it needs once and keeps no
+ *   pointer into the caller's memory afterwards.
+ * - oj_eval appends 1..OJ_MAX_POSITIONS tokens at n_past and computes, for every one of them,
+ *   the full-vocabulary logits and their argmax on the GPU; logits are copied to the host only
+ *   when asked (oj_get_logits).
+ * - The MTP (nextn) block has its own KV cache; oj_mtp_eval places token i at MTP position
+ *   pos0 + i (dropping MTP positions >= pos0 first, which is how drafts are rolled back).
+ * - After a CUDA fault that poisons the context (an illegal address) every call but
+ *   oj_engine_free returns OJ_ERR_FAILED_STATE; oj_engine_free always releases what it can.
+ */
+#ifndef OPENJET_H
+#define OPENJET_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { OJ_ABI_VERSION = 1, OJ_MAX_POSITIONS = 8 };
+
+typedef enum oj_status {
+    OJ_OK = 0,
+    OJ_ERR_INVALID_ARGUMENT = 1,   /* a bad parameter, a missing tensor, a shape that does not fit */
+    OJ_ERR_UNSUPPORTED = 2,        /* a tensor type or model shape this engine has no kernel for */
+    OJ_ERR_OUT_OF_MEMORY = 3,      /* cudaMalloc failed */
+    OJ_ERR_CUDA = 4,               /* any other CUDA error (launch failure, illegal address, ...) */
+    OJ_ERR_CONTEXT_FULL = 5,       /* n_past + n_tokens would exceed n_ctx */
+    OJ_ERR_NO_DEVICE = 6,          /* no usable CUDA device */
+    OJ_ERR_FAILED_STATE = 7        /* an earlier CUDA fault poisoned the context: only free works */
+} oj_status;
+
+/* Tensor types, numbered as ggml's GGML_TYPE_* (the GGUF file's own type ids). */
+typedef enum oj_type {
+    OJ_TYPE_F32 = 0,
+    OJ_TYPE_F16 = 1,
+    OJ_TYPE_Q8_0 = 8,
+    OJ_TYPE_Q4_K = 12,
+    OJ_TYPE_Q5_K = 13,
+    OJ_TYPE_Q6_K = 14,
+    OJ_TYPE_BF16 = 30
+} oj_type;
+
+/* KV cache element type. */
+typedef enum oj_kv_type {
+    OJ_KV_F16 = 0
+} oj_kv_type;
+
+/* Where oj_mtp_eval takes the hidden state h for MTP position p. */
+typedef enum oj_h_source {
+    OJ_H_MAIN = 0,   /* the main model's final normed hidden state at position p - 1, from the
+                        last oj_eval (or the position just before it); zeros for p = 0 */
+    OJ_H_DRAFT = 1,  /* the MTP block's own normed output of the previous oj_mtp_eval (chained
+                        drafts; n_tokens must be 1) */
+    OJ_H_HOST = 2    /* h_host: n_tokens x n_embd floats given by the caller */
+} oj_h_source;
+
+/* qwen35 hyperparameters, named as openjet_plugin.config.ModelConfig names them. */
+typedef struct oj_hparams {
+    int32_t n_vocab;
+    int32_t n_embd;
+    int32_t n_layer;          /* main layers; the MTP block is layer n_layer */
+    int32_t n_ff;
+    int32_t n_head;
+    int32_t n_head_kv;
+    int32_t head_dim;
+    int32_t n_rot;
+    int32_t rope_sections[4];
+    float rope_freq_base;
+    float rms_eps;
+    int32_t ssm_conv_kernel;
+    int32_t ssm_d_state;      /* key and value head dimension of the Gated DeltaNet */
+    int32_t ssm_n_group;      /* key heads */
+    int32_t ssm_dt_rank;      /* value heads */
+    int32_t full_attention_interval;
+    int32_t n_layer_nextn;    /* 0 or 1 */
+} oj_hparams;
+
+/* One GGUF tensor: name, type, ggml-order shape (ne[0] = input dimension) and its raw bytes. */
+typedef struct oj_tensor {
+    const char *name;
+    int32_t type;             /* oj_type */
+    int32_t n_dims;
+    int64_t ne[4];
+    const void *data;
+    uint64_t n_bytes;
+} oj_tensor;
+
+typedef struct oj_model_desc {
+    oj_hparams hparams;
+    const oj_tensor *tensors;
+    int32_t n_tensors;
+    int32_t n_ctx;            /* KV cache length of the main model and of the MTP block */
+    int32_t kv_type;          /* oj_kv_type */
+    int32_t device;           /* CUDA device ordinal */
+} oj_model_desc;
+
+/* Device memory the engine holds, by purpose (bytes). */
+typedef struct oj_memory_report {
+    uint64_t weights;
+    uint64_t kv_cache;
+    uint64_t recurrent_state;
+    uint64_t activations;
+    uint64_t total;
+} oj_memory_report;
+
+typedef struct oj_engine oj_engine;
+
+int32_t oj_abi_version(void);
+
+/* The message of the last failure on `engine`, or of the last engine-less call on this thread
+   when engine is NULL. Never NULL; "" when there was none. Valid until the next call. */
+const char *oj_last_error(const oj_engine *engine);
+
+/* Compute capability and memory of a device (for the backend's availability check). */
+int32_t oj_device_info(int32_t device, int32_t *cc_major, int32_t *cc_minor,
+                       uint64_t *free_bytes, uint64_t *total_bytes,
+                       char *name, int32_t name_capacity);
+
+int32_t oj_engine_create(const oj_model_desc *desc, oj_engine **out);
+void oj_engine_free(oj_engine *engine);
+
+int32_t oj_memory(const oj_engine *engine, oj_memory_report *out);
+
+/* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches. */
+int32_t oj_reset(oj_engine *engine);
+int32_t oj_n_past(const oj_engine *engine, int32_t *out);
+
+/* Main model: append tokens[0..n_tokens) at n_past (1 <= n_tokens <= OJ_MAX_POSITIONS). */
+int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
+/* Results of the last oj_eval: argmax per position, one position's logits or final hidden
+   state (after output_norm). */
+int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n);
+int32_t oj_get_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vocab);
+int32_t oj_get_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd);
+
+/* MTP block: token i at MTP position pos0 + i (pos0 <= the MTP cache length, which is cut to
+   pos0 first); h from h_source (oj_h_source). Draft logits/argmax/hidden per position after. */
+int32_t oj_mtp_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t pos0,
+                    int32_t h_source, const float *h_host);
+int32_t oj_mtp_n_past(const oj_engine *engine, int32_t *out);
+int32_t oj_get_draft_argmax(oj_engine *engine, int32_t *out, int32_t n);
+int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vocab);
+int32_t oj_get_draft_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd);
+
+/* State read-back for tests, in the numpy reference's layouts (openjet_plugin.testing.reference):
+   conv state of DeltaNet layer `layer`: [conv_dim][kernel-1] (oldest input first);
+   recurrent state: [n_v_heads][d_state (value j)][d_state (key i)];
+   K or V (which = 0 / 1) of attention layer `layer` (n_layer = the MTP block) for positions
+   [pos0, pos0 + n_pos): [n_pos][n_head_kv][head_dim], converted to float. `n` = floats in out. */
+int32_t oj_read_conv_state(oj_engine *engine, int32_t layer, float *out, uint64_t n);
+int32_t oj_read_ssm_state(oj_engine *engine, int32_t layer, float *out, uint64_t n);
+int32_t oj_read_kv(oj_engine *engine, int32_t layer, int32_t which, int32_t pos0, int32_t n_pos,
+                   float *out, uint64_t n);
+
+/* Test hook: kind 1 launches a kernel that reads an invalid device address (the CUDA context is
+   poisoned afterwards: only oj_engine_free works); kind 2 asks cudaMalloc for more memory than
+   the device has (returns OJ_ERR_OUT_OF_MEMORY and the engine stays usable). */
+int32_t oj_debug_fault(oj_engine *engine, int32_t kind);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* OPENJET_H */

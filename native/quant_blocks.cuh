@@ -1,0 +1,106 @@
+// quant_blocks.cuh: the one table of quantised block layouts the engine reads.
+//
+// File layouts are ggml's (ggml/src/ggml-common.h); the engine keeps Q4_K and Q5_K exactly as
+// stored (144 and 176 bytes, both multiples of 16, so every block stays aligned) and rearranges
+// Q8_0 (34 bytes) and Q6_K (210 bytes) at load into planes, so that every load in the matrix
+// kernels is naturally aligned. Rearranging moves bytes only; no value changes.
+//
+//   Q8_0 planar, a matrix of M rows and K columns:  qs int8 [M][K], then d fp16 [M][K/32]
+//   Q6_K planar, nb = K/256 blocks per row:         ql [M*nb][128], qh [M*nb][64],
+//                                                   scales int8 [M*nb][16], d fp16 [M*nb]
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace oj {
+
+constexpr int QK_K = 256;   // values per K-quant super-block
+constexpr int QK8_0 = 32;   // values per Q8_0 block
+
+// ggml type ids (the GGUF file's), as in openjet.h's oj_type.
+enum TensorType : int {
+    TYPE_F32 = 0, TYPE_F16 = 1, TYPE_Q8_0 = 8, TYPE_Q4_K = 12, TYPE_Q5_K = 13, TYPE_Q6_K = 14,
+    TYPE_BF16 = 30,
+};
+
+// File layouts (fp16 fields as raw uint16 so host code can use them too).
+struct block_q8_0 { uint16_t d; int8_t qs[QK8_0]; };
+struct block_q4_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qs[QK_K / 2]; };
+struct block_q5_K { uint16_t d; uint16_t dmin; uint8_t scales[12]; uint8_t qh[QK_K / 8]; uint8_t qs[QK_K / 2]; };
+struct block_q6_K { uint8_t ql[QK_K / 2]; uint8_t qh[QK_K / 4]; int8_t scales[QK_K / 16]; uint16_t d; };
+
+static_assert(sizeof(block_q8_0) == 34, "Q8_0 block is 34 bytes");
+static_assert(sizeof(block_q4_K) == 144, "Q4_K block is 144 bytes");
+static_assert(sizeof(block_q5_K) == 176, "Q5_K block is 176 bytes");
+static_assert(sizeof(block_q6_K) == 210, "Q6_K block is 210 bytes");
+
+// Values per block and bytes per block of each type (ggml's GGML_QUANT_SIZES).
+inline int type_block_values(int type) {
+    switch (type) {
+        case TYPE_F32: case TYPE_F16: case TYPE_BF16: return 1;
+        case TYPE_Q8_0: return QK8_0;
+        case TYPE_Q4_K: case TYPE_Q5_K: case TYPE_Q6_K: return QK_K;
+        default: return 0;
+    }
+}
+
+inline int type_block_bytes(int type) {
+    switch (type) {
+        case TYPE_F32: return 4;
+        case TYPE_F16: case TYPE_BF16: return 2;
+        case TYPE_Q8_0: return 34;
+        case TYPE_Q4_K: return 144;
+        case TYPE_Q5_K: return 176;
+        case TYPE_Q6_K: return 210;
+        default: return 0;
+    }
+}
+
+inline const char *type_name(int type) {
+    switch (type) {
+        case TYPE_F32: return "F32";
+        case TYPE_F16: return "F16";
+        case TYPE_BF16: return "BF16";
+        case TYPE_Q8_0: return "Q8_0";
+        case TYPE_Q4_K: return "Q4_K";
+        case TYPE_Q5_K: return "Q5_K";
+        case TYPE_Q6_K: return "Q6_K";
+        default: return "unsupported";
+    }
+}
+
+// Byte offsets of the planes of a rearranged Q8_0 / Q6_K matrix (see the table above).
+struct Q8Planes { size_t qs, d, total; };
+__host__ __device__ inline Q8Planes q8_0_planes(int64_t M, int64_t K) {
+    Q8Planes p;
+    p.qs = 0;
+    p.d = (size_t)M * K;
+    p.total = p.d + (size_t)M * (K / QK8_0) * 2;
+    return p;
+}
+
+struct Q6Planes { size_t ql, qh, sc, d, total; };
+__host__ __device__ inline Q6Planes q6_K_planes(int64_t M, int64_t K) {
+    const size_t nblk = (size_t)M * (K / QK_K);
+    Q6Planes p;
+    p.ql = 0;
+    p.qh = nblk * 128;
+    p.sc = p.qh + nblk * 64;
+    p.d = p.sc + nblk * 16;
+    p.total = p.d + nblk * 2;
+    return p;
+}
+
+// ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block.
+__host__ __device__ inline void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {
+    if (j < 4) {
+        sc = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+}  // namespace oj

@@ -1,0 +1,46 @@
+"""What the engine asks of a backend.
+
+A backend holds one conversation's model state (KV cache and recurrent state) and turns tokens into
+next-token logits. Everything above that — sampling, stop strings, conversation reuse, the lock and
+the stats — is the engine's, so every backend behaves the same way to a caller.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str                 # "llama.cpp" | "native"
+    n_ctx: int
+    n_vocab: int
+    supports_speculative: bool
+
+    def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]: ...
+
+    def detokenize(self, tokens: list[int]) -> bytes: ...
+
+    @property
+    def n_past(self) -> int:
+        """Tokens already in the state (KV cache / recurrent state)."""
+        ...
+
+    def eval(self, tokens: list[int]) -> np.ndarray:
+        """Append `tokens` at n_past; return float32 logits [n_vocab] of the last one."""
+        ...
+
+    def eval_argmax(self, tokens: list[int]) -> int:
+        """Same as eval, but only the greedy id (a GPU backend keeps the logits on the device)."""
+        ...
+
+    def rollback(self, n_keep: int) -> bool:
+        """Keep the first n_keep tokens. False if the state cannot go back (recurrent layers);
+        the state is then unchanged and the caller resets and re-prefills."""
+        ...
+
+    def reset(self) -> None: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,88 @@
+"""Which backend runs a model: the native CUDA engine where it can, llama.cpp everywhere else.
+
+backend="auto" asks the native side (`backends/native.py`: `native_status(model_file, n_ctx)`,
+which checks its library loads, the GPU is sm_86/89/90/120 with enough free memory, and the model
+passes its shape/type check) and falls back to llama.cpp with the reason recorded (logged, and
+returned so the engine can show it as `backend_reason` and `openjet doctor` can print it).
+backend="native" raises BackendUnavailableError with that reason instead of falling back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+from ..errors import BackendUnavailableError
+
+log = logging.getLogger("openjet_plugin")
+
+BACKENDS = ("auto", "llama.cpp", "native")
+NATIVE_MODULE = "openjet_plugin.backends.native"
+
+
+def check_backend_name(backend: object) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(repr(b) for b in BACKENDS)}, got {backend!r}")
+    return backend  # type: ignore[return-value]
+
+
+def _native_module():
+    """The native backend module, or (None, why not)."""
+    try:
+        return importlib.import_module(NATIVE_MODULE), ""
+    except ImportError as exc:
+        return None, f"the native backend is not installed ({exc})"
+    except Exception as exc:  # noqa: BLE001 - a broken native module must not break the fallback
+        return None, f"the native backend failed to import: {type(exc).__name__}: {exc}"
+
+
+def native_verdict(model_file, n_ctx: int) -> tuple[bool, str]:
+    """(True, why) when the native backend can run this model here, else (False, why not)."""
+    mod, why = _native_module()
+    if mod is None:
+        return False, why
+    status = getattr(mod, "native_status", None)
+    if status is None:
+        return False, f"{NATIVE_MODULE} has no native_status()"
+    try:
+        ok, reason = status(model_file, n_ctx)
+    except Exception as exc:  # noqa: BLE001
+        return False, f"the native status check failed: {type(exc).__name__}: {exc}"
+    return bool(ok), str(reason)
+
+
+def choose_backend(backend: str, model_file, n_ctx: int) -> tuple[str, str]:
+    """Resolve `backend` to "native" or "llama.cpp" with the reason, without starting anything.
+    Raises BackendUnavailableError for backend="native" where native cannot run."""
+    check_backend_name(backend)
+    if backend == "llama.cpp":
+        return "llama.cpp", "llama.cpp requested (backend='llama.cpp')"
+    ok, reason = native_verdict(model_file, n_ctx)
+    if ok:
+        return "native", reason or "native backend supported on this machine"
+    if backend == "native":
+        raise BackendUnavailableError(f"backend='native' is not available: {reason}")
+    return "llama.cpp", f"native backend unavailable: {reason}; using llama.cpp"
+
+
+def create_backend(backend: str, model_path: str | os.PathLike[str], model_file, *, n_ctx: int,
+                   draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None,
+                   n_threads: int | None = None):
+    """Start the chosen backend; returns (backend object, reason)."""
+    from .llama_cpp import LlamaCppBackend
+
+    name, reason = choose_backend(backend, model_file, n_ctx)
+    if name == "native":
+        mod, _ = _native_module()
+        try:
+            return mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed), reason
+        except Exception as exc:  # noqa: BLE001
+            if backend == "native":
+                raise BackendUnavailableError(
+                    f"backend='native' failed to start: {type(exc).__name__}: {exc}") from exc
+            reason = f"native backend failed to start ({type(exc).__name__}: {exc}); using llama.cpp"
+    if backend == "auto":
+        # no GPU is the normal case on many machines: say it, but do not warn about it
+        (log.warning if "failed to start" in reason else log.info)("openjet: %s", reason)
+    return LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads), reason

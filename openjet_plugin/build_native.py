@@ -1,0 +1,152 @@
+"""Build the native CUDA engine: `python -m openjet_plugin.build_native`.
+
+Compiles `native/*.cu` with nvcc into `openjet_plugin/native/libopenjet.so` and copies
+`native/openjet.h` beside it (the cffi binding reads that copy when the package is installed).
+
+Architectures: the environment variable `OPENJET_CUDA_ARCHS` (e.g. "90" or "86;89;90;120"); by
+default the local GPU's compute capability (nvidia-smi), or 86;89;90;120 when no GPU is visible.
+Without nvcc this prints why and exits 0, so that installation still succeeds and the engine
+falls back to llama.cpp.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+NATIVE_SRC = PACKAGE_DIR.parent / "native"
+OUT_DIR = PACKAGE_DIR / "native"
+LIB_NAME = "libopenjet.so"
+DEFAULT_ARCHS = ("86", "89", "90", "120")
+ARCH_ENV = "OPENJET_CUDA_ARCHS"
+
+
+def find_nvcc() -> str | None:
+    """nvcc on PATH, else under CUDA_HOME / CUDA_PATH / /usr/local/cuda."""
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def parse_archs(text: str) -> list[str]:
+    """'86;89, 90 sm_120' -> ['86', '89', '90', '120']; raises ValueError naming a bad entry."""
+    archs = []
+    for item in re.split(r"[;,\s]+", text.strip()):
+        if not item:
+            continue
+        m = re.fullmatch(r"(?:sm_|compute_)?(\d{2,3})([af]?)", item)
+        if not m:
+            raise ValueError(f"{ARCH_ENV}: {item!r} is not a CUDA architecture like 90 or sm_90")
+        archs.append(m.group(1) + m.group(2))
+    if not archs:
+        raise ValueError(f"{ARCH_ENV} is set but names no architecture")
+    return archs
+
+
+def local_gpu_archs() -> list[str]:
+    """Compute capabilities of the visible GPUs (nvidia-smi), e.g. ['90']; [] when none."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    archs = []
+    for line in out.stdout.splitlines():
+        line = line.strip()
+        if re.fullmatch(r"\d+\.\d+", line):
+            major, minor = line.split(".")
+            arch = major + minor
+            if arch not in archs:
+                archs.append(arch)
+    return archs
+
+
+def choose_archs() -> tuple[list[str], str]:
+    env = os.environ.get(ARCH_ENV)
+    if env:
+        return parse_archs(env), f"from {ARCH_ENV}"
+    local = local_gpu_archs()
+    if local:
+        return local, "the local GPU's compute capability"
+    return list(DEFAULT_ARCHS), "default (no GPU visible)"
+
+
+def sources() -> list[Path]:
+    return sorted(NATIVE_SRC.glob("*.cu"))
+
+
+def nvcc_command(nvcc: str, archs: list[str], output: Path) -> list[str]:
+    cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-lineinfo",
+           "--threads", "0", "-I", str(NATIVE_SRC), "-o", str(output)]
+    for a in archs:
+        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    # PTX of the newest architecture too, so a newer GPU can still JIT the kernels
+    cmd += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    cmd += [str(s) for s in sources()]
+    return cmd
+
+
+def build(out_dir: Path = OUT_DIR, archs: list[str] | None = None, verbose: bool = True) -> Path | None:
+    """Build the library; return its path, or None (with the reason printed) when nvcc is absent.
+
+    Raises RuntimeError when nvcc is present but compilation fails (broken code must be loud).
+    """
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("openjet build_native: nvcc not found (no CUDA toolkit); skipping the native engine, "
+              "the llama.cpp backend will be used", file=sys.stderr)
+        return None
+    if not sources():
+        raise RuntimeError(f"no CUDA sources under {NATIVE_SRC}")
+    how = "given"
+    if archs is None:
+        archs, how = choose_archs()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    output = out_dir / LIB_NAME
+    tmp = out_dir / (LIB_NAME + ".tmp")
+    cmd = nvcc_command(nvcc, archs, tmp)
+    if verbose:
+        print(f"openjet build_native: sm_{', sm_'.join(archs)} ({how})", file=sys.stderr)
+        print(" ".join(cmd), file=sys.stderr)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"nvcc failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    os.replace(tmp, output)
+    shutil.copyfile(NATIVE_SRC / "openjet.h", out_dir / "openjet.h")
+    if verbose:
+        print(f"openjet build_native: wrote {output}", file=sys.stderr)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--archs", help=f"override {ARCH_ENV}, e.g. '90' or '86;89;90;120'")
+    ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    args = ap.parse_args(argv)
+    try:
+        archs = parse_archs(args.archs) if args.archs else None
+        build(args.out_dir, archs)
+    except (RuntimeError, ValueError) as e:
+        print(f"openjet build_native: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,321 @@
+"""`openjet`: generate, chat, info, doctor, synth, serve, bench.
+
+User errors (a bad parameter, a missing or broken model file, an unavailable backend) print one
+line and exit 1; a usage error exits 2 (argparse's convention). No tracebacks for either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+from .errors import OpenJetError
+
+# Subcommands another module implements; argv after the name is handed over unchanged.
+DELEGATED = {
+    "synth": ("openjet_plugin.testing.synth", "synth_main", "generate a qwen35 test model (GGUF)"),
+    "serve": ("openjet_plugin.serve", "main", "serve a model over an OpenAI-compatible HTTP API"),
+    "bench": ("openjet_plugin.bench", "main", "benchmark decode and prefill (needs the GPU build)"),
+}
+USER_ERRORS = (OpenJetError, ValueError, FileNotFoundError, IsADirectoryError, PermissionError)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", help="GGUF file (default: the embedded default model)")
+    p.add_argument("--backend", default="auto", choices=["auto", "llama.cpp", "native"],
+                   help="auto: native where supported, else llama.cpp (default: auto)")
+    p.add_argument("--n-ctx", type=int, default=4096, help="context window in tokens (default 4096)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for llama.cpp")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=max_tokens)
+    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40, help="0 disables top-k")
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    ap = argparse.ArgumentParser(prog="openjet", description="qwen35 inference: native CUDA engine "
+                                 "with MTP speculative decoding, llama.cpp fallback.")
+    ap.add_argument("--version", action="version", version=f"openjet-plugin {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="continue a prompt, streaming the text")
+    g.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    _add_model_args(g)
+    _add_sampling_args(g, max_tokens=256)
+
+    c = sub.add_parser("chat", help="interactive chat with the model's own template (/exit to quit)")
+    _add_model_args(c)
+    _add_sampling_args(c, max_tokens=512)
+    c.add_argument("--system", help="system message")
+    c.add_argument("--think", action="store_true", help="enable thinking (reasoning) mode")
+
+    i = sub.add_parser("info", help="hyperparameters, tensor types and validation verdict of a GGUF")
+    i.add_argument("model")
+
+    d = sub.add_parser("doctor", help="what this machine can run, and which backend auto picks")
+    d.add_argument("--model", "-m", help="GGUF to check against (default: the embedded default)")
+    d.add_argument("--n-ctx", type=int, default=4096)
+
+    for name, (_, _, help_) in DELEGATED.items():
+        sub.add_parser(name, help=help_, add_help=False)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if argv and argv[0] in DELEGATED:
+            return _delegate(argv[0], argv[1:])
+        args = build_parser().parse_args(argv)
+        if args.command is None:
+            build_parser().print_help(sys.stderr)
+            return 2
+        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
+                "doctor": cmd_doctor}[args.command](args)
+    except USER_ERRORS as exc:
+        print(f"openjet: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:       # `openjet generate ... | head`
+        return 0
+
+
+def _delegate(name: str, rest: list[str]) -> int:
+    module, func, _ = DELEGATED[name]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        if name == "bench":
+            print("openjet: the benchmark needs the native GPU build (openjet_plugin.bench is not "
+                  "installed); see the README's GPU section", file=sys.stderr)
+        else:
+            print(f"openjet: '{name}' is not available in this installation ({module} is missing)",
+                  file=sys.stderr)
+        return 2
+    rc = getattr(mod, func)(rest)
+    return int(rc or 0)
+
+
+# --- loading with a progress indicator ---------------------------------------------------------
+
+@contextmanager
+def _progress(message: str):
+    """A spinner on a terminal, two plain lines otherwise; stderr only, so stdout stays the text."""
+    err = sys.stderr
+    done = threading.Event()
+    t0 = time.perf_counter()
+    spinner = None
+    if err.isatty():
+        def spin():
+            frames = "|/-\\"
+            k = 0
+            while not done.wait(0.1):
+                err.write(f"\r{message} {frames[k % 4]} {time.perf_counter() - t0:4.1f}s")
+                err.flush()
+                k += 1
+        spinner = threading.Thread(target=spin, daemon=True)
+        spinner.start()
+    else:
+        print(f"{message} ...", file=err, flush=True)
+    outcome = "failed"
+    try:
+        yield
+        outcome = "done"
+    finally:
+        done.set()
+        if spinner is not None:
+            spinner.join()
+            err.write("\r\033[K")
+        print(f"{message}: {outcome} in {time.perf_counter() - t0:.1f} s", file=err, flush=True)
+
+
+def _load(args):
+    from .defaults import default_model_path, generated_default_path, SHIPPED_DEFAULT
+    from .engine import load
+
+    model = args.model
+    if model is None and not SHIPPED_DEFAULT.is_file() and not generated_default_path().is_file():
+        with _progress(f"generating the default model (once) into {generated_default_path().parent}"):
+            model = default_model_path()
+    with _progress(f"loading {model or 'the default model'}"):
+        eng = load(model, backend=args.backend, n_ctx=args.n_ctx, n_threads=args.threads)
+    print(f"model {eng.model_path}, backend {eng.backend_name} ({eng.backend_reason})",
+          file=sys.stderr, flush=True)
+    return eng
+
+
+def _sampling(args) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop,
+                repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty)
+
+
+def _stream_out(chunks) -> object:
+    """Print chunks as they come; return the last chunk (it carries finish_reason and stats)."""
+    last = None
+    for chunk in chunks:
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        last = chunk
+    return last
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+def cmd_generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = _sampling(args)
+    from .sampling import SamplingParams
+    SamplingParams(**sampling)           # a bad parameter fails before the model loads
+    with _load(args) as eng:
+        last = _stream_out(eng.generate(prompt, stream=True, **sampling))
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"[{last.finish_reason}] {last.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    sampling = _sampling(args)
+    from .sampling import SamplingParams
+    SamplingParams(**sampling)
+    tty = sys.stdin.isatty()
+    with _load(args) as eng:
+        messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+        if tty:
+            print("type a message; /reset starts over, /exit quits", file=sys.stderr)
+        while True:
+            if tty:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            line = line.rstrip("\n")
+            if line.strip() == "/exit":
+                break
+            if line.strip() == "/reset":
+                messages = messages[:1] if args.system else []
+                continue
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line})
+            parts = []
+            last = None
+            for chunk in eng.chat(messages, enable_thinking=args.think, stream=True, **sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                parts.append(chunk.text)
+                last = chunk
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            messages.append({"role": "assistant", "content": "".join(parts)})
+            print(f"[{last.finish_reason}] {last.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .model_file import describe
+
+    if not os.path.exists(args.model):
+        raise FileNotFoundError(f"model file not found: {args.model}")
+    print(describe(args.model))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from . import __version__
+    from .backends.select import choose_backend, native_verdict
+    from .defaults import default_model_path
+    from .model_file import open_model
+
+    rows: list[tuple[str, str]] = [
+        ("openjet-plugin", __version__),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("platform", f"{platform.system()} {platform.release()} {platform.machine()}"),
+        ("cpu cores", str(os.cpu_count())),
+    ]
+    try:
+        import llama_cpp
+        rows.append(("llama-cpp-python", llama_cpp.__version__))
+    except ImportError as exc:
+        rows.append(("llama-cpp-python", f"NOT INSTALLED ({exc})"))
+    rows += _gpu_rows()
+    rows.append(("CUDA toolkit", _nvcc_version()))
+
+    model = args.model or str(default_model_path())
+    with open_model(model) as mf:
+        ok, why = native_verdict(mf, args.n_ctx)
+        rows.append(("native backend", ("usable: " if ok else "not usable: ") + why))
+        name, reason = choose_backend("auto", mf, args.n_ctx)
+    rows.append(("model checked", model))
+    rows.append(("backend=auto picks", f"{name} ({reason})"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _run(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"failed: {exc}"
+    return out.stdout.strip() if out.returncode == 0 else f"failed: {out.stderr.strip() or out.returncode}"
+
+
+def _gpu_rows() -> list[tuple[str, str]]:
+    out = _run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version,memory.total,memory.free",
+                "--format=csv,noheader"])
+    if out is None:
+        return [("GPU", "none found (nvidia-smi not on PATH)")]
+    if out.startswith("failed"):
+        return [("GPU", f"nvidia-smi {out}")]
+    rows = []
+    for k, line in enumerate(out.splitlines()):
+        f = [x.strip() for x in line.split(",")]
+        if len(f) == 5:
+            rows.append((f"GPU {k}", f"{f[0]}, sm_{f[1].replace('.', '')}, driver {f[2]}, "
+                                     f"{f[4]} free of {f[3]}"))
+        else:
+            rows.append((f"GPU {k}", line))
+    return rows
+
+
+def _nvcc_version() -> str:
+    out = _run(["nvcc", "--version"])
+    if out is None:
+        return "not found (nvcc not on PATH)"
+    for line in out.splitlines():
+        if "release" in line:
+            return line.strip()
+    return out.splitlines()[-1] if out else "unknown"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""load(), Engine and the per-request stats: the API the adapters and the CLI stand on.
+
+The engine owns everything above "tokens in, logits out": sampling (sampling.py), stop strings,
+UTF-8-safe streaming, conversation reuse, the lock and the stats. A backend (backends/base.py)
+only holds the model state, so every backend behaves the same to a caller.
+
+Conversation reuse: `_tokens` is always exactly the token list in the backend's state. A new
+prompt is compared with it; the common prefix is kept (the backend rolls back to it, or, where it
+cannot — recurrent DeltaNet state — everything is reset and re-prefilled) and only the rest is
+evaluated. Either way the model sees the same tokens, so the results are identical.
+"""
+
+from __future__ import annotations
+
+import codecs
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from . import chat_template
+from .errors import ContextOverflowError, OpenJetError
+from .sampling import Sampler, SamplingParams
+
+log = logging.getLogger("openjet_plugin")
+
+# Token texts llama.cpp treats as end-of-generation when the vocabulary has them (llama-vocab.cpp).
+_EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<EOT>")
+
+
+@dataclass
+class GenerationStats:
+    """One request's numbers. decode_seconds runs from the end of prefill to the last token;
+    tokens_per_second = generated_tokens / decode_seconds. generated_tokens counts every sampled
+    token, the end-of-generation token included (it cost a decode step)."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    # speculative backends only
+    cycles: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    backend: str = ""
+
+    @property
+    def prefilled_tokens(self) -> int:
+        """Prompt tokens actually evaluated for this request."""
+        return self.prompt_tokens - self.cached_prompt_tokens
+
+    def summary(self) -> str:
+        s = (f"prompt {self.prompt_tokens} tokens ({self.cached_prompt_tokens} cached) in "
+             f"{self.prefill_seconds:.3f} s, generated {self.generated_tokens} tokens in "
+             f"{self.decode_seconds:.3f} s ({self.tokens_per_second:.1f} tok/s) [{self.backend}]")
+        if self.drafts_proposed:
+            s += (f", drafts accepted {self.drafts_accepted}/{self.drafts_proposed} "
+                  f"over {self.cycles} cycles")
+        return s
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]            # generated tokens; the end-of-generation token is not included
+    finish_reason: str           # "stop" (EOS or a stop string) | "length" (max_tokens or n_ctx)
+    stats: GenerationStats
+
+
+@dataclass
+class Chunk:
+    text: str
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+class EngineBusyError(OpenJetError, RuntimeError):
+    """A new request in the thread whose stream is still open (it would wait for itself)."""
+
+
+class Engine:
+    """One model, one conversation state, one request at a time. Use `load()` to make one."""
+
+    def __init__(self, backend, *, model_path: str | os.PathLike[str], config, metadata: dict,
+                 chat_template_source: str | None, eog_tokens: Sequence[int], token_eos: int | None,
+                 backend_reason: str, model_file=None):
+        self._backend = backend
+        self._model_file = model_file            # kept open while a native backend uses it
+        self.model_path = Path(model_path)
+        self.config = config
+        self.metadata = metadata
+        self.chat_template = chat_template_source
+        self.eog_tokens = frozenset(int(t) for t in eog_tokens)
+        self.token_eos = token_eos
+        self.backend_name: str = backend.name
+        self.backend_reason = backend_reason
+        self.last_stats: GenerationStats | None = None
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._tokens: list[int] = []             # exactly what the backend's state holds
+        self._logits: np.ndarray | None = None   # logits after _tokens[-1], when known
+        self._closed = False
+
+    # --- properties ---------------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return self._backend.n_ctx
+
+    @property
+    def n_vocab(self) -> int:
+        return self._backend.n_vocab
+
+    @property
+    def supports_speculative(self) -> bool:
+        return bool(self._backend.supports_speculative)
+
+    # --- text <-> tokens -----------------------------------------------------------------------
+    def tokenize(self, text: str | bytes, add_special: bool = False, parse_special: bool = True) -> list[int]:
+        self._check_open()
+        if isinstance(text, str):
+            text = text.encode("utf-8")
+        elif not isinstance(text, (bytes, bytearray)):
+            raise ValueError(f"text must be str or bytes, got {type(text).__name__}")
+        return self._backend.tokenize(bytes(text), add_special, parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        self._check_open()
+        return self._backend.detokenize(self._check_tokens(tokens, "tokens")).decode("utf-8", errors="replace")
+
+    # --- generation ----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int | None = 256,
+                 temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                 seed: int | None = None, stop: str | Sequence[str] | None = None,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                 repeat_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+                 stream: bool = False):
+        """Continue `prompt` (text, tokenised with the model's special tokens, or token ids).
+
+        Returns a GenerationResult, or with stream=True an iterator of Chunks whose last one carries
+        finish_reason and stats. max_tokens=None generates until the context is full.
+        Raises ValueError for a bad parameter and ContextOverflowError when the prompt plus
+        max_tokens cannot fit n_ctx.
+        """
+        self._check_open()
+        prompt_tokens = self._prompt_tokens(prompt)
+        room = self.n_ctx - len(prompt_tokens)
+        if max_tokens is None:
+            if room < 1:
+                raise ContextOverflowError(len(prompt_tokens), self.n_ctx,
+                                           f"the prompt has {len(prompt_tokens)} tokens, which leaves no room "
+                                           f"to generate in the context window n_ctx={self.n_ctx}")
+            max_tokens = room
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p, seed=seed, stop=stop, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
+                                logit_bias=logit_bias)
+        if params.logit_bias and max(params.logit_bias) >= self.n_vocab:
+            raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the "
+                             f"vocabulary [0, {self.n_vocab})")
+        if len(prompt_tokens) + params.max_tokens > self.n_ctx:
+            raise ContextOverflowError(
+                len(prompt_tokens) + params.max_tokens, self.n_ctx,
+                f"prompt of {len(prompt_tokens)} tokens plus max_tokens={params.max_tokens} needs "
+                f"{len(prompt_tokens) + params.max_tokens} positions, more than the context window "
+                f"n_ctx={self.n_ctx}; shorten the prompt, lower max_tokens or load with a larger n_ctx")
+        events = self._run(prompt_tokens, params)
+        if stream:
+            return events
+        parts: list[str] = []
+        tokens: list[int] = []
+        last = None
+        for chunk in events:
+            parts.append(chunk.text)
+            tokens += chunk.tokens
+            last = chunk
+        assert last is not None and last.stats is not None
+        return GenerationResult("".join(parts), tokens, last.finish_reason or "stop", last.stats)
+
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    enable_thinking: bool = False, add_generation_prompt: bool = True) -> str:
+        return chat_template.render(self.chat_template, messages, tools=tools,
+                                    enable_thinking=enable_thinking,
+                                    add_generation_prompt=add_generation_prompt)
+
+    def chat(self, messages: list[dict], *, tools: list[dict] | None = None, enable_thinking: bool = False,
+             stream: bool = False, **sampling):
+        """Render `messages` with the model's own template and generate the assistant's reply.
+
+        The reply is the raw text (any <think> block and <tool_call> parts included; see
+        parsing.py to split them). Sampling keywords are those of generate().
+        """
+        prompt = self.render_chat(messages, tools=tools, enable_thinking=enable_thinking)
+        return self.generate(prompt, stream=stream, **sampling)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._backend.close()
+            if self._model_file is not None:
+                self._model_file.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Engine({str(self.model_path)!r}, backend={self.backend_name!r}, n_ctx={self.n_ctx})"
+
+    # --- internals ----------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OpenJetError("this engine is closed")
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> list[int]:
+        if isinstance(tokens, (str, bytes)):
+            raise ValueError(f"{what} must be a list of token ids")
+        out = []
+        for t in tokens:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise ValueError(f"{what} must contain integer token ids, got {t!r}")
+            if not 0 <= int(t) < self.n_vocab:
+                raise ValueError(f"{what} contains token id {int(t)}, outside the vocabulary [0, {self.n_vocab})")
+            out.append(int(t))
+        return out
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            # add_special: BOS only where the vocabulary asks for it (qwen35 does not), as llama.cpp
+            tokens = self.tokenize(prompt, add_special=True, parse_special=True)
+        elif isinstance(prompt, (bytes, bytearray)):
+            tokens = self.tokenize(bytes(prompt), add_special=True, parse_special=True)
+        else:
+            tokens = self._check_tokens(prompt, "prompt")
+        if not tokens:
+            raise ValueError("prompt is empty: give at least one token of text")
+        return tokens
+
+    def _acquire(self) -> None:
+        if self._owner == threading.get_ident():
+            raise EngineBusyError("this thread still has an open stream on this engine; "
+                                  "exhaust it or call .close() on it before the next request")
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+
+    def _release(self) -> None:
+        self._owner = None
+        self._lock.release()
+
+    def _forget_state(self) -> None:
+        self._tokens, self._logits = [], None
+        try:
+            self._backend.reset()
+        except Exception:  # noqa: BLE001 - the original error is the one to report
+            log.exception("backend reset failed")
+
+    def _prefill(self, prompt: list[int], want_logits: bool) -> tuple[np.ndarray | None, int | None, int]:
+        """Bring the backend state to `prompt`; return (logits or None, argmax or None, cached)."""
+        b = self._backend
+        common = 0
+        limit = min(len(self._tokens), len(prompt))
+        while common < limit and self._tokens[common] == prompt[common]:
+            common += 1
+        if common == len(prompt) == len(self._tokens) and self._logits is not None:
+            return self._logits, None, common          # the same prompt again: nothing to evaluate
+        if common == len(prompt):
+            common -= 1                                # at least one token must be evaluated for logits
+        if common < b.n_past:
+            if not b.rollback(common):
+                log.debug("backend %s cannot roll back to %d of %d tokens; re-prefilling",
+                          b.name, common, b.n_past)
+                b.reset()
+                common = 0
+        self._tokens = list(prompt[:common])
+        self._logits = None
+        todo = prompt[common:]
+        if want_logits:
+            logits = b.eval(todo)
+            self._tokens += todo
+            self._logits = logits
+            return logits, None, common
+        top = b.eval_argmax(todo)
+        self._tokens += todo
+        return None, top, common
+
+    def _run(self, prompt: list[int], params: SamplingParams) -> Iterator[Chunk]:
+        """The generation loop, as a generator: the lock is taken at the first next() and released
+        when it finishes or is closed (a stream dropped early leaves `_tokens` equal to the state)."""
+        self._acquire()
+        try:
+            self._check_open()
+            yield from self._generate_locked(prompt, params)
+        except Exception:
+            # a backend that failed mid-call may hold a partial state: forget it
+            self._forget_state()
+            raise
+        finally:
+            self._release()
+
+    def _generate_locked(self, prompt: list[int], params: SamplingParams) -> Iterator[Chunk]:
+        b = self._backend
+        stats = GenerationStats(prompt_tokens=len(prompt), backend=b.name)
+        self.last_stats = stats
+        sampler = Sampler(params)
+        # greedy without penalties needs only the argmax: a GPU backend keeps the logits on the device
+        argmax_only = params.greedy and not params.has_penalties and not params.logit_bias
+
+        t0 = time.perf_counter()
+        logits, top, cached = self._prefill(prompt, want_logits=not argmax_only)
+        if argmax_only and top is None:
+            top = int(np.argmax(logits))
+        t1 = time.perf_counter()
+        stats.cached_prompt_tokens = cached
+        stats.prefill_seconds = t1 - t0
+
+        text = _TextAssembler(params.stop)
+        history = list(prompt)
+        generated: list[int] = []
+        unreported: list[int] = []
+        finish: str | None = None
+        try:
+            while True:
+                tok = top if argmax_only else sampler.sample(logits, history)
+                stats.generated_tokens += 1
+                if tok in self.eog_tokens:
+                    finish = "stop"
+                    break
+                generated.append(tok)
+                history.append(tok)
+                unreported.append(tok)
+                hit = text.feed(b.detokenize([tok]))
+                if hit:
+                    finish = "stop"
+                    break
+                if len(generated) >= params.max_tokens or len(self._tokens) + 1 > self.n_ctx:
+                    finish = "length"
+                    break
+                out = text.take()
+                if out:
+                    yield Chunk(out, unreported)
+                    unreported = []
+                # evaluate the token just sampled to get the next logits
+                self._logits = None
+                if argmax_only:
+                    top = b.eval_argmax([tok])
+                    self._tokens.append(tok)
+                else:
+                    logits = b.eval([tok])
+                    self._tokens.append(tok)
+                    self._logits = logits
+        finally:
+            stats.decode_seconds = time.perf_counter() - t1
+            stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
+                                       if stats.decode_seconds > 0 else 0.0)
+        yield Chunk(text.finish(), unreported, finish, stats)
+
+
+class _TextAssembler:
+    """Bytes of generated tokens in, text out: never half a UTF-8 character, never any part of a
+    stop string. A suffix that could be the start of a stop string is held back until the next
+    token decides it."""
+
+    def __init__(self, stop: Sequence[str]):
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(stop)
+        self._pending = ""
+
+    def feed(self, piece: bytes) -> bool:
+        """Add a token's bytes; True when a stop string is complete (the text before it is kept)."""
+        self._pending += self._decoder.decode(piece)
+        if not self._stop:
+            return False
+        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self._pending = self._pending[:cut]
+            self._decoder.reset()
+            return True
+        return False
+
+    def take(self) -> str:
+        """Text that can be emitted now."""
+        hold = self._held_back()
+        out = self._pending[:len(self._pending) - hold]
+        self._pending = self._pending[len(self._pending) - hold:]
+        return out
+
+    def finish(self) -> str:
+        out = self._pending + self._decoder.decode(b"", final=True)
+        self._pending = ""
+        return out
+
+    def _held_back(self) -> int:
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(self._pending)), best, -1):
+                if self._pending.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+# --- load -------------------------------------------------------------------------------------------
+
+def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tuple[set[int], int | None]:
+    eos = metadata.get("tokenizer.ggml.eos_token_id")
+    eog: set[int] = set()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        v = metadata.get(key)
+        if isinstance(v, int) and 0 <= v < len(tokens):
+            eog.add(v)
+    wanted = set(_EOG_TEXTS)
+    for i, t in enumerate(tokens):
+        if t in wanted:
+            eog.add(i)
+    return eog, (int(eos) if isinstance(eos, int) else None)
+
+
+def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "auto", n_ctx: int = 4096,
+         draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None, verbose: bool = False,
+         n_threads: int | None = None) -> Engine:
+    """Open a qwen35 GGUF and start a backend for it.
+
+    model_path None: the embedded default model (defaults.default_model_path()).
+    backend: "auto" (native when this machine and model support it, else llama.cpp; the reason is
+    in `engine.backend_reason`), "llama.cpp" or "native" (raises BackendUnavailableError, with the
+    reason, where it cannot run).
+    """
+    from .backends.select import create_backend
+    from .defaults import default_model_path
+    from .model_file import open_model
+
+    if verbose:
+        logging.basicConfig(level=logging.INFO)
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx < 16:
+        raise ValueError(f"n_ctx must be an integer >= 16, got {n_ctx!r}")
+    if isinstance(draft_depth, bool) or not isinstance(draft_depth, int) or not 0 <= draft_depth <= 8:
+        raise ValueError(f"draft_depth must be an integer in [0, 8], got {draft_depth!r}")
+    if kv_type not in ("f16", "q8_0"):
+        raise ValueError(f"kv_type must be 'f16' or 'q8_0', got {kv_type!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+
+    path = Path(default_model_path() if model_path is None else model_path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model file not found: {path}")
+    if path.is_dir():
+        raise FileNotFoundError(f"model path is a directory, not a GGUF file: {path}")
+    with warnings.catch_warnings():
+        if not verbose:
+            warnings.simplefilter("ignore")     # e.g. "no MTP block": relevant to native only
+        mf = open_model(path)
+    try:
+        if n_ctx > mf.config.n_ctx_train:
+            raise ValueError(f"n_ctx={n_ctx} exceeds the model's training context "
+                             f"{mf.config.n_ctx_train} ({path.name})")
+        tf = mf.tokenizer_fields
+        eog, eos = _eog_tokens(tf.tokens, tf.token_type, mf.metadata)
+        metadata = dict(mf.metadata)
+        template = mf.chat_template
+        config = mf.config
+        be, reason = create_backend(backend, path, mf, n_ctx=n_ctx, draft_depth=draft_depth,
+                                    kv_type=kv_type, seed=seed, n_threads=n_threads)
+    except BaseException:
+        mf.close()
+        raise
+    keep_open = be.name == "native"
+    if not keep_open:
+        mf.close()
+    return Engine(be, model_path=path, config=config, metadata=metadata, chat_template_source=template,
+                  eog_tokens=eog, token_eos=eos, backend_reason=reason,
+                  model_file=mf if keep_open else None)
+

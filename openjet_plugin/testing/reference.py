@@ -1,0 +1,415 @@
+"""A plain numpy forward pass of a `qwen35` GGUF: the oracle for llama.cpp agreement and CUDA kernels.
+
+It follows llama.cpp's graph (`src/models/qwen35.cpp`, `src/models/delta-net-base.cpp`) and ggml's
+CPU ops step by step, in float64 by default, with every weight dequantised by `gguf.quants`.
+It is slow and simple on purpose: one numpy expression per step of the model, no fusion.
+
+Conventions (all as llama.cpp keeps them; the CUDA engine's state is compared against these):
+- A 2-D weight with ggml ne = (n_in, n_out) is the numpy array `[n_out, n_in]`, so `y = x @ W.T`.
+- Activations are row-major `[n_tokens, width]`.
+- DeltaNet conv state: `[conv_dim, ssm_conv_kernel - 1]`, channel-major, oldest input first
+  (ggml's `conv_states` tensor: ne = (kernel-1, conv_dim)).
+- DeltaNet recurrent state: `[n_v_heads, d_state (value index j), d_state (key index i)]`,
+  i.e. `S[h, j, i]`, the memory order of ggml's `[S_v, S_v, H_v]` state (ne0 = key index). The
+  read-out is `o[h] = S[h] @ q[h]`, the update `S[h] += outer(delta[h], k[h])`.
+- Value head h uses key head `h % ssm_n_group` (ggml_repeat_4d tiles the key heads; the fused
+  gated_delta_net op indexes `iv1 % neq1`).
+- Query head h of an attention layer uses KV head `h // (n_head // n_head_kv)` (ggml's broadcast
+  in mul_mat and flash attention).
+- Attention K and V caches: `[n_positions, n_head_kv, head_dim]`, K after q/k-norm and RoPE.
+- MTP: llama.cpp's draft context holds, at MTP position p, the pair (token x_p, main hidden
+  h_{p-1}), with h_{-1} = 0 for p = 0 (common/speculative.cpp `process()`), and predicts x_{p+1}
+  there. In other words: with h = main hidden at t and the token at t+1, the MTP step sits at
+  position t+1 and predicts token t+2. Drafts chain by feeding the MTP block's own normed output
+  back as h at the next position (`draft()`: pos0 + i + 1).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+
+from ..config import ARCH, ModelConfig
+
+
+# --- small ops, each as ggml computes it ------------------------------------------------------
+
+def rms_norm(x: np.ndarray, weight: np.ndarray | None, eps: float) -> np.ndarray:
+    """ggml_rms_norm over the last axis (x / sqrt(mean(x^2) + eps)), then times weight (build_norm)."""
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y if weight is None else y * weight
+
+
+def l2_norm_gdn(x: np.ndarray, eps: float) -> np.ndarray:
+    """llama.cpp's build_gdn_l2_norm: rms_norm(x, eps/n) / sqrt(n) = x / sqrt(sum(x^2) + eps)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """ggml's softplus: x above 20, else log(1 + exp(x))."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0))))
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def imrope_angles(positions: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """Rotation angles `[n_tokens, n_rot // 2]` of ggml_rope_multi with GGML_ROPE_TYPE_IMROPE.
+
+    qwen35's rope type is IMROPE (llama_model_rope_type). For text tokens llama.cpp feeds the
+    position as the t, h and w coordinates and 0 as the fourth (llm_graph_input_pos::set_input).
+    Pair i takes its coordinate from the interleaved sector rule of ggml_mrope_cache_init and its
+    frequency freq_base^(-2i/n_rot).
+    """
+    s = cfg.rope_sections
+    sect_dims = sum(s)
+    if sect_dims <= 0:
+        raise ValueError(f"rope.dimension_sections {s} are all zero; qwen35 needs M-RoPE sections")
+    n_pairs = cfg.n_rot // 2
+    pos = np.asarray(positions, dtype=np.float64)
+    coords = {"t": pos, "h": pos, "w": pos, "e": np.zeros_like(pos)}
+    theta_scale = cfg.rope_freq_base ** (-2.0 / cfg.n_rot)
+    out = np.empty((len(pos), n_pairs), dtype=np.float64)
+    for i in range(n_pairs):
+        sector = i % sect_dims
+        if sector % 3 == 1 and sector < 3 * s[1]:
+            c = "h"
+        elif sector % 3 == 2 and sector < 3 * s[2]:
+            c = "w"
+        elif sector % 3 == 0 and sector < 3 * s[0]:
+            c = "t"
+        else:
+            c = "e"
+        out[:, i] = coords[c] * theta_scale ** i
+    return out
+
+
+def apply_rope(x: np.ndarray, angles: np.ndarray, n_rot: int) -> np.ndarray:
+    """NEOX-ordered rotation (pairs (i, i + n_rot/2)) of the first n_rot dims; x is [n, heads, dim]."""
+    half = n_rot // 2
+    cos = np.cos(angles)[:, None, :]
+    sin = np.sin(angles)[:, None, :]
+    x0 = x[..., :half]
+    x1 = x[..., half:n_rot]
+    out = x.copy()
+    out[..., :half] = x0 * cos - x1 * sin
+    out[..., half:n_rot] = x0 * sin + x1 * cos
+    return out
+
+
+class _KVCache:
+    """K and V rows `[n, n_head_kv, head_dim]` with the position of each row."""
+
+    def __init__(self, n_head_kv: int, head_dim: int, dtype):
+        self.k = np.zeros((0, n_head_kv, head_dim), dtype=dtype)
+        self.v = np.zeros((0, n_head_kv, head_dim), dtype=dtype)
+        self.pos = np.zeros((0,), dtype=np.int64)
+
+    def append(self, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> None:
+        self.k = np.concatenate([self.k, k])
+        self.v = np.concatenate([self.v, v])
+        self.pos = np.concatenate([self.pos, np.asarray(pos, dtype=np.int64)])
+
+    def remove_from(self, p0: int) -> None:
+        """Drop every row at position >= p0 (llama_memory_seq_rm(seq, p0, -1))."""
+        keep = self.pos < p0
+        self.k, self.v, self.pos = self.k[keep], self.v[keep], self.pos[keep]
+
+
+# --- the model -----------------------------------------------------------------------------
+
+class ReferenceModel:
+    """numpy forward pass of a qwen35 GGUF, with incremental state like llama.cpp's contexts.
+
+    - `logits(tokens)`: reset, then teacher-forced logits `[n, n_vocab]`.
+    - `step(token)`: one more position, logits `[n_vocab]`.
+    - `hidden`: `[n_past, n_embd]`, row t = the final hidden state after output_norm at position t.
+    - `mtp_logits(h, next_token, pos=None)`: one MTP step -> (logits, h_mtp); `mtp_prefill()` runs
+      it over the main positions seen so far as llama.cpp's draft context does; `mtp_reset()`.
+    - `state()`: every piece of per-conversation state, by name (see `state`).
+    """
+
+    def __init__(self, path: str | Path, dtype=np.float64):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF model file not found: {self.path}")
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in (np.dtype(np.float64), np.dtype(np.float32)):
+            raise ValueError(f"dtype must be float64 or float32, got {self.dtype}")
+        self._reader = GGUFReader(str(self.path))
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        arch = self._field("general.architecture")
+        if arch != ARCH:
+            raise ValueError(f"{self.path}: general.architecture is {arch!r}, expected {ARCH!r}")
+        if "token_embd.weight" not in self._tensors:
+            raise KeyError(f"{self.path}: tensor 'token_embd.weight' is missing")
+        n_vocab = int(self._tensors["token_embd.weight"].shape[1])
+        self.config = ModelConfig.from_gguf_metadata(self._field, n_vocab)
+        self.n_vocab = n_vocab
+        self._weights: dict[str, np.ndarray] = {}
+        self.reset()
+        self.mtp_reset()
+
+    # -- file access --
+    def _field(self, key: str):
+        f = self._reader.fields.get(key)
+        if f is None:
+            raise KeyError(f"{self.path}: metadata key {key!r} is missing")
+        if f.types and f.types[0] == GGUFValueType.ARRAY:
+            return list(f.contents())
+        return f.contents()
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def weight(self, name: str) -> np.ndarray:
+        """Dequantised tensor in numpy order (reversed ne), cached after the first use."""
+        w = self._weights.get(name)
+        if w is None:
+            t = self._tensors.get(name)
+            if t is None:
+                raise KeyError(f"{self.path}: tensor {name!r} is missing")
+            shape = tuple(int(n) for n in reversed(t.shape))
+            try:
+                data = dequantize(t.data, t.tensor_type)
+            except NotImplementedError as e:
+                raise ValueError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, "
+                                 f"which gguf.quants cannot dequantise") from e
+            w = np.ascontiguousarray(data.reshape(shape), dtype=self.dtype)
+            self._weights[name] = w
+        return w
+
+    def _mm(self, x: np.ndarray, name: str) -> np.ndarray:
+        return x @ self.weight(name).T
+
+    # -- state --
+    def reset(self) -> None:
+        """Forget the conversation: zero conv and recurrent states, empty KV caches."""
+        c = self.config
+        self.n_past = 0
+        self.tokens: list[int] = []
+        self.hidden = np.zeros((0, c.n_embd), dtype=self.dtype)
+        self._conv: dict[int, np.ndarray] = {}
+        self._ssm: dict[int, np.ndarray] = {}
+        self._kv: dict[int, _KVCache] = {}
+        for il in c.deltanet_layers():
+            self._conv[il] = np.zeros((c.ssm_conv_dim, c.ssm_conv_kernel - 1), dtype=self.dtype)
+            self._ssm[il] = np.zeros((c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state), dtype=self.dtype)
+        for il in c.attention_layers():
+            self._kv[il] = _KVCache(c.n_head_kv, c.head_dim, self.dtype)
+
+    def mtp_reset(self) -> None:
+        c = self.config
+        self._mtp_kv = _KVCache(c.n_head_kv, c.head_dim, self.dtype)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Copies of the per-conversation state, by name.
+
+        `blk.{il}.conv` `[conv_dim, kernel-1]` and `blk.{il}.ssm` `[H_v, S_v(j), S_k(i)]` per
+        DeltaNet layer; `blk.{il}.k` / `blk.{il}.v` `[n_past, n_head_kv, head_dim]` per attention
+        layer; `mtp.k` / `mtp.v` / `mtp.pos` for the MTP block's own cache.
+        """
+        out: dict[str, np.ndarray] = {}
+        for il, s in self._conv.items():
+            out[f"blk.{il}.conv"] = s.copy()
+        for il, s in self._ssm.items():
+            out[f"blk.{il}.ssm"] = s.copy()
+        for il, kv in self._kv.items():
+            out[f"blk.{il}.k"] = kv.k.copy()
+            out[f"blk.{il}.v"] = kv.v.copy()
+        out["mtp.k"] = self._mtp_kv.k.copy()
+        out["mtp.v"] = self._mtp_kv.v.copy()
+        out["mtp.pos"] = self._mtp_kv.pos.copy()
+        return out
+
+    # -- public forward --
+    def logits(self, tokens) -> np.ndarray:
+        """Teacher-forced logits `[n, n_vocab]` from a fresh state (the state is kept afterwards)."""
+        self.reset()
+        return self.forward(tokens)
+
+    def step(self, token: int) -> np.ndarray:
+        """Logits `[n_vocab]` for one more token at position n_past."""
+        return self.forward([token])[0]
+
+    def forward(self, tokens) -> np.ndarray:
+        """Process tokens at positions n_past.. (one llama.cpp ubatch); logits `[n, n_vocab]`."""
+        tokens = self._check_tokens(tokens)
+        c = self.config
+        n = len(tokens)
+        positions = np.arange(self.n_past, self.n_past + n)
+        x = self.weight("token_embd.weight")[tokens]
+        for il in range(c.n_layer):
+            p = f"blk.{il}."
+            cur = rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps)
+            if c.is_recurrent(il):
+                cur = self._deltanet(il, cur)
+            else:
+                cur = self._attention(il, cur, positions, self._kv[il])
+            x = x + cur
+            x = x + self._ffn(il, rms_norm(x, self.weight(p + "post_attention_norm.weight"), c.rms_eps))
+        h = rms_norm(x, self.weight("output_norm.weight"), c.rms_eps)
+        self.hidden = np.concatenate([self.hidden, h])
+        self.tokens.extend(int(t) for t in tokens)
+        self.n_past += n
+        return self._mm(h, self._output_name())
+
+    def _output_name(self) -> str:
+        return "output.weight" if self.has("output.weight") else "token_embd.weight"
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if t.size == 0:
+            raise ValueError("tokens is empty")
+        bad = t[(t < 0) | (t >= self.n_vocab)]
+        if bad.size:
+            raise ValueError(f"token id {int(bad[0])} is outside the vocabulary [0, {self.n_vocab})")
+        return t
+
+    # -- blocks --
+    def _ffn(self, il: int, x: np.ndarray) -> np.ndarray:
+        """SwiGLU (LLM_FFN_SILU, LLM_FFN_PAR): down(silu(gate x) * up x)."""
+        p = f"blk.{il}."
+        return self._mm(silu(self._mm(x, p + "ffn_gate.weight")) * self._mm(x, p + "ffn_up.weight"),
+                        p + "ffn_down.weight")
+
+    def _attention(self, il: int, x: np.ndarray, positions: np.ndarray, cache: _KVCache) -> np.ndarray:
+        """Gated attention of qwen35 (build_layer_attn, and the MTP graph's copy of it)."""
+        c = self.config
+        p = f"blk.{il}."
+        n, D, H, Hkv = len(x), c.head_dim, c.n_head, c.n_head_kv
+        # attn_q emits, per head, [query(D), gate(D)] (the ggml_view_3d strides of 2*D per head)
+        qg = self._mm(x, p + "attn_q.weight").reshape(n, H, 2 * D)
+        q = qg[:, :, :D]
+        gate = qg[:, :, D:].reshape(n, H * D)
+        k = self._mm(x, p + "attn_k.weight").reshape(n, Hkv, D)
+        v = self._mm(x, p + "attn_v.weight").reshape(n, Hkv, D)
+        q = rms_norm(q, self.weight(p + "attn_q_norm.weight"), c.rms_eps)
+        k = rms_norm(k, self.weight(p + "attn_k_norm.weight"), c.rms_eps)
+        ang = imrope_angles(positions, c)
+        q = apply_rope(q, ang, c.n_rot)
+        k = apply_rope(k, ang, c.n_rot)
+        cache.append(k, v, positions)
+
+        group = H // Hkv
+        kv_head = np.arange(H) // group
+        K = cache.k[:, kv_head, :]                      # [m, H, D]
+        V = cache.v[:, kv_head, :]
+        scores = np.einsum("nhd,mhd->hnm", q, K) / np.sqrt(D)
+        visible = cache.pos[None, :] <= positions[:, None]   # causal mask by position
+        scores = np.where(visible[None], scores, -np.inf)
+        att = softmax(scores, axis=-1)
+        out = np.einsum("hnm,mhd->nhd", att, V).reshape(n, H * D)
+        out = out * sigmoid(gate)
+        return self._mm(out, p + "attn_output.weight")
+
+    def _deltanet(self, il: int, x: np.ndarray) -> np.ndarray:
+        """Gated DeltaNet (build_layer_attn_linear) over n tokens, updating conv and recurrent state."""
+        c = self.config
+        p = f"blk.{il}."
+        n = len(x)
+        S, Hk, Hv = c.ssm_d_state, c.ssm_n_group, c.ssm_dt_rank
+        key_dim = c.ssm_key_dim
+
+        qkv = self._mm(x, p + "attn_qkv.weight")                          # [n, conv_dim]
+        z = self._mm(x, p + "attn_gate.weight").reshape(n, Hv, S)
+        beta = sigmoid(self._mm(x, p + "ssm_beta.weight"))                # [n, Hv]
+        alpha = self._mm(x, p + "ssm_alpha.weight") + self.weight(p + "ssm_dt.bias")
+        g = softplus(alpha) * self.weight(p + "ssm_a")                    # [n, Hv], <= 0
+        decay = np.exp(g)
+
+        # causal depthwise conv (ggml_ssm_conv) over [state | new inputs] along time
+        w = self.weight(p + "ssm_conv1d.weight")                          # [conv_dim, kernel]
+        kernel = w.shape[1]
+        conv_in = np.concatenate([self._conv[il].T, qkv])                 # [kernel-1+n, conv_dim]
+        conv = np.zeros_like(qkv)
+        for i in range(kernel):
+            conv += conv_in[i:i + n] * w[:, i]
+        self._conv[il] = np.ascontiguousarray(conv_in[n:].T)              # last kernel-1 inputs
+        conv = silu(conv)
+
+        q = conv[:, :key_dim].reshape(n, Hk, S)
+        k = conv[:, key_dim:2 * key_dim].reshape(n, Hk, S)
+        v = conv[:, 2 * key_dim:].reshape(n, Hv, S)
+        q = l2_norm_gdn(q, c.rms_eps) / np.sqrt(S)
+        k = l2_norm_gdn(k, c.rms_eps)
+        key_head = np.arange(Hv) % Hk                                     # tiled (ggml_repeat_4d)
+        q = q[:, key_head]
+        k = k[:, key_head]
+
+        state = self._ssm[il]                                             # [Hv, S(j), S(i)]
+        out = np.empty((n, Hv, S), dtype=self.dtype)
+        for t in range(n):
+            state = state * decay[t][:, None, None]
+            kt = k[t]
+            sk = np.einsum("hji,hi->hj", state, kt)
+            delta = (v[t] - sk) * beta[t][:, None]
+            state = state + delta[:, :, None] * kt[:, None, :]
+            out[t] = np.einsum("hji,hi->hj", state, q[t])
+        self._ssm[il] = state
+
+        out = rms_norm(out, self.weight(p + "ssm_norm.weight"), c.rms_eps) * silu(z)
+        return self._mm(out.reshape(n, Hv * S), p + "ssm_out.weight")
+
+    # -- MTP --
+    def mtp_logits(self, h: np.ndarray, next_token: int, pos: int | None = None):
+        """One step of the MTP block -> (logits `[n_vocab]`, h_mtp `[n_embd]`).
+
+        `h` is the main model's hidden state (after output_norm) at position t and `next_token`
+        the token at t+1; the step sits at MTP position `pos` = t+1 and predicts token t+2.
+        `pos` defaults to one past the newest row of the MTP cache; rows at positions >= pos are
+        dropped first (a rollback, like llama_memory_seq_rm). Chain drafts by passing the returned
+        h_mtp as the next h.
+        """
+        c = self.config
+        il = c.mtp_layer
+        if il is None:
+            raise ValueError(f"{self.path}: model has no MTP block (nextn_predict_layers = 0)")
+        tok = int(self._check_tokens([next_token])[0])
+        h = np.asarray(h, dtype=self.dtype).reshape(-1)
+        if h.shape != (c.n_embd,):
+            raise ValueError(f"h must have {c.n_embd} values, got {h.shape}")
+        if pos is None:
+            pos = int(self._mtp_kv.pos.max()) + 1 if len(self._mtp_kv.pos) else 0
+        self._mtp_kv.remove_from(pos)
+        p = f"blk.{il}."
+        emb_name = p + "nextn.embed_tokens.weight"
+        e = self.weight(emb_name if self.has(emb_name) else "token_embd.weight")[tok]
+        cat = np.concatenate([rms_norm(e, self.weight(p + "nextn.enorm.weight"), c.rms_eps),
+                              rms_norm(h, self.weight(p + "nextn.hnorm.weight"), c.rms_eps)])
+        x = self._mm(cat[None], p + "nextn.eh_proj.weight")                 # [1, n_embd]
+        cur = rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps)
+        x = x + self._attention(il, cur, np.array([pos]), self._mtp_kv)
+        x = x + self._ffn(il, rms_norm(x, self.weight(p + "post_attention_norm.weight"), c.rms_eps))
+        norm_name = p + "nextn.shared_head_norm.weight"
+        hm = rms_norm(x, self.weight(norm_name if self.has(norm_name) else "output_norm.weight"),
+                      c.rms_eps)
+        head_name = p + "nextn.shared_head_head.weight"
+        logits = self._mm(hm, head_name if self.has(head_name) else self._output_name())
+        return logits[0], hm[0]
+
+    def mtp_prefill(self) -> np.ndarray:
+        """Bring the MTP cache up to the main positions, pairing as llama.cpp's process() does.
+
+        Position p gets (token p, hidden p-1), with a zero hidden for p = 0. Returns the MTP
+        logits of those positions `[n, n_vocab]`; the row for position p predicts token p+1.
+        """
+        start = int(self._mtp_kv.pos.max()) + 1 if len(self._mtp_kv.pos) else 0
+        rows = []
+        for p in range(start, self.n_past):
+            h = self.hidden[p - 1] if p > 0 else np.zeros(self.config.n_embd, dtype=self.dtype)
+            rows.append(self.mtp_logits(h, self.tokens[p], pos=p)[0])
+        return np.array(rows).reshape(-1, self.n_vocab)

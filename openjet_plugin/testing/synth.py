@@ -1,0 +1,419 @@
+"""Generated qwen35 GGUFs: the test models of this project (no real checkpoint can be fetched here).
+
+A generated file is what llama.cpp's converter would write for a Qwen3.5-style checkpoint of the
+chosen `ModelConfig`: the same metadata keys, tensor names and shapes (`tensors.all_tensors`), the
+converter's weight conventions (RMSNorm weights stored as 1+w, `ssm_a = -exp(A_log)`, the
+conv kernel as ne=(kernel, channels)), a real byte-level BPE tokenizer and a Qwen3 chat template.
+Weights are random, scaled so that activations stay O(1) through every layer and the logits
+depend strongly on the input.
+
+Two ways to a quantised file:
+- small presets: write F32, then llama.cpp's own quantiser (`llama_model_quantize`), so the type
+  mix is exactly llama.cpp's recipe;
+- q27b (the 27B's shapes; an F32 intermediate would be ~100 GB): random quantised blocks written
+  directly, tensor by tensor, with the types `q4_k_m_type_map` says llama.cpp would choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+import zlib
+from dataclasses import replace
+from typing import Iterator
+
+import numpy as np
+
+from ..config import ARCH, PRESETS, ModelConfig
+from ..tensors import TensorSpec, all_tensors
+from . import bpe
+
+CHAT_TEMPLATE_FILE = bpe.DATA_DIR / "chat_template.jinja"
+
+QUANTS = ("F32", "F16", "Q8_0", "Q6_K", "Q4_K_M")
+# llama.cpp's llama_ftype values (also written as general.file_type)
+FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K_M": 15, "Q6_K": 18}
+# presets whose F32 intermediate would not fit a disk: only the direct Q4_K_M writer serves them
+DIRECT_ONLY = {"q27b"}
+
+# Weight scales. Matrices are N(0, gain^2 / fan_in), so each projection keeps the RMS of its
+# input times `gain`; the residual stream starts at RMS 1 (embedding) and grows slowly.
+EMBED_STD = 1.0
+LOGIT_GAIN = 4.0      # logits = output @ rmsnorm(h): std about 4, a peaked but input-driven softmax
+ALPHA_GAIN = 0.5      # ssm_alpha: keeps softplus(alpha x + dt_bias) moderate so decays stay in (0, 1)
+NORM_SPREAD = 0.1     # norm weights (stored 1+w) in [0.9, 1.1]
+
+
+# --- which tensors a generated file holds -------------------------------------------------------
+
+def synth_specs(config: ModelConfig) -> list[TensorSpec]:
+    """Every required tensor plus the untied `output.weight` and the MTP `shared_head_norm`
+    (the 27B has both); the MTP block reuses token_embd/output as the real checkpoint does."""
+    keep_optional = ("output.weight", "nextn.shared_head_norm.weight")
+    return [s for s in all_tensors(config) if s.required or s.name.endswith(keep_optional)]
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    # one stream per tensor, keyed by its name: values do not depend on the writing order
+    return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(name.encode())]))
+
+
+def _matrix_std(spec: TensorSpec) -> float:
+    name, n_in = spec.name, spec.ne[0]
+    if name == "token_embd.weight":
+        return EMBED_STD
+    gain = LOGIT_GAIN if name == "output.weight" else ALPHA_GAIN if name.endswith("ssm_alpha.weight") else 1.0
+    return gain / np.sqrt(n_in)
+
+
+def tensor_values(spec: TensorSpec, seed: int, rows: slice | None = None) -> np.ndarray:
+    """float32 values of one tensor as numpy `[ne1, ne0]` (or `[ne0]`); `rows` selects ne1 rows.
+
+    A row slice gives the same values as slicing the whole tensor, so big tensors can be made in
+    pieces (each row block draws from its own sub-stream).
+    """
+    name = spec.name
+    n_rows = spec.ne[1] if len(spec.ne) > 1 else 1
+    rows = rows or slice(0, n_rows)
+    r0, r1, _ = rows.indices(n_rows)
+    if len(spec.ne) == 1:
+        g = _rng(seed, name)
+        n = spec.ne[0]
+        if name.endswith("ssm_a"):
+            # A = exp(A_log) in [1, 16] as Qwen initialises it; the converter stores -exp(A_log)
+            return (-np.exp(g.uniform(0.0, np.log(16.0), n))).astype(np.float32)
+        if name.endswith("ssm_dt.bias"):
+            # dt in [1e-3, 1e-1] through softplus: the bias is softplus^-1(dt) (Mamba's init)
+            dt = np.exp(g.uniform(np.log(1e-3), np.log(1e-1), n))
+            return (dt + np.log(-np.expm1(-dt))).astype(np.float32)
+        if name.endswith("norm.weight"):
+            return (1.0 + g.uniform(-NORM_SPREAD, NORM_SPREAD, n)).astype(np.float32)
+        raise ValueError(f"tensor {name!r}: no rule for generating a vector of this name")
+    n_in = spec.ne[0]
+    if name.endswith("ssm_conv1d.weight"):
+        g = _rng(seed, name)
+        return (g.standard_normal((n_rows, n_in)) / np.sqrt(n_in)).astype(np.float32)[r0:r1]
+    std = _matrix_std(spec)
+    out = np.empty((r1 - r0, n_in), dtype=np.float32)
+    # fixed row blocks so that any slice reproduces the whole tensor's values
+    block = _ROW_BLOCK
+    for b0 in range((r0 // block) * block, r1, block):
+        g = _rng(seed, f"{name}#{b0}")
+        vals = g.standard_normal((min(block, n_rows - b0), n_in), dtype=np.float32)
+        lo, hi = max(r0, b0), min(r1, b0 + block)
+        out[lo - r0:hi - r0] = vals[lo - b0:hi - b0] * np.float32(std)
+    return out
+
+
+_ROW_BLOCK = 1024
+
+
+# --- llama.cpp's Q4_K_M recipe ------------------------------------------------------------------
+
+def _use_more_bits(i_layer: int, n_layers: int) -> bool:
+    # llama-quant.cpp: the first and last eighth of the layers, and every third one between
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def q4_k_m_type_map(config: ModelConfig) -> dict[str, str]:
+    """Tensor name -> GGML type name that llama.cpp's quantiser picks for Q4_K_M (src/llama-quant.cpp).
+
+    - vectors and the conv kernel are never quantised: F32;
+    - output.weight (untied): Q6_K; token_embd: the default Q4_K;
+    - attn_v and the DeltaNet attn_qkv count as one "attention V" family, numbered in tensor
+      order (by layer, MTP block last); ffn_down is numbered by layer over all blocks; both get
+      Q6_K where use_more_bits(i, n) holds, otherwise Q4_K;
+    - every other matrix: Q4_K.
+    (llama.cpp would fall back to Q5_0/Q8_0 for widths not divisible by 256; the presets avoid that.)
+    """
+    specs = synth_specs(config)
+    n_wv = sum(1 for s in specs if s.name.endswith(("attn_v.weight", "attn_qkv.weight")))
+    n_down = config.block_count
+    types: dict[str, str] = {}
+    i_wv = 0
+    # llama.cpp walks tensors sorted by (layer, name); each block has one V-like tensor
+    for spec in sorted(specs, key=lambda s: (-1 if s.layer is None else s.layer, s.name)):
+        name = spec.name
+        if spec.kind != "matrix" or len(spec.ne) < 2:
+            t = "F32"
+        elif name == "output.weight":
+            t = "Q6_K"
+        elif name.endswith(("attn_v.weight", "attn_qkv.weight")):
+            t = "Q6_K" if _use_more_bits(i_wv, n_wv) else "Q4_K"
+            i_wv += 1
+        elif name.endswith("ffn_down.weight"):
+            t = "Q6_K" if _use_more_bits(spec.layer, n_down) else "Q4_K"
+        else:
+            t = "Q4_K"
+        if t != "F32" and spec.ne[0] % 256:
+            raise ValueError(f"tensor {name!r}: width {spec.ne[0]} is not a multiple of 256, "
+                             f"llama.cpp would not use {t} for it")
+        types[name] = t
+    return {s.name: types[s.name] for s in specs}
+
+
+# --- random quantised blocks (direct writer) ------------------------------------------------------
+
+QK_K = 256
+_BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210), "F16": (1, 2), "F32": (1, 4)}
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).view(np.uint8).reshape(*x.shape, 2)
+
+
+def random_blocks(ggml_type: str, n_rows: int, n_cols: int, std: float, g: np.random.Generator) -> np.ndarray:
+    """Valid random blocks of `ggml_type` (uint8 `[n_rows, row_bytes]`) whose values have mean ~0
+    and standard deviation ~`std`: finite fp16 scales, full-range quants."""
+    per, nbytes = _BLOCK_BYTES[ggml_type]
+    if n_cols % per:
+        raise ValueError(f"{ggml_type}: row width {n_cols} is not a multiple of its block size {per}")
+    nb = n_rows * (n_cols // per)
+    if ggml_type == "F32":
+        return (g.standard_normal((n_rows, n_cols), dtype=np.float32) * np.float32(std)).view(np.uint8)
+    if ggml_type == "F16":
+        return _f16_bytes(g.standard_normal((n_rows, n_cols), dtype=np.float32) * np.float32(std)).reshape(n_rows, -1)
+    out = np.empty((nb, nbytes), dtype=np.uint8)
+    if ggml_type == "Q8_0":
+        # x = d * q, q uniform in [-127, 127]
+        out[:, 0:2] = _f16_bytes(np.full(nb, std / _uniform_rms(-127, 127), dtype=np.float32))
+        out[:, 2:] = g.integers(-127, 128, (nb, 32), dtype=np.int8).view(np.uint8)
+    elif ggml_type == "Q4_K":
+        # x = d*sc*q - dmin*m with q in 0..15 (mean 7.5); with m = sc and dmin = 7.5 d
+        # every 32-group is centred: x = d*sc*(q - 7.5)
+        sc = g.integers(24, 64, (nb, 8), dtype=np.uint8)
+        d = np.float32(std / (_uniform_rms(0, 15, centre=7.5) * _uniform_rms(24, 63)))
+        out[:, 0:2] = _f16_bytes(np.full(nb, d, dtype=np.float32))
+        out[:, 2:4] = _f16_bytes(np.full(nb, 7.5 * d, dtype=np.float32))
+        out[:, 4:16] = _pack_k4_scales(sc, sc)
+        out[:, 16:] = g.integers(0, 256, (nb, 128), dtype=np.uint8)
+    elif ggml_type == "Q6_K":
+        # x = d * scale * (q - 32) with q in 0..63 int8 scales in [16, 127]
+        out[:, 0:192] = g.integers(0, 256, (nb, 192), dtype=np.uint8)
+        out[:, 192:208] = g.integers(16, 128, (nb, 16), dtype=np.int8).view(np.uint8)
+        d = std / (_uniform_rms(0, 63, centre=32) * _uniform_rms(16, 127))
+        out[:, 208:210] = _f16_bytes(np.full(nb, d, dtype=np.float32))
+    else:
+        raise ValueError(f"no random block generator for type {ggml_type}")
+    return out.reshape(n_rows, -1)
+
+
+def _uniform_rms(lo: int, hi: int, centre: float = 0.0) -> float:
+    """RMS of (k - centre) for k uniform on the integers lo..hi."""
+    k = np.arange(lo, hi + 1, dtype=np.float64) - centre
+    return float(np.sqrt(np.mean(k * k)))
+
+
+def _pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Pack eight 6-bit scales and mins into Q4_K/Q5_K's 12 bytes (inverse of get_scale_min_k4)."""
+    out = np.empty((sc.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out
+
+
+# --- GGUF writing ----------------------------------------------------------------------------------
+
+def _add_metadata(w, config: ModelConfig, name: str, file_type: int, preset: str | None, seed: int) -> None:
+    import gguf
+
+    w.add_name(name)
+    w.add_type("model")
+    w.add_file_type(file_type)
+    for key, value in config.gguf_metadata().items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, (list, tuple)):
+            w.add_array(key, list(value))
+        else:
+            raise TypeError(f"metadata key {key!r}: cannot write a value of type {type(value).__name__}")
+    vocab = bpe.vocab_arrays(config.n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(bpe.PRE_TOKENIZER)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    w.add_eos_token_id(vocab.eos_id)
+    w.add_bos_token_id(vocab.bos_id)
+    w.add_pad_token_id(vocab.bos_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"))
+    # provenance, read by tests (llama.cpp ignores unknown keys)
+    w.add_string("openjet.synth.preset", preset or "custom")
+    w.add_uint32("openjet.synth.seed", seed)
+    if file_type not in (0, 1):
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_gguf(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[TensorSpec, str]],
+                data: Iterator[np.ndarray], *, file_type: int, preset: str | None, seed: int) -> None:
+    """Stream a GGUF: header, metadata and tensor infos first, then each tensor's bytes in order."""
+    import gguf
+
+    w = gguf.GGUFWriter(os.fspath(path), ARCH)
+    try:
+        _add_metadata(w, config, f"openjet-synth-{preset or 'custom'}", file_type, preset, seed)
+        for spec, t in tensors:
+            qtype = gguf.GGMLQuantizationType[t]
+            per, nbytes = _BLOCK_BYTES[t]
+            n_rows = spec.ne[1] if len(spec.ne) > 1 else 1
+            size = n_rows * (spec.ne[0] // per) * nbytes
+            shape = tuple(reversed(spec.ne))
+            if t == "F32":
+                w.add_tensor_info(spec.name, shape, np.dtype(np.float32), size)
+            elif t == "F16":
+                w.add_tensor_info(spec.name, shape, np.dtype(np.float16), size)
+            else:
+                byte_shape = (*shape[:-1], shape[-1] // per * nbytes)
+                w.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), size, raw_dtype=qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for arr in data:
+            w.write_tensor_data(arr)
+    finally:
+        w.close()
+
+
+def _f32_tensors(specs: list[TensorSpec], seed: int) -> Iterator[np.ndarray]:
+    for spec in specs:
+        yield tensor_values(spec, seed)
+
+
+def _direct_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int) -> Iterator[np.ndarray]:
+    """Random blocks for each tensor in turn: one tensor in memory at a time (at most ~1 GB for
+    the 27B's Q6_K output head), generated in row chunks that each draw from their own stream."""
+    for spec in specs:
+        t = types[spec.name]
+        if t == "F32":
+            yield tensor_values(spec, seed)
+            continue
+        n_rows, n_cols = spec.ne[1], spec.ne[0]
+        std = float(_matrix_std(spec))
+        per, nbytes = _BLOCK_BYTES[t]
+        chunk = max(1, (64 << 20) // (n_cols // per * nbytes))
+        out = np.empty((n_rows, n_cols // per * nbytes), dtype=np.uint8)
+        for r0 in range(0, n_rows, chunk):
+            r1 = min(n_rows, r0 + chunk)
+            out[r0:r1] = random_blocks(t, r1 - r0, n_cols, std, _rng(seed, f"{spec.name}@{r0}"))
+        yield out
+
+
+def _resolve(preset: str | None, config: ModelConfig | None) -> ModelConfig:
+    if config is not None:
+        return config
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[preset]
+
+
+def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: str = "F32", seed: int = 0,
+                force: bool = False, config: ModelConfig | None = None, direct: bool | None = None) -> pathlib.Path:
+    """Write a generated qwen35 GGUF to `out_path` and return its path.
+
+    preset: a key of `config.PRESETS` (ignored when `config` is given); quant: one of QUANTS;
+    direct: write random quantised blocks with `q4_k_m_type_map` instead of running llama.cpp's
+    quantiser (only for Q4_K_M; the default, None, means "only for q27b").
+    The file appears atomically (temporary file in the same folder, then os.replace); an existing
+    file is refused unless `force`.
+    """
+    out = pathlib.Path(out_path)
+    cfg = _resolve(preset, config)
+    name = preset if config is None else None
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r} is not one of {', '.join(QUANTS)}")
+    if direct is None:
+        direct = name in DIRECT_ONLY
+    if name in DIRECT_ONLY and (quant != "Q4_K_M" or not direct):
+        raise ValueError(f"preset {name!r} is generated only as Q4_K_M by the direct writer "
+                         f"(its F32 intermediate would not fit on disk); got quant={quant!r}")
+    if direct and quant != "Q4_K_M":
+        raise ValueError(f"the direct writer makes Q4_K_M files only; got quant={quant!r}")
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: file exists; pass force=True (--force) to overwrite it")
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"{out.parent}: output folder does not exist")
+
+    specs = synth_specs(cfg)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp_f32 = out.with_name(f".{out.name}.{os.getpid()}.f32.tmp")
+    try:
+        if direct:
+            types = q4_k_m_type_map(cfg)
+            _write_gguf(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed),
+                        file_type=FTYPES["Q4_K_M"], preset=name, seed=seed)
+        elif quant == "F32":
+            _write_gguf(tmp, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed),
+                        file_type=FTYPES["F32"], preset=name, seed=seed)
+        else:
+            _write_gguf(tmp_f32, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed),
+                        file_type=FTYPES["F32"], preset=name, seed=seed)
+            llama_quantize(tmp_f32, tmp, quant)
+        os.replace(tmp, out)
+    finally:
+        for p in (tmp, tmp_f32):
+            if p.exists():
+                p.unlink()
+    return out
+
+
+def synth_vocab_only(out_path: str | os.PathLike[str], preset: str = "tiny", force: bool = False,
+                     config: ModelConfig | None = None) -> pathlib.Path:
+    """A GGUF with the metadata and tokenizer of a preset but no tensors: enough for
+    `llama_cpp.Llama(path, vocab_only=True)` and `Tokenizer.from_gguf`, e.g. for the 27B's padded
+    248,320-token vocabulary without its 16.8 GB of weights."""
+    out = pathlib.Path(out_path)
+    cfg = _resolve(preset, config)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: file exists; pass force=True (--force) to overwrite it")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _write_gguf(tmp, cfg, [], iter(()), file_type=FTYPES["F32"], preset=preset if config is None else None,
+                    seed=0)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def llama_quantize(src: pathlib.Path, dst: pathlib.Path, quant: str, nthread: int | None = None) -> None:
+    """Quantise `src` to `dst` with llama.cpp's own quantiser (the real recipe for `quant`)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[quant]
+    params.nthread = nthread or os.cpu_count() or 1
+    rc = llama_cpp.llama_model_quantize(os.fspath(src).encode(), os.fspath(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp failed to quantise {src} to {quant} (return code {rc})")
+
+
+def synth_main(argv: list[str] | None = None) -> int:
+    """`openjet synth OUT.gguf --preset tiny --quant Q8_0 --seed 0 [--force]`."""
+    ap = argparse.ArgumentParser(prog="openjet synth", description="Generate a random-weight qwen35 GGUF test model.")
+    ap.add_argument("out", type=pathlib.Path, help="output .gguf path")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--quant", default=None, choices=QUANTS,
+                    help="tensor types (default: Q4_K_M for q27b, F32 otherwise)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="overwrite an existing file")
+    ap.add_argument("--direct", action="store_true",
+                    help="write random Q4_K_M blocks directly instead of quantising an F32 file")
+    args = ap.parse_args(argv)
+    quant = args.quant or ("Q4_K_M" if args.preset in DIRECT_ONLY else "F32")
+    try:
+        path = synth_model(args.out, preset=args.preset, quant=quant, seed=args.seed, force=args.force,
+                           direct=True if args.direct else None)
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:
+        print(f"openjet synth: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{path}: {args.preset} {quant} seed={args.seed} ({path.stat().st_size / 1e6:.1f} MB)")
+    return 0
