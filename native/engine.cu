@@ -356,6 +356,9 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
         m.head = m.own_head.present() ? &m.own_head : (e.output.present() ? &e.output : &e.tok_embd);
     }
     alloc_scratch(e);
+    // cudaMemcpy from pageable memory may return before its DMA lands, and the engine's stream does
+    // not wait for the legacy default stream: finish every upload before the first kernel.
+    check_cuda(cudaDeviceSynchronize(), "upload weights");
     engine_reset(e);
 }
 

@@ -12,6 +12,7 @@ falls back to llama.cpp.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -90,6 +91,24 @@ def sources() -> list[Path]:
     return sorted(NATIVE_SRC.glob("*.cu"))
 
 
+def sources_digest() -> str:
+    """sha256 over the native sources (names and bytes): what a built library was built from."""
+    h = hashlib.sha256()
+    for p in sorted(list(NATIVE_SRC.glob("*.cu")) + list(NATIVE_SRC.glob("*.cuh")) + list(NATIVE_SRC.glob("*.h"))):
+        h.update(p.name.encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
+
+
+def stamp_path(out_dir: Path = OUT_DIR) -> Path:
+    return out_dir / (LIB_NAME + ".sources")
+
+
+def is_current(out_dir: Path = OUT_DIR) -> bool:
+    """True when the library exists and was built from the current sources."""
+    stamp = stamp_path(out_dir)
+    return (out_dir / LIB_NAME).is_file() and stamp.is_file() and stamp.read_text().strip() == sources_digest()
+
+
 def nvcc_command(nvcc: str, archs: list[str], output: Path) -> list[str]:
     cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-lineinfo",
            "--threads", "0", "-I", str(NATIVE_SRC), "-o", str(output)]
@@ -129,6 +148,7 @@ def build(out_dir: Path = OUT_DIR, archs: list[str] | None = None, verbose: bool
         raise RuntimeError(f"nvcc failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     os.replace(tmp, output)
     shutil.copyfile(NATIVE_SRC / "openjet.h", out_dir / "openjet.h")
+    stamp_path(out_dir).write_text(sources_digest() + "\n")
     if verbose:
         print(f"openjet build_native: wrote {output}", file=sys.stderr)
     return output
@@ -138,7 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--archs", help=f"override {ARCH_ENV}, e.g. '90' or '86;89;90;120'")
     ap.add_argument("--out-dir", type=Path, default=OUT_DIR)
+    ap.add_argument("--if-stale", action="store_true",
+                    help="do nothing when the library was already built from the current sources")
     args = ap.parse_args(argv)
+    if args.if_stale and is_current(args.out_dir):
+        print(f"openjet build_native: {args.out_dir / LIB_NAME} is current", file=sys.stderr)
+        return 0
     try:
         archs = parse_archs(args.archs) if args.archs else None
         build(args.out_dir, archs)

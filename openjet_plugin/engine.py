@@ -36,7 +36,8 @@ _EOG_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_t
 
 @dataclass
 class GenerationStats:
-    """One request's numbers. decode_seconds runs from the end of prefill to the last token;
+    """One request's numbers. decode_seconds runs from the end of prefill to the last token, less
+    the time a streaming caller spent between chunks;
     tokens_per_second = generated_tokens / decode_seconds. generated_tokens counts every sampled
     token, the end-of-generation token included (it cost a decode step)."""
 
@@ -331,6 +332,7 @@ class Engine:
         generated: list[int] = []
         unreported: list[int] = []
         finish: str | None = None
+        paused = 0.0          # time the caller spent between stream chunks is not decode time
         try:
             while True:
                 tok = top if argmax_only else sampler.sample(logits, history)
@@ -350,7 +352,9 @@ class Engine:
                     break
                 out = text.take()
                 if out:
+                    t_yield = time.perf_counter()
                     yield Chunk(out, unreported)
+                    paused += time.perf_counter() - t_yield
                     unreported = []
                 # evaluate the token just sampled to get the next logits
                 self._logits = None
@@ -362,7 +366,7 @@ class Engine:
                     self._tokens.append(tok)
                     self._logits = logits
         finally:
-            stats.decode_seconds = time.perf_counter() - t1
+            stats.decode_seconds = time.perf_counter() - t1 - paused
             stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
                                        if stats.decode_seconds > 0 else 0.0)
         yield Chunk(text.finish(), unreported, finish, stats)

@@ -4,25 +4,33 @@
     validate(path)   -> ValidationReport   collects every problem instead of raising
     describe(path)   -> str                the text `openjet info` prints
 
-The file is memory-mapped read-only through `gguf.GGUFReader`; nothing is copied or written.
-The checks run in the order a loader depends on them, and a failed stage stops the later ones
-(tensor shapes derived from a nonsense head count would only add noise):
+The file is memory-mapped read-only; nothing is copied or written. The checks run in the order a
+loader depends on them, and a failed stage stops the later ones (tensor shapes derived from a
+nonsense head count would only add noise):
 
   1. structure: a GGUF at all, not cut short anywhere (header, metadata, tensor descriptions,
-     tensor data: each tensor's byte range is compared with the file size here, because the
-     parser does not guarantee that);
+     tensor data: every tensor's byte range is compared with the file size);
   2. `general.architecture == "qwen35"`;
   3. hyperparameters -> ModelConfig, then sanity (positive sizes, head counts that divide, ...);
-  4. vocabulary: the tokenizer's token count must equal token_embd's rows;
+  4. vocabulary: the tokenizer's token count must equal token_embd's rows; tokens and merges
+     decode as UTF-8, token_type has one entry per token, bos/eos/padding ids are token ids;
   5. every tensor of `all_tensors(config)`: present, shape, type in SUPPORTED_TENSOR_TYPES.
+
+Why not `gguf.GGUFReader`: it builds a numpy view per array element while opening, which took
+42 s on a file with the 27B's vocabulary (248k tokens, 248k merges, 248k token types), does not
+check every length against the file size (a corrupted count makes it loop for a long time), and
+fails on a cut file with a bare IndexError. The layout walk below (`_GGUFLayout`) reads the same
+format (gguf-py's constants, GGML_QUANT_SIZES) in about a second, bounds-checking every read, and
+decodes metadata values only when asked. tests/test_model_file.py checks it against GGUFReader.
 
 MTP policy: a file without a usable MTP block still loads, with `has_mtp = False` and an
 `MTPMissingWarning` (speculation off). "Unusable" means nextn_predict_layers == 0, no MTP tensors
-at all, or some required MTP tensors missing (the warning names them); we turn speculation off
-rather than refuse the file because the main model is complete and llama.cpp also runs such files
-without MTP. An MTP tensor that is *present* with a wrong shape or type is still an error: that is
-a damaged file, not a model without MTP. `config` always describes the file as written
-(`n_layer_nextn` as in its metadata); `has_mtp` says whether the block can be used.
+at all, some required MTP tensors missing (the warning names them), or more than one MTP block.
+We turn speculation off rather than refuse the file because the main model is complete and
+llama.cpp also runs such files without MTP. An MTP tensor that is *present* with a wrong shape or
+type is still an error: that is a damaged file, not a model without MTP. `config` always
+describes the file as written (`n_layer_nextn` as in its metadata); `has_mtp` says whether the
+block can be used.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize as _gguf_dequantize
 
 from .config import ARCH, PRESETS, SUPPORTED_TENSOR_TYPES, ModelConfig
@@ -64,6 +72,7 @@ READABLE_GGUF_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 LLAMA_MAX_LAYERS = 512     # llama.cpp refuses more (src/llama-hparams.h)
 TOKENS_KEY = "tokenizer.ggml.tokens"
+MERGES_KEY = "tokenizer.ggml.merges"
 CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 # Arrays longer than this are shown as an ArrayPreview in ModelFile.metadata.
 METADATA_ARRAY_LIMIT = 16
@@ -168,42 +177,40 @@ class ValidationReport:
 class ModelFile:
     """An open, validated qwen35 GGUF. Use as a context manager or call `close()`.
 
-    After close() the file handle and mapping are released as soon as no TensorInfo.data view
-    obtained earlier is still referenced (a view keeps its mapping alive, so it never dangles).
+    close() unmaps the file at once unless a TensorInfo.data view obtained earlier is still
+    referenced; such a view keeps its mapping alive (it never dangles) until it is dropped.
     """
 
-    def __init__(self, path: str, reader: GGUFReader, config: ModelConfig, has_mtp: bool,
-                 tensors: dict[str, TensorInfo]):
+    def __init__(self, path: str, layout: "_GGUFLayout", config: ModelConfig, has_mtp: bool,
+                 tensors: dict[str, TensorInfo], tokenizer: TokenizerFields | None = None):
         self.path = path
         self.config = config
         self.has_mtp = has_mtp
-        self._reader: GGUFReader | None = reader
+        self._layout: _GGUFLayout | None = layout
         self.tensors = tensors
-        self.metadata: dict[str, Any] = _metadata_dict(reader)
-        self.chat_template: str | None = _string_field(reader, CHAT_TEMPLATE_KEY)
+        self.metadata: dict[str, Any] = layout.metadata_dict()
+        self.chat_template: str | None = layout.string_or_none(CHAT_TEMPLATE_KEY)
+        if tokenizer is not None:
+            self.__dict__["tokenizer_fields"] = tokenizer   # already decoded while validating
 
     def tensor_type_counts(self) -> dict[str, int]:
         return dict(Counter(t.ggml_type for t in self.tensors.values()))
 
     @cached_property
     def tokenizer_fields(self) -> TokenizerFields:
-        reader = self._require_open()
-        return _tokenizer_fields(reader)
+        if self._layout is None:
+            raise ValueError(f"{self.path}: the model file is closed")
+        return self._layout.tokenizer_fields()
 
     @property
     def closed(self) -> bool:
-        return self._reader is None
+        return self._layout is None
 
     def close(self) -> None:
-        # Dropping every reference to the reader's memmap (its field parts and tensor views hang
-        # off it) lets CPython unmap the file and close the descriptor mmap duplicated.
-        self._reader = None
         self.tensors = {}
-
-    def _require_open(self) -> GGUFReader:
-        if self._reader is None:
-            raise ValueError(f"{self.path}: the model file is closed")
-        return self._reader
+        if self._layout is not None:
+            self._layout.close()
+            self._layout = None
 
     def __enter__(self) -> "ModelFile":
         return self
@@ -231,7 +238,7 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
 
 
 def validate(path: str | os.PathLike[str]) -> ValidationReport:
-    """Check `path` and collect every problem. Raises only FileNotFoundError (there is no file)."""
+    """Check `path` and collect every problem. Raises only OSError (no such file, no permission)."""
     inspection = _inspect(path)
     inspection.release()
     return inspection.report
@@ -260,8 +267,11 @@ def describe(path: str | os.PathLike[str]) -> str:
                                                          key=lambda kv: (-kv[1], kv[0])))
         lines.append(f"tensors: {report.n_tensors} ({counts})")
     if c is not None:
-        lines.append(f"MTP block: {'present (speculative decoding available)' if report.has_mtp else 'absent (speculative decoding off)'}")
-    lines.append("verdict: OK" if report.ok else f"verdict: NOT USABLE ({len(report.errors)} problem(s))")
+        mtp = ("present (speculative decoding available)" if report.has_mtp
+               else "absent or incomplete (speculative decoding off)")
+        lines.append(f"MTP block: {mtp}")
+    lines.append("verdict: OK" if report.ok
+                 else f"verdict: NOT USABLE ({len(report.errors)} problem(s))")
     lines += [f"  error: {e.reason}" for e in report.errors]
     lines += [f"  warning: {w}" for w in report.warnings]
     return "\n".join(lines)
@@ -280,8 +290,9 @@ class _Inspection:
     def __init__(self, path: str):
         self.path = path
         self.report = ValidationReport(path=path)
-        self.reader: GGUFReader | None = None
+        self.layout: _GGUFLayout | None = None
         self.tensors: dict[str, TensorInfo] = {}
+        self.tokenizer: TokenizerFields | None = None
 
     def error(self, exc: ModelFileError) -> None:
         self.report.errors.append(exc)
@@ -294,33 +305,41 @@ class _Inspection:
         self.report.warnings.append(message)
 
     def release(self) -> None:
-        self.reader = None
         self.tensors = {}
+        if self.layout is not None:
+            self.layout.close()
+            self.layout = None
 
     def model_file(self) -> ModelFile:
-        assert self.reader is not None and self.report.config is not None
-        mf = ModelFile(self.path, self.reader, self.report.config, self.report.has_mtp, self.tensors)
-        self.release()
+        assert self.layout is not None and self.report.config is not None
+        mf = ModelFile(self.path, self.layout, self.report.config, self.report.has_mtp, self.tensors,
+                       self.tokenizer)
+        self.layout, self.tensors = None, {}
         return mf
 
 
 def _inspect(path: str | os.PathLike[str]) -> _Inspection:
-    spath = os.fspath(path)
-    insp = _Inspection(spath)
+    insp = _Inspection(os.fspath(path))
     try:
-        reader = _open_reader(insp)
-        insp.reader = reader
-        _collect_tensors(insp, reader)
-        _check_architecture(insp, reader)
-        config = _read_config(insp, reader)
+        layout = _open_layout(insp)
+        insp.layout = layout
+        insp.tensors = layout.tensor_infos()
+        insp.report.n_tensors = len(insp.tensors)
+        insp.report.type_counts = dict(Counter(t.ggml_type for t in insp.tensors.values()))
+        _check_architecture(insp, layout)
+        config = _read_config(insp, layout)
         _check_vocabulary(insp, config)
+        _check_tokenizer(insp, layout, config)
         _check_tensors(insp, config)
     except _Stop:
         pass
+    except BaseException:
+        insp.release()    # an unexpected failure must not leave the file mapped
+        raise
     return insp
 
 
-def _open_reader(insp: _Inspection) -> GGUFReader:
+def _open_layout(insp: _Inspection) -> "_GGUFLayout":
     path = insp.path
     if not os.path.exists(path):
         raise FileNotFoundError(2, f"model file not found: {path}", path)
@@ -332,80 +351,49 @@ def _open_reader(insp: _Inspection) -> GGUFReader:
         insp.stop(NotGGUFError(path, "the file is empty (0 bytes), not a GGUF model"))
     with open(path, "rb") as f:
         head = f.read(4)
-    if head != GGUF_MAGIC:
-        if len(head) < 4 and GGUF_MAGIC.startswith(head):
-            insp.stop(TruncatedFileError(path, "the GGUF header", 4, size))
-        insp.stop(NotGGUFError(path, f"not a GGUF file: it starts with {head!r}, a GGUF starts "
-                                     f"with {GGUF_MAGIC!r}"))
-    # Walk the layout ourselves first, bounds-checked: the parser reports a cut-short or corrupt
-    # file as a bare IndexError/ValueError, and a corrupted array count can keep it looping over
-    # empty slices for a very long time; the walk names the place and fails fast.
-    found = _scan_layout(path, size)
-    if found is not None:
-        insp.stop(found)
+        if head != GGUF_MAGIC:
+            if len(head) < 4 and GGUF_MAGIC.startswith(head):
+                insp.stop(TruncatedFileError(path, "the GGUF header", 4, size))
+            insp.stop(NotGGUFError(path, f"not a GGUF file: it starts with {head!r}, a GGUF "
+                                         f"starts with {GGUF_MAGIC!r}"))
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    layout = _GGUFLayout(path, buf, size)
     try:
-        reader = GGUFReader(path, "r")
-    except (MemoryError, PermissionError):
-        raise
-    except Exception as exc:
-        # `from None` and no reference kept: the traceback would hold the half-built reader
-        # and with it the mapping of the file.
-        insp.stop(ModelFileError(path, f"the GGUF parser failed: {type(exc).__name__}: {exc}"))
-    if reader.byte_order != "I":
-        insp.stop(ModelFileError(path, "this GGUF is big-endian; the engine reads little-endian "
-                                       "files only"))
-    # The parser slices tensor data without checking that it lies inside the file.
-    base = int(reader.data_offset)
-    for t in sorted(reader.tensors, key=lambda t: int(t.data_offset)):
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            insp.stop(TruncatedFileError(path, f"the data of tensor {t.name!r}", end, size))
-        if (int(t.data_offset) - base) % int(reader.alignment) != 0:
-            insp.stop(ModelFileError(path, f"tensor {t.name!r}: its data offset is not a multiple "
-                                           f"of the file's alignment {int(reader.alignment)}"))
-    return reader
+        layout.walk()
+    except ModelFileError as exc:
+        layout.close()
+        insp.stop(exc)
+    return layout
 
 
-def _collect_tensors(insp: _Inspection, reader: GGUFReader) -> None:
-    for t in reader.tensors:
-        start = int(t.data_offset)
-        insp.tensors[t.name] = TensorInfo(
-            name=t.name,
-            ne=tuple(int(d) for d in t.shape),
-            ggml_type=_type_name(t.tensor_type),
-            n_bytes=int(t.n_bytes),
-            offset=start,
-            data=reader.data[start:start + int(t.n_bytes)],
-        )
-    insp.report.n_tensors = len(insp.tensors)
-    insp.report.type_counts = dict(Counter(t.ggml_type for t in insp.tensors.values()))
-
-
-def _check_architecture(insp: _Inspection, reader: GGUFReader) -> None:
-    f = reader.fields.get("general.architecture")
+def _check_architecture(insp: _Inspection, layout: "_GGUFLayout") -> None:
+    key = "general.architecture"
+    f = layout.fields.get(key)
     if f is None:
-        insp.stop(MissingKeyError(insp.path, "general.architecture"))
-    if f.types != [GGUFValueType.STRING]:
-        insp.stop(InvalidMetadataError(insp.path, "general.architecture", _field_value(f),
-                                       "expected a string"))
-    arch = f.contents()
+        insp.stop(MissingKeyError(insp.path, key))
+    if f.type != GGUFValueType.STRING:
+        insp.stop(InvalidMetadataError(insp.path, key, layout.preview(f), "expected a string"))
+    try:
+        arch = layout.value(f)
+    except ModelFileError as exc:
+        insp.stop(exc)
     if arch != ARCH:
         insp.stop(WrongArchitectureError(insp.path, arch, ARCH))
 
 
-def _read_config(insp: _Inspection, reader: GGUFReader) -> ModelConfig:
+def _read_config(insp: _Inspection, layout: "_GGUFLayout") -> ModelConfig:
     path = insp.path
-    tokens = reader.fields.get(TOKENS_KEY)
+    tokens = layout.fields.get(TOKENS_KEY)
     if tokens is None:
         insp.stop(MissingKeyError(path, TOKENS_KEY))
-    if tokens.types[:1] != [GGUFValueType.ARRAY] or tokens.types[-1] != GGUFValueType.STRING:
-        insp.stop(InvalidMetadataError(path, TOKENS_KEY, _field_value(tokens),
+    if tokens.type != GGUFValueType.ARRAY or tokens.element_type != GGUFValueType.STRING:
+        insp.stop(InvalidMetadataError(path, TOKENS_KEY, layout.preview(tokens),
                                        "expected an array of strings (the vocabulary)"))
-    n_vocab = len(tokens.data)
+    n_vocab = tokens.count
     if n_vocab == 0:
         insp.stop(InvalidMetadataError(path, TOKENS_KEY, [], "the vocabulary is empty"))
 
-    get = _KeyReader(insp, reader)
+    get = _KeyReader(insp, layout)
     try:
         config = ModelConfig.from_gguf_metadata(get, n_vocab)
         inner_size = get(_K + "ssm.inner_size")
@@ -424,45 +412,45 @@ def _read_config(insp: _Inspection, reader: GGUFReader) -> ModelConfig:
 class _KeyReader:
     """`get(key)` for ModelConfig.from_gguf_metadata: typed values, errors naming file and key."""
 
-    def __init__(self, insp: _Inspection, reader: GGUFReader):
+    def __init__(self, insp: _Inspection, layout: "_GGUFLayout"):
         self.insp = insp
-        self.fields = reader.fields
+        self.layout = layout
 
     def __call__(self, key: str) -> Any:
-        f = self.fields.get(key)
+        path, layout = self.insp.path, self.layout
+        f = layout.fields.get(key)
         if f is None:
             default = _LLAMA_CPP_DEFAULTS.get(key)
             if default is None:
-                raise MissingKeyError(self.insp.path, key)
+                raise MissingKeyError(path, key)
             value = default(self)
             self.insp.warn(f"metadata key {key!r} is missing; using llama.cpp's default {value!r}")
             return value
         kind = _KEY_KINDS.get(key, "int")
-        t0, tn = f.types[0], f.types[-1]
         if kind == "int":
-            if t0 not in _INT_TYPES:
-                raise InvalidMetadataError(self.insp.path, key, _field_value(f),
-                                           f"expected an integer, the file has {_vtype(f)}")
-            return int(f.contents())
+            if f.type not in _INT_TYPES:
+                raise InvalidMetadataError(path, key, layout.preview(f),
+                                           f"expected an integer, the file has {f.describe_type()}")
+            return int(layout.value(f))
         if kind == "float":
-            if t0 not in _FLOAT_TYPES | _INT_TYPES:
-                raise InvalidMetadataError(self.insp.path, key, _field_value(f),
-                                           f"expected a number, the file has {_vtype(f)}")
-            if t0 == GGUFValueType.FLOAT32:
+            if f.type not in _FLOAT_TYPES | _INT_TYPES:
+                raise InvalidMetadataError(path, key, layout.preview(f),
+                                           f"expected a number, the file has {f.describe_type()}")
+            if f.type == GGUFValueType.FLOAT32:
                 # the shortest decimal that is this float32 (1e-06, not 9.99999997e-07): the value
                 # the converter meant, so configs read back compare equal to the ones written
-                return float(str(np.float32(f.contents())))
-            return float(f.contents())
+                return float(str(np.float32(layout.value(f))))
+            return float(layout.value(f))
         # int_array: llama.cpp's get_key_or_arr also takes a scalar for all four sections
-        if t0 in _INT_TYPES:
-            return [int(f.contents())] * 4
-        if t0 != GGUFValueType.ARRAY or (len(f.data) and tn not in _INT_TYPES):
-            raise InvalidMetadataError(self.insp.path, key, _field_value(f),
-                                       f"expected an array of integers, the file has {_vtype(f)}")
-        values = [int(v) for v in f.contents()]
-        if len(values) > 4:
-            raise InvalidMetadataError(self.insp.path, key, values, "at most 4 entries are allowed")
-        return values
+        if f.type in _INT_TYPES:
+            return [int(layout.value(f))] * 4
+        if f.type != GGUFValueType.ARRAY or (f.count and f.element_type not in _INT_TYPES):
+            raise InvalidMetadataError(path, key, layout.preview(f),
+                                       f"expected an array of integers, the file has "
+                                       f"{f.describe_type()}")
+        if f.count > 4:
+            raise InvalidMetadataError(path, key, layout.preview(f), "at most 4 entries are allowed")
+        return [int(v) for v in layout.value(f)]
 
 
 def _hyperparameter_problems(c: ModelConfig, inner_size: int, value_length: int):
@@ -475,6 +463,7 @@ def _hyperparameter_problems(c: ModelConfig, inner_size: int, value_length: int)
         "ssm.conv_kernel": c.ssm_conv_kernel, "ssm.state_size": c.ssm_d_state,
         "ssm.group_count": c.ssm_n_group, "ssm.time_step_rank": c.ssm_dt_rank,
         "full_attention_interval": c.full_attention_interval, "context_length": c.n_ctx_train,
+        "block_count": c.block_count,
     }
     bad = set()
     for name, value in positive.items():
@@ -484,7 +473,7 @@ def _hyperparameter_problems(c: ModelConfig, inner_size: int, value_length: int)
     if c.block_count > LLAMA_MAX_LAYERS:
         yield (k + "block_count", c.block_count,
                f"more than llama.cpp's limit of {LLAMA_MAX_LAYERS} layers (a corrupt value?)")
-    if c.n_layer_nextn < 0 or c.n_layer < 1:
+    if "block_count" not in bad and (c.n_layer_nextn < 0 or c.n_layer < 1):
         yield (k + "nextn_predict_layers", c.n_layer_nextn,
                f"must be between 0 and block_count - 1 = {c.block_count - 1} "
                f"(block_count counts the main layers plus the MTP blocks)")
@@ -520,6 +509,30 @@ def _check_vocabulary(insp: _Inspection, config: ModelConfig) -> None:
             insp.path, "token_embd.weight", (config.n_embd, config.n_vocab), emb.ne,
             f"{TOKENS_KEY} has {config.n_vocab} tokens but the embedding has {emb.ne[1]} rows; "
             f"the tokenizer and the weights do not belong together"))
+
+
+def _check_tokenizer(insp: _Inspection, layout: "_GGUFLayout", config: ModelConfig) -> None:
+    """Decode the vocabulary and merges (the engine needs them anyway) and check that the ids and
+    arrays agree, so that a broken tokenizer fails here by name instead of as an IndexError later."""
+    path = insp.path
+    try:
+        tok = layout.tokenizer_fields()
+    except ModelFileError as exc:   # a token that is not UTF-8, an id that is a string, ...
+        insp.error(exc)
+        return
+    if tok.model == "gpt2" and MERGES_KEY not in layout.fields:
+        insp.error(MissingKeyError(path, MERGES_KEY))   # llama.cpp needs merges for BPE too
+    if tok.token_type and len(tok.token_type) != config.n_vocab:
+        insp.error(InvalidMetadataError(
+            path, "tokenizer.ggml.token_type", f"<{len(tok.token_type)} entries>",
+            f"must have one entry per token ({TOKENS_KEY} has {config.n_vocab})"))
+    for key, value in (("tokenizer.ggml.bos_token_id", tok.bos_id),
+                       ("tokenizer.ggml.eos_token_id", tok.eos_id),
+                       ("tokenizer.ggml.padding_token_id", tok.padding_id)):
+        if value is not None and not 0 <= value < config.n_vocab:
+            insp.error(InvalidMetadataError(path, key, value,
+                                            f"is not a token id (the vocabulary has {config.n_vocab})"))
+    insp.tokenizer = tok
 
 
 def _check_tensors(insp: _Inspection, config: ModelConfig) -> None:
@@ -580,190 +593,169 @@ def _pad4(ne: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(ne) + (1,) * (4 - len(ne))
 
 
-# --- metadata helpers ---------------------------------------------------------------------------
+# --- reading the GGUF layout --------------------------------------------------------------------
 
-def _type_name(tensor_type: int) -> str:
-    return GGMLQuantizationType(int(tensor_type)).name
-
-
-def _vtype(f) -> str:
-    if f.types and f.types[0] == GGUFValueType.ARRAY:
-        inner = f.types[-1].name if len(f.types) > 1 else "empty"
-        return f"an ARRAY of {inner}"
-    return f"a {f.types[0].name}" if f.types else "no value"
-
-
-def _field_value(f) -> Any:
-    if f.types and f.types[0] == GGUFValueType.ARRAY and len(f.data) > METADATA_ARRAY_LIMIT:
-        return ArrayPreview(len(f.data), f.types[-1].name, tuple(f.contents(slice(0, 4))))
-    try:
-        return f.contents()
-    except UnicodeDecodeError:
-        return "<invalid UTF-8>"
-
-
-def _metadata_dict(reader: GGUFReader) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue  # the parser's own header pseudo-fields
-        v = _field_value(f)
-        if isinstance(v, np.generic):
-            v = v.item()
-        out[key] = v
-    return out
-
-
-def _string_field(reader: GGUFReader, key: str) -> str | None:
-    f = reader.fields.get(key)
-    if f is None or f.types != [GGUFValueType.STRING]:
-        return None
-    return f.contents()
-
-
-def _tokenizer_fields(reader: GGUFReader) -> TokenizerFields:
-    def arr(key: str) -> list:
-        f = reader.fields.get(key)
-        return [] if f is None or not f.types or f.types[0] != GGUFValueType.ARRAY else f.contents()
-
-    def scalar(key: str):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
-    return TokenizerFields(
-        model=_string_field(reader, "tokenizer.ggml.model"),
-        pre=_string_field(reader, "tokenizer.ggml.pre"),
-        tokens=arr(TOKENS_KEY),
-        merges=arr("tokenizer.ggml.merges"),
-        token_type=[int(x) for x in arr("tokenizer.ggml.token_type")],
-        bos_id=_opt_int(scalar("tokenizer.ggml.bos_token_id")),
-        eos_id=_opt_int(scalar("tokenizer.ggml.eos_token_id")),
-        padding_id=_opt_int(scalar("tokenizer.ggml.padding_token_id")),
-        add_bos=None if scalar("tokenizer.ggml.add_bos_token") is None
-        else bool(scalar("tokenizer.ggml.add_bos_token")),
-    )
-
-
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else int(v)
-
-
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-# --- walking the layout before the parser does ------------------------------------------------------
-
-_SCALAR_SIZES = {
-    GGUFValueType.UINT8: 1, GGUFValueType.INT8: 1, GGUFValueType.BOOL: 1,
-    GGUFValueType.UINT16: 2, GGUFValueType.INT16: 2,
-    GGUFValueType.UINT32: 4, GGUFValueType.INT32: 4, GGUFValueType.FLOAT32: 4,
-    GGUFValueType.UINT64: 8, GGUFValueType.INT64: 8, GGUFValueType.FLOAT64: 8,
+# struct formats of the scalar value types (little-endian; big-endian files are refused)
+_SCALAR_FORMATS: dict[GGUFValueType, str] = {
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.FLOAT32: "f",
+    GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d",
 }
+_SCALAR_SIZES: dict[int, int] = {int(t): struct.calcsize("<" + f) for t, f in _SCALAR_FORMATS.items()}
 
 
-class _Layout:
-    """A bounds-checked walk over the GGUF layout (header, metadata, tensor descriptions, data
-    ranges) that says where and how the file is broken, where the parser's errors are vague."""
+@dataclass(frozen=True)
+class _Field:
+    """Where one metadata value lies. For an array, `offset` is its first element."""
+
+    key: str
+    type: GGUFValueType
+    offset: int
+    element_type: GGUFValueType | None = None
+    count: int = 1
+
+    def describe_type(self) -> str:
+        if self.type == GGUFValueType.ARRAY:
+            inner = self.element_type.name if self.element_type is not None else "?"
+            return f"an ARRAY of {inner}" if self.count else "an empty ARRAY"
+        return f"a {self.type.name}"
+
+
+@dataclass(frozen=True)
+class _TensorRecord:
+    name: str
+    ne: tuple[int, ...]
+    qtype: GGMLQuantizationType
+    offset: int        # absolute
+    n_bytes: int
+
+
+class _GGUFLayout:
+    """A bounds-checked walk over a memory-mapped GGUF: header, metadata (positions only; values
+    are decoded on demand), tensor descriptions, and every tensor's byte range against the file
+    size. Every error names the file and the place."""
 
     def __init__(self, path: str, buf: mmap.mmap, size: int):
         self.path, self.buf, self.size, self.pos = path, buf, size, 0
+        self.fields: dict[str, _Field] = {}
+        self.tensors: list[_TensorRecord] = []
+        self.alignment = DEFAULT_ALIGNMENT
+        self.data_start = 0
+        self._bytes: np.ndarray | None = None
 
-    def take(self, n: int, where: str) -> int:
+    # -- primitives (bounds-checked) --
+    def _take(self, n: int, where: str) -> int:
         start = self.pos
         if start + n > self.size:
             raise TruncatedFileError(self.path, where, start + n, self.size)
         self.pos += n
         return start
 
-    def u32(self, where: str) -> int:
-        return struct.unpack_from("<I", self.buf, self.take(4, where))[0]
+    def _u32(self, where: str) -> int:
+        return struct.unpack_from("<I", self.buf, self._take(4, where))[0]
 
-    def u64(self, where: str) -> int:
-        return struct.unpack_from("<Q", self.buf, self.take(8, where))[0]
+    def _u64(self, where: str) -> int:
+        return struct.unpack_from("<Q", self.buf, self._take(8, where))[0]
 
-    def string(self, where: str) -> str:
-        n = self.u64(where)
-        start = self.take(n, where)
+    def _name(self, where: str) -> str:
+        n = self._u64(where)
+        start = self._take(n, where)
         try:
             return self.buf[start:start + n].decode("utf-8")
         except UnicodeDecodeError:
-            raise ModelFileError(self.path, f"{where}: a string is not valid UTF-8") from None
+            raise ModelFileError(self.path, f"{where}: a name is not valid UTF-8") from None
 
-    def value(self, vtype: int, where: str, depth: int = 0) -> Any:
-        try:
-            t = GGUFValueType(vtype)
-        except ValueError:
-            raise ModelFileError(self.path, f"{where}: unknown value type id {vtype}") from None
-        if t in _SCALAR_SIZES:
-            start = self.take(_SCALAR_SIZES[t], where)
-            return self.buf[start:start + _SCALAR_SIZES[t]]
-        if t == GGUFValueType.STRING:
-            return self.string(where)
-        if depth > 2:
-            raise ModelFileError(self.path, f"{where}: arrays nested too deeply")
-        etype = self.u32(where)
-        count = self.u64(where)
-        if count * 8 > self.size - self.pos and etype == GGUFValueType.STRING:
-            # each string needs at least its 8-byte length: fail now, not after `count` reads
-            raise TruncatedFileError(self.path, where, self.pos + count * 8, self.size)
-        scalar = next((n for t_, n in _SCALAR_SIZES.items() if int(t_) == etype), None)
-        if scalar is not None:
-            self.take(count * scalar, where)   # skipped in one step: token_type has 248k entries
+    def _skip_value(self, vtype: int, where: str, depth: int = 0) -> None:
+        size = _SCALAR_SIZES.get(vtype)
+        if size is not None:
+            self._take(size, where)
+        elif vtype == GGUFValueType.STRING:
+            self._take(self._u64(where), where)
+        elif vtype == GGUFValueType.ARRAY:
+            if depth > 2:
+                raise ModelFileError(self.path, f"{where}: arrays nested too deeply")
+            etype, count = self._u32(where), self._u64(where)
+            self._skip_array(etype, count, where, depth)
+        else:
+            raise ModelFileError(self.path, f"{where}: unknown value type id {vtype}")
+
+    def _skip_array(self, etype: int, count: int, where: str, depth: int) -> None:
+        size = _SCALAR_SIZES.get(etype)
+        if size is not None:
+            self._take(count * size, where)     # one step even for 248k token types
+        elif etype == GGUFValueType.STRING:
+            # every string needs at least its 8-byte length: a corrupt count fails here at once
+            if count * 8 > self.size - self.pos:
+                raise TruncatedFileError(self.path, where, self.pos + count * 8, self.size)
+            buf, pos, size_ = self.buf, self.pos, self.size
+            unpack = struct.unpack_from
+            for _ in range(count):              # the hot loop of opening a 248k vocabulary
+                if pos + 8 > size_:
+                    raise TruncatedFileError(self.path, where, pos + 8, size_)
+                pos += 8 + unpack("<Q", buf, pos)[0]
+            if pos > size_:
+                raise TruncatedFileError(self.path, where, pos, size_)
+            self.pos = pos
         else:
             for _ in range(count):
-                self.value(etype, where, depth + 1)
-        return None
+                self._skip_value(etype, where, depth + 1)
 
+    # -- the walk --
     def walk(self) -> None:
         header = "the GGUF header"
-        if bytes(self.buf[self.take(4, header):4]) != GGUF_MAGIC:
+        if self.buf[self._take(4, header):4] != GGUF_MAGIC:
             raise NotGGUFError(self.path, "not a GGUF file (bad magic)")
-        version = self.u32(header)
+        version = self._u32(header)
         if version & 0xFFFF == 0:
             raise ModelFileError(self.path, "this GGUF is big-endian; the engine reads "
                                             "little-endian files only")
         if version not in READABLE_GGUF_VERSIONS:
             raise NotGGUFError(self.path, f"GGUF version {version} cannot be read "
                                           f"(readable: {list(READABLE_GGUF_VERSIONS)})")
-        n_tensors = self.u64(header)
-        n_kv = self.u64(header)
-        alignment = DEFAULT_ALIGNMENT
-        keys: set[str] = set()
+        n_tensors = self._u64(header)
+        n_kv = self._u64(header)
+
         for i in range(n_kv):
-            key = self.string(f"metadata entry #{i} (of {n_kv})")
+            key = self._name(f"metadata entry #{i} (of {n_kv})")
             where = f"metadata key {key!r}"
-            if key in keys:
+            if key in self.fields:
                 raise ModelFileError(self.path, f"metadata key {key!r} appears twice")
-            keys.add(key)
-            vtype = self.u32(where)
-            raw = self.value(vtype, where)
-            if key == "general.alignment":
-                if vtype != GGUFValueType.UINT32:
-                    raise InvalidMetadataError(self.path, key, None, "must be a UINT32")
-                alignment = struct.unpack("<I", raw)[0]
-        if alignment == 0 or alignment & (alignment - 1):
-            raise InvalidMetadataError(self.path, "general.alignment", alignment,
-                                       "must be a power of two")
+            vtype = self._u32(where)
+            if vtype == GGUFValueType.ARRAY:
+                etype, count = self._u32(where), self._u64(where)
+                f = _Field(key, GGUFValueType.ARRAY, self.pos, _value_type(self.path, etype, where),
+                           count)
+                self._skip_array(etype, count, where, 0)
+            else:
+                f = _Field(key, _value_type(self.path, vtype, where), self.pos)
+                self._skip_value(vtype, where)
+            self.fields[key] = f
+
+        align = self.fields.get("general.alignment")
+        if align is not None:
+            if align.type != GGUFValueType.UINT32:
+                raise InvalidMetadataError(self.path, align.key, self.preview(align),
+                                           "must be a UINT32")
+            self.alignment = self.value(align)
+            if self.alignment == 0 or self.alignment & (self.alignment - 1):
+                raise InvalidMetadataError(self.path, align.key, self.alignment,
+                                           "must be a power of two")
 
         infos = []
         names: set[str] = set()
         for i in range(n_tensors):
-            name = self.string(f"the description of tensor #{i} (of {n_tensors})")
+            name = self._name(f"the description of tensor #{i} (of {n_tensors})")
             where = f"the description of tensor {name!r}"
             if name in names:
                 raise ModelFileError(self.path, f"tensor {name!r} appears twice")
             names.add(name)
-            n_dims = self.u32(where)
+            n_dims = self._u32(where)
             if n_dims > 4:
                 raise ModelFileError(self.path, f"tensor {name!r} has {n_dims} dimensions (at most 4)")
-            ne = [self.u64(where) for _ in range(n_dims)]
-            type_id = self.u32(where)
-            offset = self.u64(where)
+            ne = tuple(self._u64(where) for _ in range(n_dims))
+            type_id = self._u32(where)
+            offset = self._u64(where)
             try:
                 qtype = GGMLQuantizationType(type_id)
             except ValueError:
@@ -771,26 +763,137 @@ class _Layout:
                                                  SUPPORTED_TENSOR_TYPES) from None
             infos.append((name, ne, qtype, offset))
 
-        data_start = -(-self.pos // alignment) * alignment
-        ends = []
+        self.data_start = -(-self.pos // self.alignment) * self.alignment
+        records = []
         for name, ne, qtype, offset in infos:
             block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elements = math.prod(ne)
             if ne and ne[0] % block:
-                raise TensorShapeError(self.path, name, tuple(ne), tuple(ne),
+                raise TensorShapeError(self.path, name, ne, ne,
                                        f"a {qtype.name} row must be a multiple of {block} values")
-            ends.append((data_start + offset, data_start + offset + n_elements // block * type_size,
-                         name))
-        for start, end, name in sorted(ends):
-            if end > self.size:
-                raise TruncatedFileError(self.path, f"the data of tensor {name!r}", end, self.size)
+            if offset % self.alignment:
+                raise ModelFileError(self.path, f"tensor {name!r}: its data offset {offset} is not "
+                                                f"a multiple of the alignment {self.alignment}")
+            n_bytes = math.prod(ne) // block * type_size
+            records.append(_TensorRecord(name, ne, qtype, self.data_start + offset, n_bytes))
+        # the first tensor (by position) that runs past the end is where the file was cut
+        for r in sorted(records, key=lambda r: r.offset):
+            if r.offset + r.n_bytes > self.size:
+                raise TruncatedFileError(self.path, f"the data of tensor {r.name!r}",
+                                         r.offset + r.n_bytes, self.size)
+        self.tensors = records
 
+    # -- values, decoded on demand --
+    def value(self, f: _Field, limit: int | None = None) -> Any:
+        """The field's value: int/float/bool/str, or a list for an array (first `limit` items)."""
+        if f.type != GGUFValueType.ARRAY:
+            return self._read(f.type, f.offset, f.key)[0]
+        n = f.count if limit is None else min(limit, f.count)
+        fmt = _SCALAR_FORMATS.get(f.element_type)
+        if fmt is not None:
+            values = list(struct.unpack_from(f"<{n}{fmt}", self.buf, f.offset))
+            return [bool(v) for v in values] if fmt == "?" else values
+        out, pos = [], f.offset
+        for _ in range(n):
+            v, pos = self._read(f.element_type, pos, f.key)
+            out.append(v)
+        return out
 
-def _scan_layout(path: str, size: int) -> ModelFileError | None:
-    """The first structural problem of the file (where it is cut short, ...), or None."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    def _read(self, vtype: GGUFValueType, pos: int, key: str) -> tuple[Any, int]:
+        fmt = _SCALAR_FORMATS.get(vtype)
+        if fmt is not None:
+            return struct.unpack_from("<" + fmt, self.buf, pos)[0], pos + _SCALAR_SIZES[int(vtype)]
+        if vtype == GGUFValueType.STRING:
+            n = struct.unpack_from("<Q", self.buf, pos)[0]
+            try:
+                return self.buf[pos + 8:pos + 8 + n].decode("utf-8"), pos + 8 + n
+            except UnicodeDecodeError:
+                raise InvalidMetadataError(self.path, key, "<bytes>",
+                                           "a string in it is not valid UTF-8") from None
+        # an array inside an array (the walk has bounded its nesting)
+        etype = _value_type(self.path, struct.unpack_from("<I", self.buf, pos)[0], key)
+        count = struct.unpack_from("<Q", self.buf, pos + 4)[0]
+        out, pos = [], pos + 12
+        for _ in range(count):
+            v, pos = self._read(etype, pos, key)
+            out.append(v)
+        return out, pos
+
+    def preview(self, f: _Field) -> Any:
+        """The value for display: long arrays shortened to an ArrayPreview."""
         try:
-            _Layout(path, buf, size).walk()
-        except ModelFileError as exc:
-            return exc
-    return None
+            if f.type == GGUFValueType.ARRAY and f.count > METADATA_ARRAY_LIMIT:
+                return ArrayPreview(f.count, f.element_type.name, tuple(self.value(f, limit=4)))
+            return self.value(f)
+        except ModelFileError:
+            return "<invalid UTF-8>"
+
+    def string_or_none(self, key: str) -> str | None:
+        f = self.fields.get(key)
+        if f is None or f.type != GGUFValueType.STRING:
+            return None
+        return self.value(f)
+
+    def metadata_dict(self) -> dict[str, Any]:
+        return {key: self.preview(f) for key, f in self.fields.items()}
+
+    def tokenizer_fields(self) -> TokenizerFields:
+        """The tokenizer.ggml.* values, type-checked (InvalidMetadataError names a wrong key)."""
+
+        def get(key: str, types: frozenset, what: str, array: bool) -> Any:
+            f = self.fields.get(key)
+            if f is None:
+                return None
+            kind = f.element_type if f.type == GGUFValueType.ARRAY else f.type
+            if (f.type == GGUFValueType.ARRAY) != array or (f.count and kind not in types):
+                raise InvalidMetadataError(self.path, key, self.preview(f),
+                                           f"expected {what}, the file has {f.describe_type()}")
+            return self.value(f)
+
+        strings = frozenset({GGUFValueType.STRING})
+        ids = _INT_TYPES
+        add_bos = get("tokenizer.ggml.add_bos_token", frozenset({GGUFValueType.BOOL}), "a BOOL", False)
+        return TokenizerFields(
+            model=get("tokenizer.ggml.model", strings, "a string", False),
+            pre=get("tokenizer.ggml.pre", strings, "a string", False),
+            tokens=get(TOKENS_KEY, strings, "an array of strings", True) or [],
+            merges=get(MERGES_KEY, strings, "an array of strings", True) or [],
+            token_type=get("tokenizer.ggml.token_type", ids, "an array of integers", True) or [],
+            bos_id=get("tokenizer.ggml.bos_token_id", ids, "an integer token id", False),
+            eos_id=get("tokenizer.ggml.eos_token_id", ids, "an integer token id", False),
+            padding_id=get("tokenizer.ggml.padding_token_id", ids, "an integer token id", False),
+            add_bos=add_bos,
+        )
+
+    # -- tensors --
+    def tensor_infos(self) -> dict[str, TensorInfo]:
+        if self._bytes is None:
+            self._bytes = np.frombuffer(self.buf, dtype=np.uint8)   # read-only: ACCESS_READ
+        return {
+            r.name: TensorInfo(r.name, r.ne, r.qtype.name, r.n_bytes, r.offset,
+                               self._bytes[r.offset:r.offset + r.n_bytes])
+            for r in self.tensors
+        }
+
+    def close(self) -> None:
+        self._bytes = None
+        if self.buf is not None:
+            try:
+                self.buf.close()
+            except BufferError:
+                pass    # a TensorInfo.data view is still held; the mapping goes with it
+            self.buf = None
+
+
+def _value_type(path: str, vtype: int, where: str) -> GGUFValueType:
+    try:
+        return GGUFValueType(vtype)
+    except ValueError:
+        raise ModelFileError(path, f"{where}: unknown value type id {vtype}") from None
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"

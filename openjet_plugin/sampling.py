@@ -161,25 +161,27 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
 # --- the transformations, each llama.cpp's definition ---------------------------------------------
 
 def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    out = np.array(logits, dtype=np.float64, copy=True)
+    """logits + bias, as a new float32 array (llama.cpp's logits are float32 too)."""
+    out = np.array(logits, dtype=np.float32, copy=True)
     if params.logit_bias:
         ids = np.fromiter(params.logit_bias.keys(), dtype=np.int64)
-        out[ids] += np.fromiter(params.logit_bias.values(), dtype=np.float64)
+        out[ids] += np.fromiter(params.logit_bias.values(), dtype=np.float32)
     return out
 
 
-def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams) -> np.ndarray:
+def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams,
+                    inplace: bool = False) -> np.ndarray:
     """llama.cpp's `penalties` sampler: over the last `penalty_last_n` tokens, a token seen c times
     gets its logit divided by repeat_penalty (multiplied when <= 0), minus c * frequency_penalty,
-    minus presence_penalty. Returns a new array; the input is untouched."""
-    out = np.array(logits, dtype=np.float64, copy=True)
-    if not params.has_penalties or not history:
+    minus presence_penalty. Returns a new array unless inplace (then `logits` itself)."""
+    out = logits if inplace else np.array(logits, copy=True)
+    if not params.has_penalties or not len(history):
         return out
     window = np.asarray(history[-params.penalty_last_n:], dtype=np.int64)
     ids, counts = np.unique(window, return_counts=True)
     keep = ids < out.shape[0]
     ids, counts = ids[keep], counts[keep]
-    vals = out[ids]
+    vals = out[ids].astype(np.float64)
     vals = np.where(vals <= 0, vals * params.repeat_penalty, vals / params.repeat_penalty)
     vals = vals - counts * params.frequency_penalty - params.presence_penalty
     out[ids] = vals
@@ -189,39 +191,58 @@ def apply_penalties(logits: np.ndarray, history: Sequence[int], params: Sampling
 def candidate_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """Token ids that survive top-k, top-p and min-p, with their probabilities after temperature.
 
-    `logits` are already penalised. Ids come in descending logit order (ties: lower id first).
-    Not for temperature 0 (greedy has no distribution to draw from).
+    `logits` are already biased and penalised. Ids come in descending logit order (ties: lower
+    id first). Not for temperature 0 (greedy has no distribution to draw from).
+
+    top-p and min-p each keep a prefix of that order (min-p: every logit >= max + log(min_p)), so
+    the survivors are the shorter prefix; only that many tokens are sorted, which keeps a 248K
+    vocabulary with top-k off cheap. The top-p mass is always normalised over the whole top-k pool.
     """
-    x = np.asarray(logits, dtype=np.float64)
+    x = np.asarray(logits)
     n = x.shape[0]
     k = params.top_k if 0 < params.top_k < n else n
     if k < n:
-        idx = np.argpartition(-x, k - 1)[:k]
-    else:
-        idx = np.arange(n)
-    # stable descending order: sort by (-logit, id)
-    idx = idx[np.lexsort((idx, -x[idx]))]
-    vals = x[idx]
-
-    if params.top_p < 1.0 or params.min_p > 0.0:
-        p = np.exp(vals - vals[0])
-        p /= p.sum()
-        if params.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (the crossing token included)
-            cum = np.cumsum(p)
-            last = int(np.searchsorted(cum, params.top_p, side="left")) + 1
-            last = min(max(last, 1), len(idx))
-            idx, vals, p = idx[:last], vals[:last], p[:last]
+        pool = np.argpartition(x, n - k)[n - k:]
+        vals = x[pool].astype(np.float64)
+        top = vals.max()
+        weights = np.exp(vals - top)
+        total = weights.sum()                   # temperature-1 normaliser of the pool
         if params.min_p > 0.0:
-            # llama.cpp compares logits: keep logit >= max_logit + log(min_p), i.e. p >= min_p * p_max
-            keep = vals >= vals[0] + math.log(params.min_p)
-            keep[0] = True
-            idx, vals = idx[keep], vals[keep]
+            keep = vals >= top + math.log(params.min_p)
+            pool, vals, weights = pool[keep], vals[keep], weights[keep]
+    else:
+        # the whole vocabulary: normalise in one float32 pass, then touch only the survivors
+        top = float(x.max())
+        total = float(np.exp(x - np.float32(top)).sum(dtype=np.float64))
+        pool = (np.flatnonzero(x >= top + math.log(params.min_p)) if params.min_p > 0.0
+                else np.arange(n))
+        vals = x[pool].astype(np.float64)
+        weights = np.exp(vals - top)
+    if params.top_p < 1.0:
+        ids, vals, weights = _top_p_prefix(pool, vals, weights, total, params.top_p)
+    else:
+        order = np.lexsort((pool, -vals))
+        ids, vals = pool[order], vals[order]
 
     z = vals / params.temperature
     probs = np.exp(z - z.max())
     probs /= probs.sum()
-    return idx, probs
+    return ids, probs
+
+
+def _top_p_prefix(pool, vals, weights, total, top_p):
+    """The shortest prefix of `pool` in descending order whose mass reaches top_p (the crossing
+    token included). Sorts a growing head of the pool until the cut falls strictly inside it."""
+    m = min(len(pool), 256)
+    while True:
+        head = np.arange(len(pool)) if m >= len(pool) else np.argpartition(-vals, m - 1)[:m]
+        order = head[np.lexsort((pool[head], -vals[head]))]
+        cum = np.cumsum(weights[order]) / total
+        last = int(np.searchsorted(cum, top_p, side="left")) + 1
+        if last < len(order) or m >= len(pool):
+            order = order[:max(1, min(last, len(order)))]
+            return pool[order], vals[order], weights[order]
+        m *= 8
 
 
 class Sampler:
@@ -232,7 +253,7 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        x = apply_penalties(apply_logit_bias(logits, self.params), history, self.params)
+        x = apply_penalties(apply_logit_bias(logits, self.params), history, self.params, inplace=True)
         if self.params.greedy:
             return int(np.argmax(x))
         ids, probs = candidate_distribution(x, self.params)

@@ -37,7 +37,10 @@ TensorOverride = tuple[np.ndarray, "gguf.GGMLQuantizationType | None"]
 
 def _add_value(w: gguf.GGUFWriter, key: str, value: Any) -> None:
     """Plain values get the types llama.cpp's converter uses; (GGUFValueType, v) forces one."""
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], gguf.GGUFValueType):
+    if key == "general.alignment":
+        # the writer must also pad the data to it, not just record the key
+        w.add_custom_alignment(int(value[1] if isinstance(value, tuple) else value))
+    elif isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], gguf.GGUFValueType):
         vtype, v = value
         w.add_key_value(key, v, vtype,
                         sub_type=gguf.GGUFValueType.INT32 if vtype == gguf.GGUFValueType.ARRAY else None)

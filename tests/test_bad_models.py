@@ -27,6 +27,7 @@ from openjet_plugin.errors import (
     WrongArchitectureError,
 )
 from openjet_plugin.model_file import open_model, validate
+from openjet_plugin.tensors import mtp_tensors
 
 Q = gguf.GGMLQuantizationType
 
@@ -249,6 +250,43 @@ def test_vocabulary_size_differs_from_the_embedding(tmp_path):
     assert exc.actual == (MICRO.n_embd, MICRO.n_vocab)
 
 
+# --- tokenizer ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("key,value,says", [
+    ("tokenizer.ggml.token_type", [1] * 10, "one entry per token"),
+    ("tokenizer.ggml.eos_token_id", MICRO.n_vocab, "is not a token id"),
+    ("tokenizer.ggml.bos_token_id", 10**6, "is not a token id"),
+])
+def test_inconsistent_tokenizer(tmp_path, key, value, says):
+    path = write_test_gguf(tmp_path / "tok.gguf", set_keys={key: value})
+    exc = _raises(InvalidMetadataError, path, repr(key), says)
+    assert exc.key == key
+
+
+@pytest.mark.parametrize("key,value,says", [
+    ("tokenizer.ggml.eos_token_id", "</s>", "expected an integer token id"),
+    ("tokenizer.ggml.merges", [1, 2], "expected an array of strings"),
+    ("tokenizer.ggml.token_type", ["normal"] * MICRO.n_vocab, "expected an array of integers"),
+])
+def test_tokenizer_key_of_the_wrong_type(tmp_path, key, value, says):
+    path = write_test_gguf(tmp_path / "tok.gguf", set_keys={key: value})
+    exc = _raises(InvalidMetadataError, path, repr(key), says)
+    assert exc.key == key
+
+
+def test_bpe_vocabulary_without_merges(tmp_path):
+    path = write_test_gguf(tmp_path / "nomerges.gguf", drop_keys=["tokenizer.ggml.merges"])
+    _raises(MissingKeyError, path, "'tokenizer.ggml.merges'")
+
+
+def test_token_that_is_not_utf8(tmp_path, micro_model):
+    data = Path(micro_model).read_bytes()
+    assert data.count(b"<tok7>") == 1
+    path = tmp_path / "utf8.gguf"
+    path.write_bytes(data.replace(b"<tok7>", b"\xff\xfeok7>"))
+    _raises(InvalidMetadataError, path, "'tokenizer.ggml.tokens'", "not valid UTF-8")
+
+
 # --- tensors ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", [
@@ -348,7 +386,7 @@ def test_model_without_mtp_block_loads_with_speculation_off(tmp_path):
 
 
 def test_mtp_announced_but_no_tensors(tmp_path):
-    mtp = [s.name for s in __import__("openjet_plugin.tensors", fromlist=["x"]).mtp_tensors(MICRO)]
+    mtp = [s.name for s in mtp_tensors(MICRO)]
     path = write_test_gguf(tmp_path / "nomtp2.gguf", drop_tensors=mtp)
     with _open_expecting_mtp_warning(path, "blk.4.") as mf:
         assert mf.has_mtp is False
@@ -394,3 +432,14 @@ def test_errors_are_value_errors_for_generic_callers(tmp_path):
     path.write_text("hello")
     with pytest.raises(ValueError):
         open_model(path)
+
+
+def test_runtime_errors_carry_their_numbers():
+    from openjet_plugin.errors import (BackendUnavailableError, ContextOverflowError,
+                                       NativeEngineError, OpenJetError)
+    e = ContextOverflowError(5000, 4096)
+    assert isinstance(e, (OpenJetError, ValueError)) and (e.n_tokens, e.n_ctx) == (5000, 4096)
+    assert "5000" in str(e) and "4096" in str(e)
+    n = NativeEngineError(3, "out of device memory")
+    assert isinstance(n, RuntimeError) and n.code == 3 and "out of device memory" in str(n)
+    assert issubclass(BackendUnavailableError, (OpenJetError, RuntimeError))

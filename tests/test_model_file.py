@@ -178,9 +178,8 @@ def test_close_releases_the_file(tmp_path, micro_model):
     gc.collect()
     assert mf.closed and mf.tensors == {}
     assert _fds_and_maps_of(path) == []
-    assert mf.config == MICRO   # what was read stays readable
-    with pytest.raises(ValueError, match="closed"):
-        _ = mf.tokenizer_fields
+    # what was read stays readable: the config and the tokenizer (decoded while validating)
+    assert mf.config == MICRO and len(mf.tokenizer_fields.tokens) == MICRO.n_vocab
 
 
 def test_a_rejected_file_is_not_left_open(tmp_path):
@@ -224,16 +223,72 @@ def test_a_missing_optional_key_takes_llama_cpps_default_with_a_warning(tmp_path
     mf.close()
 
 
-def test_synth_model_passes_validation(tmp_path):
-    synth = pytest.importorskip("openjet_plugin.testing.synth")
-    path = synth.synth_model(tmp_path / "synth.gguf", preset="tiny", quant="Q8_0", seed=0)
+def _gguf_reader_view(path):
+    """What gguf's own GGUFReader sees: metadata values and tensor (ne, type, offset, bytes)."""
+    r = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: (tuple(int(d) for d in t.shape), t.tensor_type.name, int(t.data_offset),
+                        int(t.n_bytes), bytes(t.data.tobytes()[:64])) for t in r.tensors}
+    return fields, tensors
+
+
+def _layout_agrees_with_gguf_reader(path):
+    fields, tensors = _gguf_reader_view(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mf = open_model(path)
+    with mf:
+        layout = mf._layout
+        assert set(layout.fields) == set(fields)
+        for key, expected in fields.items():
+            got = layout.value(layout.fields[key])
+            if isinstance(expected, float):
+                assert got == pytest.approx(expected, rel=1e-7), key
+            else:
+                assert got == expected, key
+        assert set(mf.tensors) == set(tensors)
+        for name, (ne, qtype, offset, n_bytes, head) in tensors.items():
+            t = mf.tensors[name]
+            assert (t.ne, t.ggml_type, t.offset, t.n_bytes) == (ne, qtype, offset, n_bytes), name
+            assert t.data[:64].tobytes() == head, name
+
+
+def test_our_layout_reader_agrees_with_gguf_reader(tmp_path, micro_model):
+    _layout_agrees_with_gguf_reader(micro_model)
+    # a file with every metadata value type, an empty array and a custom alignment
+    w = np.random.default_rng(5).standard_normal((MICRO.n_ff, MICRO.n_embd), dtype=np.float32)
+    V = gguf.GGUFValueType
+    path = write_test_gguf(tmp_path / "types.gguf", set_keys={
+        "general.alignment": (V.UINT32, 64),
+        "test.u8": (V.UINT8, 200), "test.i8": (V.INT8, -5), "test.u16": (V.UINT16, 60000),
+        "test.i16": (V.INT16, -30000), "test.i32": (V.INT32, -7), "test.u64": (V.UINT64, 2**40),
+        "test.i64": (V.INT64, -2**40), "test.f64": (V.FLOAT64, 0.1), "test.bool": (V.BOOL, True),
+        "test.f32s": [0.5, 1.5], "test.strs": ["a", "ü", ""], "test.bools": [True, False],
+    }, replace_tensors={"blk.0.ffn_up.weight": (gguf.quants.quantize(w, Q8), Q8)})
+    _layout_agrees_with_gguf_reader(path)
+
+
+Q8 = gguf.GGMLQuantizationType.Q8_0
+
+
+@pytest.mark.parametrize("preset,quant,expect_types", [
+    ("tiny", "Q8_0", {"Q8_0"}),
+    ("tiny", "Q4_K_M", {"Q4_K", "Q6_K"}),
+    # 64 layers: the 27B's per-layer type mix (the file is shared with the type-map tests)
+    pytest.param("q27b-narrow", "Q4_K_M", {"Q4_K", "Q6_K"}, marks=pytest.mark.slow),
+])
+def test_generated_models_pass_validation(synth_path, preset, quant, expect_types):
+    path = synth_path(preset, quant)
     report = validate(path)
     assert report.ok, [str(e) for e in report.errors]
-    assert report.config.n_layer == PRESETS["tiny"].n_layer
+    assert report.warnings == []
+    assert report.config == PRESETS[preset]
     assert report.has_mtp
     assert set(report.type_counts) <= set(SUPPORTED_TENSOR_TYPES)
-    assert report.type_counts.get("Q8_0", 0) > 0
+    assert expect_types <= set(report.type_counts)
     with warnings.catch_warnings():
         warnings.simplefilter("error", MTPMissingWarning)
         with open_model(path) as mf:
             assert len(mf.tokenizer_fields.tokens) == mf.config.n_vocab
+            assert mf.tokenizer_fields.merges and mf.chat_template
+    _layout_agrees_with_gguf_reader(path)

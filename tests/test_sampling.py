@@ -252,3 +252,18 @@ def test_partial_stop_match_is_released_when_it_does_not_complete():
     assert asm.take() == "ab "
     assert not asm.feed(b"X")
     assert asm.take() == "STX"
+
+
+@pytest.mark.parametrize("setting", [dict(temperature=0.8, top_k=0, top_p=0.9, min_p=0.0),
+                                     dict(temperature=1.3, top_k=3000, top_p=0.5, min_p=0.0),
+                                     dict(temperature=1.0, top_k=0, top_p=0.99, min_p=0.01),
+                                     dict(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)])
+def test_large_flat_vocabulary_matches_the_definition(setting):
+    """A flat 20,000-token distribution makes the top-p set far larger than the first sorted head,
+    so the growing-head path is exercised; the result must still be the definition's."""
+    logits = np.random.default_rng(5).standard_normal(20000).astype(np.float32)
+    ids, probs = candidate_distribution(logits, SamplingParams(**setting))
+    expected = expected_distribution(logits, **setting)
+    assert len(ids) > 256
+    assert ids.tolist() == list(expected)
+    np.testing.assert_allclose(probs, list(expected.values()), rtol=1e-6, atol=1e-12)

@@ -180,10 +180,12 @@ class DeltaNetMixer(nn.Module):
 
         args = (q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2),
                 g.transpose(1, 2), beta.transpose(1, 2))
-        if recurrent:
-            o, _ = gated_delta_rule_recurrent(*args)
-        else:
-            o, _ = gated_delta_rule_chunked(*args, chunk=self.chunk)
+        # the recurrence runs in fp32 even under bf16 autocast: its state accumulates over the sequence
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            if recurrent:
+                o, _ = gated_delta_rule_recurrent(*args)
+            else:
+                o, _ = gated_delta_rule_chunked(*args, chunk=self.chunk)
         o = o.transpose(1, 2)                                    # [B, T, Hv, S]
         o = rms_norm(o, self.ssm_norm.weight, cfg.rms_eps) * F.silu(z.float().reshape(B, T, Hv, S))
         return self.ssm_out(o.reshape(B, T, Hv * S).to(x.dtype))
@@ -214,7 +216,9 @@ class AttentionMixer(nn.Module):
         self.attn_q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
         self.attn_k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """-> q [B, T, H, D] (normed, roped), gate [B, T, H, D], k and v [B, T, H, D] (KV heads
+        repeated so that query head h sits with KV head h // (H / Hkv), ggml_mul_mat's broadcast)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -223,17 +227,49 @@ class AttentionMixer(nn.Module):
         q = self.attn_q_norm(q)
         k = self.attn_k_norm(self.attn_k(x).reshape(B, T, Hkv, D))
         v = self.attn_v(x).reshape(B, T, Hkv, D)
-        pos = torch.arange(T, device=x.device)
-        q = rope_neox(q, pos, cfg.n_rot, cfg.rope_freq_base)
-        k = rope_neox(k, pos, cfg.n_rot, cfg.rope_freq_base)
+        q = rope_neox(q, positions, cfg.n_rot, cfg.rope_freq_base)
+        k = rope_neox(k, positions, cfg.n_rot, cfg.rope_freq_base)
         if H != Hkv:
-            # query head h uses KV head h // (H / Hkv): ggml_mul_mat's broadcast over heads
             k = k.repeat_interleave(H // Hkv, dim=2)
             v = v.repeat_interleave(H // Hkv, dim=2)
+        return q, gate, k, v
+
+    def finish(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        B, T = o.shape[:2]
+        return self.attn_output((o * torch.sigmoid(gate)).reshape(B, T, -1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, gate, k, v = self.project(x, torch.arange(x.shape[1], device=x.device))
         o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           is_causal=True, scale=1.0 / math.sqrt(D))
-        o = o.transpose(1, 2) * torch.sigmoid(gate)
-        return self.attn_output(o.reshape(B, T, H * D))
+                                           is_causal=True, scale=1.0 / math.sqrt(self.cfg.head_dim))
+        return self.finish(o.transpose(1, 2), gate)
+
+
+def chain_attention(q, prefix_k, prefix_v, chain_k, chain_v, scale: float) -> torch.Tensor:
+    """Attention of a chained MTP draft step, as llama.cpp's draft context sees it.
+
+    prefix_k/v [B, 1 + T, H, D]: the MTP context's own entries, row 0 for position 0 (first token,
+    zero hidden) and row 1 + s for base s (step 1); the query at base t (step k, position t+k)
+    reads rows 0 and 1 + s for s < t, plus the entries this draft chain wrote for base t at steps
+    1..k (chain_k/v: lists of [B, T, H, D]). q is [B, T, H, D].
+    """
+    T = q.shape[1]
+    qh = q.transpose(1, 2).float()                                           # [B, H, T, D]
+    sp = (qh @ prefix_k.transpose(1, 2).float().transpose(-1, -2)) * scale    # [B, H, T, 1 + T]
+    sp = sp.masked_fill(~_prefix_mask(T, q.device, strict=True), float("-inf"))
+    sc = torch.stack([(q.float() * kj.float()).sum(-1) for kj in chain_k], dim=-1) * scale  # [B, T, H, k]
+    p = torch.softmax(torch.cat([sp, sc.permute(0, 2, 1, 3)], dim=-1), dim=-1)
+    o = p[..., :T + 1] @ prefix_v.transpose(1, 2).float()                   # [B, H, T, D]
+    pc = p[..., T + 1:].permute(0, 2, 1, 3)                                  # [B, T, H, k]
+    o = o.transpose(1, 2) + sum(pc[..., j, None] * vj.float() for j, vj in enumerate(chain_v))
+    return o.to(q.dtype)
+
+
+def _prefix_mask(T: int, device, strict: bool) -> torch.Tensor:
+    """[T, 1 + T]: column 0 (position 0's entry) always visible; column 1 + s when s < t (strict)
+    or s <= t."""
+    m = torch.ones(T, T, dtype=torch.bool, device=device).tril(-1 if strict else 0)
+    return torch.cat([torch.ones(T, 1, dtype=torch.bool, device=device), m], dim=1)
 
 
 class FeedForward(nn.Module):
@@ -276,6 +312,41 @@ class MTPBlock(nn.Module):
         """emb_next: embedding of token t+1; h: hidden for position t. Returns the normed MTP hidden."""
         x = self.eh_proj(torch.cat([self.enorm(emb_next), self.hnorm(h)], dim=-1))
         return self.shared_head_norm(self.layer(x))
+
+    def chain(self, embs, h: torch.Tensor, emb_first: torch.Tensor):
+        """Chained drafting with teacher-forced tokens, attending as llama.cpp's draft context does.
+
+        embs[k-1] [B, T, n_embd]: embedding of token t+k; h [B, T, n_embd]: the trunk's hidden at t;
+        emb_first [B, n_embd]: embedding of token 0, which the context pairs with a zero hidden at
+        position 0 (llama.cpp's process() on the prompt's first token). Step k feeds step k-1's
+        normed output back as h. Returns the normed MTP hidden of every step.
+        """
+        layer, attn = self.layer, self.layer.mixer
+        B, T, _ = h.shape
+        base = torch.arange(T, device=h.device)
+        scale = 1.0 / math.sqrt(attn.cfg.head_dim)
+        x0 = self.eh_proj(torch.cat([self.enorm(emb_first[:, None]), self.hnorm(torch.zeros_like(h[:, :1]))], -1))
+        _, _, k0, v0 = attn.project(layer.attn_norm(x0), base[:1] * 0)
+        chain_k, chain_v, outs = [], [], []
+        prefix = None
+        for k, e in enumerate(embs, start=1):
+            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
+            q, gate, kk, vv = attn.project(layer.attn_norm(x), base + k)
+            chain_k.append(kk)
+            chain_v.append(vv)
+            if prefix is None:
+                # step 1: the context's rows are exactly these entries (plus position 0's)
+                prefix = (torch.cat([k0, kk], dim=1), torch.cat([v0, vv], dim=1))
+                o = F.scaled_dot_product_attention(
+                    q.transpose(1, 2), prefix[0].transpose(1, 2), prefix[1].transpose(1, 2),
+                    attn_mask=_prefix_mask(T, h.device, strict=False), scale=scale).transpose(1, 2)
+            else:
+                o = chain_attention(q, prefix[0], prefix[1], chain_k, chain_v, scale)
+            x = x + attn.finish(o, gate)
+            x = x + layer.ffn(layer.post_attention_norm(x))
+            h = self.shared_head_norm(x)
+            outs.append(h)
+        return outs
 
 
 class Qwen35(nn.Module):
@@ -337,6 +408,21 @@ class Qwen35(nn.Module):
             out_w = _scale_grad(out_w, trunk_grad)
         h_next = self.mtp(F.embedding(next_tokens, emb_w), h)
         return F.linear(h_next, out_w), h_next
+
+    def mtp_chain(self, h: torch.Tensor, first_tokens: torch.Tensor, next_tokens: list,
+                  trunk_grad: float = 1.0) -> list:
+        """Chained MTP steps over a sequence: first_tokens [B] is token 0, next_tokens[k-1] [B, T]
+        holds token t+k. -> logits of every step (step k at base t predicts token t+k+1).
+        trunk_grad as in `mtp_step`."""
+        if self.mtp is None:
+            raise ValueError("this config has no MTP block (n_layer_nextn = 0)")
+        emb_w, out_w = self.tok_embd.weight, self.output.weight
+        if trunk_grad != 1.0:
+            h = _scale_grad(h, trunk_grad)
+            emb_w = _scale_grad(emb_w, trunk_grad)
+            out_w = _scale_grad(out_w, trunk_grad)
+        hs = self.mtp.chain([F.embedding(t, emb_w) for t in next_tokens], h, F.embedding(first_tokens, emb_w))
+        return [F.linear(x, out_w) for x in hs]
 
     # ----------------------------------------------------------------------------------------
     def gguf_tensors(self) -> dict:

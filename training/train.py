@@ -100,11 +100,12 @@ def forward_losses(model: Qwen35, window: torch.Tensor, seq_len: int, mtp_steps:
     x = window[:, :seq_len]
     logits, h = model(x)
     main = F.cross_entropy(logits.float().flatten(0, 1), window[:, 1:seq_len + 1].flatten())
-    mtp_losses, mtp_logits = [], []
-    for k in range(1, mtp_steps + 1):
-        lk, h = model.mtp_step(h, window[:, k:seq_len + k], trunk_grad=trunk_grad)
-        mtp_losses.append(F.cross_entropy(lk.float().flatten(0, 1), window[:, k + 1:seq_len + k + 1].flatten()))
-        mtp_logits.append(lk)
+    if not mtp_steps:
+        return main, [], logits, []
+    mtp_logits = model.mtp_chain(h, window[:, 0], [window[:, k:seq_len + k] for k in range(1, mtp_steps + 1)],
+                                 trunk_grad)
+    mtp_losses = [F.cross_entropy(lk.float().flatten(0, 1), window[:, k + 1:seq_len + k + 1].flatten())
+                  for k, lk in enumerate(mtp_logits, start=1)]
     return main, mtp_losses, logits, mtp_logits
 
 
@@ -182,6 +183,36 @@ def make_optimizer(model: Qwen35, lr: float, wd: float, betas, fused: bool):
 
 
 # --------------------------------------------------------------------------------------------
+# concurrent runs on one GPU
+# --------------------------------------------------------------------------------------------
+
+def wait_for_peers(folder: pathlib.Path, tag: str, n: int, timeout: float = 300.0) -> None:
+    """Start timing only when all n runs are set up, so that each calibrates under the same load."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{tag}.ready").write_text(str(os.getpid()))
+    t0 = time.time()
+    while len(list(folder.glob("*.ready"))) < n:
+        if time.time() - t0 > timeout:
+            print(f"[{tag}] barrier: only {len(list(folder.glob('*.ready')))}/{n} runs ready after "
+                  f"{timeout:.0f}s; starting anyway", file=sys.stderr, flush=True)
+            return
+        time.sleep(0.2)
+
+
+def agree_on_steps(folder: pathlib.Path, tag: str, n: int, mine: int, timeout: float = 120.0) -> int:
+    """Each run posts its calibrated step count; all take the smallest (the slowest run's)."""
+    tmp = folder / f".{tag}.tmp"
+    tmp.write_text(str(mine))
+    tmp.rename(folder / f"{tag}.steps")          # atomic: readers never see a half-written file
+    t0 = time.time()
+    while True:
+        posted = [int(p.read_text()) for p in folder.glob("*.steps")]
+        if len(posted) >= n or time.time() - t0 > timeout:
+            return min(posted)
+        time.sleep(0.1)
+
+
+# --------------------------------------------------------------------------------------------
 # main
 # --------------------------------------------------------------------------------------------
 
@@ -196,7 +227,7 @@ def parse_args(argv=None):
     ap.add_argument("--corpus-limit-files", type=int, default=None, help="tokenize only a sample of files (tests)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--warmup", type=int, default=60)
@@ -204,6 +235,10 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="fixed step count (else derived from --time-budget)")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds of training (a hard stop too)")
     ap.add_argument("--calib-steps", type=int, default=12, help="steps timed to size the schedule")
+    ap.add_argument("--barrier", default=None,
+                    help="folder where concurrent runs meet: they start together and all take the smallest "
+                         "calibrated step count (an ablation then compares equal steps and tokens)")
+    ap.add_argument("--barrier-n", type=int, default=1, help="number of runs meeting at --barrier")
     ap.add_argument("--mtp-lambda", type=float, default=0.3, help="weight of the MTP loss (0: no MTP training)")
     ap.add_argument("--mtp-steps", type=int, default=3, help="chained MTP steps trained (1..4)")
     ap.add_argument("--mtp-trunk-grad", type=float, default=1.0,
@@ -295,6 +330,8 @@ def main(argv=None) -> dict:
     def run_eval(windows):
         return evaluate(model, windows, args.seq_len, args.mtp_steps if use_mtp else 0, args.eval_batch, amp)
 
+    if args.barrier:
+        wait_for_peers(pathlib.Path(args.barrier), args.tag, args.barrier_n)
     t_loop = time.time()
     last_eval = last_ckpt = time.time()
     calib_t0 = None
@@ -343,8 +380,10 @@ def main(argv=None) -> dict:
                 torch.cuda.synchronize()
             per_step = (time.time() - calib_t0) / args.calib_steps
             left = args.time_budget - (train_seconds + time.time() - t_loop)
-            # leave room for the periodic evaluations (about 2% of the time) and jitter
-            total_steps = step + max(1, int(left * 0.95 / per_step))
+            # leave room for the periodic evaluations (a few % of the time) and jitter
+            total_steps = step + max(1, int(left * 0.90 / per_step))
+            if args.barrier:
+                total_steps = agree_on_steps(pathlib.Path(args.barrier), args.tag, args.barrier_n, total_steps)
             log["calibration"] = {"seconds_per_step": per_step, "total_steps": total_steps}
             print(f"[{args.tag}] {per_step:.3f} s/step -> {total_steps} steps", flush=True)
         if time.time() - last_eval >= args.eval_every:

@@ -198,3 +198,121 @@ class LlamaMTP:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def llama_tensors(path: str | Path, tokens, names, n_ctx: int | None = None, n_threads: int = 2,
+                  verbose: bool = False) -> dict[str, np.ndarray]:
+    """Intermediate F32 tensors of llama.cpp's graph on the CPU, by graph name, `[n_tokens, width]`.
+
+    Names are llama.cpp's callback names: `model.input_embed`, `l_out-{il}`, `attn_norm-{il}`,
+    `result_norm`, `result_output`, ... The tokens run as one batch at positions 0..n-1 with
+    llama.cpp's default context settings (F16 KV cache, no flash attention), through the
+    scheduler's eval callback (`cb_eval`), which sees each tensor right after it is computed.
+    """
+    import ctypes
+    from llama_cpp import llama_cpp as L
+    from llama_cpp._logger import set_verbose
+
+    set_verbose(verbose)
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF model file not found: {path}")
+    tokens = [int(t) for t in tokens]
+    wanted = set(names)
+    got: dict[str, np.ndarray] = {}
+
+    class _Tensor(ctypes.Structure):   # struct ggml_tensor (ggml.h), up to the name
+        _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p),
+                    ("ne", ctypes.c_int64 * 4), ("nb", ctypes.c_size_t * 4),
+                    ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16), ("flags", ctypes.c_int32),
+                    ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                    ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p),
+                    ("name", ctypes.c_char * 64)]
+
+    def observe(ptr, ask, _user):
+        t = _Tensor.from_address(ptr)
+        name = t.name.decode(errors="replace")
+        if ask:
+            return name in wanted
+        if name in wanted and t.type == 0:   # GGML_TYPE_F32, in host memory on the CPU backend
+            ne, nb = list(t.ne), list(t.nb)
+            span = sum((n - 1) * s for n, s in zip(ne, nb)) + 4
+            raw = np.frombuffer((ctypes.c_char * span).from_address(t.data), dtype=np.uint8)
+            a = np.lib.stride_tricks.as_strided(raw.view(np.float32) if span % 4 == 0 else
+                                                raw[:span - span % 4].view(np.float32),
+                                                shape=ne[::-1], strides=nb[::-1])
+            got[name] = np.array(a, dtype=np.float32).reshape(-1, ne[0])
+        return True
+
+    callback = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)(observe)
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(str(path).encode(), L.llama_model_default_params())
+    if not model:
+        raise ValueError(f"llama.cpp could not load {path}")
+    ctx = batch = None
+    try:
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx or max(256, -(-len(tokens) // 256) * 256)
+        cp.n_batch = cp.n_ubatch = cp.n_ctx
+        cp.n_threads = cp.n_threads_batch = n_threads
+        cp.flash_attn_type = 0                  # as llama_cpp.Llama's default
+        cp.cb_eval = callback
+        cp.cb_eval_user_data = None
+        ctx = L.llama_init_from_model(model, cp)
+        if not ctx:
+            raise RuntimeError(f"llama.cpp could not create a context for {path}")
+        batch = L.llama_batch_init(len(tokens), 0, 1)
+        for i, tok in enumerate(tokens):
+            batch.token[i] = tok
+            batch.pos[i] = i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = True
+        batch.n_tokens = len(tokens)
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+    finally:
+        if batch is not None:
+            L.llama_batch_free(batch)
+        if ctx:
+            L.llama_free(ctx)
+        L.llama_model_free(model)
+    missing = wanted - got.keys()
+    if missing:
+        raise KeyError(f"llama.cpp's graph for {path} has no F32 tensor named {sorted(missing)}")
+    return got
+
+
+def dequantized_copy(src: str | Path, dst: str | Path) -> Path:
+    """Write `dst`: `src` with every tensor dequantised to F32 (same metadata, same values).
+
+    llama.cpp's CPU backend rounds each matrix product's input to the weight's dot-product type
+    (Q8_0 / Q8_K for quantised weights), and on random test models that rounding noise compounds
+    through the layers (see tests/test_reference.py). Run on this twin, llama.cpp multiplies the
+    very same weight values in F32, so a teacher-forced comparison sees the model's math alone.
+    """
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize
+
+    src, dst = Path(src), Path(dst)
+    reader = GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        if field.types[0] == GGUFValueType.ARRAY:
+            writer.add_key_value(name, field.contents(), GGUFValueType.ARRAY, field.types[-1])
+        else:
+            writer.add_key_value(name, field.contents(), field.types[0])
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        writer.add_tensor(t.name, np.ascontiguousarray(dequantize(t.data, t.tensor_type).reshape(shape),
+                                                       dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

@@ -26,6 +26,7 @@ Conventions (all as llama.cpp keeps them; the CUDA engine's state is compared ag
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +67,43 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """x through ggml's Q8_0 (blocks of 32 along the last axis: d = amax/127 stored as fp16,
+    q = round(x/d)), back to floats: what llama.cpp's CPU feeds a Q8_0 dot product."""
+    b = np.asarray(x, dtype=np.float32).reshape(-1, 32)
+    d = np.max(np.abs(b), axis=1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.round(b * inv)
+    return (q * d.astype(np.float16).astype(np.float32)).reshape(np.shape(x))
+
+
+def quantize_q8_k(x: np.ndarray) -> np.ndarray:
+    """x through ggml's Q8_K (blocks of 256: scale -127/max of the largest-magnitude value,
+    q = min(127, round(x * scale)), d = 1/scale in float32), back to floats."""
+    b = np.asarray(x, dtype=np.float32).reshape(-1, 256)
+    mx = b[np.arange(len(b)), np.argmax(np.abs(b), axis=1)][:, None]
+    iscale = np.divide(np.float32(-127), mx, out=np.zeros_like(mx), where=mx != 0)
+    q = np.minimum(127, np.round(b * iscale))
+    d = np.divide(np.float32(1), iscale, out=np.zeros_like(iscale), where=iscale != 0)
+    return (q * d).reshape(np.shape(x))
+
+
+def _f16(x: np.ndarray, dtype) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).astype(np.float16).astype(dtype)
+
+
+# The form in which llama.cpp's CPU backend hands a matrix product's input to the dot product,
+# by weight type (ggml-cpu's vec_dot_type).
+CPU_MATMUL_INPUT = {
+    "F32": None,
+    "F16": lambda x: np.asarray(x, dtype=np.float16).astype(np.float32),
+    "Q8_0": quantize_q8_0,
+    "Q4_K": quantize_q8_k,
+    "Q5_K": quantize_q8_k,
+    "Q6_K": quantize_q8_k,
+}
+
+
 def imrope_angles(positions: np.ndarray, cfg: ModelConfig) -> np.ndarray:
     """Rotation angles `[n_tokens, n_rot // 2]` of ggml_rope_multi with GGML_ROPE_TYPE_IMROPE.
 
@@ -100,8 +138,8 @@ def imrope_angles(positions: np.ndarray, cfg: ModelConfig) -> np.ndarray:
 def apply_rope(x: np.ndarray, angles: np.ndarray, n_rot: int) -> np.ndarray:
     """NEOX-ordered rotation (pairs (i, i + n_rot/2)) of the first n_rot dims; x is [n, heads, dim]."""
     half = n_rot // 2
-    cos = np.cos(angles)[:, None, :]
-    sin = np.sin(angles)[:, None, :]
+    cos = np.cos(angles).astype(x.dtype)[:, None, :]
+    sin = np.sin(angles).astype(x.dtype)[:, None, :]
     x0 = x[..., :half]
     x1 = x[..., half:n_rot]
     out = x.copy()
@@ -142,8 +180,17 @@ class ReferenceModel:
     - `state()`: every piece of per-conversation state, by name (see `state`).
     """
 
-    def __init__(self, path: str | Path, dtype=np.float64):
+    def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False):
+        """`llama_cpu_rounding=True` adds the roundings of llama.cpp's CPU backend with its default
+        context: every matrix product's input in the weight's `vec_dot_type` (Q8_0 blocks for
+        Q8_0 weights, Q8_K for K-quants, F16 for F16; `CPU_MATMUL_INPUT`), and attention through
+        an F16 KV cache (K and V stored as F16, q and the softmax weights rounded to F16 for the
+        two products). Off by default: the reference computes the model's own math on the
+        dequantised weights. On, each layer matches llama.cpp's CPU to float32 rounding, which is
+        how the per-layer test checks the reference on quantised files.
+        """
         self.path = Path(path)
+        self.llama_cpu_rounding = llama_cpu_rounding
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF model file not found: {self.path}")
         self.dtype = np.dtype(dtype)
@@ -192,7 +239,21 @@ class ReferenceModel:
             self._weights[name] = w
         return w
 
+    def tensor_type(self, name: str) -> str:
+        t = self._tensors.get(name)
+        if t is None:
+            raise KeyError(f"{self.path}: tensor {name!r} is missing")
+        return t.tensor_type.name
+
     def _mm(self, x: np.ndarray, name: str) -> np.ndarray:
+        if self.llama_cpu_rounding:
+            kind = self.tensor_type(name)
+            if kind not in CPU_MATMUL_INPUT:
+                raise ValueError(f"{self.path}: tensor {name!r} has type {kind}, for which the "
+                                 f"CPU input rounding is not modelled")
+            rounding = CPU_MATMUL_INPUT[kind]
+            if rounding is not None:
+                x = rounding(x).astype(self.dtype)
         return x @ self.weight(name).T
 
     # -- state --
@@ -253,18 +314,33 @@ class ReferenceModel:
         positions = np.arange(self.n_past, self.n_past + n)
         x = self.weight("token_embd.weight")[tokens]
         for il in range(c.n_layer):
-            p = f"blk.{il}."
-            cur = rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps)
-            if c.is_recurrent(il):
-                cur = self._deltanet(il, cur)
-            else:
-                cur = self._attention(il, cur, positions, self._kv[il])
-            x = x + cur
-            x = x + self._ffn(il, rms_norm(x, self.weight(p + "post_attention_norm.weight"), c.rms_eps))
+            x = self.layer(il, x, positions)
         h = rms_norm(x, self.weight("output_norm.weight"), c.rms_eps)
         self.hidden = np.concatenate([self.hidden, h])
         self.tokens.extend(int(t) for t in tokens)
         self.n_past += n
+        return self.head(h)
+
+    def layer(self, il: int, x: np.ndarray, positions) -> np.ndarray:
+        """Main layer il on its input x `[n, n_embd]` at positions; updates that layer's state.
+
+        Public so that a test can feed llama.cpp's own layer input and compare one layer at a time.
+        """
+        c = self.config
+        if not 0 <= il < c.n_layer:
+            raise ValueError(f"layer {il} is not a main layer (0..{c.n_layer - 1})")
+        p = f"blk.{il}."
+        positions = np.asarray(positions, dtype=np.int64)
+        cur = rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps)
+        if c.is_recurrent(il):
+            cur = self._deltanet(il, cur)
+        else:
+            cur = self._attention(il, cur, positions, self._kv[il])
+        x = x + cur
+        return x + self._ffn(il, rms_norm(x, self.weight(p + "post_attention_norm.weight"), c.rms_eps))
+
+    def head(self, h: np.ndarray) -> np.ndarray:
+        """Logits from hidden states after output_norm."""
         return self._mm(h, self._output_name())
 
     def _output_name(self) -> str:
@@ -302,16 +378,20 @@ class ReferenceModel:
         ang = imrope_angles(positions, c)
         q = apply_rope(q, ang, c.n_rot)
         k = apply_rope(k, ang, c.n_rot)
+        if self.llama_cpu_rounding:
+            q, k, v = (_f16(a, self.dtype) for a in (q, k, v))
         cache.append(k, v, positions)
 
         group = H // Hkv
         kv_head = np.arange(H) // group
         K = cache.k[:, kv_head, :]                      # [m, H, D]
         V = cache.v[:, kv_head, :]
-        scores = np.einsum("nhd,mhd->hnm", q, K) / np.sqrt(D)
+        scores = np.einsum("nhd,mhd->hnm", q, K) / math.sqrt(D)
         visible = cache.pos[None, :] <= positions[:, None]   # causal mask by position
         scores = np.where(visible[None], scores, -np.inf)
         att = softmax(scores, axis=-1)
+        if self.llama_cpu_rounding:
+            att = _f16(att, self.dtype)
         out = np.einsum("hnm,mhd->nhd", att, V).reshape(n, H * D)
         out = out * sigmoid(gate)
         return self._mm(out, p + "attn_output.weight")
@@ -344,7 +424,7 @@ class ReferenceModel:
         q = conv[:, :key_dim].reshape(n, Hk, S)
         k = conv[:, key_dim:2 * key_dim].reshape(n, Hk, S)
         v = conv[:, 2 * key_dim:].reshape(n, Hv, S)
-        q = l2_norm_gdn(q, c.rms_eps) / np.sqrt(S)
+        q = l2_norm_gdn(q, c.rms_eps) / math.sqrt(S)
         k = l2_norm_gdn(k, c.rms_eps)
         key_head = np.arange(Hv) % Hk                                     # tiled (ggml_repeat_4d)
         q = q[:, key_head]

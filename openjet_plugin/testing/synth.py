@@ -21,7 +21,6 @@ import os
 import pathlib
 import sys
 import zlib
-from dataclasses import replace
 from typing import Iterator
 
 import numpy as np
@@ -68,18 +67,11 @@ def _matrix_std(spec: TensorSpec) -> float:
     return gain / np.sqrt(n_in)
 
 
-def tensor_values(spec: TensorSpec, seed: int, rows: slice | None = None) -> np.ndarray:
-    """float32 values of one tensor as numpy `[ne1, ne0]` (or `[ne0]`); `rows` selects ne1 rows.
-
-    A row slice gives the same values as slicing the whole tensor, so big tensors can be made in
-    pieces (each row block draws from its own sub-stream).
-    """
+def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
+    """float32 values of one tensor, as numpy `[ne1, ne0]` (or `[ne0]` for a vector)."""
     name = spec.name
-    n_rows = spec.ne[1] if len(spec.ne) > 1 else 1
-    rows = rows or slice(0, n_rows)
-    r0, r1, _ = rows.indices(n_rows)
+    g = _rng(seed, name)
     if len(spec.ne) == 1:
-        g = _rng(seed, name)
         n = spec.ne[0]
         if name.endswith("ssm_a"):
             # A = exp(A_log) in [1, 16] as Qwen initialises it; the converter stores -exp(A_log)
@@ -91,23 +83,11 @@ def tensor_values(spec: TensorSpec, seed: int, rows: slice | None = None) -> np.
         if name.endswith("norm.weight"):
             return (1.0 + g.uniform(-NORM_SPREAD, NORM_SPREAD, n)).astype(np.float32)
         raise ValueError(f"tensor {name!r}: no rule for generating a vector of this name")
-    n_in = spec.ne[0]
+    n_in, n_rows = spec.ne
     if name.endswith("ssm_conv1d.weight"):
-        g = _rng(seed, name)
-        return (g.standard_normal((n_rows, n_in)) / np.sqrt(n_in)).astype(np.float32)[r0:r1]
-    std = _matrix_std(spec)
-    out = np.empty((r1 - r0, n_in), dtype=np.float32)
-    # fixed row blocks so that any slice reproduces the whole tensor's values
-    block = _ROW_BLOCK
-    for b0 in range((r0 // block) * block, r1, block):
-        g = _rng(seed, f"{name}#{b0}")
-        vals = g.standard_normal((min(block, n_rows - b0), n_in), dtype=np.float32)
-        lo, hi = max(r0, b0), min(r1, b0 + block)
-        out[lo - r0:hi - r0] = vals[lo - b0:hi - b0] * np.float32(std)
-    return out
-
-
-_ROW_BLOCK = 1024
+        # depthwise causal conv: one kernel of n_in taps per channel, fan-in = taps
+        return (g.standard_normal((n_rows, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in)))
+    return g.standard_normal((n_rows, n_in), dtype=np.float32) * np.float32(_matrix_std(spec))
 
 
 # --- llama.cpp's Q4_K_M recipe ------------------------------------------------------------------
@@ -157,7 +137,9 @@ def q4_k_m_type_map(config: ModelConfig) -> dict[str, str]:
 # --- random quantised blocks (direct writer) ------------------------------------------------------
 
 QK_K = 256
-_BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q6_K": (256, 210), "F16": (1, 2), "F32": (1, 4)}
+# type -> (values per block, bytes per block), as ggml-common.h lays them out
+_BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+                "F16": (1, 2), "BF16": (1, 2), "F32": (1, 4)}
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -175,6 +157,10 @@ def random_blocks(ggml_type: str, n_rows: int, n_cols: int, std: float, g: np.ra
         return (g.standard_normal((n_rows, n_cols), dtype=np.float32) * np.float32(std)).view(np.uint8)
     if ggml_type == "F16":
         return _f16_bytes(g.standard_normal((n_rows, n_cols), dtype=np.float32) * np.float32(std)).reshape(n_rows, -1)
+    if ggml_type == "BF16":
+        # bfloat16 = the upper half of a float32 (truncated)
+        f32 = g.standard_normal((n_rows, n_cols), dtype=np.float32) * np.float32(std)
+        return (f32.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n_rows, -1)
     out = np.empty((nb, nbytes), dtype=np.uint8)
     if ggml_type == "Q8_0":
         # x = d * q, q uniform in [-127, 127]
@@ -189,6 +175,14 @@ def random_blocks(ggml_type: str, n_rows: int, n_cols: int, std: float, g: np.ra
         out[:, 2:4] = _f16_bytes(np.full(nb, 7.5 * d, dtype=np.float32))
         out[:, 4:16] = _pack_k4_scales(sc, sc)
         out[:, 16:] = g.integers(0, 256, (nb, 128), dtype=np.uint8)
+    elif ggml_type == "Q5_K":
+        # as Q4_K with a fifth bit (qh) per quant: q in 0..31, centred by dmin = 15.5 d
+        sc = g.integers(24, 64, (nb, 8), dtype=np.uint8)
+        d = np.float32(std / (_uniform_rms(0, 31, centre=15.5) * _uniform_rms(24, 63)))
+        out[:, 0:2] = _f16_bytes(np.full(nb, d, dtype=np.float32))
+        out[:, 2:4] = _f16_bytes(np.full(nb, 15.5 * d, dtype=np.float32))
+        out[:, 4:16] = _pack_k4_scales(sc, sc)
+        out[:, 16:] = g.integers(0, 256, (nb, 160), dtype=np.uint8)
     elif ggml_type == "Q6_K":
         # x = d * scale * (q - 32) with q in 0..63 int8 scales in [16, 127]
         out[:, 0:192] = g.integers(0, 256, (nb, 192), dtype=np.uint8)
@@ -248,7 +242,7 @@ def _add_metadata(w, config: ModelConfig, name: str, file_type: int, preset: str
     # provenance, read by tests (llama.cpp ignores unknown keys)
     w.add_string("openjet.synth.preset", preset or "custom")
     w.add_uint32("openjet.synth.seed", seed)
-    if file_type not in (0, 1):
+    if file_type not in (0, 1, 32):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
@@ -270,6 +264,8 @@ def _write_gguf(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[Ten
                 w.add_tensor_info(spec.name, shape, np.dtype(np.float32), size)
             elif t == "F16":
                 w.add_tensor_info(spec.name, shape, np.dtype(np.float16), size)
+            elif t == "BF16":
+                w.add_tensor_info(spec.name, (*shape[:-1], shape[-1] * 2), np.dtype(np.uint8), size, raw_dtype=qtype)
             else:
                 byte_shape = (*shape[:-1], shape[-1] // per * nbytes)
                 w.add_tensor_info(spec.name, byte_shape, np.dtype(np.uint8), size, raw_dtype=qtype)
@@ -361,6 +357,36 @@ def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: s
         for p in (tmp, tmp_f32):
             if p.exists():
                 p.unlink()
+    return out
+
+
+# general.file_type for a file whose matrices are all one type (llama_ftype: *_S variants for K types)
+_UNIFORM_FTYPES = {"F32": 0, "F16": 1, "Q8_0": 7, "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "BF16": 32}
+
+
+def synth_uniform(out_path: str | os.PathLike[str], matrix_type: str, preset: str = "tiny", seed: int = 0,
+                  force: bool = False, config: ModelConfig | None = None) -> pathlib.Path:
+    """A model whose every matrix is random `matrix_type` blocks (vectors stay F32), written
+    directly: one file per supported type, e.g. to test each kernel against llama.cpp."""
+    if matrix_type not in _UNIFORM_FTYPES:
+        raise ValueError(f"matrix_type {matrix_type!r} is not one of {', '.join(_UNIFORM_FTYPES)}")
+    out = pathlib.Path(out_path)
+    cfg = _resolve(preset, config)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: file exists; pass force=True (--force) to overwrite it")
+    specs = synth_specs(cfg)
+    types = {s.name: (matrix_type if s.kind == "matrix" else "F32") for s in specs}
+    for s in specs:
+        if s.ne[0] % _BLOCK_BYTES[types[s.name]][0]:
+            raise ValueError(f"tensor {s.name!r}: width {s.ne[0]} is not a multiple of the {matrix_type} block")
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        _write_gguf(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed),
+                    file_type=_UNIFORM_FTYPES[matrix_type], preset=preset if config is None else None, seed=seed)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     return out
 
 

@@ -1,0 +1,354 @@
+"""The native CUDA backend: `native_status(model_file, n_ctx)` and `NativeBackend`.
+
+The model file (openjet_plugin.model_file.ModelFile) is described to the engine tensor by tensor
+(name, ggml type id, ne, pointer into the memory-mapped file); the engine uploads what it needs
+once and keeps nothing of the host mapping. One NativeBackend holds one conversation on the GPU.
+Logits stay on the device unless asked for: `eval_argmax` copies one int back per call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from .. import _native
+from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
+from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
+
+log = logging.getLogger("openjet_plugin")
+
+MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
+MIN_COMPUTE_CAPABILITY = (8, 6)
+KV_TYPES = {"f16": 0}
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_H_SOURCES = {"main": 0, "draft": 1}
+_MEMORY_MARGIN = 256 << 20   # bytes kept free beyond the engine's own estimate
+
+
+def _kv_layers(c: ModelConfig) -> int:
+    return len(c.attention_layers()) + (1 if c.n_layer_nextn else 0)
+
+
+def estimate_device_bytes(model_file, n_ctx: int) -> dict[str, int]:
+    """What the engine will allocate, by purpose (mirrors engine.cu's allocations)."""
+    c = model_file.config
+    weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
+    # vectors are widened to fp32 on the device
+    weights += sum(int(t.n_bytes) for t in model_file.tensors.values()
+                   if len(t.ne) == 1 and t.ggml_type in ("F16", "BF16"))
+    kv = _kv_layers(c) * 2 * c.kv_dim * n_ctx * 2
+    dn = len(c.deltanet_layers())
+    recurrent = dn * (c.ssm_conv_dim * (c.ssm_conv_kernel - 1) + c.ssm_dt_rank * c.ssm_d_state ** 2) * 4
+    n = MAX_POSITIONS
+    splits = (n_ctx + 255) // 256
+    act = 4 * n * (2 * c.n_embd + 2 * c.n_ff + 2 * c.ssm_conv_dim + 2 * c.ssm_value_dim
+                   + 2 * c.ssm_dt_rank + 2 * c.q_dim + 2 * c.kv_dim + c.q_dim
+                   + c.n_head * splits * (c.head_dim + 2) + 3 * c.n_embd + 2 * c.n_vocab + 2 * c.n_embd)
+    return {"weights": weights, "kv_cache": kv, "recurrent_state": recurrent, "activations": act,
+            "total": weights + kv + recurrent + act}
+
+
+def model_problems(model_file) -> list[str]:
+    """Why the native kernels cannot run this model (empty when they can)."""
+    problems = []
+    c = model_file.config
+    if c.head_dim not in (64, 128, 256):
+        problems.append(f"head_dim {c.head_dim} (the attention kernels take 64, 128 or 256)")
+    if c.ssm_d_state not in (32, 64, 128):
+        problems.append(f"ssm.state_size {c.ssm_d_state} (the DeltaNet kernels take 32, 64 or 128)")
+    if not 2 <= c.ssm_conv_kernel <= 4:
+        problems.append(f"ssm.conv_kernel {c.ssm_conv_kernel} (2..4)")
+    for t in model_file.tensors.values():
+        if t.ggml_type not in SUPPORTED_TENSOR_TYPES:
+            problems.append(f"tensor {t.name!r} has type {t.ggml_type} "
+                            f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
+        elif len(t.ne) == 2 and t.ne[0] > 1 and not t.name.endswith("ssm_conv1d.weight"):
+            unit = 8 if t.ggml_type in _FLOAT_TYPES else 256
+            if t.ne[0] % unit:
+                problems.append(f"tensor {t.name!r} ({t.ggml_type}) has {t.ne[0]} columns, "
+                                f"not a multiple of {unit}")
+    return problems
+
+
+def native_status(model_file, n_ctx: int) -> tuple[bool, str]:
+    """(True, what will run) or (False, why not): library, GPU, memory, model shape/types."""
+    try:
+        nl = _native.load()
+    except BackendUnavailableError as e:
+        return False, str(e)
+    ffi, lib = nl.ffi, nl.lib
+    major, minor = ffi.new("int32_t *"), ffi.new("int32_t *")
+    free, total = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+    name = ffi.new("char[256]")
+    rc = lib.oj_device_info(0, major, minor, free, total, name, 256)
+    if rc != 0:
+        return False, f"no usable CUDA device: {_native.last_error(nl)}"
+    gpu = ffi.string(name).decode(errors="replace")
+    cc = (int(major[0]), int(minor[0]))
+    if cc < MIN_COMPUTE_CAPABILITY:
+        return False, f"GPU {gpu} is sm_{cc[0]}{cc[1]}; the native engine needs sm_86 or newer"
+    problems = model_problems(model_file)
+    if problems:
+        return False, "the model does not fit the native kernels: " + "; ".join(problems[:5])
+    need = estimate_device_bytes(model_file, n_ctx)["total"] + _MEMORY_MARGIN
+    if need > int(free[0]):
+        return False, (f"GPU {gpu} has {int(free[0]) / 2**30:.1f} GiB free, the model at n_ctx {n_ctx} "
+                       f"needs about {need / 2**30:.1f} GiB")
+    return True, f"native CUDA engine on {gpu} (sm_{cc[0]}{cc[1]}, {int(free[0]) / 2**30:.1f} GiB free)"
+
+
+class NativeBackend:
+    """One conversation on the GPU through the native engine (see backends/base.py's protocol)."""
+
+    name = "native"
+    supports_speculative = False   # v1: plain decoding; the MTP draft head is exposed for tests
+
+    def __init__(self, model_file, n_ctx: int, draft_depth: int = 4, kv_type: str = "f16",
+                 seed: int | None = None, device: int = 0):
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type {kv_type!r} is not supported by the native engine "
+                             f"(supported: {', '.join(KV_TYPES)})")
+        if n_ctx < 1:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        self._nl = _native.load()
+        self._model_file = model_file
+        self.config: ModelConfig = model_file.config
+        self.n_ctx = int(n_ctx)
+        self.n_vocab = int(self.config.n_vocab)
+        self.draft_depth = int(draft_depth)
+        self._tokenizer = None
+        self._engine = None
+        self._last_n = 0
+        self._engine = self._create(model_file, kv_type, device)
+
+    # --- creation ------------------------------------------------------------------------------
+    def _create(self, model_file, kv_type: str, device: int):
+        ffi, lib = self._nl.ffi, self._nl.lib
+        c = self.config
+        keep = []   # cffi objects that must outlive oj_engine_create
+        desc = ffi.new("oj_model_desc *")
+        hp = desc.hparams
+        for field in ("n_vocab", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot",
+                      "ssm_conv_kernel", "ssm_d_state", "ssm_n_group", "ssm_dt_rank",
+                      "full_attention_interval", "n_layer_nextn"):
+            setattr(hp, field, int(getattr(c, field)))
+        for i, s in enumerate(c.rope_sections):
+            hp.rope_sections[i] = int(s)
+        hp.rope_freq_base = float(c.rope_freq_base)
+        hp.rms_eps = float(c.rms_eps)
+        tensors = list(model_file.tensors.values())
+        arr = ffi.new("oj_tensor[]", len(tensors))
+        for i, t in enumerate(tensors):
+            name = ffi.new("char[]", t.name.encode())
+            data = np.ascontiguousarray(t.data)
+            buf = ffi.from_buffer("char[]", data)
+            keep += [name, data, buf]
+            arr[i].name = name
+            arr[i].type = int(GGMLQuantizationType[t.ggml_type].value)
+            arr[i].n_dims = len(t.ne)
+            for d, n in enumerate(t.ne):
+                arr[i].ne[d] = int(n)
+            for d in range(len(t.ne), 4):
+                arr[i].ne[d] = 1
+            arr[i].data = buf
+            arr[i].n_bytes = int(t.n_bytes)
+        desc.tensors = arr
+        desc.n_tensors = len(tensors)
+        desc.n_ctx = self.n_ctx
+        desc.kv_type = KV_TYPES[kv_type]
+        desc.device = int(device)
+        out = ffi.new("oj_engine **")
+        rc = lib.oj_engine_create(desc, out)
+        del keep
+        _native.check(self._nl, rc, None, f"loading {getattr(model_file, 'path', 'model')} onto the GPU")
+        return ffi.gc(out[0], lib.oj_engine_free)
+
+    def _check(self, rc: int, what: str) -> None:
+        _native.check(self._nl, rc, self._handle(), what)
+
+    def _handle(self):
+        if self._engine is None:
+            raise NativeEngineError(-1, "the native engine is closed")
+        return self._engine
+
+    # --- tokenizer -----------------------------------------------------------------------------
+    def _tok(self):
+        if self._tokenizer is None:
+            from ..tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_gguf(self._model_file.path)
+        return self._tokenizer
+
+    def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
+        return list(self._tok().encode(bytes(text), add_special=add_special, parse_special=parse_special))
+
+    def detokenize(self, tokens: list[int]) -> bytes:
+        return self._tok().decode_bytes(tokens, special=True)
+
+    # --- state ---------------------------------------------------------------------------------
+    @property
+    def n_past(self) -> int:
+        out = self._nl.ffi.new("int32_t *")
+        self._check(self._nl.lib.oj_n_past(self._handle(), out), "n_past")
+        return int(out[0])
+
+    def _chunks(self, tokens: Iterable[int]) -> list[list[int]]:
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ValueError("tokens is empty")
+        bad = [t for t in toks if not 0 <= t < self.n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})")
+        if self.n_past + len(toks) > self.n_ctx:
+            raise ContextOverflowError(self.n_past + len(toks), self.n_ctx)
+        return [toks[i:i + MAX_POSITIONS] for i in range(0, len(toks), MAX_POSITIONS)]
+
+    def _eval_chunk(self, chunk: list[int]) -> None:
+        ffi = self._nl.ffi
+        buf = ffi.new("int32_t[]", chunk)
+        self._check(self._nl.lib.oj_eval(self._handle(), buf, len(chunk)), "eval")
+        self._last_n = len(chunk)
+
+    def eval(self, tokens: list[int]) -> np.ndarray:
+        for chunk in self._chunks(tokens):
+            self._eval_chunk(chunk)
+        return self.logits(self._last_n - 1)
+
+    def eval_argmax(self, tokens: list[int]) -> int:
+        for chunk in self._chunks(tokens):
+            self._eval_chunk(chunk)
+        return self.argmax()[-1]
+
+    def eval_all_logits(self, tokens: list[int], positions_per_call: int = MAX_POSITIONS) -> np.ndarray:
+        """Logits `[n, n_vocab]` of every token (teacher forcing), `positions_per_call` at a time."""
+        if not 1 <= positions_per_call <= MAX_POSITIONS:
+            raise ValueError(f"positions_per_call must be 1..{MAX_POSITIONS}")
+        toks = [int(t) for t in tokens]
+        self._chunks(toks)   # validation
+        out = np.empty((len(toks), self.n_vocab), dtype=np.float32)
+        for i in range(0, len(toks), positions_per_call):
+            chunk = toks[i:i + positions_per_call]
+            self._eval_chunk(chunk)
+            for j in range(len(chunk)):
+                out[i + j] = self.logits(j)
+        return out
+
+    def argmax(self) -> list[int]:
+        """Argmax of every position of the last native call."""
+        ffi = self._nl.ffi
+        out = ffi.new("int32_t[]", self._last_n)
+        self._check(self._nl.lib.oj_get_argmax(self._handle(), out, self._last_n), "argmax")
+        return [int(x) for x in out]
+
+    def logits(self, index: int) -> np.ndarray:
+        out = np.empty(self.n_vocab, dtype=np.float32)
+        ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
+        self._check(self._nl.lib.oj_get_logits(self._handle(), index, ptr, self.n_vocab), "logits")
+        return out
+
+    def hidden(self, index: int) -> np.ndarray:
+        """Final hidden state (after output_norm) of position `index` of the last call."""
+        out = np.empty(self.config.n_embd, dtype=np.float32)
+        ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
+        self._check(self._nl.lib.oj_get_hidden(self._handle(), index, ptr, self.config.n_embd), "hidden")
+        return out
+
+    def rollback(self, n_keep: int) -> bool:
+        # The recurrent state cannot go back in v1 (no snapshots yet): only a no-op succeeds.
+        return n_keep == self.n_past
+
+    def reset(self) -> None:
+        self._check(self._nl.lib.oj_reset(self._handle()), "reset")
+        self._last_n = 0
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._nl.ffi.release(self._engine)   # runs oj_engine_free now
+            self._engine = None
+
+    def __enter__(self) -> "NativeBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # --- MTP draft head ------------------------------------------------------------------------
+    def mtp_eval(self, tokens: list[int], pos0: int, h: str | np.ndarray = "main") -> list[int]:
+        """Run the MTP block on tokens at MTP positions pos0..; returns the draft argmax of each.
+
+        h: "main" (main hidden state of the previous position, from the last eval), "draft" (the
+        MTP block's own last output, one token), or an array `[n, n_embd]` of hidden states.
+        """
+        ffi, lib = self._nl.ffi, self._nl.lib
+        toks = [int(t) for t in tokens]
+        if not 1 <= len(toks) <= MAX_POSITIONS:
+            raise ValueError(f"mtp_eval takes 1..{MAX_POSITIONS} tokens, got {len(toks)}")
+        h_ptr = ffi.NULL
+        if isinstance(h, str):
+            if h not in _H_SOURCES:
+                raise ValueError(f"h must be 'main', 'draft' or an array, got {h!r}")
+            source = _H_SOURCES[h]
+        else:
+            arr = np.ascontiguousarray(h, dtype=np.float32).reshape(len(toks), self.config.n_embd)
+            h_ptr = ffi.from_buffer("float[]", arr)
+            source = 2
+        buf = ffi.new("int32_t[]", toks)
+        self._check(lib.oj_mtp_eval(self._handle(), buf, len(toks), int(pos0), source, h_ptr), "mtp_eval")
+        out = ffi.new("int32_t[]", len(toks))
+        self._check(lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
+        return [int(x) for x in out]
+
+    def draft_logits(self, index: int) -> np.ndarray:
+        out = np.empty(self.n_vocab, dtype=np.float32)
+        ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
+        self._check(self._nl.lib.oj_get_draft_logits(self._handle(), index, ptr, self.n_vocab), "draft logits")
+        return out
+
+    def draft_hidden(self, index: int) -> np.ndarray:
+        out = np.empty(self.config.n_embd, dtype=np.float32)
+        ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
+        self._check(self._nl.lib.oj_get_draft_hidden(self._handle(), index, ptr, self.config.n_embd),
+                    "draft hidden")
+        return out
+
+    # --- introspection -------------------------------------------------------------------------
+    def state(self) -> dict[str, np.ndarray]:
+        """Per-conversation state under the numpy reference's names and layouts."""
+        ffi, lib = self._nl.ffi, self._nl.lib
+        c = self.config
+        h = self._handle()
+        out: dict[str, np.ndarray] = {}
+
+        def read(fn, shape, *args):
+            a = np.empty(shape, dtype=np.float32)
+            self._check(fn(h, *args, ffi.from_buffer("float[]", a, require_writable=True), a.size),
+                        fn.__name__ if hasattr(fn, "__name__") else "state")
+            return a
+
+        for il in c.deltanet_layers():
+            out[f"blk.{il}.conv"] = read(lib.oj_read_conv_state, (c.ssm_conv_dim, c.ssm_conv_kernel - 1), il)
+            out[f"blk.{il}.ssm"] = read(lib.oj_read_ssm_state, (c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state), il)
+        n_past = self.n_past
+        kv_shape = (n_past, c.n_head_kv, c.head_dim)
+        for il in c.attention_layers():
+            out[f"blk.{il}.k"] = read(lib.oj_read_kv, kv_shape, il, 0, 0, n_past)
+            out[f"blk.{il}.v"] = read(lib.oj_read_kv, kv_shape, il, 1, 0, n_past)
+        if c.mtp_layer is not None:
+            m = ffi.new("int32_t *")
+            self._check(lib.oj_mtp_n_past(h, m), "mtp n_past")
+            if m[0] > 0:
+                shape = (int(m[0]), c.n_head_kv, c.head_dim)
+                out["mtp.k"] = read(lib.oj_read_kv, shape, c.mtp_layer, 0, 0, int(m[0]))
+                out["mtp.v"] = read(lib.oj_read_kv, shape, c.mtp_layer, 1, 0, int(m[0]))
+        return out
+
+    def memory(self) -> dict[str, int]:
+        rep = self._nl.ffi.new("oj_memory_report *")
+        self._check(self._nl.lib.oj_memory(self._handle(), rep), "memory")
+        return {k: int(getattr(rep, k)) for k in ("weights", "kv_cache", "recurrent_state", "activations", "total")}
+
+    def debug_fault(self, kind: int) -> None:
+        """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""
+        self._check(self._nl.lib.oj_debug_fault(self._handle(), int(kind)), "debug fault")

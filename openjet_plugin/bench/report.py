@@ -1,0 +1,207 @@
+"""The benchmark's outputs: the JSON other tools read, its validation, and the markdown table.
+
+JSON: {"manifest": {...}, "results": [{"metric", "engine", "params", "median", "lo", "hi", "unit",
+"samples"}]}. Every result's median/lo/hi is `stats.summarize(samples)`; `validate_report` checks
+the shape and recomputes them. Rows that were not measured are not results: the manifest lists
+them under "pending" (waiting for a later issue) and "not_measured" (with the reason).
+
+`python -m openjet_plugin.bench.report BENCH.json` prints the markdown table again from a JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Iterable
+
+from .stats import summarize
+
+ENGINES = ("openjet", "llama.cpp")
+RESULT_KEYS = ("metric", "engine", "params", "median", "lo", "hi", "unit", "samples")
+
+# metric -> (unit, required params, higher is better); order = the table's order
+METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
+    "read_gbps": ("GB/s", (), True),
+    "copy_gbps": ("GB/s", (), True),
+    "roofline_tps": ("tokens/s", ("depth",), True),
+    "decode_tps": ("tokens/s", ("depth",), True),
+    "verify_ms": ("ms", ("positions", "depth"), False),
+    "spec_tps": ("tokens/s", ("acceptance", "drafts", "depth"), True),
+    "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
+    "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
+    "peak_mem_gb": ("GB", (), False),
+}
+CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
+
+
+def result(metric: str, engine: str, params: dict, samples: Iterable[float]) -> dict:
+    """One result object, aggregated from its raw samples."""
+    if metric not in METRICS:
+        raise ValueError(f"unknown metric {metric!r}")
+    xs = [float(x) for x in samples]
+    s = summarize(xs)
+    return {"metric": metric, "engine": engine, "params": dict(params), "median": s.median, "lo": s.lo,
+            "hi": s.hi, "unit": METRICS[metric][0], "samples": xs}
+
+
+def params_key(params: dict) -> str:
+    return json.dumps(params, sort_keys=True)
+
+
+def row_key(metric: str, engine: str, params: dict) -> str:
+    return f"{metric}|{engine}|{params_key(params)}"
+
+
+# --- validation --------------------------------------------------------------------------------------
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def validate_report(obj) -> None:
+    """Raise ValueError naming the first place where `obj` departs from the required shape, or
+    where a median/lo/hi differs from what its samples give."""
+    if not isinstance(obj, dict) or set(obj) != {"manifest", "results"}:
+        raise ValueError(f"report: top level must be an object with exactly 'manifest' and 'results', "
+                         f"got {sorted(obj) if isinstance(obj, dict) else type(obj).__name__}")
+    if not isinstance(obj["manifest"], dict):
+        raise ValueError("report.manifest: must be an object")
+    if not isinstance(obj["results"], list):
+        raise ValueError("report.results: must be a list")
+    seen = set()
+    for i, r in enumerate(obj["results"]):
+        where = f"report.results[{i}]"
+        if not isinstance(r, dict) or tuple(sorted(r)) != tuple(sorted(RESULT_KEYS)):
+            raise ValueError(f"{where}: keys must be exactly {list(RESULT_KEYS)}, "
+                             f"got {sorted(r) if isinstance(r, dict) else type(r).__name__}")
+        if r["metric"] not in METRICS:
+            raise ValueError(f"{where}.metric: {r['metric']!r} is not one of {list(METRICS)}")
+        unit, required, _ = METRICS[r["metric"]]
+        if r["engine"] not in ENGINES:
+            raise ValueError(f"{where}.engine: {r['engine']!r} is not one of {list(ENGINES)}")
+        if not isinstance(r["params"], dict):
+            raise ValueError(f"{where}.params: must be an object")
+        missing = [k for k in required if k not in r["params"]]
+        if missing:
+            raise ValueError(f"{where}.params: {r['metric']} needs {missing}")
+        if r["unit"] != unit:
+            raise ValueError(f"{where}.unit: {r['metric']} is in {unit!r}, got {r['unit']!r}")
+        xs = r["samples"]
+        if not isinstance(xs, list) or not xs or not all(_finite(x) for x in xs):
+            raise ValueError(f"{where}.samples: must be a non-empty list of finite numbers")
+        s = summarize(xs)
+        for k in ("median", "lo", "hi"):
+            if not _finite(r[k]):
+                raise ValueError(f"{where}.{k}: must be a finite number, got {r[k]!r}")
+            want = getattr(s, k)
+            if abs(r[k] - want) > 1e-9 * max(1.0, abs(want)):
+                raise ValueError(f"{where}.{k}: {r[k]!r} is not what its samples give ({want!r})")
+        key = row_key(r["metric"], r["engine"], r["params"])
+        if key in seen:
+            raise ValueError(f"{where}: a second result for {key}")
+        seen.add(key)
+
+
+# --- markdown ----------------------------------------------------------------------------------------
+
+def _fmt(x: float) -> str:
+    a = abs(x)
+    return f"{x:,.0f}" if a >= 1000 else f"{x:.1f}" if a >= 100 else f"{x:.2f}" if a >= 1 else f"{x:.3f}"
+
+
+def _cell(r: dict | None) -> str:
+    return "—" if r is None else f"{_fmt(r['median'])} [{_fmt(r['lo'])}, {_fmt(r['hi'])}]"
+
+
+def _params_text(params: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in params.items()) or "—"
+
+
+def markdown(report: dict) -> str:
+    results = report["results"]
+    man = report["manifest"]
+    by_key = {row_key(r["metric"], r["engine"], r["params"]): r for r in results}
+    notes: list[str] = []
+    status: dict[str, str] = {}
+    for item in man.get("pending", []):
+        status[row_key(item["metric"], item["engine"], item["params"])] = item["reason"]
+    for item in man.get("not_measured", []):
+        notes.append(item["reason"])
+        status[row_key(item["metric"], item["engine"], item["params"])] = f"not measured ({len(notes)})"
+
+    def cell(metric, engine, params) -> str:
+        k = row_key(metric, engine, params)
+        return _cell(by_key[k]) if k in by_key else status.get(k, "—")
+
+    # every (metric, params) that appears anywhere, in METRICS order
+    rows: dict[tuple[str, str], dict] = {}
+    for src in (results, man.get("pending", []), man.get("not_measured", [])):
+        for r in src:
+            rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
+    order = list(METRICS)
+    ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
+        (str(type(v)), v) for v in kv[1].values()]))
+
+    def median_of(metric, engine, params):
+        r = by_key.get(row_key(metric, engine, params))
+        return None if r is None else r["median"]
+
+    lines = []
+    gpu = man.get("gpu", {})
+    lines.append(f"# openjet bench — {gpu.get('name', '?')}, {man.get('date', '?')}")
+    model = man.get("model", {})
+    lines.append("")
+    lines.append(f"model `{model.get('path', '?')}` (sha256 {str(model.get('sha256', '?'))[:16]}…), "
+                 f"commit {str(man.get('project', {}).get('commit', '?'))[:12]}, llama.cpp "
+                 f"{man.get('llama_cpp', {}).get('llama_cpp_commit', '?')[:12]} "
+                 f"(llama-cpp-python {man.get('llama_cpp', {}).get('llama_cpp_python', '?')})")
+    lines.append("")
+    lines.append("Cells: median [lo, hi] over the samples (lo/hi: 95% interval for the median; see "
+                 "bench/README.md). Ratios are of medians, openjet/llama.cpp: above 1 is better for "
+                 "rates, below 1 for ms and GB.")
+    lines.append("")
+    lines.append("| metric | params | card / openjet | llama.cpp | unit | openjet/llama.cpp "
+                 "| openjet of roofline | llama.cpp of roofline |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for (metric, _), params in ordered:
+        unit = METRICS[metric][0]
+        ours = cell(metric, "openjet", params)
+        peer = "" if metric in CARD_METRICS else cell(metric, "llama.cpp", params)
+        ratio = roof_o = roof_p = ""
+        mo = median_of(metric, "openjet", params)
+        if metric == "spec_tps":
+            mp = median_of("decode_tps", "llama.cpp", {"depth": params.get("depth")})
+            peer = "(decode) " + _fmt(mp) if mp else "—"
+        else:
+            mp = median_of(metric, "llama.cpp", params)
+        if mo and mp:
+            ratio = f"{mo / mp:.2f}×"
+        if metric == "decode_tps":
+            roof = median_of("roofline_tps", "openjet", {"depth": params["depth"]})
+            if roof:
+                roof_o = f"{mo / roof:.0%}" if mo else ""
+                roof_p = f"{mp / roof:.0%}" if mp else ""
+        lines.append(f"| {metric} | {_params_text(params)} | {ours} | {peer} | {unit} | {ratio} "
+                     f"| {roof_o} | {roof_p} |")
+    if notes:
+        lines.append("")
+        for i, n in enumerate(notes, 1):
+            lines.append(f"({i}) {n}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m openjet_plugin.bench.report BENCH.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        report = json.load(f)
+    validate_report(report)
+    sys.stdout.write(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,532 @@
+"""`openjet bench`: plan the measurements, run what is missing, write the report.
+
+The run, in order (each step's finished measurements go to the resume folder at once):
+  1. check for a GPU (none: say so, exit 1); read the manifest's start state;
+  2. start building llama.cpp's llama-bench in the background (cached per machine);
+  3. the model (--model, or the generated q27b Q4_K_M, made once into the cache); its sha256 in
+     a background thread;
+  4. the card: streaming read and copy rates (the roofline probe);
+  5. our engine, in a child process: verification passes at depth 1K, decode at each depth;
+  6. llama.cpp (waiting for its build): decode at each depth, batches of 1..D+1 at depth 1K,
+     the two prefill scenarios;
+  7. the manifest's end state; JSON and markdown out.
+With --time-budget, steps that no longer fit are left for the next run with the same --resume.
+Exit status: 0 complete; 1 no GPU or bad arguments; 3 incomplete for lack of time (run again
+with --resume); 4 incomplete because a measurement failed (the report says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import manifest as manifest_mod
+from . import peer, report, roofline, smi
+from .store import ResumeMismatch, Store
+
+OURS, PEER = "openjet", "llama.cpp"
+OUT_OF_TIME = "out of time in this run; run again with the same --resume folder to finish it"
+EXIT_INCOMPLETE_TIME, EXIT_INCOMPLETE_FAILED = 3, 4
+
+
+@dataclass(frozen=True)
+class Settings:
+    reps: int = 6
+    quick: bool = False
+    depths: tuple[int, ...] = (0, 8192, 30720)
+    decode_tokens: int = 128
+    verify_positions: tuple[int, ...] = (1, 2, 3, 4, 5)
+    verify_depth: int = 1024
+    prefill: tuple[tuple[int, int], ...] = ((2700, 1800), (12000, 29500))
+    spec_depth: int = 8192
+    acceptances: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9)
+    drafts: tuple[int, ...] = (1, 2, 3, 4)
+    peer_batch: int = 2048
+    peer_ubatch: int = 512
+    read_mib: int = 8192
+    copy_mib: int = 4096
+
+    @classmethod
+    def quick_run(cls, **kw) -> "Settings":
+        base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800),),
+                    read_mib=2048, copy_mib=1024)
+        base.update(kw)
+        return cls(**base)
+
+
+# Rows that wait for later issues: (metric, reason).
+PENDING_REASONS = {
+    "spec_tps": "pending: issue 6 (speculative decoding with oracle drafts)",
+    "accepted_per_cycle": "pending: issue 11 (trained default model with a real MTP head) and issue 6",
+    "prefill_tps": "pending: issue 9 (batched prefill)",
+}
+
+
+def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
+    """(rows to measure, pending rows). roofline_tps rows are derived, not measured."""
+    rows: list[tuple[str, str, dict]] = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
+    for eng in (OURS, PEER):
+        rows += [("decode_tps", eng, {"depth": d}) for d in s.depths]
+        rows += [("verify_ms", eng, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
+    rows += [("prefill_tps", PEER, {"new_tokens": n, "depth": d}) for n, d in s.prefill]
+    rows += [("peak_mem_gb", eng, {"max_depth": max(s.depths)}) for eng in (OURS, PEER)]
+    pending = [{"metric": "spec_tps", "engine": OURS, "params": {"acceptance": a, "drafts": d, "depth": s.spec_depth},
+                "reason": PENDING_REASONS["spec_tps"]} for a in s.acceptances for d in s.drafts]
+    pending += [{"metric": "accepted_per_cycle", "engine": OURS,
+                 "params": {"drafts": d, "model": "trained default", "temperature": t},
+                 "reason": PENDING_REASONS["accepted_per_cycle"]} for t in (0.0, 0.7) for d in s.drafts]
+    pending += [{"metric": "prefill_tps", "engine": OURS, "params": {"new_tokens": n, "depth": d},
+                 "reason": PENDING_REASONS["prefill_tps"]} for n, d in s.prefill]
+    return rows, pending
+
+
+# --- the run's shared state ----------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    settings: Settings
+    store: Store
+    model: Path
+    cache: Path
+    deadline: float | None
+    session: str
+    arch: str
+    no_ours: bool = False
+    no_peer: bool = False
+    sdist: Path | None = None
+    peer_build: peer.PeerBuild | None = None
+    peer_proc: subprocess.Popen | None = None
+    peer_problem: str | None = None
+    not_measured: dict[str, str] = field(default_factory=dict)
+    t0: float = field(default_factory=time.time)
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.time()
+
+    def log(self, msg: str) -> None:
+        print(f"[{time.time() - self.t0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    def missing(self, rows) -> list[tuple[str, str, dict]]:
+        return [r for r in rows if not self.store.has(*r)]
+
+    def mark(self, rows, reason: str) -> None:
+        for metric, engine, params in rows:
+            self.not_measured[report.row_key(metric, engine, params)] = reason
+
+    def add(self, metric: str, engine: str, params: dict, samples) -> None:
+        self.store.add(metric, engine, params, report.METRICS[metric][0], list(samples), self.session)
+
+
+# --- measurement groups --------------------------------------------------------------------------------
+
+def group_card(run: Run) -> None:
+    rows = run.missing([("read_gbps", OURS, {}), ("copy_gbps", OURS, {})])
+    if not rows:
+        return
+    exe = roofline.build_probe(run.cache / "probe", run.arch)
+    data = roofline.run_probe(exe, run.settings.read_mib, run.settings.copy_mib,
+                              reps=max(10, run.settings.reps), timeout=min(run.left(), 300))
+    run.add("read_gbps", OURS, {}, data["read_gbps"])
+    run.add("copy_gbps", OURS, {}, data["copy_gbps"])
+    run.store.update_info(device=data["device"], read_probe={
+        "read_bytes": data["read_bytes"], "copy_bytes": data["copy_bytes"], "read_shape": data["read_shape"]})
+    run.log(f"card: read {report._fmt(sorted(data['read_gbps'])[len(data['read_gbps']) // 2])} GB/s, "
+            f"copy {report._fmt(sorted(data['copy_gbps'])[len(data['copy_gbps']) // 2])} GB/s")
+
+
+def group_ours(run: Run) -> None:
+    s = run.settings
+    verify = [p for p in s.verify_positions if not run.store.has("verify_ms", OURS, {"positions": p, "depth": s.verify_depth})]
+    depths = [d for d in s.depths if not run.store.has("decode_tps", OURS, {"depth": d})]
+    peak_row = ("peak_mem_gb", OURS, {"max_depth": max(s.depths)})
+    if not verify and not depths and run.store.has(*peak_row):
+        return
+    from ..backends.native import MAX_POSITIONS
+    n_ctx = max([s.verify_depth + MAX_POSITIONS * (s.reps + 2)]
+                + [d + (s.reps + 1) * s.decode_tokens + 64 for d in s.depths])
+    out = run.cache / f"ours-{run.session}.jsonl"
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model), "--out", str(out),
+           "--verify", ",".join(map(str, verify)), "--verify-depth", str(s.verify_depth),
+           "--decode-depths", ",".join(map(str, depths)), "--decode-tokens", str(s.decode_tokens),
+           "--reps", str(s.reps), "--n-ctx", str(n_ctx)]
+    if run.deadline is not None:
+        cmd += ["--deadline", f"{run.deadline - 5:.0f}"]
+    rows = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in verify]
+            + [("decode_tps", OURS, {"depth": d}) for d in depths])
+    run.log(f"openjet: {len(rows)} measurements in a child process (n_ctx {n_ctx})")
+    timed_out = False
+    with open(run.cache / f"ours-{run.session}.log", "a") as log, smi.PeakMemory() as pm:
+        try:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=max(1.0, run.left())).returncode
+        except subprocess.TimeoutExpired:
+            rc, timed_out = None, True
+    made = set()
+    error = None
+    if out.is_file():
+        for line in out.read_text().splitlines():
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "metric" in obj:
+                run.add(obj["metric"], OURS, obj["params"], obj["samples"])
+                made.add(report.row_key(obj["metric"], OURS, obj["params"]))
+            elif "skip" in obj:
+                k = obj["skip"]
+                run.mark([(k["metric"], k["engine"], k["params"])], obj["reason"])
+            elif "info" in obj:
+                run.store.update_info(**obj["info"])
+            elif "error" in obj:
+                error = obj["error"]
+    left_over = [r for r in rows if report.row_key(*r) not in made and report.row_key(*r) not in run.not_measured]
+    if timed_out:
+        run.mark(left_over, OUT_OF_TIME)
+    elif left_over:
+        run.mark(left_over, f"our engine failed: {error or f'exit {rc}, see {run.cache}/ours-{run.session}.log'}")
+    if made and not run.store.has(*peak_row):
+        if pm.peak_gb is not None:
+            run.add(*peak_row, [pm.peak_gb])
+        else:
+            run.mark([peak_row], "nvidia-smi gave no memory readings")
+    elif not made and not run.store.has(*peak_row):
+        run.mark([peak_row], run.not_measured.get(report.row_key(*rows[0]), "our engine ran nothing") if rows
+                 else "our engine ran nothing")
+    run.log(f"openjet: {len(made)} of {len(rows)} measurements made")
+
+
+def _peer_binary(run: Run) -> Path:
+    if run.peer_problem:
+        raise peer.PeerError(run.peer_problem)
+    assert run.peer_build is not None
+    if not run.peer_build.ready():
+        run.log("llama.cpp: waiting for the llama-bench build")
+    return peer.wait_for_build(run.peer_build, run.deadline or float("inf"), run.peer_proc)
+
+
+def _llama_bench(run: Run, what: str, **kw) -> tuple[list[peer.PeerTest], float | None]:
+    binary = _peer_binary(run)
+    s = run.settings
+    cmd = peer.bench_command(binary, run.model, reps=s.reps, n_batch=s.peer_batch, **kw)
+    run.log(f"llama.cpp: {what}")
+    with smi.PeakMemory() as pm:
+        tests = peer.run_llama_bench(cmd, timeout=max(1.0, run.left()), log_path=run.cache / f"llama-bench-{run.session}.log")
+    if tests:
+        r = tests[0].raw
+        run.store.update_info(llama_bench={k: r.get(k) for k in ("build_commit", "build_number", "gpu_info",
+                                                                   "backends", "type_k", "type_v", "n_threads")})
+    return tests, pm.peak_gb
+
+
+def group_peer_decode(run: Run) -> None:
+    s = run.settings
+    depths = [d for d in s.depths if not run.store.has("decode_tps", PEER, {"depth": d})]
+    peak_row = ("peak_mem_gb", PEER, {"max_depth": max(s.depths)})
+    if not depths:
+        return
+    tests, peak = _llama_bench(run, f"decode {s.decode_tokens} tokens at depths {depths}",
+                               n_gen=[s.decode_tokens], depths=depths, n_ubatch=s.peer_ubatch)
+    for t in tests:
+        if t.kind == "tg":
+            run.add("decode_tps", PEER, {"depth": t.n_depth}, t.tokens_per_second())
+    if max(s.depths) in depths and not run.store.has(*peak_row):
+        if peak is not None:
+            run.add(*peak_row, [peak])
+        else:
+            run.mark([peak_row], "nvidia-smi gave no memory readings")
+
+
+def group_peer_verify(run: Run) -> None:
+    s = run.settings
+    todo = [p for p in s.verify_positions
+            if not run.store.has("verify_ms", PEER, {"positions": p, "depth": s.verify_depth})]
+    if not todo:
+        return
+    tests, _ = _llama_bench(run, f"batches of {todo} positions at depth {s.verify_depth}",
+                            n_prompt=todo, depths=[s.verify_depth], n_ubatch=max(s.peer_ubatch, max(todo)))
+    for t in tests:
+        if t.kind == "pp":
+            run.add("verify_ms", PEER, {"positions": t.n_prompt, "depth": t.n_depth}, t.milliseconds())
+
+
+def group_peer_prefill(run: Run, new_tokens: int, depth: int) -> None:
+    params = {"new_tokens": new_tokens, "depth": depth}
+    if run.store.has("prefill_tps", PEER, params):
+        return
+    tests, _ = _llama_bench(run, f"prefill {new_tokens} tokens at depth {depth}",
+                            n_prompt=[new_tokens], depths=[depth], n_ubatch=run.settings.peer_ubatch)
+    for t in tests:
+        if t.kind == "pp":
+            run.add("prefill_tps", PEER, {"new_tokens": t.n_prompt, "depth": t.n_depth}, t.tokens_per_second())
+
+
+def groups(run: Run) -> list[tuple[str, float, list, object]]:
+    """(name, seconds it needs at least, its rows, function) in the order they run."""
+    s = run.settings
+    card = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
+    ours = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
+            + [("decode_tps", OURS, {"depth": d}) for d in s.depths] + [("peak_mem_gb", OURS, {"max_depth": max(s.depths)})])
+    pdec = [("decode_tps", PEER, {"depth": d}) for d in s.depths] + [("peak_mem_gb", PEER, {"max_depth": max(s.depths)})]
+    pver = [("verify_ms", PEER, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
+    out = [("card", 20.0, card, group_card)]
+    if not run.no_ours:
+        out.append(("openjet", 60.0, ours, group_ours))
+    if not run.no_peer:
+        out += [("llama.cpp decode", 45.0, pdec, group_peer_decode),
+                ("llama.cpp verify", 20.0, pver, group_peer_verify)]
+        for n, d in s.prefill:
+            need = 15.0 + (n + d) / 1500.0
+            out.append((f"llama.cpp prefill {n}@{d}", need, [("prefill_tps", PEER, {"new_tokens": n, "depth": d})],
+                        lambda r, n=n, d=d: group_peer_prefill(r, n, d)))
+    return out
+
+
+def run_groups(run: Run) -> None:
+    for name, need, rows, fn in groups(run):
+        todo = run.missing(rows)
+        if not todo:
+            continue
+        if run.left() < need:
+            run.log(f"{name}: skipped, {run.left():.0f} s left and it needs about {need:.0f} s")
+            run.mark(todo, OUT_OF_TIME)
+            continue
+        try:
+            fn(run)
+        except TimeoutError as exc:
+            run.log(f"{name}: {exc}")
+            run.mark(run.missing(rows), OUT_OF_TIME)
+        except (peer.PeerError, roofline.RooflineError, OSError, ValueError) as exc:
+            run.log(f"{name}: failed: {exc}")
+            run.mark(run.missing(rows), f"{name} failed: {str(exc).splitlines()[0][:300]}")
+        still = [r for r in run.missing(rows) if report.row_key(*r) not in run.not_measured]
+        if still:
+            run.mark(still, f"{name} did not produce this measurement")
+
+
+# --- model, report ---------------------------------------------------------------------------------------
+
+def default_model(cache: Path, log) -> Path:
+    """The generated q27b Q4_K_M (exact 27B shapes, 16.8 GB), made once into the cache."""
+    path = cache / "q27b-Q4_K_M-seed0.gguf"
+    if path.is_file():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(cache).free
+    if free < 18e9:
+        raise OSError(f"{cache}: {free / 1e9:.1f} GB free, generating the q27b model needs about 17 GB "
+                      "(pass --model, or --cache-dir on a larger disk)")
+    from ..testing.synth import synth_model
+
+    tmp = cache / f".q27b-{os.getpid()}.gguf"
+    log(f"generating the q27b Q4_K_M model into {path} (once)")
+    try:
+        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def derived_roofline(store: Store, weight_bytes: int, config, depths) -> list[dict]:
+    reads = [r for r in store.records() if r["metric"] == "read_gbps"]
+    if not reads:
+        return []
+    out = []
+    for d in depths:
+        b = roofline.bytes_per_position(weight_bytes, config, d)
+        out.append(report.result("roofline_tps", OURS, {"depth": d},
+                                 [g * 1e9 / b for g in reads[0]["samples"]]))
+    return out
+
+
+def build_report(run: Run, man: dict, pending: list[dict], planned, weight: dict, config) -> dict:
+    results = [report.result(r["metric"], r["engine"], r["params"], r["samples"]) for r in run.store.records()]
+    results += derived_roofline(run.store, weight["weight_bytes"], config, run.settings.depths)
+    not_measured = []
+    for metric, engine, params in planned:
+        if not run.store.has(metric, engine, params):
+            key = report.row_key(metric, engine, params)
+            not_measured.append({"metric": metric, "engine": engine, "params": params,
+                                 "reason": run.not_measured.get(key, "not measured in this run")})
+    man["pending"] = pending
+    man["not_measured"] = not_measured
+    rep = {"manifest": man, "results": results}
+    report.validate_report(rep)
+    return rep
+
+
+# --- entry point ---------------------------------------------------------------------------------------
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected non-negative integers, got {text!r}")
+    return vals
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="openjet bench", description=(
+        "Benchmark the native engine against llama.cpp (llama-bench, CUDA) and the card's bandwidth "
+        "roofline on one GPU; prints a markdown table, writes every raw sample and a manifest as JSON."))
+    ap.add_argument("--model", "-m", help="GGUF to run (default: a generated q27b Q4_K_M, made once into the cache)")
+    ap.add_argument("--json", help="write the report JSON here (default: <run folder>/bench.json)")
+    ap.add_argument("--markdown", help="write the markdown table here too (default: <run folder>/bench.md)")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 3 repetitions, fewer depths, smaller sizes")
+    ap.add_argument("--resume", help="folder of finished measurements: kept, skipped, and completed by this run")
+    ap.add_argument("--reps", type=int, help="repetitions per measurement after warm-up (default 6, --quick 3)")
+    ap.add_argument("--depths", type=_int_list, help="decode depths (default 0,8192,30720)")
+    ap.add_argument("--time-budget", type=float, help="seconds this run may take; what does not fit is left for --resume")
+    ap.add_argument("--cache-dir", help="models, builds and runs (default: $OPENJET_CACHE_DIR/bench or ~/.cache/openjet/bench)")
+    ap.add_argument("--sdist", help="llama-cpp-python sdist (tarball or folder) to build llama-bench from")
+    ap.add_argument("--peer-ubatch", type=int, default=512, help="llama.cpp ubatch size for prefill (default 512, its default)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="parallel jobs for the llama.cpp build")
+    ap.add_argument("--no-peer", action="store_true", help="do not build or run llama.cpp")
+    ap.add_argument("--no-ours", action="store_true", help="do not run our engine")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    t_start = time.time()
+    ok, why = smi.gpu_presence(0)
+    if not ok:
+        print(f"openjet bench: no NVIDIA GPU here: {why}.\nThe benchmark measures a GPU (our CUDA "
+              "engine, llama.cpp's CUDA build and the card's bandwidth); run it on a machine with one, "
+              "e.g. scripts/gpu_bench.sh on the GPU machine.", file=sys.stderr)
+        return 1
+    if args.reps is not None and args.reps < 1:
+        print("openjet bench: --reps must be at least 1", file=sys.stderr)
+        return 1
+    kw = {}
+    if args.reps is not None:
+        kw["reps"] = args.reps
+    if args.depths is not None:
+        kw["depths"] = tuple(sorted(set(args.depths)))
+    kw["peer_ubatch"] = args.peer_ubatch
+    settings = Settings.quick_run(**kw) if args.quick else Settings(**kw)
+
+    from ..defaults import cache_dir
+    cache = Path(args.cache_dir) if args.cache_dir else cache_dir() / "bench"
+    cache.mkdir(parents=True, exist_ok=True)
+    session = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+    run_dir = Path(args.resume) if args.resume else cache / "runs" / session
+    deadline = t_start + args.time_budget if args.time_budget else None
+
+    man = manifest_mod.collect(argv)
+    arch = str(man["gpu"]["compute_cap"]).replace(".", "")
+    if not arch.isdigit():
+        arch = "90"
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+    log(f"GPU: {why}; results in {run_dir}")
+    # llama.cpp builds in the background from the start: it takes minutes
+    sdist = pb = proc = None
+    peer_problem = None
+    if not args.no_peer:
+        try:
+            sdist = peer.find_sdist(manifest_mod.REPO_ROOT, args.sdist)
+            pb = peer.build_dir(cache, sdist, arch)
+            proc = peer.start_background_build(sdist, pb, arch, args.jobs)
+            log(f"llama.cpp: {'building llama-bench in the background' if proc else 'llama-bench already built'} ({pb.root})")
+        except peer.PeerError as exc:
+            peer_problem = str(exc)
+            log(f"llama.cpp: {exc}")
+
+    try:
+        model = Path(args.model) if args.model else default_model(cache, log)
+        if not model.is_file():
+            raise FileNotFoundError(f"--model {model}: no such file")
+        from ..model_file import open_model
+        with open_model(model) as mf:
+            config = mf.config
+            weight = roofline.weight_bytes_per_position(mf)
+        st = model.stat()
+        identity = json.loads(json.dumps({"model": str(model.resolve()), "model_bytes": st.st_size,
+                                          "model_mtime_ns": st.st_mtime_ns, "gpu": man["gpu"]["name"],
+                                          "settings": asdict(settings)}))
+        store = Store(run_dir, identity)
+    except (ResumeMismatch, OSError, ValueError, RuntimeError) as exc:
+        print(f"openjet bench: error: {exc}", file=sys.stderr)
+        if proc is not None:
+            proc.terminate()
+        return 1
+
+    sha: dict = {}
+    hasher = threading.Thread(target=lambda: sha.setdefault(
+        "v", manifest_mod.model_sha256(model, cache / "sha256-cache.json")), daemon=True)
+    hasher.start()
+
+    run = Run(settings=settings, store=store, model=model, cache=cache, deadline=deadline, session=session,
+              arch=arch, no_ours=args.no_ours, no_peer=args.no_peer, sdist=sdist, peer_build=pb,
+              peer_proc=proc, peer_problem=peer_problem, t0=t_start)
+    planned, pending = plan(settings)
+    if args.no_ours:
+        run.mark([r for r in planned if r[1] == OURS and r[0] not in ("read_gbps", "copy_gbps")], "disabled by --no-ours")
+    if args.no_peer:
+        run.mark([r for r in planned if r[1] == PEER], "disabled by --no-peer")
+    try:
+        run_groups(run)
+    finally:
+        if proc is not None and proc.poll() is None and (deadline is not None and run.left() <= 0):
+            log("llama.cpp: build still running; it finishes in the background for the next run")
+
+    hasher.join(timeout=max(5.0, run.left()) if deadline else None)
+    man = manifest_mod.finish(man)
+    info = store.info
+    dev = info.get("device", {})
+    if dev:
+        man["gpu"]["sm_count"] = dev.get("sm_count")
+        man["gpu"]["probe"] = dev
+    man["model"] = {"path": str(model), "bytes": model.stat().st_size,
+                    "sha256": sha.get("v", "unavailable: still hashing at the end of the run"),
+                    "weight_bytes_per_position": weight["weight_bytes"], "weights_not_read": weight["excluded_bytes"],
+                    "tied_output": weight["tied_output"], "config": config.to_dict(),
+                    "bytes_per_position_by_depth": {str(d): roofline.bytes_per_position(weight["weight_bytes"], config, d)
+                                                    for d in settings.depths}}
+    man["llama_cpp"] = dict(peer.sdist_version(sdist) if sdist else {"sdist": f"unavailable: {peer_problem}"})
+    if pb is not None:
+        man["llama_cpp"]["build"] = str(pb.root)
+        man["llama_cpp"]["cmake_options"] = list(peer.CMAKE_OPTIONS) + [f"-DCMAKE_CUDA_ARCHITECTURES={arch}"]
+    man["llama_cpp"]["llama_bench"] = info.get("llama_bench", "unavailable: llama-bench did not run")
+    man["settings"] = asdict(settings)
+    man["stats"] = ("median of the samples; lo/hi: order-statistic 95% confidence interval for the median "
+                    "(min/max from 6 samples up; with fewer, min/max with coverage 1 - 2^(1-n)); "
+                    "see openjet_plugin/bench/stats.py")
+    man["resume_folder"] = str(run_dir)
+    man["sessions"] = sorted({r.get("session", "?") for r in store.records()} | {session})
+    man["info"] = {k: v for k, v in info.items() if k not in ("device", "llama_bench")}
+    rep = build_report(run, man, pending, planned, weight, config)
+
+    json_path = Path(args.json) if args.json else run_dir / "bench.json"
+    md_path = Path(args.markdown) if args.markdown else run_dir / "bench.md"
+    md = report.markdown(rep)
+    for path, text in ((json_path, json.dumps(rep, indent=1)), (md_path, md)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    sys.stdout.write(md)
+    log(f"wrote {json_path} and {md_path}")
+    missing = man["not_measured"]
+    if not missing:
+        return 0
+    if any(m["reason"] == OUT_OF_TIME for m in missing):
+        print(f"openjet bench: {len(missing)} measurement(s) not made yet; run again with --resume {run_dir}",
+              file=sys.stderr)
+        return EXIT_INCOMPLETE_TIME
+    print(f"openjet bench: {len(missing)} measurement(s) could not be made; see the notes under the table",
+          file=sys.stderr)
+    return EXIT_INCOMPLETE_FAILED

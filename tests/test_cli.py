@@ -1,0 +1,150 @@
+"""The `openjet` command: generate (with the embedded default model), chat, info, doctor, and the
+delegated subcommands; user errors are one line and an exit code, never a traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+from openjet_plugin import cli, defaults
+
+
+@pytest.fixture(scope="module")
+def model(synth_path):
+    return synth_path("tiny", "Q8_0")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("openjet-cache")
+
+
+def openjet(*args, cache_dir=None, stdin: str | None = None, timeout=240):
+    env = dict(os.environ, OPENJET_THREADS="1")
+    if cache_dir is not None:
+        env["OPENJET_CACHE_DIR"] = str(cache_dir)
+    return subprocess.run([sys.executable, "-m", "openjet_plugin.cli", *map(str, args)], input=stdin,
+                          capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def test_generate_with_nothing_but_a_prompt_uses_the_embedded_default(cache_dir):
+    """The acceptance command: no model, no backend, nothing but the prompt."""
+    r = openjet("generate", "def fibonacci(n):", "--max-tokens", "32", cache_dir=cache_dir)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no text on stdout"
+    assert "tok/s" in r.stderr and "prompt" in r.stderr             # the final stats line
+    assert "Traceback" not in r.stderr
+    if defaults.SHIPPED_DEFAULT.is_file():
+        assert f"model {defaults.SHIPPED_DEFAULT}," in r.stderr
+        return
+    assert "generating the default model" in r.stderr               # first run in this cache
+    assert "llama_model_quantize" not in r.stderr                   # quantiser chatter stays hidden
+    assert [p.name for p in cache_dir.iterdir() if p.suffix == ".gguf"]
+    # the second run reuses the file
+    r2 = openjet("generate", "def fibonacci(n):", "--max-tokens", "8", "--temperature", "0", cache_dir=cache_dir)
+    assert r2.returncode == 0 and "generating the default model" not in r2.stderr
+
+
+def test_backend_choices_on_this_machine(model, cache_dir):
+    greedy = ("--max-tokens", "12", "--temperature", "0")
+    a = openjet("generate", "Hello", "-m", model, "--backend", "llama.cpp", *greedy)
+    assert a.returncode == 0, a.stderr
+    assert "backend llama.cpp (llama.cpp requested" in a.stderr
+    b = openjet("generate", "Hello", "-m", model, "--backend", "auto", *greedy)
+    assert b.returncode == 0, b.stderr
+    if "backend native" not in b.stderr:               # a GPU-less machine: auto says why not native
+        assert "backend llama.cpp (native backend unavailable:" in b.stderr
+        assert b.stdout == a.stdout
+        c = openjet("generate", "Hello", "-m", model, "--backend", "native", *greedy)
+        assert c.returncode == 1
+        assert "openjet: error: backend='native' is not available:" in c.stderr
+        assert "Traceback" not in c.stderr and c.stdout == ""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-k", "-2"], "top_k"),
+    (["--min-p", "3"], "min_p"),
+    (["--max-tokens", "0"], "max_tokens"),
+    (["--repeat-penalty", "0"], "repeat_penalty"),
+    (["--n-ctx", "5"], "n_ctx"),
+])
+def test_bad_parameters_are_one_line_errors(model, capsys, args, needle):
+    rc = cli.main(["generate", "x", "-m", str(model), *args])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"openjet: error: {needle}" in err and "Traceback" not in err
+
+
+def test_bad_model_paths(tmp_path, capsys):
+    assert cli.main(["generate", "x", "-m", str(tmp_path / "missing.gguf")]) == 1
+    assert "missing.gguf" in capsys.readouterr().err
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"\x00" * 64)
+    assert cli.main(["generate", "x", "-m", str(junk)]) == 1
+    assert "junk.gguf" in capsys.readouterr().err
+    assert cli.main(["info", str(tmp_path / "missing.gguf")]) == 1
+    assert "missing.gguf" in capsys.readouterr().err
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["generate"])
+    assert ei.value.code == 2
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["generate", "x", "--backend", "vulkan"])
+    assert ei.value.code == 2
+    assert cli.main([]) == 2
+
+
+def test_info_prints_the_description(model, capsys):
+    assert cli.main(["info", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen35" in out and "verdict: OK" in out and "Q8_0" in out
+
+
+def test_doctor_says_which_backend_auto_picks_and_why(model, capsys):
+    assert cli.main(["doctor", "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    for row in ("python", "platform", "GPU", "CUDA toolkit", "native backend", "backend=auto picks"):
+        assert row in out
+    picks = [line for line in out.splitlines() if line.startswith("backend=auto picks")][0]
+    assert "llama.cpp (" in picks or "native (" in picks
+
+
+def test_chat_reads_lines_until_exit(model):
+    r = openjet("chat", "-m", model, "--max-tokens", "6", "--temperature", "0",
+                stdin="Hello there\nAnd again\n/exit\nnot read\n")
+    assert r.returncode == 0, r.stderr
+    stats = [line for line in r.stderr.splitlines() if "tok/s" in line]
+    assert len(stats) == 2                   # two turns answered, the line after /exit ignored
+    assert len(r.stdout.splitlines()) >= 2
+
+
+def test_synth_is_delegated(tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert cli.main(["synth", str(out), "--preset", "tiny", "--quant", "F32"]) == 0
+    assert out.is_file() and cli.main(["info", str(out)]) == 0
+
+
+def test_bench_without_the_gpu_build(capsys):
+    if importlib.util.find_spec("openjet_plugin.bench") is not None:
+        pytest.skip("openjet_plugin.bench exists here; its own tests cover it")
+    assert cli.main(["bench"]) == 2
+    assert "needs the native GPU build" in capsys.readouterr().err
+
+
+def test_serve_is_delegated(capsys, monkeypatch):
+    seen = []
+    if importlib.util.find_spec("openjet_plugin.serve") is None:
+        assert cli.main(["serve", "--port", "1"]) == 2
+        assert "not available" in capsys.readouterr().err
+        return
+    import openjet_plugin.serve as serve
+
+    monkeypatch.setattr(serve, "main", lambda argv: seen.append(argv) or 0)
+    assert cli.main(["serve", "--port", "1"]) == 0 and seen == [["--port", "1"]]
