@@ -12,12 +12,14 @@ evaluated. Either way the model sees the same tokens, so the results are identic
 
 from __future__ import annotations
 
+import atexit
 import codecs
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -84,6 +86,22 @@ class Chunk:
     stats: GenerationStats | None = None
 
 
+# Engines still open when the interpreter exits are closed first: llama-cpp-python's own finaliser
+# fails noisily once module teardown has begun.
+_LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_engines() -> None:
+    for eng in list(_LIVE_ENGINES):
+        if eng._owner not in (None, threading.get_ident()):
+            continue                    # another thread's stream is open: closing would wait for it
+        try:
+            eng.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
 class EngineBusyError(OpenJetError, RuntimeError):
     """A new request in the thread whose stream is still open (it would wait for itself)."""
 
@@ -110,6 +128,8 @@ class Engine:
         self._tokens: list[int] = []             # exactly what the backend's state holds
         self._logits: np.ndarray | None = None   # logits after _tokens[-1], when known
         self._closed = False
+        self._stream_ref: weakref.ref | None = None
+        _LIVE_ENGINES.add(self)
 
     # --- properties ---------------------------------------------------------------------------
     @property
@@ -175,6 +195,7 @@ class Engine:
                 f"n_ctx={self.n_ctx}; shorten the prompt, lower max_tokens or load with a larger n_ctx")
         events = self._run(prompt_tokens, params)
         if stream:
+            self._stream_ref = weakref.ref(events)
             return events
         parts: list[str] = []
         tokens: list[int] = []
@@ -206,6 +227,12 @@ class Engine:
     def close(self) -> None:
         if self._closed:
             return
+        if self._owner == threading.get_ident():
+            # this thread's own open stream: end it (its cleanup releases the lock); another
+            # thread's stream is waited for
+            stream = self._stream_ref() if self._stream_ref is not None else None
+            if stream is not None:
+                stream.close()
         with self._lock:
             self._closed = True
             self._backend.close()

@@ -317,3 +317,15 @@ def test_generation_stops_when_the_context_is_full():
     eng, be = scripted_engine([0] + [65] * 20, n_vocab=128, n_ctx=8)
     r = eng.generate([1, 2, 3], max_tokens=None, temperature=0)
     assert r.finish_reason == "length" and len(r.tokens) == 5 and be.n_past <= 8
+
+
+def test_closing_the_engine_ends_this_threads_open_stream(model):
+    eng = openjet_plugin.load(model, backend="llama.cpp", n_ctx=64, n_threads=1)
+    with eng:
+        stream = eng.generate("Hello", max_tokens=20, temperature=0, stream=True)
+        next(stream)
+    # the with-block closed the engine without waiting for the stream; the stream is over
+    with pytest.raises(StopIteration):
+        next(stream)
+    with pytest.raises(OpenJetError, match="closed"):
+        eng.generate("Hello", max_tokens=2)

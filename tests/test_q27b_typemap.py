@@ -101,3 +101,31 @@ def test_q27b_only_as_direct_q4_k_m(tmp_path):
     with pytest.raises(ValueError, match="only as Q4_K_M"):
         synth_model(tmp_path / "x.gguf", "q27b", "Q4_K_M", direct=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_padded_vocabulary_rows_stay_quiet(tmp_path):
+    """With the 27B's padded vocabulary most rows are UNUSED placeholders; their output rows are
+    scaled down (as untrained rows are), so sampling still lands on real tokens."""
+    import dataclasses
+
+    from openjet_plugin.testing.synth import PAD_ROW_SCALE
+
+    cfg = dataclasses.replace(PRESETS["tiny"], n_vocab=32768)       # 4096 real + 28672 [PADn]
+    path = synth_model(tmp_path / "padded.gguf", config=cfg, quant="Q4_K_M", direct=True)
+    out = next(t for t in gguf.GGUFReader(path).tensors if t.name == "output.weight")
+    from gguf.quants import dequantize
+
+    w = dequantize(np.asarray(out.data), out.tensor_type)
+    real, pad = w[:4096].std(), w[4096:].std()
+    assert pad / real == pytest.approx(PAD_ROW_SCALE, rel=0.1)
+    llm = llama_cpp.Llama(str(path), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+    try:
+        ids = llm.tokenize(b"for i in range(10):\n    total += i * i\n", add_bos=False, special=True)
+        llm.eval(ids)
+        lg = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+        p = np.exp(lg - lg.max(1, keepdims=True))
+        p /= p.sum(1, keepdims=True)
+        assert p[:, :4096].sum(1).min() > 0.8
+        assert (lg.argmax(1) < 4096).mean() > 0.9
+    finally:
+        llm.close()

@@ -369,7 +369,7 @@ def main(argv=None) -> dict:
         opt.step()
         step += 1
         tokens_seen += args.batch * args.seq_len
-        if step % 10 == 0 or step == 1:
+        if step % 10 == 0 or step == 1 or step == total_steps:
             history.append({"step": step, "t": round(train_seconds + time.time() - t_loop, 2), "lr": lr,
                             "loss": main.item(), "mtp": [m.item() for m in mtp_losses],
                             "gnorm": float(gnorm)})

@@ -97,6 +97,19 @@ def model_sha256(path: Path, cache_file: Path | None = None, chunk: int = 16 << 
     return digest
 
 
+def model_fingerprint(path: Path, span: int = 16 << 20) -> str:
+    """A fast content check (size + sha256 of the first and last 16 MiB): what the resume folder
+    is keyed by, so a model regenerated with the same bytes on a fresh machine still matches."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(span))
+        if size > span:
+            f.seek(max(span, size - span))
+            h.update(f.read(span))
+    return h.hexdigest()
+
+
 def nvcc_version() -> str:
     try:
         r = subprocess.run(["nvcc", "--version"], capture_output=True, text=True, timeout=20)

@@ -118,52 +118,65 @@ def _params_text(params: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in params.items()) or "—"
 
 
+def _collapse(items: list[dict]) -> list[tuple[str, str, str]]:
+    """Pending rows grouped per (metric, reason): (metric, params summary, reason)."""
+    groups: dict[tuple[str, str], dict[str, list]] = {}
+    for it in items:
+        g = groups.setdefault((it["metric"], it["reason"]), {})
+        for k, v in it["params"].items():
+            if v not in g.setdefault(k, []):
+                g[k].append(v)
+    return [(metric, ", ".join(f"{k} {'/'.join(str(v) for v in vs)}" for k, vs in g.items()), reason)
+            for (metric, reason), g in groups.items()]
+
+
 def markdown(report: dict) -> str:
     results = report["results"]
     man = report["manifest"]
     by_key = {row_key(r["metric"], r["engine"], r["params"]): r for r in results}
     notes: list[str] = []
     status: dict[str, str] = {}
+    for item in man.get("not_measured", []):
+        if item["reason"] not in notes:
+            notes.append(item["reason"])
+        status[row_key(item["metric"], item["engine"], item["params"])] = \
+            f"not measured ({notes.index(item['reason']) + 1})"
+
     for item in man.get("pending", []):
         status[row_key(item["metric"], item["engine"], item["params"])] = item["reason"]
-    for item in man.get("not_measured", []):
-        notes.append(item["reason"])
-        status[row_key(item["metric"], item["engine"], item["params"])] = f"not measured ({len(notes)})"
 
     def cell(metric, engine, params) -> str:
         k = row_key(metric, engine, params)
         return _cell(by_key[k]) if k in by_key else status.get(k, "—")
 
-    # every (metric, params) that appears anywhere, in METRICS order
+    def median_of(metric, engine, params):
+        r = by_key.get(row_key(metric, engine, params))
+        return None if r is None else r["median"]
+
+    # every measured or unmeasured (metric, params), in METRICS order; pending rows are collapsed
     rows: dict[tuple[str, str], dict] = {}
-    for src in (results, man.get("pending", []), man.get("not_measured", [])):
+    for src in (results, man.get("not_measured", [])):
         for r in src:
             rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
         (str(type(v)), v) for v in kv[1].values()]))
 
-    def median_of(metric, engine, params):
-        r = by_key.get(row_key(metric, engine, params))
-        return None if r is None else r["median"]
-
-    lines = []
     gpu = man.get("gpu", {})
-    lines.append(f"# openjet bench — {gpu.get('name', '?')}, {man.get('date', '?')}")
     model = man.get("model", {})
-    lines.append("")
-    lines.append(f"model `{model.get('path', '?')}` (sha256 {str(model.get('sha256', '?'))[:16]}…), "
-                 f"commit {str(man.get('project', {}).get('commit', '?'))[:12]}, llama.cpp "
-                 f"{man.get('llama_cpp', {}).get('llama_cpp_commit', '?')[:12]} "
-                 f"(llama-cpp-python {man.get('llama_cpp', {}).get('llama_cpp_python', '?')})")
-    lines.append("")
-    lines.append("Cells: median [lo, hi] over the samples (lo/hi: 95% interval for the median; see "
-                 "bench/README.md). Ratios are of medians, openjet/llama.cpp: above 1 is better for "
-                 "rates, below 1 for ms and GB.")
-    lines.append("")
-    lines.append("| metric | params | card / openjet | llama.cpp | unit | openjet/llama.cpp "
-                 "| openjet of roofline | llama.cpp of roofline |")
-    lines.append("|---|---|---|---|---|---|---|---|")
+    llama = man.get("llama_cpp", {})
+    lines = [f"# openjet bench — {gpu.get('name', '?')}, {man.get('date', '?')}", "",
+             f"model `{model.get('path', '?')}` (sha256 {str(model.get('sha256', '?'))[:16]}…), "
+             f"openjet commit {str(man.get('project', {}).get('commit', '?'))[:12]}, llama.cpp "
+             f"{str(llama.get('llama_cpp_commit', '?'))[:12]} (llama-cpp-python "
+             f"{llama.get('llama_cpp_python', '?')}), {gpu.get('sm_count', '?')} SMs, driver "
+             f"{gpu.get('driver', '?')}, CUDA {gpu.get('cuda_driver_version', '?')}", "",
+             "Cells: median [lo, hi] (lo/hi: 95% interval for the median, bench/README.md). "
+             "Ratios are of medians, openjet/llama.cpp: above 1 is better for tokens/s and GB/s, "
+             "below 1 for ms and GB. spec_tps is compared with llama.cpp's plain decode.", "",
+             "| metric | params | card / openjet | llama.cpp | unit | openjet/llama.cpp "
+             "| openjet of roofline | llama.cpp of roofline |",
+             "|---|---|---|---|---|---|---|---|"]
     for (metric, _), params in ordered:
         unit = METRICS[metric][0]
         ours = cell(metric, "openjet", params)
@@ -172,7 +185,7 @@ def markdown(report: dict) -> str:
         mo = median_of(metric, "openjet", params)
         if metric == "spec_tps":
             mp = median_of("decode_tps", "llama.cpp", {"depth": params.get("depth")})
-            peer = "(decode) " + _fmt(mp) if mp else "—"
+            peer = f"(decode) {_fmt(mp)}" if mp else "—"
         else:
             mp = median_of(metric, "llama.cpp", params)
         if mo and mp:
@@ -184,10 +197,12 @@ def markdown(report: dict) -> str:
                 roof_p = f"{mp / roof:.0%}" if mp else ""
         lines.append(f"| {metric} | {_params_text(params)} | {ours} | {peer} | {unit} | {ratio} "
                      f"| {roof_o} | {roof_p} |")
+    alone = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in rows]
+    for metric, params_text, reason in _collapse(alone):
+        lines.append(f"| {metric} | {params_text} | {reason} | | {METRICS[metric][0]} | | | |")
     if notes:
         lines.append("")
-        for i, n in enumerate(notes, 1):
-            lines.append(f"({i}) {n}")
+        lines += [f"({i}) {n}" for i, n in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"
 
 

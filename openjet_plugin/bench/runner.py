@@ -456,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             config = mf.config
             weight = roofline.weight_bytes_per_position(mf)
         st = model.stat()
-        identity = json.loads(json.dumps({"model": str(model.resolve()), "model_bytes": st.st_size,
-                                          "model_mtime_ns": st.st_mtime_ns, "gpu": man["gpu"]["name"],
-                                          "settings": asdict(settings)}))
+        identity = json.loads(json.dumps({"model_bytes": st.st_size,
+                                          "model_fingerprint": manifest_mod.model_fingerprint(model),
+                                          "gpu": man["gpu"]["name"], "settings": asdict(settings)}))
         store = Store(run_dir, identity)
     except (ResumeMismatch, OSError, ValueError, RuntimeError) as exc:
         print(f"openjet bench: error: {exc}", file=sys.stderr)

@@ -88,6 +88,13 @@ def quantize_q8_k(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(np.shape(x))
 
 
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """x rounded to bfloat16 (nearest, ties to even, as ggml's fp32_to_bf16), back to float32."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
 def _f16(x: np.ndarray, dtype) -> np.ndarray:
     return np.asarray(x, dtype=np.float32).astype(np.float16).astype(dtype)
 
@@ -97,6 +104,7 @@ def _f16(x: np.ndarray, dtype) -> np.ndarray:
 CPU_MATMUL_INPUT = {
     "F32": None,
     "F16": lambda x: np.asarray(x, dtype=np.float16).astype(np.float32),
+    "BF16": round_bf16,
     "Q8_0": quantize_q8_0,
     "Q4_K": quantize_q8_k,
     "Q5_K": quantize_q8_k,
@@ -183,11 +191,11 @@ class ReferenceModel:
     def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False):
         """`llama_cpu_rounding=True` adds the roundings of llama.cpp's CPU backend with its default
         context: every matrix product's input in the weight's `vec_dot_type` (Q8_0 blocks for
-        Q8_0 weights, Q8_K for K-quants, F16 for F16; `CPU_MATMUL_INPUT`), and attention through
-        an F16 KV cache (K and V stored as F16, q and the softmax weights rounded to F16 for the
-        two products). Off by default: the reference computes the model's own math on the
-        dequantised weights. On, each layer matches llama.cpp's CPU to float32 rounding, which is
-        how the per-layer test checks the reference on quantised files.
+        Q8_0 weights, Q8_K for K-quants, F16 / BF16 for F16 / BF16; `CPU_MATMUL_INPUT`), and
+        attention through an F16 KV cache (K and V stored as F16, q and the softmax weights
+        rounded to F16 for the two products). Off by default: the reference computes the
+        model's own math on the dequantised weights. On, each layer matches llama.cpp's CPU to
+        float32 rounding, which is how the per-layer test checks the reference on quantised files.
         """
         self.path = Path(path)
         self.llama_cpu_rounding = llama_cpu_rounding

@@ -43,6 +43,10 @@ EMBED_STD = 1.0
 LOGIT_GAIN = 4.0      # logits = output @ rmsnorm(h): std about 4, a peaked but input-driven softmax
 ALPHA_GAIN = 0.5      # ssm_alpha: keeps softplus(alpha x + dt_bias) moderate so decays stay in (0, 1)
 NORM_SPREAD = 0.1     # norm weights (stored 1+w) in [0.9, 1.1]
+# Output rows of the UNUSED [PADn] tokens that pad the 27B's vocabulary (244K of 248K rows) get
+# this fraction of the scale, as untrained rows of a real head are near zero: otherwise their
+# sheer number would put ~98% of the probability mass on tokens that detokenize to nothing.
+PAD_ROW_SCALE = 0.1
 
 
 # --- which tensors a generated file holds -------------------------------------------------------
@@ -87,7 +91,16 @@ def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
     if name.endswith("ssm_conv1d.weight"):
         # depthwise causal conv: one kernel of n_in taps per channel, fan-in = taps
         return (g.standard_normal((n_rows, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in)))
-    return g.standard_normal((n_rows, n_in), dtype=np.float32) * np.float32(_matrix_std(spec))
+    values = g.standard_normal((n_rows, n_in), dtype=np.float32) * np.float32(_matrix_std(spec))
+    if name == "output.weight":
+        values[_n_real_tokens():] *= np.float32(PAD_ROW_SCALE)
+    return values
+
+
+def _n_real_tokens() -> int:
+    """Rows of the vocabulary that are real tokens (the rest are UNUSED padding)."""
+    doc = bpe.load_shipped()
+    return len(doc["tokens"]) + len(doc["special_tokens"])
 
 
 # --- llama.cpp's Q4_K_M recipe ------------------------------------------------------------------
@@ -295,10 +308,13 @@ def _direct_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int) -
         std = float(_matrix_std(spec))
         per, nbytes = _BLOCK_BYTES[t]
         chunk = max(1, (64 << 20) // (n_cols // per * nbytes))
+        # chunk starts; the output head also starts a chunk where its padding rows begin
+        n_real = _n_real_tokens() if spec.name == "output.weight" else n_rows
+        starts = sorted(set(range(0, n_rows, chunk)) | ({n_real} if n_real < n_rows else set()))
         out = np.empty((n_rows, n_cols // per * nbytes), dtype=np.uint8)
-        for r0 in range(0, n_rows, chunk):
-            r1 = min(n_rows, r0 + chunk)
-            out[r0:r1] = random_blocks(t, r1 - r0, n_cols, std, _rng(seed, f"{spec.name}@{r0}"))
+        for r0, r1 in zip(starts, starts[1:] + [n_rows]):
+            row_std = std if r0 < n_real else std * PAD_ROW_SCALE
+            out[r0:r1] = random_blocks(t, r1 - r0, n_cols, row_std, _rng(seed, f"{spec.name}@{r0}"))
         yield out
 
 

@@ -1,0 +1,574 @@
+"""A drop-in for `llama_cpp.Llama` (llama-cpp-python) running on the openjet engine.
+
+    from openjet_plugin.adapters.llama_cpp import Llama     # instead of: from llama_cpp import Llama
+    llm = Llama(model_path="/models/qwen3.8-27b-q4_k_m.gguf", n_ctx=4096)
+    llm("Q: Name the planets. A:", max_tokens=64, stop=["Q:"])["choices"][0]["text"]
+    llm.create_chat_completion(messages=[{"role": "user", "content": "Hi"}], stream=True)
+
+Same constructor parameters, same methods, and responses with exactly llama-cpp-python's
+structure (keys, types, `finish_reason`, `usage`, stream chunk shapes). The text rules are
+llama-cpp-python's too, so that a program sees the same text: generation ends at an
+end-of-generation token or at the first listed stop string found (`stop` is matched on the bytes
+of the text so far), a token that leaves a multi-byte character unfinished does not count towards
+`max_tokens` until the character is complete, control tokens are detokenized as nothing, and
+invalid UTF-8 is dropped. The engine does the generation: the adapter takes its tokens one by one
+and applies those rules. With greedy decoding (temperature 0) the text equals llama-cpp-python's
+on the same file; sampled text differs (another sampler and random stream), with the same
+distribution rules (top-k, top-p, min-p, temperature, penalties, in llama.cpp's order).
+
+Extra constructor keywords: `backend` ("auto" | "native" | "llama.cpp") and `draft_depth`
+(MTP drafts per cycle on the native backend).
+
+Decisions for what the engine does not do (each raises `NotImplementedError` naming the feature,
+rather than silently producing different output):
+- grammars (`grammar=`, `response_format={"type": "json_object"}` and a forced `tool_choice`, which
+  llama-cpp-python implements with grammars), `logits_processor`, `stopping_criteria`,
+  `logit_bias`, `logprobs`, `suffix` (infill), `mirostat_mode` != 0, `typical_p` != 1;
+- embeddings (`create_embedding`, `embed`).
+`tfs_z` is accepted and ignored, as llama-cpp-python itself ignores it.
+Constructor parameters that configure llama.cpp internals (GPU layers and splits, mmap/mlock,
+batch sizes, RoPE/YaRN overrides, LoRA, NUMA, flash attention, KV overrides, a draft model, a
+tokenizer or chat handler object, ...) are accepted with a warning when set to anything but their
+default, and ignored: the engine picks its own. `type_k`/`type_v` map to the engine's KV type
+(F16 or Q8_0).
+
+State: `save_state()` returns a `llama_cpp.LlamaState` holding the token history and the seed,
+not the model's KV/recurrent memory (`llama_state` is empty); `load_state()` restores them. The
+engine re-evaluates what a later prompt needs, so outputs are the same; only that first call may
+be slower. `reset()` forgets the history the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+import uuid
+import warnings
+from typing import Any, Iterator
+
+import numpy as np
+
+# llama.cpp constants (llama.h), as llama-cpp-python spells its defaults
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+LLAMA_SPLIT_MODE_LAYER = 1
+LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED = -1
+LLAMA_POOLING_TYPE_UNSPECIFIED = -1
+LLAMA_ATTENTION_TYPE_UNSPECIFIED = -1
+_GGML_TYPE_TO_KV = {1: "f16", 8: "q8_0"}            # GGML_TYPE_F16, GGML_TYPE_Q8_0
+
+# constructor parameters of llama_cpp.Llama the engine does not use, with llama-cpp-python's defaults
+_IGNORED_DEFAULTS: dict[str, Any] = dict(
+    n_gpu_layers=0, split_mode=LLAMA_SPLIT_MODE_LAYER, main_gpu=0, tensor_split=None, vocab_only=False,
+    use_mmap=True, use_mlock=False, kv_overrides=None, n_batch=512, n_ubatch=512, n_threads_batch=None,
+    rope_scaling_type=LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED, pooling_type=LLAMA_POOLING_TYPE_UNSPECIFIED,
+    attention_type=LLAMA_ATTENTION_TYPE_UNSPECIFIED, rope_freq_base=0.0, rope_freq_scale=0.0,
+    yarn_ext_factor=-1.0, yarn_attn_factor=1.0, yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_orig_ctx=0,
+    logits_all=False, embedding=False, offload_kqv=True, flash_attn=False, op_offload=None, swa_full=None,
+    no_perf=False, last_n_tokens_size=64, lora_base=None, lora_scale=1.0, lora_path=None, numa=False,
+    chat_handler=None, draft_model=None, tokenizer=None, spm_infill=False,
+)
+# chat formats that mean "the model's own template"
+_OWN_TEMPLATE_FORMATS = (None, "chat_template.default")
+
+
+def _unsupported(feature: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{feature} is not supported by openjet's llama-cpp-python drop-in (the engine has no "
+        f"grammar-constrained or logits-level hooks); use llama_cpp.Llama for it")
+
+
+class Llama:
+    """`llama_cpp.Llama` on the openjet engine (see the module docstring for what differs)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_gpu_layers: int = 0,
+        split_mode: int = LLAMA_SPLIT_MODE_LAYER,
+        main_gpu: int = 0,
+        tensor_split: list[float] | None = None,
+        vocab_only: bool = False,
+        use_mmap: bool = True,
+        use_mlock: bool = False,
+        kv_overrides: dict[str, bool | int | float | str] | None = None,
+        seed: int = LLAMA_DEFAULT_SEED,
+        n_ctx: int = 512,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        n_threads: int | None = None,
+        n_threads_batch: int | None = None,
+        rope_scaling_type: int | None = LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED,
+        pooling_type: int = LLAMA_POOLING_TYPE_UNSPECIFIED,
+        attention_type: int = LLAMA_ATTENTION_TYPE_UNSPECIFIED,
+        rope_freq_base: float = 0.0,
+        rope_freq_scale: float = 0.0,
+        yarn_ext_factor: float = -1.0,
+        yarn_attn_factor: float = 1.0,
+        yarn_beta_fast: float = 32.0,
+        yarn_beta_slow: float = 1.0,
+        yarn_orig_ctx: int = 0,
+        logits_all: bool = False,
+        embedding: bool = False,
+        offload_kqv: bool = True,
+        flash_attn: bool = False,
+        op_offload: bool | None = None,
+        swa_full: bool | None = None,
+        no_perf: bool = False,
+        last_n_tokens_size: int = 64,
+        lora_base: str | None = None,
+        lora_scale: float = 1.0,
+        lora_path: str | None = None,
+        numa: bool | int = False,
+        chat_format: str | None = None,
+        chat_handler: Any = None,
+        draft_model: Any = None,
+        tokenizer: Any = None,
+        type_k: int | None = None,
+        type_v: int | None = None,
+        spm_infill: bool = False,
+        verbose: bool = True,
+        backend: str = "auto",
+        draft_depth: int = 4,
+        **kwargs: Any,
+    ):
+        import openjet_plugin
+        from openjet_plugin.tokenizer import Tokenizer
+
+        given = dict(locals())
+        for name, default in _IGNORED_DEFAULTS.items():
+            value = given[name]
+            if value is not default and value != default:
+                warnings.warn(f"Llama({name}={value!r}) is accepted but ignored: the openjet engine "
+                              f"configures this itself", UserWarning, stacklevel=2)
+        for name in kwargs:
+            warnings.warn(f"Llama({name}=...) is not a llama_cpp.Llama parameter; ignored",
+                          UserWarning, stacklevel=2)
+        if chat_format not in _OWN_TEMPLATE_FORMATS:
+            warnings.warn(f"chat_format={chat_format!r} is ignored: chats are rendered with the model's own "
+                          f"chat template (chat_format 'chat_template.default')", UserWarning, stacklevel=2)
+        kv_types = {_GGML_TYPE_TO_KV.get(t) for t in (type_k, type_v) if t is not None}
+        if None in kv_types or len(kv_types) > 1:
+            raise ValueError(f"type_k={type_k!r}, type_v={type_v!r}: the engine's KV cache is F16 (1) or "
+                             f"Q8_0 (8), the same for K and V")
+        if not os.path.exists(model_path):
+            raise ValueError(f"Model path does not exist: {model_path}")
+
+        self.model_path = model_path
+        self.verbose = verbose
+        self.chat_format = "chat_template.default"
+        self.chat_handler = None
+        self._tokenizer = Tokenizer.from_gguf(model_path)
+        if n_ctx == 0:                        # llama-cpp-python: 0 = the model's training context
+            from openjet_plugin.model_file import open_model
+
+            with open_model(model_path) as mf:
+                n_ctx = mf.config.n_ctx_train
+        self._engine = openjet_plugin.load(
+            model_path, backend=backend, n_ctx=n_ctx, draft_depth=draft_depth,
+            kv_type=kv_types.pop() if kv_types else "f16", n_threads=n_threads, verbose=False)
+        self._seed = seed or LLAMA_DEFAULT_SEED
+        self.metadata: dict[str, str] = _llama_cpp_metadata(self._engine.metadata)
+        self.n_tokens = 0
+        self.input_ids: np.ndarray = np.zeros((self._engine.n_ctx,), dtype=np.intc)
+
+    # --- model facts ------------------------------------------------------------------------------
+    def n_ctx(self) -> int:
+        """Context window size."""
+        return self._engine.n_ctx
+
+    def n_vocab(self) -> int:
+        """Vocabulary size."""
+        return self._engine.n_vocab
+
+    def n_embd(self) -> int:
+        """Embedding size."""
+        return self._engine.config.n_embd
+
+    def token_eos(self) -> int:
+        return -1 if self._engine.token_eos is None else int(self._engine.token_eos)
+
+    def token_bos(self) -> int:
+        return -1 if self._tokenizer.bos_id is None else int(self._tokenizer.bos_id)
+
+    def token_nl(self) -> int:
+        # llama.cpp's linefeed id for BPE vocabularies: the first token of "\n"
+        return self._engine.tokenize("\n", add_special=False, parse_special=False)[0]
+
+    @property
+    def backend_name(self) -> str:
+        """Which engine backend runs this model ("native" or "llama.cpp")."""
+        return self._engine.backend_name
+
+    # --- tokens -----------------------------------------------------------------------------------
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        """Tokenize utf-8 `text`; add_bos adds BOS where the vocabulary asks for it."""
+        return self._engine.tokenize(text, add_special=add_bos, parse_special=special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None,
+                   special: bool = False) -> bytes:
+        """Bytes of `tokens` (control tokens only with special=True); prev_tokens is unused, as in
+        llama-cpp-python."""
+        out = self._tokenizer.decode_bytes(tokens, special=special)
+        if tokens and tokens[0] == self.token_bos() and out[:1] == b" ":
+            out = out[1:]
+        return out
+
+    # --- state ------------------------------------------------------------------------------------
+    def set_seed(self, seed: int) -> None:
+        self._seed = seed
+
+    def reset(self) -> None:
+        """Forget the token history (the engine reuses or re-evaluates the prompt as needed)."""
+        self.n_tokens = 0
+
+    def save_state(self):
+        from llama_cpp.llama import LlamaState
+
+        return LlamaState(input_ids=self.input_ids.copy(), scores=np.zeros((self.n_tokens, 0), np.single),
+                          n_tokens=self.n_tokens, llama_state=b"", llama_state_size=0, seed=self._seed)
+
+    def load_state(self, state) -> None:
+        self.input_ids = np.array(state.input_ids, dtype=np.intc).copy()
+        self.n_tokens = int(state.n_tokens)
+        self._seed = state.seed
+
+    def close(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # --- embeddings ---------------------------------------------------------------------------------
+    def create_embedding(self, input, model=None):
+        raise _unsupported("embeddings (create_embedding)")
+
+    def embed(self, input, normalize=False, truncate=True, return_count=False):
+        raise _unsupported("embeddings (embed)")
+
+    # --- completions ------------------------------------------------------------------------------
+    def __call__(self, prompt: str, suffix: str | None = None, max_tokens: int | None = 16,
+                 temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                 logprobs: int | None = None, echo: bool = False, stop: str | list[str] | None = [],
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                 top_k: int = 40, stream: bool = False, seed: int | None = None, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 model: str | None = None, stopping_criteria=None, logits_processor=None, grammar=None,
+                 logit_bias: dict[int, float] | None = None):
+        """Generate text from a prompt (same as create_completion)."""
+        return self.create_completion(
+            prompt=prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+            min_p=min_p, typical_p=typical_p, logprobs=logprobs, echo=echo, stop=stop,
+            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+            repeat_penalty=repeat_penalty, top_k=top_k, stream=stream, seed=seed, tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+            stopping_criteria=stopping_criteria, logits_processor=logits_processor, grammar=grammar,
+            logit_bias=logit_bias)
+
+    def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | list[str] | None = [], frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0,
+                          mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                          model: str | None = None, stopping_criteria=None, logits_processor=None,
+                          grammar=None, logit_bias: dict[int, float] | None = None):
+        """Generate text from a prompt: a `CreateCompletionResponse` dict, or with stream=True an
+        iterator of `CreateCompletionStreamResponse` dicts."""
+        for feature, used in (("suffix (infill)", suffix is not None), ("logprobs", logprobs is not None),
+                              ("grammar", grammar is not None), ("logits_processor", logits_processor is not None),
+                              ("stopping_criteria", stopping_criteria is not None),
+                              ("logit_bias", bool(logit_bias)), ("mirostat sampling", mirostat_mode != 0),
+                              ("typical_p sampling", typical_p != 1.0)):
+            if used:
+                raise _unsupported(feature)
+        if isinstance(prompt, str):
+            prompt_tokens = self.tokenize(prompt.encode("utf-8"), add_bos=True, special=True) if prompt else []
+        else:
+            prompt_tokens = [int(t) for t in prompt]
+        if not prompt_tokens:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        n_ctx = self.n_ctx()
+        if len(prompt_tokens) >= n_ctx:
+            raise ValueError(f"Requested tokens ({len(prompt_tokens)}) exceed context window of {n_ctx}")
+        if max_tokens is None or max_tokens <= 0:
+            max_tokens = n_ctx - len(prompt_tokens)
+        max_tokens = min(max_tokens, n_ctx - len(prompt_tokens))
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if seed is not None:
+            self.set_seed(seed)
+        else:                                   # llama-cpp-python's seed chain: reproducible per instance
+            self.set_seed(random.Random(self._seed).randint(0, 2 ** 32))
+        run = _Completion(
+            self, prompt_tokens, max_tokens=max_tokens, stops=[s.encode("utf-8") for s in stops],
+            sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                          repeat_penalty=repeat_penalty, seed=self._seed & 0xFFFFFFFF),
+            model=model if model is not None else self.model_path)
+        if stream:
+            return run.stream()
+        text, finish_reason = run.whole()
+        if echo:
+            text = (prompt if isinstance(prompt, str) else self.detokenize(prompt_tokens).decode(
+                "utf-8", errors="ignore")) + text
+        return {
+            "id": run.id,
+            "object": "text_completion",
+            "created": run.created,
+            "model": run.model,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": {"prompt_tokens": len(prompt_tokens), "completion_tokens": len(run.completion_tokens),
+                      "total_tokens": len(prompt_tokens) + len(run.completion_tokens)},
+        }
+
+    # --- chat -------------------------------------------------------------------------------------
+    def create_chat_completion(self, messages: list[dict], functions: list[dict] | None = None,
+                               function_call: Any = None, tools: list[dict] | None = None,
+                               tool_choice: Any = None, temperature: float = 0.2, top_p: float = 0.95,
+                               top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0,
+                               stream: bool = False, stop: str | list[str] | None = [],
+                               seed: int | None = None, response_format: dict | None = None,
+                               max_tokens: int | None = None, presence_penalty: float = 0.0,
+                               frequency_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                               tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                               mirostat_eta: float = 0.1, model: str | None = None, logits_processor=None,
+                               grammar=None, logit_bias: dict[str, float] | None = None,
+                               logprobs: bool | None = None, top_logprobs: int | None = None):
+        """Chat with the model's own template: a `CreateChatCompletionResponse` dict, or with
+        stream=True an iterator of `ChatCompletionChunk` dicts. The reply is the raw text, a
+        <think> block included, as llama-cpp-python returns it."""
+        if response_format is not None and response_format.get("type") == "json_object":
+            raise _unsupported("response_format json_object (a grammar)")
+        if functions is not None:
+            tools = [{"type": "function", "function": f} for f in functions]
+        if isinstance(function_call, dict) and "name" in function_call:
+            tool_choice = {"type": "function", "function": {"name": function_call["name"]}}
+        if isinstance(tool_choice, dict) and tools is not None:
+            raise _unsupported("a forced tool_choice (a grammar)")
+        # the template's own defaults (thinking on), as llama-cpp-python renders it: it never sets
+        # enable_thinking, and the template adds the empty think block only when it is false
+        prompt = self._engine.render_chat(messages, tools=tools, enable_thinking=True)
+        prompt_tokens = self.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+        eos = self.token_eos()
+        if eos >= 0:
+            stops.append(self._tokenizer.token_to_piece(eos, special=True).decode("utf-8", errors="ignore"))
+        out = self.create_completion(
+            prompt=prompt_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            typical_p=typical_p, logprobs=top_logprobs if logprobs else None, stream=stream, stop=stops,
+            seed=seed, max_tokens=max_tokens, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
+            mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+            logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+        if stream:
+            return _chat_chunks(out)
+        return {
+            "id": "chat" + out["id"],
+            "object": "chat.completion",
+            "created": out["created"],
+            "model": out["model"],
+            "choices": [{"index": 0,
+                         "message": {"role": "assistant", "content": out["choices"][0]["text"]},
+                         "logprobs": None,
+                         "finish_reason": out["choices"][0]["finish_reason"]}],
+            "usage": out["usage"],
+        }
+
+    def create_chat_completion_openai_v1(self, *args: Any, **kwargs: Any):
+        """create_chat_completion, returned as the openai package's ChatCompletion(Chunk) types."""
+        from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+        if kwargs.get("stream", False):
+            return (ChatCompletionChunk(**chunk) for chunk in self.create_chat_completion(*args, **kwargs))
+        return ChatCompletion(**self.create_chat_completion(*args, **kwargs))
+
+
+def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
+    for i, chunk in enumerate(chunks):
+        if i == 0:
+            yield {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
+                   "object": "chat.completion.chunk",
+                   "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                "finish_reason": None}]}
+        finish = chunk["choices"][0]["finish_reason"]
+        yield {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
+               "object": "chat.completion.chunk",
+               "choices": [{"index": 0,
+                            "delta": {"content": chunk["choices"][0]["text"]} if finish is None else {},
+                            "logprobs": None, "finish_reason": finish}]}
+
+
+class _Completion:
+    """One completion request: the engine's tokens in, llama-cpp-python's text rules applied.
+
+    The engine generates with no stop strings and room up to the context end; the rules below
+    decide where the completion ends and the generator is closed there (the engine keeps a
+    consistent state either way).
+    """
+
+    def __init__(self, llama: Llama, prompt_tokens: list[int], *, max_tokens: int, stops: list[bytes],
+                 sampling: dict, model: str):
+        self.llama = llama
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.stops = stops
+        self.sampling = sampling
+        self.model = model
+        self.id = f"cmpl-{uuid.uuid4()}"
+        self.created = int(time.time())
+        self.completion_tokens: list[int] = []
+
+    def _detok(self, tokens: list[int]) -> bytes:
+        return self.llama.detokenize(tokens)
+
+    def _tokens(self) -> Iterator[int | str]:
+        """Generated token ids, then the engine's finish reason as a string: "stop" for an
+        end-of-generation token, "length" when the context is full."""
+        eng = self.llama._engine
+        room = eng.n_ctx - len(self.prompt_tokens)
+        stream = eng.generate(self.prompt_tokens, max_tokens=room, stream=True, **self.sampling)
+        try:
+            for piece in stream:
+                yield from piece.tokens
+                if piece.finish_reason is not None:
+                    yield piece.finish_reason
+                    return
+        finally:
+            stream.close()               # releases the engine for the next request
+            self._remember()
+
+    def _remember(self) -> None:
+        history = self.prompt_tokens + self.completion_tokens
+        n = min(len(history), len(self.llama.input_ids))
+        self.llama.input_ids[:n] = history[:n]
+        self.llama.n_tokens = n
+
+    def _steps(self) -> Iterator[tuple[str, Any]]:
+        """llama-cpp-python's generation loop as events: ("text", str) for stream pieces, then
+        ("end", (text bytes, finish_reason))."""
+        multibyte_fix = 0
+        returned = 0
+        finish_reason = "length"
+        text = b""
+        tokens = self._tokens()
+        for token in tokens:
+            if isinstance(token, str):         # end of generation, or no room left
+                text = self._detok(self.completion_tokens)
+                finish_reason = token
+                break
+            self.completion_tokens.append(token)
+            all_text = self._detok(self.completion_tokens)
+            # a lead byte whose continuation bytes have not come yet: wait for them
+            for k, char in enumerate(all_text[-3:]):
+                k = 3 - k
+                for num, pattern in ((2, 192), (3, 224), (4, 240)):
+                    if num > k and pattern & char == pattern:
+                        multibyte_fix = num - k
+            if multibyte_fix > 0:
+                multibyte_fix -= 1
+                continue
+            hits = [s for s in self.stops if s in all_text]
+            if hits:
+                text = all_text[:all_text.index(hits[0])]
+                finish_reason = "stop"
+                break
+            if self._streaming:
+                for piece, n in self._stream_pieces(self.completion_tokens[returned:]):
+                    returned += n
+                    yield "text", piece
+            if len(self.completion_tokens) >= self.max_tokens:
+                text = self._detok(self.completion_tokens)
+                finish_reason = "length"
+                break
+        tokens.close()
+        self._returned = returned
+        yield "end", (text, finish_reason)
+
+    def _stream_pieces(self, remaining: list[int]) -> Iterator[tuple[str, int]]:
+        """Whole UTF-8 characters of the not yet returned tokens, holding back a tail that could be
+        the start of a stop string."""
+        remaining_text = self._detok(remaining)
+        held = 0
+        for s in self.stops:
+            for i in range(min(len(s), len(remaining_text)), 0, -1):
+                if remaining_text.endswith(s[:i]):
+                    held = max(held, i)
+                    break
+        end = 0
+        while remaining:
+            for i in range(1, len(remaining) + 1):
+                bs = self._detok(remaining[:i])
+                try:
+                    piece = bs.decode("utf-8")
+                    break
+                except UnicodeError:
+                    continue
+            else:
+                return
+            end += len(bs)
+            if end > len(remaining_text) - held:
+                return
+            remaining = remaining[i:]
+            yield piece, i
+
+    def whole(self) -> tuple[str, str]:
+        self._streaming = False
+        for kind, value in self._steps():
+            if kind == "end":
+                text, finish_reason = value
+                return text.decode("utf-8", errors="ignore"), finish_reason
+        raise AssertionError("unreachable: the loop always ends with an end event")
+
+    def stream(self) -> Iterator[dict]:
+        self._streaming = True
+        finish_reason = "length"
+        for kind, value in self._steps():
+            if kind == "text":
+                yield self._chunk(value, None)
+            else:
+                finish_reason = value[1]
+        # the rest: the tokens not yet returned, cut at the first stop string
+        remaining = self.completion_tokens[self._returned:]
+        remaining_text = self._detok(remaining)
+        hits = [s for s in self.stops if s in remaining_text]
+        end = min(remaining_text.index(s) for s in hits) if hits else len(remaining_text)
+        position = 0
+        for token in remaining:
+            piece = self._detok([token])
+            position += len(piece)
+            if position >= end:
+                yield self._chunk(piece[:len(piece) - (position - end)].decode("utf-8", errors="ignore"), None)
+                break
+            yield self._chunk(piece.decode("utf-8", errors="ignore"), None)
+        yield self._chunk("", finish_reason)
+
+    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+
+
+def _llama_cpp_metadata(metadata: dict) -> dict[str, str]:
+    """The GGUF metadata as llama.cpp reports it: every key that is not an array, its value as text
+    (integers in decimal, floats with six decimals, booleans as true/false)."""
+    out: dict[str, str] = {}
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            out[key] = "true" if value else "false"
+        elif isinstance(value, (int, np.integer)):
+            out[key] = str(int(value))
+        elif isinstance(value, (float, np.floating)):
+            out[key] = f"{float(value):f}"
+        elif isinstance(value, str):
+            out[key] = value
+        # arrays (lists, previews of long arrays) are not part of llama.cpp's metadata
+    return out
+
+
+__all__ = ["Llama", "LLAMA_DEFAULT_SEED"]

@@ -1,0 +1,234 @@
+"""The llama-cpp-python drop-in against the real `llama_cpp.Llama`, on the same generated model.
+
+Greedy decoding, same calls on both: identical text and identical response structure (keys,
+types, finish_reason, usage), stream chunk by chunk. The prompts are picked so that the replies
+cover the hard cases of llama-cpp-python's text rules: a reply ended by an end-of-generation token
+("日本語"), one with a control token that detokenizes as nothing ("SELECT * FROM"), and bytes that
+are not valid UTF-8 (all of them, on this random-weight model — asserted below).
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+
+import openjet_plugin
+from openjet_plugin.adapters.llama_cpp import Llama
+
+N_CTX = 512
+PROMPTS = ["日本語", "SELECT * FROM", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    return str(openjet_plugin.default_model_path())
+
+
+@pytest.fixture(scope="module")
+def ref(model_path):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path, n_ctx=N_CTX, n_threads=2, verbose=False)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def ours(model_path):
+    llm = Llama(model_path, n_ctx=N_CTX, n_threads=2, verbose=False)
+    yield llm
+    llm.close()
+
+
+def _shape(obj):
+    """The structure of a response: keys and value types, recursively (lists by their items)."""
+    if isinstance(obj, dict):
+        return {k: _shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_shape(v) for v in obj]
+    return type(obj).__name__
+
+
+def _same_response(a: dict, b: dict) -> None:
+    assert _shape(a) == _shape(b)
+    a, b = dict(a), dict(b)
+    for key in ("id", "created"):
+        assert a.pop(key).__class__ is b.pop(key).__class__
+    assert a == b
+
+
+# --- completions --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_completion_identical(ref, ours, prompt):
+    kw = dict(max_tokens=200, temperature=0)
+    a, b = ref(prompt, **kw), ours(prompt, **kw)
+    _same_response(a, b)
+    assert b["id"].startswith("cmpl-") and b["object"] == "text_completion"
+
+
+def test_the_prompts_cover_the_hard_cases(ours):
+    from openjet_plugin.tokenizer import TOKEN_CONTROL
+
+    tok = ours._tokenizer
+    finishes, control, invalid = set(), False, False
+    for prompt in PROMPTS:
+        r = ours(prompt, max_tokens=200, temperature=0)
+        finishes.add(r["choices"][0]["finish_reason"])
+        ids = ours._engine.generate(prompt, max_tokens=200, temperature=0).tokens
+        control |= any(tok.token_types[t] == TOKEN_CONTROL for t in ids)
+        try:
+            tok.decode_bytes(ids).decode("utf-8")
+        except UnicodeDecodeError:
+            invalid = True
+    assert finishes == {"stop", "length"} and control and invalid
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_stream_identical_chunk_by_chunk(ref, ours, prompt):
+    kw = dict(max_tokens=200, temperature=0, stream=True)
+    a, b = list(ref(prompt, **kw)), list(ours(prompt, **kw))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        _same_response(x, y)
+    assert b[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_stop_strings(ref, ours):
+    text = ref("Hello", max_tokens=40, temperature=0)["choices"][0]["text"]
+    stops = [text[20:23], "zzz-never", text[30:33]]
+    for stream in (False, True):
+        a = ref("Hello", max_tokens=40, temperature=0, stop=stops, stream=stream)
+        b = ours("Hello", max_tokens=40, temperature=0, stop=stops, stream=stream)
+        if stream:
+            a, b = list(a), list(b)
+            assert len(a) == len(b)
+            for x, y in zip(a, b):
+                _same_response(x, y)
+        else:
+            _same_response(a, b)
+            assert b["choices"][0]["finish_reason"] == "stop"
+            assert b["choices"][0]["text"] == text[:20]
+
+
+def test_echo_token_prompt_and_unlimited_max_tokens(ref, ours):
+    _same_response(ref("Hello", max_tokens=8, temperature=0, echo=True),
+                   ours("Hello", max_tokens=8, temperature=0, echo=True))
+    tokens = ref.tokenize(b"def f(x):", add_bos=False)
+    _same_response(ref.create_completion(tokens, max_tokens=8, temperature=0),
+                   ours.create_completion(tokens, max_tokens=8, temperature=0))
+    # max_tokens=None: until the context is full (or an end-of-generation token)
+    _same_response(ref("Once upon a time", max_tokens=None, temperature=0),
+                   ours("Once upon a time", max_tokens=None, temperature=0))
+
+
+# --- chat ---------------------------------------------------------------------------------------
+
+CHATS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+    [{"role": "user", "content": "1+2?"},
+     {"role": "assistant", "content": None,
+      "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+     {"role": "tool", "tool_call_id": "c1", "content": "3"}],
+]
+
+
+@pytest.mark.parametrize("messages", CHATS)
+def test_chat_completion_identical(ref, ours, messages):
+    kw = dict(max_tokens=64, temperature=0)
+    _same_response(ref.create_chat_completion(messages, **kw), ours.create_chat_completion(messages, **kw))
+    a = list(ref.create_chat_completion(messages, stream=True, **kw))
+    b = list(ours.create_chat_completion(messages, stream=True, **kw))
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        _same_response(x, y)
+
+
+def test_chat_with_tools_identical(ref, ours):
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.",
+                                              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    messages = [{"role": "user", "content": "Add 1 and 2"}]
+    _same_response(ref.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0),
+                   ours.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0))
+
+
+def test_openai_v1_types(ours):
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+    m = CHATS[0]
+    r = ours.create_chat_completion_openai_v1(m, max_tokens=4, temperature=0)
+    assert isinstance(r, ChatCompletion) and r.usage.completion_tokens == 4
+    chunks = list(ours.create_chat_completion_openai_v1(m, max_tokens=4, temperature=0, stream=True))
+    assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
+
+
+# --- the rest of the API ----------------------------------------------------------------------------
+
+def test_model_facts_and_tokens(ref, ours):
+    assert ours.n_ctx() == ref.n_ctx() and ours.n_vocab() == ref.n_vocab() and ours.n_embd() == ref.n_embd()
+    assert (ours.token_eos(), ours.token_bos(), ours.token_nl()) == (ref.token_eos(), ref.token_bos(), ref.token_nl())
+    assert ours.metadata == ref.metadata
+    text = "Hello <|im_start|>user\n<think>x</think> wörld 😀".encode()
+    for add_bos in (True, False):
+        for special in (True, False):
+            ids = ref.tokenize(text, add_bos=add_bos, special=special)
+            assert ours.tokenize(text, add_bos=add_bos, special=special) == ids
+            for sp in (True, False):
+                assert ours.detokenize(ids, special=sp) == ref.detokenize(ids, special=sp)
+
+
+def test_constructor_takes_every_llama_cpp_parameter():
+    import llama_cpp
+
+    theirs = inspect.signature(llama_cpp.Llama.__init__).parameters
+    mine = inspect.signature(Llama.__init__).parameters
+    for name, p in theirs.items():
+        assert name in mine, f"Llama() lacks llama_cpp.Llama's parameter {name}"
+        assert mine[name].kind == p.kind, name
+        if p.default is not inspect.Parameter.empty:
+            assert mine[name].default == p.default, f"default of {name}: {mine[name].default!r} != {p.default!r}"
+    for method in ("__call__", "create_completion", "create_chat_completion"):
+        theirs_m = inspect.signature(getattr(llama_cpp.Llama, method)).parameters
+        mine_m = inspect.signature(getattr(Llama, method)).parameters
+        assert list(mine_m) == list(theirs_m), method
+        assert [p.default for p in mine_m.values()] == [p.default for p in theirs_m.values()], method
+
+
+def test_unsupported_parameters_warn_and_features_raise(model_path):
+    with pytest.warns(UserWarning, match="n_gpu_layers"):
+        llm = Llama(model_path, n_ctx=64, n_gpu_layers=-1, verbose=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Llama(model_path, n_ctx=64, n_gpu_layers=0, verbose=False).close()   # defaults: no warning
+    with pytest.raises(NotImplementedError, match="grammar"):
+        llm("x", grammar=object())
+    with pytest.raises(NotImplementedError, match="logits_processor"):
+        llm("x", logits_processor=[lambda ids, scores: scores])
+    with pytest.raises(NotImplementedError, match="embeddings"):
+        llm.create_embedding("x")
+    with pytest.raises(NotImplementedError, match="json_object"):
+        llm.create_chat_completion([{"role": "user", "content": "x"}], response_format={"type": "json_object"})
+    with pytest.raises(ValueError, match="exceed context window"):
+        llm("word " * 100)
+    with pytest.raises(ValueError, match="does not exist"):
+        Llama("/no/such/model.gguf")
+    llm.close()
+
+
+def test_seed_chain_and_state(ours):
+    kw = dict(max_tokens=12, temperature=0.9)
+    ours.set_seed(1234)
+    state = ours.save_state()
+    first, second = ours("Hello", **kw), ours("Hello", **kw)
+    ours.load_state(state)
+    assert ours("Hello", **kw)["choices"][0]["text"] == first["choices"][0]["text"]
+    assert ours("Hello", **kw)["choices"][0]["text"] == second["choices"][0]["text"]
+    # an explicit seed is reproducible; the history is kept as llama-cpp-python keeps it
+    a = ours("Hello", seed=7, **kw)
+    assert ours("Hello", seed=7, **kw)["choices"][0]["text"] == a["choices"][0]["text"]
+    n = a["usage"]["total_tokens"]
+    assert ours.n_tokens == n and list(ours.input_ids[:3]) == ours.tokenize(b"Hello")[:3]
+    ours.reset()
+    assert ours.n_tokens == 0

@@ -1,0 +1,533 @@
+"""`openjet bench` on a machine without a GPU: aggregation, the report's shape, llama-bench's JSON,
+the roofline's byte count, the manifest, the resume folder, and the no-GPU exit."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from openjet_plugin.bench import manifest, peer, report, roofline, runner, smi, stats
+from openjet_plugin.bench.store import ResumeMismatch, Store
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+def _fake_smi(folder: Path, *, fail: bool = False) -> Path:
+    """An nvidia-smi stand-in: with fail=True it answers like a machine whose driver is missing;
+    otherwise like an H200 (tests of everything that only reads nvidia-smi)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / "nvidia-smi"
+    if fail:
+        body = """
+            print("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+                  "Make sure that the latest NVIDIA driver is installed and running.")
+            sys.exit(9)
+        """
+    else:
+        body = """
+            args = sys.argv[1:]
+            vals = {"name": "Fake H200", "compute_cap": "9.0", "driver_version": "580.1",
+                    "memory.total": "143771 MiB", "clocks.sm": "1980 MHz", "power.limit": "700.00 W"}
+            if "-L" in args:
+                print("GPU 0: Fake H200 (UUID: GPU-0000)"); sys.exit(0)
+            q = [a for a in args if a.startswith("--query-gpu=")]
+            if q:
+                fields = q[0].split("=", 1)[1].split(",")
+                for i in range(3 if "-lms" in args else 1):
+                    if "nounits" in " ".join(args):
+                        print(", ".join(str(1000 + 2000 * i) for f in fields), flush=True)
+                    else:
+                        print(", ".join(vals.get(f, "[N/A]") for f in fields), flush=True)
+                sys.exit(0)
+            print("| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: 13.0 |")
+        """
+    script.write_text(f"#!{sys.executable}\nimport sys\n" + textwrap.dedent(body))
+    script.chmod(0o755)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from openjet_plugin.testing.synth import synth_model
+
+    path = tmp_path_factory.mktemp("bench_model") / "tiny-f32.gguf"
+    return synth_model(path, preset="tiny", quant="F32", seed=1)
+
+
+# --- stats: the numbers can be recomputed from the samples ----------------------------------------
+
+def _coverage_scipy(n: int, k: int) -> float:
+    from scipy.stats import binom
+    return float(binom.cdf(n - k, n, 0.5) - binom.cdf(k - 1, n, 0.5))
+
+
+@pytest.mark.parametrize("n", list(range(1, 26)))
+def test_median_interval_is_the_order_statistic_95_interval(n):
+    rng = random.Random(n)
+    xs = [rng.lognormvariate(3, 0.3) for _ in range(n)]
+    s = stats.summarize(xs)
+    ys = np.sort(np.array(xs))
+    assert s.median == pytest.approx(float(np.median(ys)), rel=0, abs=1e-12)
+    # independent check of the rank: the widest k that still covers >= 95% (scipy's binomial)
+    ks = [k for k in range(1, n // 2 + 1) if _coverage_scipy(n, k) >= 0.95]
+    k = max(ks) if ks else 1
+    assert (s.lo, s.hi) == (ys[k - 1], ys[n - k])
+    assert s.coverage == pytest.approx(_coverage_scipy(n, k), abs=1e-12)
+    assert s.lo <= s.median <= s.hi
+    if n >= 6:
+        assert s.coverage >= 0.95
+    else:            # no 95% interval exists: min/max, with the coverage they have
+        assert (s.lo, s.hi) == (ys[0], ys[-1]) and s.coverage < 0.95
+
+
+def test_summarize_rejects_empty_and_non_finite():
+    with pytest.raises(ValueError, match="no samples"):
+        stats.summarize([])
+    with pytest.raises(ValueError, match="non-finite"):
+        stats.summarize([1.0, float("nan")])
+
+
+def _sample_report() -> dict:
+    rng = np.random.default_rng(7)
+    results = [
+        report.result("read_gbps", "openjet", {}, rng.normal(4400, 30, 10)),
+        report.result("decode_tps", "openjet", {"depth": 0}, rng.normal(120, 2, 6)),
+        report.result("decode_tps", "llama.cpp", {"depth": 0}, rng.normal(83, 1, 6)),
+        report.result("verify_ms", "llama.cpp", {"positions": 3, "depth": 1024}, rng.normal(17.7, 0.2, 6)),
+        report.result("prefill_tps", "llama.cpp", {"new_tokens": 2700, "depth": 1800}, rng.normal(2400, 20, 5)),
+        report.result("roofline_tps", "openjet", {"depth": 0}, rng.normal(280, 2, 10)),
+        report.result("peak_mem_gb", "llama.cpp", {"max_depth": 30720}, [19.5]),
+    ]
+    man = {"gpu": {"name": "H200"}, "pending": [
+        {"metric": "spec_tps", "engine": "openjet", "params": {"acceptance": 0.7, "drafts": 3, "depth": 8192},
+         "reason": "pending: issue 6"}],
+        "not_measured": [{"metric": "decode_tps", "engine": "openjet", "params": {"depth": 8192},
+                          "reason": "out of time"}]}
+    return {"manifest": man, "results": results}
+
+
+def test_report_json_medians_and_intervals_recompute_from_raw_samples():
+    rep = json.loads(json.dumps(_sample_report()))          # what a reader of the file gets
+    report.validate_report(rep)
+    for r in rep["results"]:
+        xs = sorted(r["samples"])
+        n = len(xs)
+        assert r["median"] == pytest.approx(float(np.median(xs)), rel=1e-12)
+        ks = [k for k in range(1, n // 2 + 1) if _coverage_scipy(n, k) >= 0.95] or [1]
+        assert (r["lo"], r["hi"]) == (xs[max(ks) - 1], xs[n - max(ks)])
+
+
+def test_validate_report_names_what_is_wrong():
+    good = _sample_report()
+    report.validate_report(good)
+    cases = [
+        (lambda r: r["results"][1].__setitem__("median", r["results"][1]["median"] + 1.0), r"results\[1\]\.median"),
+        (lambda r: r["results"][2].__setitem__("engine", "vllm"), r"results\[2\]\.engine"),
+        (lambda r: r["results"][3]["params"].pop("positions"), r"results\[3\]\.params.*positions"),
+        (lambda r: r["results"][0].__setitem__("extra", 1), r"results\[0\]: keys"),
+        (lambda r: r["results"][0].__setitem__("unit", "GiB/s"), r"results\[0\]\.unit"),
+        (lambda r: r["results"][4].__setitem__("samples", []), r"results\[4\]\.samples"),
+        (lambda r: r.__setitem__("extra", {}), "top level"),
+        (lambda r: r["results"].append(dict(r["results"][0])), "a second result"),
+    ]
+    for mutate, pattern in cases:
+        bad = json.loads(json.dumps(good))
+        mutate(bad)
+        with pytest.raises(ValueError, match=pattern):
+            report.validate_report(bad)
+
+
+def test_markdown_has_ratio_roofline_and_pending_columns():
+    md = report.markdown(_sample_report())
+    row = next(line for line in md.splitlines() if line.startswith("| decode_tps | depth 0 "))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    rep = _sample_report()
+    med = {(r["metric"], r["engine"]): r["median"] for r in rep["results"]}
+    assert cells[5] == f"{med[('decode_tps', 'openjet')] / med[('decode_tps', 'llama.cpp')]:.2f}×"
+    assert cells[6] == f"{med[('decode_tps', 'openjet')] / med[('roofline_tps', 'openjet')]:.0%}"
+    assert cells[7] == f"{med[('decode_tps', 'llama.cpp')] / med[('roofline_tps', 'openjet')]:.0%}"
+    assert "pending: issue 6" in md
+    assert "not measured (1)" in md and "(1) out of time" in md
+
+
+# --- llama-bench's JSON -------------------------------------------------------------------------------
+
+# Field names and types as llama-bench's json_printer writes them: test::get_fields() in
+# tools/llama-bench/llama-bench.cpp (STRING quoted, INT bare, BOOL true/false, FLOAT bare), then
+# samples_ns and samples_ts. samples_ts[i] = 1e9 * (n_prompt + n_gen) / samples_ns[i].
+def _llama_bench_record(n_prompt, n_gen, n_depth, samples_ns):
+    n = n_prompt + n_gen
+    ts = [1e9 * n / t for t in samples_ns]
+    avg_ns = sum(samples_ns) // len(samples_ns)
+    return f"""  {{
+    "build_commit": "unknown",
+    "build_number": 0,
+    "cpu_info": "Intel(R) Xeon(R) Platinum 8480C",
+    "gpu_info": "NVIDIA H200",
+    "backends": "CUDA",
+    "model_filename": "/root/build/cache/bench/q27b-Q4_K_M-seed0.gguf",
+    "model_type": "qwen35 27B Q4_K - Medium",
+    "model_size": 16829726720,
+    "model_n_params": 27284865024,
+    "n_batch": 2048,
+    "n_ubatch": 512,
+    "n_threads": 16,
+    "cpu_mask": "0x0",
+    "cpu_strict": false,
+    "poll": 50,
+    "type_k": "f16",
+    "type_v": "f16",
+    "n_gpu_layers": 999,
+    "n_cpu_moe": 0,
+    "split_mode": "layer",
+    "main_gpu": 0,
+    "no_kv_offload": false,
+    "flash_attn": 1,
+    "devices": "auto",
+    "tensor_split": "0.00",
+    "tensor_buft_overrides": "none",
+    "load_mode": "mmap",
+    "lazy_mode": "auto",
+    "embeddings": false,
+    "no_op_offload": 0,
+    "no_host": false,
+    "repack": true,
+    "fit_target": 0,
+    "fit_min_ctx": 0,
+    "n_prompt": {n_prompt},
+    "n_gen": {n_gen},
+    "n_depth": {n_depth},
+    "test_time": "2026-11-29T17:00:00Z",
+    "avg_ns": {avg_ns},
+    "stddev_ns": 1000,
+    "avg_ts": {sum(ts) / len(ts):.6f},
+    "stddev_ts": 0.1,
+    "samples_ns": [ {", ".join(str(t) for t in samples_ns)} ],
+    "samples_ts": [ {", ".join(f"{t:g}" for t in ts)} ]
+  }}"""
+
+
+LLAMA_BENCH_OUTPUT = "[\n" + ",\n".join([
+    _llama_bench_record(0, 128, 8192, [1537000000, 1541000000, 1539500000, 1538000000, 1544000000, 1540000000]),
+    _llama_bench_record(3, 0, 1024, [17700000, 17650000, 17810000, 17690000, 17720000, 17705000]),
+]) + "\n]\n"
+
+
+def test_parse_llama_bench_json_sample():
+    tests = peer.parse_llama_bench_json(LLAMA_BENCH_OUTPUT)
+    assert [t.kind for t in tests] == ["tg", "pp"]
+    tg, pp = tests
+    assert (tg.n_gen, tg.n_depth, tg.n_ubatch) == (128, 8192, 512)
+    assert tg.tokens_per_second() == pytest.approx(tg.raw["samples_ts"], rel=1e-5)
+    assert tg.tokens_per_second()[0] == pytest.approx(128 / 1.537)
+    assert (pp.n_prompt, pp.n_depth) == (3, 1024)
+    assert pp.milliseconds() == pytest.approx([17.7, 17.65, 17.81, 17.69, 17.72, 17.705])
+    assert tg.raw["flash_attn"] == 1 and tg.raw["type_k"] == "f16"
+
+
+def test_parse_llama_bench_json_errors_are_clear():
+    with pytest.raises(peer.PeerError, match="not JSON"):
+        peer.parse_llama_bench_json("| model | size |")           # the markdown output by mistake
+    data = json.loads(LLAMA_BENCH_OUTPUT)
+    del data[1]["samples_ns"]
+    with pytest.raises(peer.PeerError, match="test 1 lacks field.*samples_ns"):
+        peer.parse_llama_bench_json(json.dumps(data))
+    data = json.loads(LLAMA_BENCH_OUTPUT)
+    data[0]["samples_ns"] = []
+    with pytest.raises(peer.PeerError, match="test 0 has no positive integer samples_ns"):
+        peer.parse_llama_bench_json(json.dumps(data))
+
+
+def test_llama_bench_fields_we_read_exist_in_its_source():
+    """The fields we require are ones llama-bench's json_printer writes (read from its source
+    where the vendored llama.cpp is present)."""
+    src = Path("/opt/llama-src/vendor/llama.cpp/tools/llama-bench/llama-bench.cpp")
+    if not src.is_file():
+        pytest.skip(f"{src} not present")
+    text = src.read_text()
+    fields_block = text[text.index("get_fields()"):text.index("enum field_type")]
+    for f in peer.REQUIRED_FIELDS:
+        assert f'"{f}"' in fields_block or f'\\"{f}\\"' in text, f
+    record = json.loads(LLAMA_BENCH_OUTPUT)[0]
+    listed = [f for f in record if f not in ("samples_ns", "samples_ts")]
+    import re
+    source_fields = re.findall(r'"([a-z_0-9]+)"', fields_block)
+    assert listed == source_fields          # the sample has exactly llama-bench's fields, in its order
+
+
+def test_bench_command_is_the_documented_one(tmp_path):
+    cmd = peer.bench_command(Path("/b/llama-bench"), Path("/m.gguf"), n_prompt=[1, 2, 3], depths=[1024], reps=6,
+                             n_ubatch=512)
+    s = " ".join(cmd)
+    assert "-o json" in s and "-fa 1" in s and "-p 1,2,3" in s and "-n 0" in s and "-d 1024" in s
+    assert "-r 6" in s and "-ngl 999" in s and "-ub 512" in s
+
+
+def test_slim_sdist_keeps_what_the_build_needs(tmp_path):
+    full = Path("/tmp/sd") / peer.SDIST_NAME
+    if not full.is_file():
+        pytest.skip("the full sdist is not in /tmp/sd")
+    slim = peer.pack_slim(full, tmp_path / peer.SLIM_NAME)
+    import tarfile
+    names = {m.name.split("/", 1)[-1] for m in tarfile.open(slim).getmembers()}
+    assert "vendor/llama.cpp/tools/llama-bench/llama-bench.cpp" in names
+    assert "vendor/llama.cpp/ggml/src/ggml-cuda/CMakeLists.txt" in names
+    assert not any(n.startswith("vendor/llama.cpp/models/") for n in names)
+    assert slim.stat().st_size < 12e6
+    info = peer.sdist_version(slim)
+    assert info["llama_cpp_python"] == peer.PINNED_VERSION
+    assert len(info["llama_cpp_commit"]) == 40
+
+
+# --- roofline: the bytes a decoded position reads ----------------------------------------------------
+
+def test_weight_bytes_per_position_on_a_generated_model(tiny_model):
+    from gguf import GGUFReader
+    from openjet_plugin.model_file import open_model
+
+    reader = GGUFReader(str(tiny_model))
+    n_blocks = int(reader.fields["qwen35.block_count"].parts[-1][0])
+    n_nextn = int(reader.fields["qwen35.nextn_predict_layers"].parts[-1][0])
+    mtp = f"blk.{n_blocks - n_nextn}."
+    sizes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    expected = sum(n for name, n in sizes.items() if name != "token_embd.weight" and not name.startswith(mtp))
+    assert any(name.startswith(mtp) for name in sizes) and "output.weight" in sizes
+    with open_model(tiny_model) as mf:
+        w = roofline.weight_bytes_per_position(mf)
+    assert w["weight_bytes"] == expected
+    assert w["weight_bytes"] + w["excluded_bytes"] == sum(sizes.values())
+    assert not w["tied_output"]
+
+
+def test_tied_output_head_counts_the_embedding_table():
+    cfg = SimpleNamespace(n_layer=2, block_count=3)
+    t = lambda n: SimpleNamespace(n_bytes=n)  # noqa: E731
+    mf = SimpleNamespace(config=cfg, tensors={"token_embd.weight": t(1000), "blk.0.ffn_up.weight": t(10),
+                                              "blk.1.ffn_up.weight": t(20), "blk.2.nextn.eh_proj.weight": t(5),
+                                              "output_norm.weight": t(1)})
+    w = roofline.weight_bytes_per_position(mf)
+    assert w["tied_output"] and w["weight_bytes"] == 1031 and w["excluded_bytes"] == 5
+
+
+def test_state_bytes_for_the_27b_shapes():
+    from openjet_plugin.config import PRESETS
+
+    c = PRESETS["q27b"]
+    s = roofline.state_bytes(c, 30720)
+    assert s["kv_bytes_per_token"] == 16 * 2 * 4 * 256 * 2          # 64 KiB per token in f16
+    assert s["recurrent_bytes_read_written"] == 2 * 48 * 48 * 128 * 128 * 4
+    assert roofline.bytes_per_position(10, c, 0) == 10 + s["recurrent_bytes_read_written"]
+
+
+def test_roofline_probe_compiles_to_16_byte_loads(tmp_path):
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+    if nvcc is None:
+        pytest.skip("nvcc not installed")
+    src = tmp_path / "probe.cu"
+    src.write_text(roofline.KERNEL_SOURCE)
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", "-o", str(tmp_path / "p.ptx"), str(src)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ptx = (tmp_path / "p.ptx").read_text()
+    assert "ld.global.nc.v4" in ptx
+
+
+# --- manifest and the no-GPU path ---------------------------------------------------------------------
+
+def test_manifest_without_a_gpu_marks_fields_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setattr(smi, "smi_path", lambda: None)
+    man = manifest.collect(["--quick"])
+    json.dumps(man)
+    assert man["gpu"]["present"] is False
+    assert str(man["gpu"]["name"]).startswith("unavailable")
+    assert str(man["gpu"]["state_start"]["power.limit"]).startswith("unavailable")
+    assert str(man["gpu"]["cuda_driver_version"]).startswith("unavailable")
+    assert len(man["project"]["source_sha256"]) == 64
+    assert man["bench_argv"] == ["--quick"] and man["date"].endswith("Z")
+    man = manifest.finish(man)
+    assert str(man["gpu"]["state_end"]["clocks.sm"]).startswith("unavailable")
+
+
+def test_manifest_with_a_failing_driver(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path / 'bin', fail=True)}{os.pathsep}{os.environ['PATH']}")
+    ok, why = smi.gpu_presence()
+    assert not ok and "couldn't communicate with the NVIDIA driver" in why
+    man = manifest.collect([])
+    assert man["gpu"]["present"] is False
+    assert all(str(v).startswith("unavailable") for k, v in man["gpu"]["state_start"].items() if k != "read_at")
+
+
+def test_manifest_reads_the_gpu_state(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    man = manifest.collect([])
+    assert man["gpu"]["name"] == "Fake H200" and man["gpu"]["cuda_driver_version"] == "13.0"
+    assert man["gpu"]["state_start"]["power.limit"] == "700.00 W"
+    with smi.PeakMemory(interval_ms=10) as pm:
+        import time
+        time.sleep(1.0)              # the fake prints its readings at once, then exits
+    assert pm.peak_gb == pytest.approx((5000 - 1000) * 2 ** 20 / 1e9)
+
+
+def test_model_sha256_is_streamed_and_cached(tmp_path):
+    import hashlib
+    f = tmp_path / "m.bin"
+    f.write_bytes(os.urandom(1 << 20))
+    cache = tmp_path / "sha.json"
+    want = hashlib.sha256(f.read_bytes()).hexdigest()
+    assert manifest.model_sha256(f, cache, chunk=4096) == want
+    key = next(iter(json.loads(cache.read_text())))
+    # a cached value is used as long as path, size and mtime match
+    cache.write_text(json.dumps({key: "cached"}))
+    assert manifest.model_sha256(f, cache) == "cached"
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["no-nvidia-smi", "driver-fails"])
+def test_openjet_bench_without_gpu_exits_nonzero_with_a_clear_message(tmp_path, fail):
+    bin_dir = _fake_smi(tmp_path / "bin", fail=True) if fail else tmp_path / "empty"
+    bin_dir.mkdir(exist_ok=True)
+    env = dict(os.environ, PATH=str(bin_dir), OPENJET_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "openjet_plugin.cli", "bench", "--quick"], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert "no NVIDIA GPU here" in r.stderr
+    assert ("couldn't communicate" in r.stderr) if fail else ("nvidia-smi is not on PATH" in r.stderr)
+    assert r.stdout == ""
+    assert not (tmp_path / "cache").exists()        # nothing generated or built before the check
+
+
+# --- resume: idempotent across runs -------------------------------------------------------------------
+
+def test_store_is_idempotent_and_refuses_another_identity(tmp_path):
+    st = Store(tmp_path / "r", {"gpu": "H200", "model_bytes": 5})
+    assert st.add("decode_tps", "openjet", {"depth": 0}, "tokens/s", [1.0, 2.0], "s1")
+    assert not st.add("decode_tps", "openjet", {"depth": 0}, "tokens/s", [9.0], "s2")
+    with open(st.records_path, "a") as f:
+        f.write('{"metric": "decode_tps", "eng')                   # a run killed mid-write
+    again = Store(tmp_path / "r", {"gpu": "H200", "model_bytes": 5})
+    assert again.has("decode_tps", "openjet", {"depth": 0})
+    assert again.records()[0]["samples"] == [1.0, 2.0]
+    with pytest.raises(ResumeMismatch, match="gpu"):
+        Store(tmp_path / "r", {"gpu": "A100", "model_bytes": 5})
+
+
+def test_bench_resumes_where_it_stopped(tmp_path, monkeypatch, tiny_model):
+    """Two runs on one --resume folder: the first runs out of time in its second group, the second
+    makes only what is missing; the final JSON validates and holds every planned row once."""
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    calls: list[str] = []
+    rng = np.random.default_rng(0)
+
+    def fake(name, fail_first=False):
+        def fn(run):
+            calls.append(name)
+            if fail_first and calls.count(name) == 1:
+                raise TimeoutError("deadline")
+            for metric, engine, params in run.missing(rows_of[name]):
+                run.add(metric, engine, params, rng.normal(100, 1, run.settings.reps))
+        return fn
+
+    rows_of: dict = {}
+    real_groups = runner.groups
+
+    def fake_groups(run):
+        real = real_groups(run)
+        out = []
+        for name, need, rows, _ in real:
+            rows_of[name] = rows
+            out.append((name, 0.0, rows, fake(name, fail_first=(name == "openjet"))))
+        return out
+
+    monkeypatch.setattr(runner, "groups", fake_groups)
+    resume = tmp_path / "resume"
+    args = ["--model", str(tiny_model), "--quick", "--resume", str(resume), "--cache-dir", str(tmp_path / "cache"),
+            "--sdist", str(tmp_path / "missing.tar.gz")]
+    rc1 = runner.main(args + ["--json", str(tmp_path / "1.json")])
+    assert rc1 == runner.EXIT_INCOMPLETE_TIME
+    first = json.loads((tmp_path / "1.json").read_text())
+    assert any(m["reason"] == runner.OUT_OF_TIME for m in first["manifest"]["not_measured"])
+    n_calls = len(calls)
+    rc2 = runner.main(args + ["--json", str(tmp_path / "2.json")])
+    assert rc2 == 0
+    assert calls[n_calls:] == ["openjet"]                      # only the unfinished group ran again
+    final = json.loads((tmp_path / "2.json").read_text())
+    report.validate_report(final)
+    planned, pending = runner.plan(runner.Settings.quick_run())
+    got = {report.row_key(r["metric"], r["engine"], r["params"]) for r in final["results"]}
+    assert {report.row_key(*p) for p in planned} <= got
+    assert final["manifest"]["not_measured"] == []
+    assert len(final["manifest"]["pending"]) == len(pending)
+    assert final["manifest"]["model"]["sha256"] == manifest.model_sha256(tiny_model)
+    # a third run changes nothing
+    before = (resume / "records.jsonl").read_text()
+    assert runner.main(args + ["--json", str(tmp_path / "3.json")]) == 0
+    assert (resume / "records.jsonl").read_text() == before and calls[n_calls + 1:] == []
+
+
+# --- our engine's timing loops (with a stand-in backend) ---------------------------------------------
+
+class _FakeBackend:
+    n_vocab = 1000
+
+    def __init__(self):
+        self.n_past = 0
+        self.calls: list[int] = []
+
+    def eval_argmax(self, tokens):
+        self.calls.append(len(tokens))
+        self.n_past += len(tokens)
+        return (tokens[-1] * 7 + 1) % self.n_vocab
+
+    def reset(self):
+        self.n_past = 0
+
+
+def test_decode_and_verify_loops_time_what_they_say():
+    from openjet_plugin.bench import ours
+
+    be = _FakeBackend()
+    samples = ours.decode_samples(be, n_tokens=16, reps=5, first=3)
+    assert len(samples) == 5 and all(s > 0 and math.isfinite(s) for s in samples)
+    assert be.calls == [1] * (ours.WARMUP_STEPS + 5 * 16)     # one position per decode step
+    be = _FakeBackend()
+    ms = ours.verify_samples(be, positions=4, reps=6, rng=np.random.default_rng(0))
+    assert len(ms) == 6 and be.calls == [4] * 8                # two warm-up passes, then the timed ones
+    be = _FakeBackend()
+    f = ours.Filler(be, np.random.default_rng(0))
+    f.fill_to(1000)
+    assert be.n_past == 1000 and f.tokens == 1000
+
+
+def test_our_engine_child_reports_why_it_measured_nothing(tmp_path, monkeypatch, tiny_model):
+    """The child-process protocol end to end on a machine where the native engine cannot run:
+    every planned row of ours comes back marked with the backend's own reason, none is invented."""
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    from openjet_plugin.backends.native import native_status
+    from openjet_plugin.model_file import open_model
+
+    with open_model(tiny_model) as mf:
+        ok, why = native_status(mf, 4096)
+    if ok:
+        pytest.skip("the native engine runs here; this test is about the machine without a GPU")
+    s = runner.Settings.quick_run(depths=(0, 256), verify_positions=(1, 2), verify_depth=64)
+    st = Store(tmp_path / "r", {"x": 1})
+    run = runner.Run(settings=s, store=st, model=tiny_model, cache=tmp_path, deadline=None, session="t",
+                     arch="90")
+    runner.group_ours(run)
+    assert st.records() == []
+    rows = [("verify_ms", "openjet", {"positions": p, "depth": 64}) for p in (1, 2)] + \
+           [("decode_tps", "openjet", {"depth": d}) for d in (0, 256)] + [("peak_mem_gb", "openjet", {"max_depth": 256})]
+    for r in rows:
+        assert run.not_measured[report.row_key(*r)].startswith("native backend unavailable"), r
