@@ -1,11 +1,9 @@
 // matvec.cu: quantised matrix x (1..8 activation vectors), and embedding rows.
 //
 // y[n][m] = sum_k W[m][k] * x[n][k] for every vector n < N: one warp owns one row m and walks it
-// in super-blocks of 256 values; each lane dequantises its share of a super-block into registers
-// once and multiplies it with all N vectors, so every weight byte is read once per call whatever
-// N is (the layout of a verification pass). Q4_K and Q6_K (most of a Q4_K_M file's bytes) give
-// each lane 16 bytes per load and a warp 4 super-blocks per step; the other types 8 values per
-// lane and one super-block per warp step. Accumulation is fp32; the numpy twin is
+// in super-blocks of 256 values; each lane dequantises its 8 values of a super-block into
+// registers once and multiplies them with all N vectors, so every weight byte is read once per
+// call whatever N is (the layout of a verification pass). Accumulation is fp32; the numpy twin is
 // `W.astype(float64) @ x` with W dequantised by gguf.quants (openjet_plugin.testing.reference).
 #include <cuda_bf16.h>
 
@@ -43,32 +41,25 @@ __device__ __forceinline__ void fma_run2(float (&acc)[N], const float *x, int64_
     }
 }
 
-// Q4_K, 16 quant bytes per lane: the 8 lanes 8g..8g+7 share super-block u (the caller steps
-// u by 4 per warp step, so a warp reads 4 blocks = 576 contiguous bytes at once). Lane s = l%8
-// takes chunk j = s/2 of the 128 quant bytes, 16 bytes at (s%2)*16: low nibbles are values
-// 64j + .., high nibbles 64j + 32 + .. (ggml's dequantize_row_q4_K order).
+// One lane's 8 values of super-block u of row m. Lane l of a Q4_K block: chunk j = l/8 of the
+// 128 quant bytes, 4 bytes at (l%8)*4; low nibbles are values 64j + .., high nibbles 64j + 32 + ..
 template <int N>
 __device__ __forceinline__ void unit_q4_K(const Matrix &w, int64_t m, int64_t u, int lane,
                                           const float *x, float (&acc)[N]) {
     const int64_t nb = w.K / QK_K;
     const uint8_t *b = w.data + (m * nb + u) * 144;
-    const int s = lane & 7, j = s >> 1, off = (s & 1) * 16;
-    const uint4 q4 = *reinterpret_cast<const uint4 *>(b + 16 + 32 * j + off);
     const float d = half_at(b), dmin = half_at(b + 2);
+    const int j = lane >> 3, off = (lane & 7) * 4;
+    const uint32_t q = *reinterpret_cast<const uint32_t *>(b + 16 + 32 * j + off);
     int s1, m1, s2, m2;
     scale_min_k4(2 * j, b + 4, s1, m1);
     scale_min_k4(2 * j + 1, b + 4, s2, m2);
     const float d1 = d * s1, c1 = dmin * m1, d2 = d * s2, c2 = dmin * m2;
     const int64_t col = u * QK_K + 64 * j + off;
-    const uint32_t words[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const uint32_t q = words[i];
-        fma_run4<N>(acc, x, w.K, col + 4 * i, d1 * (q & 15) - c1, d1 * ((q >> 8) & 15) - c1,
-                    d1 * ((q >> 16) & 15) - c1, d1 * ((q >> 24) & 15) - c1);
-        fma_run4<N>(acc, x, w.K, col + 32 + 4 * i, d2 * ((q >> 4) & 15) - c2, d2 * ((q >> 12) & 15) - c2,
-                    d2 * ((q >> 20) & 15) - c2, d2 * ((q >> 28) & 15) - c2);
-    }
+    fma_run4<N>(acc, x, w.K, col, d1 * (q & 15) - c1, d1 * ((q >> 8) & 15) - c1,
+                d1 * ((q >> 16) & 15) - c1, d1 * ((q >> 24) & 15) - c1);
+    fma_run4<N>(acc, x, w.K, col + 32, d2 * ((q >> 4) & 15) - c2, d2 * ((q >> 12) & 15) - c2,
+                d2 * ((q >> 20) & 15) - c2, d2 * ((q >> 28) & 15) - c2);
 }
 
 // Q5_K: as Q4_K plus a fifth bit: bit 2j (low nibble) / 2j+1 (high) of qh[value % 32].
@@ -98,39 +89,37 @@ __device__ __forceinline__ void unit_q5_K(const Matrix &w, int64_t m, int64_t u,
     fma_run4<N>(acc, x, w.K, col + 32, hi[0], hi[1], hi[2], hi[3]);
 }
 
-// Q6_K planar, 8 lanes per super-block u (4 blocks per warp step, as Q4_K). Lane s = l%8: half
-// n = s/4 of the block, value positions l0..l0+7 with l0 = (s%4)*8 in each of the four 32-value
-// quarters q of that half (ggml's dequantize_row_q6_K: y[l + 32q] from ql[l + 32(q&1)], nibble
-// q>>1, and bits 2q..2q+1 of qh[l], scale sc[l/16 + 2q]).
+// Q6_K planar. Lane l: half n = l/16 of the block, value pair l0 = (l%16)*2, l0+1 of each of the
+// four 32-value quarters m (ggml's dequantize_row_q6_K order: y[l + 32m] of each 128-half).
 template <int N>
 __device__ __forceinline__ void unit_q6_K(const Matrix &w, int64_t m, int64_t u, int lane,
                                           const float *x, float (&acc)[N]) {
     const Q6Planes p = q6_K_planes(w.M, w.K);
     const int64_t blk = m * (w.K / QK_K) + u;
-    const int s = lane & 7, n = s >> 2, l0 = (s & 3) * 8, is = l0 >> 4;
-    const uint2 a = *reinterpret_cast<const uint2 *>(w.data + p.ql + blk * 128 + 64 * n + l0);
-    const uint2 b = *reinterpret_cast<const uint2 *>(w.data + p.ql + blk * 128 + 64 * n + 32 + l0);
-    const uint2 h = *reinterpret_cast<const uint2 *>(w.data + p.qh + blk * 64 + 32 * n + l0);
-    const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16) + 8 * n + is;
+    const uint8_t *ql = w.data + p.ql + blk * 128;
+    const uint8_t *qh = w.data + p.qh + blk * 64;
+    const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16);
     const float d = half_at(w.data + p.d + blk * 2);
-    const float ds[4] = {d * sc[0], d * sc[2], d * sc[4], d * sc[6]};
+    const int n = lane >> 4, l0 = (lane & 15) * 2, is = l0 >> 4;
+    const uint32_t a = *reinterpret_cast<const uint16_t *>(ql + 64 * n + l0);
+    const uint32_t b = *reinterpret_cast<const uint16_t *>(ql + 64 * n + 32 + l0);
+    const uint32_t h = *reinterpret_cast<const uint16_t *>(qh + 32 * n + l0);
+    float v[4][2];
+#pragma unroll
+    for (int dl = 0; dl < 2; ++dl) {
+        const int qa = (a >> (8 * dl)) & 0xFF, qb = (b >> (8 * dl)) & 0xFF, hh = (h >> (8 * dl)) & 0xFF;
+        const int q0 = ((qa & 15) | ((hh & 3) << 4)) - 32;
+        const int q1 = ((qb & 15) | (((hh >> 2) & 3) << 4)) - 32;
+        const int q2 = ((qa >> 4) | (((hh >> 4) & 3) << 4)) - 32;
+        const int q3 = ((qb >> 4) | (((hh >> 6) & 3) << 4)) - 32;
+        v[0][dl] = d * sc[8 * n + is + 0] * q0;
+        v[1][dl] = d * sc[8 * n + is + 2] * q1;
+        v[2][dl] = d * sc[8 * n + is + 4] * q2;
+        v[3][dl] = d * sc[8 * n + is + 6] * q3;
+    }
     const int64_t col = u * QK_K + 128 * n + l0;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {   // values l0 + 4*half .. +3
-        const uint32_t qa = half ? a.y : a.x, qb = half ? b.y : b.x, hh = half ? h.y : h.x;
-        float v[4][4];
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-            const int ba = (qa >> (8 * t)) & 0xFF, bb = (qb >> (8 * t)) & 0xFF, bh = (hh >> (8 * t)) & 0xFF;
-            v[0][t] = ds[0] * (((ba & 15) | ((bh & 3) << 4)) - 32);
-            v[1][t] = ds[1] * (((bb & 15) | (((bh >> 2) & 3) << 4)) - 32);
-            v[2][t] = ds[2] * (((ba >> 4) | (((bh >> 4) & 3) << 4)) - 32);
-            v[3][t] = ds[3] * (((bb >> 4) | (((bh >> 6) & 3) << 4)) - 32);
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-            fma_run4<N>(acc, x, w.K, col + 32 * q + 4 * half, v[q][0], v[q][1], v[q][2], v[q][3]);
-    }
+    for (int q = 0; q < 4; ++q) fma_run2<N>(acc, x, w.K, col + 32 * q, v[q][0], v[q][1]);
 }
 
 // Q8_0 planar: lane l takes the 8 consecutive values at 8l of the super-block.
@@ -191,21 +180,12 @@ matvec_kernel(const Matrix w, const float *__restrict__ x, float *__restrict__ y
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.0f;
     const int64_t n_units = (w.K + QK_K - 1) / QK_K;
-    if constexpr (TYPE == TYPE_Q4_K || TYPE == TYPE_Q6_K) {
-        // 8 lanes per super-block, 4 super-blocks per warp step: 16 bytes per lane per load
-#pragma unroll 2
-        for (int64_t u = lane >> 3; u < n_units; u += 4) {
-            if constexpr (TYPE == TYPE_Q4_K) unit_q4_K<N>(w, m, u, lane, x, acc);
-            else unit_q6_K<N>(w, m, u, lane, x, acc);
-        }
-    } else {
-        // the whole warp on one super-block per step, 4 steps' loads in flight
-#pragma unroll 4
-        for (int64_t u = 0; u < n_units; ++u) {
-            if constexpr (TYPE == TYPE_Q5_K) unit_q5_K<N>(w, m, u, lane, x, acc);
-            else if constexpr (TYPE == TYPE_Q8_0) unit_q8_0<N>(w, m, u, lane, x, acc);
-            else unit_float<TYPE, N>(w, m, u, lane, x, acc);
-        }
+    for (int64_t u = 0; u < n_units; ++u) {
+        if constexpr (TYPE == TYPE_Q4_K) unit_q4_K<N>(w, m, u, lane, x, acc);
+        else if constexpr (TYPE == TYPE_Q5_K) unit_q5_K<N>(w, m, u, lane, x, acc);
+        else if constexpr (TYPE == TYPE_Q6_K) unit_q6_K<N>(w, m, u, lane, x, acc);
+        else if constexpr (TYPE == TYPE_Q8_0) unit_q8_0<N>(w, m, u, lane, x, acc);
+        else unit_float<TYPE, N>(w, m, u, lane, x, acc);
     }
 #pragma unroll
     for (int n = 0; n < N; ++n) {

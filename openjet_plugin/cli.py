@@ -238,12 +238,14 @@ def cmd_chat(args) -> int:
 
 
 def cmd_info(args) -> int:
+    """Prints the description; exits 1 when the verdict is "not usable", so scripts can check."""
     from .model_file import describe
 
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"model file not found: {args.model}")
-    print(describe(args.model))
-    return 0
+    text = describe(args.model)
+    print(text)
+    return 0 if "verdict: OK" in text else 1
 
 
 def cmd_doctor(args) -> int:

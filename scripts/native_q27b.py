@@ -128,6 +128,15 @@ def main(argv=None) -> int:
             ts.append((time.perf_counter() - t0) * 1e3)
         pass_ms[n] = round(statistics.median(ts[1:]), 2)
     res["pass_ms_at_depth_1k"] = pass_ms
+    # MTP draft steps: the first from a main hidden state, then chained on the block's own output
+    h0 = be.hidden(0)
+    tok = be.mtp_eval([1], pos0=0, h=h0[None])[0]
+    ts = []
+    for i in range(1, 9):
+        t0 = time.perf_counter()
+        tok = be.mtp_eval([tok], pos0=i, h="draft")[0]
+        ts.append((time.perf_counter() - t0) * 1e3)
+    res["draft_step_ms"] = round(statistics.median(ts[1:]), 2)
     read = sum(t.n_bytes for t in mf.tensors.values()
                if t.name != "token_embd.weight" and not t.name.startswith(f"blk.{c.n_layer}."))
     res["weight_bytes_read_per_pass"] = read

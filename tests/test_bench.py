@@ -46,11 +46,14 @@ def _fake_smi(folder: Path, *, fail: bool = False) -> Path:
             q = [a for a in args if a.startswith("--query-gpu=")]
             if q:
                 fields = q[0].split("=", 1)[1].split(",")
-                for i in range(3 if "-lms" in args else 1):
-                    if "nounits" in " ".join(args):
-                        print(", ".join(str(1000 + 2000 * i) for f in fields), flush=True)
-                    else:
-                        print(", ".join(vals.get(f, "[N/A]") for f in fields), flush=True)
+                if "nounits" in " ".join(args):        # memory.used: 1000 MiB first, 5000 after
+                    import pathlib
+                    counter = pathlib.Path(__file__).with_name("calls")
+                    i = int(counter.read_text()) if counter.exists() else 0
+                    counter.write_text(str(i + 1))
+                    print(", ".join("1000" if i == 0 else "5000" for f in fields))
+                else:
+                    print(", ".join(vals.get(f, "[N/A]") for f in fields))
                 sys.exit(0)
             print("| NVIDIA-SMI 580.1   Driver Version: 580.1   CUDA Version: 13.0 |")
         """
@@ -276,6 +279,7 @@ def test_bench_command_is_the_documented_one(tmp_path):
     assert "-r 6" in s and "-ngl 999" in s and "-ub 512" in s
 
 
+@pytest.mark.slow
 def test_slim_sdist_keeps_what_the_build_needs(tmp_path):
     full = Path("/tmp/sd") / peer.SDIST_NAME
     if not full.is_file():
@@ -447,7 +451,8 @@ def test_bench_resumes_where_it_stopped(tmp_path, monkeypatch, tiny_model):
         out = []
         for name, need, rows, _ in real:
             rows_of[name] = rows
-            out.append((name, 0.0, rows, fake(name, fail_first=(name == "openjet"))))
+            # renamed: a "llama.cpp ..." group would first wait for a real llama-bench build
+            out.append((f"fake {name}", 0.0, rows, fake(name, fail_first=(name == "openjet"))))
         return out
 
     monkeypatch.setattr(runner, "groups", fake_groups)
@@ -531,3 +536,101 @@ def test_our_engine_child_reports_why_it_measured_nothing(tmp_path, monkeypatch,
            [("decode_tps", "openjet", {"depth": d}) for d in (0, 256)] + [("peak_mem_gb", "openjet", {"max_depth": 256})]
     for r in rows:
         assert run.not_measured[report.row_key(*r)].startswith("native backend unavailable"), r
+
+
+def test_our_engine_child_measures_every_planned_row(tmp_path, monkeypatch, tiny_model):
+    """ours.run's plan with a stand-in backend: every verify/decode row gets `reps` samples at the
+    right parameters, and the state is at (or just past) each depth when its decode starts."""
+    from openjet_plugin.backends import native
+    from openjet_plugin.bench import ours
+
+    starts: list[int] = []
+
+    class Backend(_FakeBackend):
+        def __init__(self, mf, n_ctx, draft_depth, kv_type, seed):
+            super().__init__()
+            self.n_ctx = n_ctx
+            self.n_vocab = mf.config.n_vocab
+
+        def memory(self):
+            return {"total": 123}
+
+        def close(self):
+            pass
+
+    real_decode = ours.decode_samples
+
+    def spy(be, n_tokens, reps, first):
+        starts.append(be.n_past)
+        return real_decode(be, n_tokens, reps, first)
+
+    monkeypatch.setattr(native, "native_status", lambda mf, n_ctx: (True, "stand-in"))
+    monkeypatch.setattr(native, "NativeBackend", Backend)
+    monkeypatch.setattr(ours, "decode_samples", spy)
+    out = tmp_path / "o.jsonl"
+    rc = ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "1,3", "--verify-depth", "100",
+                    "--decode-depths", "0,300", "--decode-tokens", "4", "--reps", "6"])
+    assert rc == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    res = {(x["metric"], json.dumps(x["params"], sort_keys=True)): x for x in lines if "metric" in x}
+    assert set(res) == {("verify_ms", '{"depth": 100, "positions": 1}'), ("verify_ms", '{"depth": 100, "positions": 3}'),
+                        ("decode_tps", '{"depth": 0}'), ("decode_tps", '{"depth": 300}')}
+    assert all(len(x["samples"]) == 6 and x["engine"] == "openjet" for x in res.values())
+    assert starts == [0, 300]
+    assert any("info" in x and x["info"].get("openjet_memory_bytes") == {"total": 123} for x in lines)
+
+
+@pytest.fixture(scope="module")
+def fake_peer_build(tmp_path_factory):
+    """peer.build on a stand-in source tree whose `llama-bench` prints the captured-format JSON
+    (the CMake project is three lines of C; the real build needs CUDA and minutes)."""
+    if shutil.which("cmake") is None or shutil.which("cc") is None:
+        pytest.skip("cmake or a C compiler is missing")
+    root = tmp_path_factory.mktemp("fake_peer")
+    src = root / "sdist"
+    (src / "vendor" / "llama.cpp").mkdir(parents=True)
+    (root / "out.json").write_text(LLAMA_BENCH_OUTPUT)
+    (src / "vendor" / "llama.cpp" / "main.c").write_text(
+        '#include <unistd.h>\nint main(void) { execlp("cat", "cat", "%s", (char *)0); return 9; }\n'
+        % (root / "out.json"))
+    (src / "vendor" / "llama.cpp" / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.14)\nproject(fake C)\n"
+        "set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)\nadd_executable(llama-bench main.c)\n")
+    cache = root / "cache"
+    pb = peer.build_dir(cache, src, "90")
+    binary = peer.build(src, pb, "90", jobs=2)
+    return src, cache, pb, binary
+
+
+def test_peer_build_is_cached_and_waited_for(fake_peer_build):
+    src, cache, pb, binary = fake_peer_build
+    assert binary == pb.binary and pb.ready()
+    log_time = pb.log.stat().st_mtime_ns
+    assert peer.build(src, pb, "90", jobs=2) == binary           # cached: cmake does not run again
+    assert pb.log.stat().st_mtime_ns == log_time
+    assert peer.start_background_build(src, pb, "90", 2) is None
+    assert not peer.build_running(pb)
+    assert peer.wait_for_build(pb, deadline=__import__("time").time() + 5) == binary
+    assert peer.build_dir(cache, src, "89").root != pb.root       # another architecture, another build
+
+
+def test_peer_groups_store_llama_bench_samples(fake_peer_build, tmp_path, monkeypatch, tiny_model):
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    src, cache, pb, binary = fake_peer_build
+    s = runner.Settings(depths=(0, 8192), verify_positions=(3,))
+    st = Store(tmp_path / "r", {"x": 1})
+    run = runner.Run(settings=s, store=st, model=tiny_model, cache=tmp_path, deadline=None, session="t",
+                     arch="90", sdist=src, peer_build=pb)
+    runner.group_peer_verify(run)
+    (tmp_path / "bin" / "calls").unlink()        # the fake's memory readings start again at 1000 MiB
+    runner.group_peer_decode(run)
+    recs = {report.row_key(r["metric"], r["engine"], r["params"]): r for r in st.records()}
+    tests = peer.parse_llama_bench_json(LLAMA_BENCH_OUTPUT)
+    v = recs[report.row_key("verify_ms", "llama.cpp", {"positions": 3, "depth": 1024})]
+    assert v["samples"] == pytest.approx([t / 1e6 for t in tests[1].samples_ns]) and v["unit"] == "ms"
+    d = recs[report.row_key("decode_tps", "llama.cpp", {"depth": 8192})]
+    assert d["samples"] == pytest.approx(tests[0].raw["samples_ts"], rel=1e-5)
+    # the invocation covered the deepest depth, so the peak memory of that process was kept
+    peak = recs[report.row_key("peak_mem_gb", "llama.cpp", {"max_depth": 8192})]
+    assert peak["samples"] == [pytest.approx((5000 - 1000) * 2 ** 20 / 1e9)]
+    assert st.info["llama_bench"]["gpu_info"] == "NVIDIA H200"

@@ -89,6 +89,8 @@ def test_bad_model_paths(tmp_path, capsys):
     assert "junk.gguf" in capsys.readouterr().err
     assert cli.main(["info", str(tmp_path / "missing.gguf")]) == 1
     assert "missing.gguf" in capsys.readouterr().err
+    assert cli.main(["info", str(junk)]) == 1               # described, with a failing verdict
+    assert "NOT USABLE" in capsys.readouterr().out
 
 
 def test_usage_errors_exit_2(capsys):

@@ -104,7 +104,7 @@ def test_build_without_nvcc_succeeds_quietly(monkeypatch, tmp_path, capsys):
     assert not (tmp_path / build_native.LIB_NAME).exists()
 
 
-@pytest.mark.slow
+# Not marked slow on purpose (~1 minute on 2 cores): CI must compile the CUDA sources on every run.
 @pytest.mark.skipif(build_native.find_nvcc() is None, reason="nvcc not installed")
 def test_compiles_for_sm90_and_fails_cleanly_without_gpu(tmp_path, monkeypatch):
     lib = build_native.build(tmp_path, ["90"], verbose=False)

@@ -95,7 +95,7 @@ def test_every_tensor_present_with_its_shape(tiny_f32):
     assert f"blk.{TINY.n_layer}.nextn.embed_tokens.weight" not in got
     for s in specs:
         assert got[s.name] == (s.ne, "F32"), s.name
-    assert got[f"blk.0.ssm_conv1d.weight"][0] == (TINY.ssm_conv_kernel, TINY.ssm_conv_dim)
+    assert got["blk.0.ssm_conv1d.weight"][0] == (TINY.ssm_conv_kernel, TINY.ssm_conv_dim)
 
 
 def test_weights_follow_the_converters_conventions(tiny_f32):
@@ -168,6 +168,7 @@ def test_logits_vary_strongly_with_the_input(tiny_llm):
     assert 0.5 * np.abs(a - b).sum() > 0.3
 
 
+@pytest.mark.slow
 def test_activations_stay_finite_through_64_layers(synth_path):
     """q27b-narrow has the 27B's depth: logits stay O(1..10) and input-dependent after 65 blocks."""
     llm = llama_cpp.Llama(str(synth_path("q27b-narrow", "Q8_0")), n_ctx=256, logits_all=True,

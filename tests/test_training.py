@@ -229,11 +229,11 @@ def test_training_reduces_loss_and_resumes(tmp_path, small_corpus):
 def test_weight_shards_roundtrip(tmp_path, monkeypatch):
     import training.train as tr
 
-    monkeypatch.setattr(tr, "SHARD_BYTES", 200_000)
+    monkeypatch.setattr(tr, "SHARD_BYTES", 600_000)     # above the largest tensor (tok_embd, 512 KiB)
     m = randomize(Qwen35(MICRO))
     names = save_weights(m, tmp_path)
     assert len(names) > 1
-    assert all((tmp_path / n).stat().st_size <= 200_000 + 50_000 for n in names)
+    assert all((tmp_path / n).stat().st_size <= 600_000 + 50_000 for n in names)
     m2 = Qwen35(MICRO)
     load_weights(weight_files(tmp_path), m2)
     for (n, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):

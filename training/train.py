@@ -306,8 +306,8 @@ def main(argv=None) -> dict:
         ck = torch.load(args.resume, map_location="cpu", weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
-        data_gen.set_state(ck["data_gen"].to(data_gen.get_state().device) if not cuda else ck["data_gen"])
-        step, total_steps = ck["step"], ck["total_steps"]
+        data_gen.set_state(ck["data_gen"])         # generator states are CPU byte tensors on every device
+        step, total_steps = ck["step"], args.steps or ck["total_steps"]
         history, evals, tokens_seen = ck["history"], ck["evals"], ck["tokens_seen"]
         train_seconds = ck["train_seconds"]
 

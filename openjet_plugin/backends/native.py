@@ -8,7 +8,6 @@ Logits stay on the device unless asked for: `eval_argmax` copies one int back pe
 
 from __future__ import annotations
 
-import logging
 from typing import Iterable
 
 import numpy as np
@@ -18,7 +17,6 @@ from .. import _native
 from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
 from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
 
-log = logging.getLogger("openjet_plugin")
 
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
 MIN_COMPUTE_CAPABILITY = (8, 6)

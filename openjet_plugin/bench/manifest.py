@@ -133,6 +133,7 @@ def collect(argv: list[str], *, gpu_index: int = 0) -> dict:
     return {
         "date": utc_now(),
         "command": shlex.join(sys.argv),
+        "executable": sys.executable,
         "bench_argv": list(argv),
         "project": project_info(),
         "gpu": {

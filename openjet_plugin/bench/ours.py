@@ -146,7 +146,7 @@ def run(args, out: Emitter) -> int:
         params = {"positions": p, "depth": args.verify_depth}
         est = fill.estimate(args.verify_depth)
         if est is not None and est + 5 > time_left():
-            out.skip("verify_ms", params, f"out of time (refill to {args.verify_depth} ~{est:.0f} s)")
+            out.skip("verify_ms", params, f"out of time: refilling to depth {args.verify_depth} takes ~{est:.0f} s")
             continue
         be.reset()
         fill.fill_to(args.verify_depth)
@@ -159,7 +159,7 @@ def run(args, out: Emitter) -> int:
         est = fill.estimate(todo) or 0.0
         if est + 30 > time_left():
             rate = fill.rate
-            skip_all(f"not enough time left to fill the state to depth {d} "
+            skip_all(f"out of time: filling the state to depth {d} would take "
                      f"(~{est:.0f} s at {rate or 0:.0f} tokens/s with {MAX_POSITIONS} positions per call; "
                      f"batched prefill is issue 9)", [("decode_tps", {"depth": x}) for x in depths[i:]])
             break

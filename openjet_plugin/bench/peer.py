@@ -225,7 +225,7 @@ def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
 
 def start_background_build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> subprocess.Popen | None:
     """Start `build` in a child process (lowered priority) unless the binary is already there."""
-    if pb.ready():
+    if pb.ready() or build_running(pb):
         return None
     pb.root.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "openjet_plugin.bench.peer", "build", "--sdist", str(sdist),
@@ -233,6 +233,19 @@ def start_background_build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) ->
     out = open(pb.root / "build-driver.log", "w")
     return subprocess.Popen(["nice", "-n", "10", *cmd] if shutil.which("nice") else cmd,
                             stdout=out, stderr=subprocess.STDOUT)
+
+
+def build_running(pb: PeerBuild) -> bool:
+    """True while another process holds the build lock (e.g. scripts/gpu_bench.sh's build)."""
+    if not pb.lock.is_file():
+        return False
+    with open(pb.lock, "a+b") as lock:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        return False
 
 
 def wait_for_build(pb: PeerBuild, deadline: float, proc: subprocess.Popen | None = None) -> Path:
@@ -243,16 +256,10 @@ def wait_for_build(pb: PeerBuild, deadline: float, proc: subprocess.Popen | None
         if proc is not None and proc.poll() is not None and not pb.ready():
             tail = pb.log.read_text(errors="replace")[-1500:] if pb.log.is_file() else ""
             raise PeerError(f"the llama.cpp build failed (exit {proc.returncode}); {pb.log}:\n{tail}")
-        if proc is None:
-            with open(pb.lock, "a+b") as lock:
-                try:
-                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    pass          # someone is building
-                else:
-                    fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
-                    if not pb.ready():
-                        raise PeerError(f"llama-bench is not built at {pb.root} and no build is running")
+        if proc is None and not build_running(pb) and not pb.ready():
+            tail = pb.log.read_text(errors="replace")[-1500:] if pb.log.is_file() else ""
+            raise PeerError(f"llama-bench is not built at {pb.root} and no build is running "
+                            f"(see {pb.log}):\n{tail}")
         time.sleep(1.0)
     raise TimeoutError(f"the llama.cpp build at {pb.root} was not done before the deadline")
 
@@ -324,11 +331,11 @@ def bench_command(binary: Path, model: Path, *, n_prompt: list[int] | None = Non
     return cmd
 
 
-def run_llama_bench(cmd: list[str], timeout: float, log_path: Path | None = None) -> list[PeerTest]:
+def run_llama_bench(cmd: list[str], timeout: float | None, log_path: Path | None = None) -> list[PeerTest]:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        raise TimeoutError(f"llama-bench ran past {timeout:.0f} s: {' '.join(cmd)}") from None
+        raise TimeoutError(f"llama-bench ran past the deadline ({timeout:.0f} s): {' '.join(cmd)}") from None
     if log_path is not None:
         with open(log_path, "a") as f:
             f.write(f"$ {' '.join(cmd)}\n--- stderr ---\n{r.stderr[-20000:]}\n--- stdout ---\n{r.stdout}\n")

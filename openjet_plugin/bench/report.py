@@ -165,11 +165,13 @@ def markdown(report: dict) -> str:
     gpu = man.get("gpu", {})
     model = man.get("model", {})
     llama = man.get("llama_cpp", {})
+    sms = gpu.get("sm_count")
+    sms = sms if isinstance(sms, int) else "?"
     lines = [f"# openjet bench — {gpu.get('name', '?')}, {man.get('date', '?')}", "",
              f"model `{model.get('path', '?')}` (sha256 {str(model.get('sha256', '?'))[:16]}…), "
              f"openjet commit {str(man.get('project', {}).get('commit', '?'))[:12]}, llama.cpp "
              f"{str(llama.get('llama_cpp_commit', '?'))[:12]} (llama-cpp-python "
-             f"{llama.get('llama_cpp_python', '?')}), {gpu.get('sm_count', '?')} SMs, driver "
+             f"{llama.get('llama_cpp_python', '?')}), {sms} SMs, driver "
              f"{gpu.get('driver', '?')}, CUDA {gpu.get('cuda_driver_version', '?')}", "",
              "Cells: median [lo, hi] (lo/hi: 95% interval for the median, bench/README.md). "
              "Ratios are of medians, openjet/llama.cpp: above 1 is better for tokens/s and GB/s, "

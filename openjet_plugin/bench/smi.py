@@ -95,12 +95,13 @@ def memory_used_mib(index: int = 0) -> float | None:
 
 
 class PeakMemory:
-    """Device memory in use, sampled every `interval_ms` by `nvidia-smi -lms` while the block runs.
+    """Device memory in use, read every `interval_ms` while the block runs.
 
     `peak_gb` is the largest reading minus the reading before the block (so it is what the
     process started inside the block added: its CUDA context, weights, caches and buffers), in
     GB of 1e9 bytes. Only one measured process runs on the GPU at a time, so the difference is
-    that process's.
+    that process's. Each reading is one `nvidia-smi --query-gpu=memory.used` call (tens of ms),
+    not its `-lms` loop, whose output may sit in a pipe buffer.
     """
 
     def __init__(self, index: int = 0, interval_ms: int = 100):
@@ -109,40 +110,29 @@ class PeakMemory:
         self.baseline_mib: float | None = None
         self.max_mib: float | None = None
         self.readings = 0
-        self._proc: subprocess.Popen | None = None
+        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _poll(self) -> None:
+        while True:
+            v = memory_used_mib(self.index)
+            if v is not None:
+                self.readings += 1
+                self.max_mib = v if self.max_mib is None else max(self.max_mib, v)
+            if self._stop.wait(self.interval_ms / 1000.0):
+                return
 
     def __enter__(self) -> "PeakMemory":
         self.baseline_mib = memory_used_mib(self.index)
-        smi = smi_path()
-        if smi is None or self.baseline_mib is None:
-            return self
-        self._proc = subprocess.Popen(
-            [smi, "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", str(self.index),
-             "-lms", str(self.interval_ms)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
+        if self.baseline_mib is not None:
+            self._thread = threading.Thread(target=self._poll, daemon=True)
+            self._thread.start()
         return self
 
-    def _read(self) -> None:
-        assert self._proc is not None and self._proc.stdout is not None
-        for line in self._proc.stdout:
-            try:
-                v = float(line.strip())
-            except ValueError:
-                continue
-            self.readings += 1
-            self.max_mib = v if self.max_mib is None else max(self.max_mib, v)
-
     def __exit__(self, *exc) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-            if self._thread is not None:
-                self._thread.join(timeout=5)
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
 
     @property
     def peak_gb(self) -> float | None:
