@@ -204,10 +204,14 @@ class Reply:
         body = (THINK_OPEN + text) if (thinking and prompt_opens_think) else text
         reasoning, content = split_reasoning(body) if thinking else (None, text)
         self.reasoning: str | None = reasoning
+        calls: list[dict] = []
+        invalid: list[dict] = []
         if tools and TOOL_OPEN in content:
             content, calls, invalid = parse_tool_calls(content)
-        else:
-            calls, invalid = [], []
+        elif tools:
+            # parse_tool_calls strips the text around the calls; strip a call-less reply alike, so
+            # that a stream (which cannot know whether a call is coming) agrees with the whole
+            content = content.strip()
         self.content: str = content
         self.tool_calls: list[dict] = calls
         self.invalid_tool_calls: list[dict] = invalid
@@ -225,7 +229,8 @@ class ReplyStreamer:
     A delta is emitted only once it can no longer change: a tail that could be the start of a
     marker (<think>, </think>, <tool_call>) waits for the next piece; with thinking on, text with no
     opening <think> waits until </think> or the end decides whether it was reasoning; with tools,
-    everything from <tool_call> on waits for the end, where `Reply` parses the calls.
+    everything from <tool_call> on waits for the end, where `Reply` parses the calls, and the
+    content is stripped of surrounding whitespace as the parsed reply is.
     """
 
     _MARKERS = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN)
@@ -248,8 +253,11 @@ class ReplyStreamer:
             reasoning, content = split_reasoning(body)
         else:
             reasoning, content = None, safe
-        if self.tools and TOOL_OPEN in content:
-            content = content[:content.index(TOOL_OPEN)]
+        if self.tools:
+            if TOOL_OPEN in content:
+                content = content[:content.index(TOOL_OPEN)]
+            # the whole reply is stripped around its calls: hold leading and trailing whitespace
+            content = content.strip()
         return self._deltas(reasoning or "", content)
 
     def finish(self, text: str = "") -> tuple[str, str, Reply]:

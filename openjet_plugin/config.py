@@ -167,6 +167,14 @@ PRESETS: dict[str, ModelConfig] = {
         ssm_conv_kernel=4, ssm_d_state=32, ssm_n_group=16, ssm_dt_rank=48,
         n_ctx_train=32768,
     ),
+    # The embedded default model, trained by training/ on the Python standard library (about 22 MB
+    # as Q8_0). Widths are multiples of 128, enough for Q8_0; 384 is not a K-quant width.
+    "default": ModelConfig(
+        n_vocab=4096, n_embd=384, n_layer=8, n_ff=1024, n_head=6, n_head_kv=2, head_dim=64,
+        n_rot=16, rope_sections=(3, 3, 2, 0), rope_freq_base=1e7, rms_eps=1e-6,
+        ssm_conv_kernel=4, ssm_d_state=64, ssm_n_group=4, ssm_dt_rank=8,
+        n_ctx_train=4096,
+    ),
     # The exact Qwen3.8-27B text shapes.
     "q27b": ModelConfig(
         n_vocab=248320, n_embd=5120, n_layer=64, n_ff=17408, n_head=24, n_head_kv=4, head_dim=256,

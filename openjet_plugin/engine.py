@@ -5,9 +5,11 @@ UTF-8-safe streaming, conversation reuse, the lock and the stats. A backend (bac
 only holds the model state, so every backend behaves the same to a caller.
 
 Conversation reuse: `_tokens` is always exactly the token list in the backend's state. A new
-prompt is compared with it; the common prefix is kept (the backend rolls back to it, or, where it
-cannot — recurrent DeltaNet state — everything is reset and re-prefilled) and only the rest is
-evaluated. Either way the model sees the same tokens, so the results are identical.
+prompt is compared with it; the common prefix is kept and only the rest is evaluated. Going back
+inside the state uses the backend's rollback; where that is refused (recurrent DeltaNet state) the
+newest checkpoint before the difference is restored if the backend keeps checkpoints (one is saved
+before the last token of every prompt), else the state is reset and re-prefilled. Either way the
+model sees the same tokens, so the results are identical.
 """
 
 from __future__ import annotations
@@ -306,15 +308,26 @@ class Engine:
             return self._logits, None, common          # the same prompt again: nothing to evaluate
         if common == len(prompt):
             common -= 1                                # at least one token must be evaluated for logits
-        if common < b.n_past:
-            if not b.rollback(common):
-                log.debug("backend %s cannot roll back to %d of %d tokens; re-prefilling",
-                          b.name, common, b.n_past)
+        if common < b.n_past and not b.rollback(common):
+            restore = getattr(b, "restore_checkpoint", None)
+            if restore is not None:
+                common = restore(common)               # newest checkpoint at or before common
+            else:
                 b.reset()
                 common = 0
+            log.debug("backend %s could not roll back; resumed from %d tokens", b.name, common)
         self._tokens = list(prompt[:common])
         self._logits = None
         todo = prompt[common:]
+        save = getattr(b, "save_checkpoint", None)
+        if save is not None:
+            # checkpoint before the last prompt token: asking for the same prompt again, or a
+            # history that changes after it (a regenerated or re-rendered reply), resumes here
+            if len(todo) > 1:
+                b.eval(todo[:-1])
+                self._tokens += todo[:-1]
+                todo = todo[-1:]
+            save()
         if want_logits:
             logits = b.eval(todo)
             self._tokens += todo
@@ -483,6 +496,9 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
         raise ValueError(f"kv_type must be 'f16' or 'q8_0', got {kv_type!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+    if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int)
+                                  or n_threads < 1):
+        raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
 
     path = Path(default_model_path() if model_path is None else model_path).expanduser()
     if not path.exists():

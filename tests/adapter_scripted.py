@@ -13,9 +13,12 @@ from openjet_plugin.engine import Chunk, GenerationResult, GenerationStats
 
 
 class ScriptedEngine:
-    def __init__(self, real_engine, reply: str, *, piece: int = 3, finish_reason: str = "stop"):
+    """`reply`: the text every call returns, or a list of texts returned by successive calls."""
+
+    def __init__(self, real_engine, reply: str | list[str], *, piece: int = 3, finish_reason: str = "stop"):
         self._real = real_engine
-        self.reply = reply
+        self._replies = list(reply) if isinstance(reply, list) else None
+        self.reply = self._replies[0] if self._replies else reply
         self.piece = piece
         self.finish_reason = finish_reason
         self.prompts: list[str] = []
@@ -38,6 +41,8 @@ class ScriptedEngine:
         return self._real.tokenize(self.reply, add_special=False, parse_special=True)
 
     def generate(self, prompt, *, stream=False, **params):
+        if self._replies:
+            self.reply = self._replies.pop(0)
         self.prompts.append(prompt)
         self.calls.append(params)
         stats = self._stats(prompt)

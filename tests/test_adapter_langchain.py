@@ -233,6 +233,18 @@ def test_with_structured_output_default_path(scripted):
     assert person == Person(name="Ada", age=36)
     raw = ChatOpenJet().with_structured_output(Person, include_raw=True).invoke("?")
     assert raw["parsed"] == Person(name="Ada", age=36) and raw["parsing_error"] is None
+    as_dict = ChatOpenJet().with_structured_output(Person.model_json_schema()).invoke("?")
+    assert as_dict == {"name": "Ada", "age": 36}
+
+
+def test_structured_output_that_does_not_parse_is_reported(scripted):
+    class Person(BaseModel):
+        """A person."""
+        name: str
+
+    scripted("I would rather not.")
+    raw = ChatOpenJet().with_structured_output(Person, include_raw=True).invoke("?")
+    assert raw["parsed"] is None and raw["raw"].content == "I would rather not."
 
 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
@@ -256,3 +268,66 @@ def test_thinking_is_returned_apart(scripted, piece):
 def test_thinking_off_leaves_think_text_in_content(scripted):
     scripted("<think>x</think>y")
     assert ChatOpenJet().invoke("hi").content == "<think>x</think>y"
+
+
+def test_agent_example_runs_tools_end_to_end(scripted):
+    """examples/langchain_agent.py's loop with a model that does call a tool."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "langchain_agent.py"
+    spec = importlib.util.spec_from_file_location("langchain_agent_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+
+    s = scripted(['<tool_call>\n{"name": "calculator", "arguments": {"expression": "(3 + 4) * 12"}}\n</tool_call>',
+                  '<tool_call>\n{"name": "calculator", "arguments": {"expression": \n</tool_call>',
+                  "The answer is 84."])
+    answer = example.run_agent(ChatOpenJet(temperature=0), "What is (3 + 4) * 12?", max_steps=4)
+    assert answer == "The answer is 84."
+    assert len(s.prompts) == 3
+    assert "<tool_response>\n84\n</tool_response>" in s.prompts[1]
+    assert "malformed tool call" in s.prompts[2]
+
+
+def test_template_that_opens_the_think_block(scripted):
+    """Templates that end the prompt with "<think>\\n" (Qwen3.5's own) make the reply start inside
+    the block: "R</think>C"."""
+    s = scripted("plan it\n</think>\n\nanswer", piece=2)
+    real_render = s.render_chat
+    s.render_chat = lambda *a, **k: real_render(*a, **k) + ("<think>\n" if k.get("enable_thinking") else "")
+    chat = ChatOpenJet(enable_thinking=True)
+    msg = chat.invoke("?")
+    assert (msg.additional_kwargs["reasoning_content"], msg.content) == ("plan it", "answer")
+    chunks = list(chat.stream("?"))
+    assert "".join(c.additional_kwargs.get("reasoning_content", "") for c in chunks) == "plan it"
+    assert "".join(c.content for c in chunks) == "answer"
+    assert chunks[0].additional_kwargs.get("reasoning_content")      # streamed from the first piece
+
+
+@pytest.mark.parametrize("thinking,tools", [(True, True), (True, False), (False, True)])
+def test_stream_splitter_agrees_with_the_whole_reply(thinking, tools):
+    """Whatever the piece boundaries, the streamed deltas add up to the parsed whole reply."""
+    import random
+
+    from openjet_plugin.adapters._shared import Reply, ReplyStreamer
+
+    texts = ["<think>\na</think>\n\nb", "<think>x", "plain text", "a</think>b", "\n<think>r</think>c" + CALL,
+             "pre" + CALL + "post", "<think>t</think>" + CALL, "<thi", "</th", "<tool_c", "x<tool_call>{bad",
+             "<think></think>", "", "<<think>>", "<think>a<think>b</think>c"]
+    rng = random.Random(0)
+    for text in texts:
+        for _ in range(20):
+            cuts = sorted(rng.sample(range(len(text) + 1), k=min(len(text) + 1, rng.randint(0, 6))))
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            st = ReplyStreamer(thinking=thinking, tools=tools)
+            r_out = c_out = ""
+            for p in pieces[:-1]:
+                dr, dc = st.feed(p)
+                r_out, c_out = r_out + dr, c_out + dc
+            dr, dc, reply = st.finish(pieces[-1])
+            r_out, c_out = r_out + dr, c_out + dc
+            whole = Reply(text, thinking=thinking, tools=tools)
+            assert (reply.reasoning, reply.content) == (whole.reasoning, whole.content)
+            assert r_out == (whole.reasoning or ""), (text, pieces)
+            assert c_out == whole.content, (text, pieces)

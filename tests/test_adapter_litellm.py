@@ -100,6 +100,26 @@ def test_concurrent_requests_are_serialised_not_mixed(provider):
     assert len([k for k in _shared._engines if k[0] == str(provider.engine("default").model_path)]) == 1
 
 
+def test_concurrent_async_streams_and_completions(provider):
+    kw = dict(model="openjet/default", messages=MESSAGES, temperature=0, max_tokens=10)
+    expected = litellm.completion(**kw).choices[0].message.content
+
+    async def streamed():
+        parts = []
+        async for c in await litellm.acompletion(stream=True, **kw):
+            if c.choices:
+                parts.append(c.choices[0].delta.content or "")
+        return "".join(parts)
+
+    async def whole():
+        return (await litellm.acompletion(**kw)).choices[0].message.content
+
+    async def run():
+        return await asyncio.gather(streamed(), whole(), streamed(), whole(), streamed())
+
+    assert asyncio.run(run()) == [expected] * 5
+
+
 def test_sampling_options_reach_the_engine(monkeypatch, engine):
     s = ScriptedEngine(engine, "ok")
     monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
@@ -199,3 +219,35 @@ def test_thinking_goes_to_reasoning_content(scripted, how):
     reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert (reasoning, content) == ("first 1, then 2", "Three.")
+
+
+# --- `openjet serve` without starting the proxy (test_litellm_proxy.py starts it) -----------------
+
+def test_serve_config_and_refusals(engine, capsys, monkeypatch):
+    import yaml
+
+    from openjet_plugin import serve
+
+    path = str(engine.model_path)
+    assert serve.main(["--print-config", "--model", f"mine={path}"]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["model_list"] == [{"model_name": "mine", "litellm_params": {"model": "openjet/mine"}}]
+    assert config["litellm_settings"]["custom_provider_map"] == [
+        {"provider": "openjet", "custom_handler": "openjet_plugin.adapters.litellm.proxy_handler"}]
+    assert serve.main(["--host", "0.0.0.0"]) == 2
+    assert "loopback" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="no such model file"):
+        serve.main(["--model", "/no/such.gguf"])
+
+    # what serve exports is what the proxy's handler serves: the alias, not paths
+    monkeypatch.setenv("OPENJET_MODELS", f"mine={path}")
+    handler = lt_adapter.configure_proxy_handler()
+    try:
+        assert handler.model_file("openjet/mine") == path
+        from litellm.llms.custom_llm import CustomLLMError
+
+        with pytest.raises(CustomLLMError, match="unknown model"):
+            handler.model_file(path)
+    finally:
+        monkeypatch.delenv("OPENJET_MODELS")
+        lt_adapter.configure_proxy_handler()

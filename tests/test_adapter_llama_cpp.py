@@ -166,8 +166,8 @@ def test_chat_completion_identical(ref, ours, messages):
 
 
 def test_chat_with_tools_identical(ref, ours):
-    tools = [{"type": "function", "function": {"name": "add", "description": "Add.",
-                                              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": schema}}]
     messages = [{"role": "user", "content": "Add 1 and 2"}]
     _same_response(ref.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0),
                    ours.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0))

@@ -1,7 +1,8 @@
 """Conversation reuse: a prompt that extends what the engine already processed only prefills the new
 tokens; an edited history re-prefills (from the first differing token where the backend can roll
-back, from scratch where it cannot: llama.cpp's qwen35 recurrent state); results are identical to a
-fresh engine either way."""
+back; with llama.cpp's qwen35 recurrent state, which cannot, from the newest checkpoint before the
+difference — one is saved before the last token of each prompt — or from scratch); results are
+identical to a fresh engine either way."""
 
 from __future__ import annotations
 
@@ -57,14 +58,28 @@ def test_edited_history_is_re_prefilled_with_identical_results(engine, fresh):
     engine.generate("The weather today is sunny and warm", **SAMPLING)
     edited = "The weather today is rainy and cold"
     r = engine.generate(edited, **SAMPLING)
-    # qwen35 has recurrent state: llama.cpp cannot cut it back, so everything is evaluated again
+    # the edit comes before the only checkpoint (before "warm"): qwen35's recurrent state cannot be
+    # cut back, so everything is evaluated again
     assert r.stats.cached_prompt_tokens == 0
     assert r.tokens == fresh(lambda e: e.generate(edited, **SAMPLING).tokens)
+
+
+def test_history_changed_after_the_checkpoint_resumes_from_it(engine, fresh):
+    a = engine.tokenize("Once upon a time there was", add_special=True)
+    r1 = engine.generate(a, **SAMPLING)
+    other = engine.tokenize(" a dragon who liked tea")
+    assert other[0] != r1.tokens[0]               # the new history leaves the reply at once
+    b = a + other
+    r2 = engine.generate(b, **SAMPLING)
+    assert r2.stats.cached_prompt_tokens == len(a) - 1
+    assert r2.tokens == fresh(lambda e: e.generate(b, **SAMPLING).tokens)
 
 
 def test_repeating_the_prompt_after_a_generation(engine, fresh):
     r1 = engine.generate(PROMPT, **SAMPLING)
     r2 = engine.generate(PROMPT, **SAMPLING)       # state holds PROMPT + reply: must go back
+    n = r2.stats.prompt_tokens
+    assert r2.stats.cached_prompt_tokens == n - 1  # to the checkpoint before the last prompt token
     assert r2.tokens == r1.tokens == fresh(lambda e: e.generate(PROMPT, **SAMPLING).tokens)
 
 
@@ -208,3 +223,29 @@ def test_rollback_evaluates_only_from_the_first_difference_and_changes_nothing()
         assert be.state == edited + r.tokens[:-1]
     fresh_eng, _ = hash_engine(False)
     assert outs[True] == outs[False] == fresh_eng.generate(edited, max_tokens=5, seed=3).tokens
+
+
+def test_llama_cpp_checkpoints_restore_the_exact_state(model):
+    from openjet_plugin.backends.llama_cpp import MAX_CHECKPOINTS, LlamaCppBackend
+
+    be = LlamaCppBackend(model, 256, n_threads=1)
+    try:
+        tok = lambda s: be.tokenize(s.encode(), False, True)
+        a, b, c = tok("The weather today is"), tok(" sunny and warm, said"), tok(" rainy and cold")
+        be.eval(a)
+        be.save_checkpoint()
+        be.eval(b)
+        be.save_checkpoint()
+        assert not be.rollback(len(a))                       # recurrent state: no plain rollback
+        assert be.restore_checkpoint(len(a) + 2) == len(a)   # the newest one at or before n_max
+        assert be.n_past == len(a)
+        resumed = be.eval(c)
+        be.reset()
+        np.testing.assert_array_equal(resumed, be.eval(a + c))
+        assert be.restore_checkpoint(3) == 0 and be.n_past == 0   # reset dropped them all
+        for k in range(1, MAX_CHECKPOINTS + 3):
+            be.eval(tok(" word"))
+            be.save_checkpoint()
+        assert len(be._checkpoints) == MAX_CHECKPOINTS
+    finally:
+        be.close()

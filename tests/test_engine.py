@@ -161,7 +161,7 @@ def test_truncated_model_is_rejected(tmp_path, model):
 @pytest.mark.parametrize("kw,name", [(dict(backend="cuda"), "backend"), (dict(n_ctx=0), "n_ctx"),
                                      (dict(n_ctx="big"), "n_ctx"), (dict(n_ctx=10**6), "n_ctx"),
                                      (dict(kv_type="q4"), "kv_type"), (dict(draft_depth=-1), "draft_depth"),
-                                     (dict(seed=-2), "seed")])
+                                     (dict(seed=-2), "seed"), (dict(n_threads=0), "n_threads")])
 def test_invalid_load_parameters(model, kw, name):
     with pytest.raises(ValueError, match=name):
         openjet_plugin.load(model, **kw)

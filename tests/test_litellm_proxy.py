@@ -132,6 +132,30 @@ def test_streaming_matches_and_reports_usage(client):
     assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
 
 
+def test_extra_request_options_reach_the_engine(client, engine):
+    # options beyond OpenAI's travel in the body (extra_body) through the proxy to the provider
+    r = client.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0, max_tokens=8,
+                                       extra_body={"enable_thinking": True, "top_k": 5, "repeat_penalty": 1.3})
+    direct = engine.chat(MESSAGES, enable_thinking=True, temperature=0, max_tokens=8, top_k=5, repeat_penalty=1.3)
+    assert r.choices[0].message.content == direct.text
+
+
+def test_parallel_clients(client):
+    from concurrent.futures import ThreadPoolExecutor
+
+    kw = dict(model="openjet-default", messages=MESSAGES, temperature=0, max_tokens=8)
+    expected = client.chat.completions.create(**kw).choices[0].message.content
+
+    def ask(stream: bool) -> str:
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(ask, [True, False, True, False])) == [expected] * 4
+
+
 def test_models_endpoint_lists_only_configured_models(client):
     assert [m.id for m in client.models.list().data] == ["openjet-default"]
 

@@ -186,7 +186,6 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 def test_first_token_follows_the_transformed_distribution(engine, first_logits, setting):
     n = 2000

@@ -44,3 +44,11 @@ class Backend(Protocol):
     def reset(self) -> None: ...
 
     def close(self) -> None: ...
+
+
+# Optional, for backends whose state cannot roll back (recurrent layers) but can be copied:
+#     def save_checkpoint(self) -> None: ...            # remember the state at n_past
+#     def restore_checkpoint(self, n_max: int) -> int: ...
+#         # back to the newest checkpoint with <= n_max tokens; returns its n_past (0: state reset)
+# The engine saves one before the last token of every prompt and restores one when rollback()
+# refuses; a backend without them is reset and re-prefilled instead.

@@ -7,6 +7,7 @@ Logits are requested for the last token of each batch only.
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ import numpy as np
 from ..errors import BackendUnavailableError
 
 KV_TYPES = {"f16": 1, "q8_0": 8}   # GGML_TYPE_F16, GGML_TYPE_Q8_0
+MAX_CHECKPOINTS = 3
 
 
 def default_threads() -> int:
@@ -63,6 +65,8 @@ class LlamaCppBackend:
         self.n_ctx = min(n_ctx, self._llm.n_ctx())
         self.n_vocab = self._llm.n_vocab()
         self.n_threads = threads
+        # (n_past, recurrent state) pairs, oldest first; see save_checkpoint
+        self._checkpoints: list[tuple[int, ctypes.Array]] = []
 
     # --- tokens <-> text ------------------------------------------------------------------------
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
@@ -88,6 +92,42 @@ class LlamaCppBackend:
     def eval_argmax(self, tokens: list[int]) -> int:
         return int(np.argmax(self.eval(tokens)))
 
+    # --- checkpoints: how a recurrent state goes back -------------------------------------------
+    # llama.cpp cannot cut DeltaNet state back to an earlier position, but it can copy out just
+    # the recurrent part of a sequence's state ("partial" state: conv + delta-rule state, no KV)
+    # and put it back; the attention KV cache is then cut to the same position. This is what
+    # llama.cpp's server calls context checkpoints. The engine saves one before the last prompt
+    # token of each request, so a regenerated reply or a history that changes after that point
+    # re-prefills from there instead of from the start.
+
+    def save_checkpoint(self) -> None:
+        """Remember the recurrent state at n_past (the oldest of MAX_CHECKPOINTS is dropped)."""
+        n = self.n_past
+        if n == 0 or any(p == n for p, _ in self._checkpoints):
+            return
+        lib, flags = self._lib, self._lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        size = lib.llama_state_seq_get_size_ext(self._llm.ctx, 0, flags)
+        buf = (ctypes.c_uint8 * size)()
+        if lib.llama_state_seq_get_data_ext(self._llm.ctx, buf, size, 0, flags) != size:
+            return          # a checkpoint is an optimisation; without it we re-prefill
+        self._checkpoints.append((n, buf))
+        del self._checkpoints[:-MAX_CHECKPOINTS]
+
+    def restore_checkpoint(self, n_max: int) -> int:
+        """Go back to the newest checkpoint with at most n_max tokens; return its n_past.
+        0 means none was usable and the state was reset."""
+        usable = [c for c in self._checkpoints if c[0] <= n_max]
+        if usable:
+            pos, buf = max(usable, key=lambda c: c[0])
+            lib, flags = self._lib, self._lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+            if (lib.llama_state_seq_set_data_ext(self._llm.ctx, buf, len(buf), 0, flags) == len(buf)
+                    and self._llm._ctx.kv_cache_seq_rm(0, pos, -1)):
+                self._llm.n_tokens = pos
+                self._checkpoints = [c for c in self._checkpoints if c[0] <= pos]
+                return pos
+        self.reset()
+        return 0
+
     def rollback(self, n_keep: int) -> bool:
         if not 0 <= n_keep <= self.n_past:
             raise ValueError(f"rollback to {n_keep} tokens, but the state holds {self.n_past}")
@@ -101,9 +141,11 @@ class LlamaCppBackend:
         if not self._llm._ctx.kv_cache_seq_rm(0, n_keep, -1):
             return False
         self._llm.n_tokens = n_keep
+        self._checkpoints = [c for c in self._checkpoints if c[0] <= n_keep]
         return True
 
     def reset(self) -> None:
+        self._checkpoints = []
         self._llm.reset()
         mem = self._lib.llama_get_memory(self._llm.ctx)
         if mem is not None:

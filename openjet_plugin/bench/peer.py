@@ -235,6 +235,18 @@ def start_background_build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) ->
                             stdout=out, stderr=subprocess.STDOUT)
 
 
+def _first_error(log: Path) -> str:
+    """The first line of a build log that reports an error (what a reader needs first)."""
+    if not log.is_file():
+        return "no build log"
+    lines = log.read_text(errors="replace").splitlines()
+    for i, line in enumerate(lines):
+        if "error" in line.lower() and not line.startswith("$ "):
+            detail = " ".join(x.strip() for x in lines[i + 1:i + 4] if x.strip())
+            return (line.strip() + " " + detail).strip()[:300]
+    return (lines[-1].strip() if lines else "empty build log")[:300]
+
+
 def build_running(pb: PeerBuild) -> bool:
     """True while another process holds the build lock (e.g. scripts/gpu_bench.sh's build)."""
     if not pb.lock.is_file():
@@ -254,12 +266,11 @@ def wait_for_build(pb: PeerBuild, deadline: float, proc: subprocess.Popen | None
         if pb.ready():
             return pb.binary
         if proc is not None and proc.poll() is not None and not pb.ready():
-            tail = pb.log.read_text(errors="replace")[-1500:] if pb.log.is_file() else ""
-            raise PeerError(f"the llama.cpp build failed (exit {proc.returncode}); {pb.log}:\n{tail}")
+            raise PeerError(f"the llama.cpp build failed (exit {proc.returncode}): {_first_error(pb.log)}; "
+                            f"see {pb.log}")
         if proc is None and not build_running(pb) and not pb.ready():
-            tail = pb.log.read_text(errors="replace")[-1500:] if pb.log.is_file() else ""
-            raise PeerError(f"llama-bench is not built at {pb.root} and no build is running "
-                            f"(see {pb.log}):\n{tail}")
+            raise PeerError(f"llama-bench is not built at {pb.root} and no build is running: "
+                            f"{_first_error(pb.log)}; see {pb.log}")
         time.sleep(1.0)
     raise TimeoutError(f"the llama.cpp build at {pb.root} was not done before the deadline")
 

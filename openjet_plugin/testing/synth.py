@@ -149,7 +149,6 @@ def q4_k_m_type_map(config: ModelConfig) -> dict[str, str]:
 
 # --- random quantised blocks (direct writer) ------------------------------------------------------
 
-QK_K = 256
 # type -> (values per block, bytes per block), as ggml-common.h lays them out
 _BLOCK_BYTES = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
                 "F16": (1, 2), "BF16": (1, 2), "F32": (1, 4)}
