@@ -10,6 +10,7 @@ published templates are written against.
 from __future__ import annotations
 
 import json
+import threading
 from datetime import datetime
 from functools import lru_cache
 
@@ -41,13 +42,48 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# Work a template may do in one rendering. Jinja's sandbox caps a single range() at 100,000 items
+# but not nested ones, nor `'x' * 10**9`: a hostile template could spin or fill memory for ever.
+MAX_RANGE_ITEMS = 1_000_000        # all range() items of one rendering together
+MAX_SEQUENCE = 4_000_000           # characters/items of a string or list made with * or **
+_budget = threading.local()
+
+
+def _budgeted_range(*args: int) -> range:
+    rng = range(*args)
+    left = getattr(_budget, "range_items", MAX_RANGE_ITEMS) - len(rng)
+    if left < 0:
+        raise _TemplateTooCostly(f"its range() calls exceed {MAX_RANGE_ITEMS} items in one rendering")
+    _budget.range_items = left
+    return rng
+
+
+class _TemplateTooCostly(Exception):
+    pass
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64 and isinstance(left, (int, float)) \
+                    and abs(left) > 1:
+                raise _TemplateTooCostly(f"{left!r} ** {right!r} is too large")
+            return left ** right
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_SEQUENCE:
+                raise _TemplateTooCostly(f"a repeated sequence of {len(seq) * n} items is too large")
+        return left * right
+
+
 @lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["range"] = _budgeted_range
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
@@ -66,6 +102,7 @@ def render(template: str | None, messages: list[dict], *, tools: list[dict] | No
     if tools is not None and not isinstance(tools, list):
         raise ValueError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
     tpl = _compile(template)
+    _budget.range_items = MAX_RANGE_ITEMS
     try:
         return tpl.render(messages=messages, tools=tools or None,
                           add_generation_prompt=add_generation_prompt,
@@ -74,8 +111,15 @@ def render(template: str | None, messages: list[dict], *, tools: list[dict] | No
         raise ChatTemplateError(f"the chat template tried something the sandbox forbids: {exc}") from None
     except _TemplateRaised as exc:
         raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
+    except _TemplateTooCostly as exc:
+        raise ChatTemplateError(f"the chat template does too much work: {exc}") from None
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"the chat template failed to render: {exc}") from None
+    except (ArithmeticError, TypeError, ValueError, LookupError, AttributeError, RecursionError,
+            MemoryError) as exc:
+        # a template is code from the model file: its own runtime errors (1/0, range too big,
+        # a macro calling itself) are the template's fault, reported as such
+        raise ChatTemplateError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
 
 
 def _check_messages(messages: object) -> None:

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openjet: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print("", file=sys.stderr)
+        # Ctrl-C: the engine's context manager has already ended the stream and closed it
+        print("\nopenjet: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:       # `openjet generate ... | head`
         return 0

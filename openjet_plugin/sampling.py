@@ -253,12 +253,30 @@ class Sampler:
         self.rng = np.random.default_rng(params.seed)
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        x = apply_penalties(apply_logit_bias(logits, self.params), history, self.params, inplace=True)
+        ids, probs = token_distribution(logits, self.params, history)
         if self.params.greedy:
-            return int(np.argmax(x))
-        ids, probs = candidate_distribution(x, self.params)
-        # inverse CDF with one uniform draw per token: the same draw count whatever the candidates,
-        # so a seed fixes the whole sequence
-        u = self.rng.random()
-        j = int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))
-        return int(ids[min(j, len(ids) - 1)])
+            return int(ids[0])
+        # one uniform draw per token: the same draw count whatever the candidates, so a seed
+        # fixes the whole sequence
+        return draw_token(ids, probs, self.rng.random())
+
+
+def token_distribution(logits: np.ndarray, params: SamplingParams,
+                       history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """The next token's distribution exactly as `Sampler.sample` draws it: `(ids, probs)` after
+    logit bias, penalties over `history` and top-k/top-p/min-p/temperature, ids in the order the
+    draw walks them. At temperature 0 it is the argmax with probability 1.
+
+    Speculative verification compares this distribution of the target with the draft's, so both
+    paths must come from this one function."""
+    x = apply_penalties(apply_logit_bias(logits, params), history, params, inplace=True)
+    if params.greedy:
+        return np.array([int(np.argmax(x))], dtype=np.int64), np.ones(1)
+    return candidate_distribution(x, params)
+
+
+def draw_token(ids: np.ndarray, probs: np.ndarray, u: float) -> int:
+    """The token at uniform draw `u` in [0, 1) by inverse CDF over `probs` in the order of `ids`
+    (probs need not sum to exactly 1; a zero-probability token is never drawn)."""
+    j = int(np.searchsorted(np.cumsum(probs), u * probs.sum(), side="right"))
+    return int(ids[min(j, len(ids) - 1)])

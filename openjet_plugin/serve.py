@@ -5,6 +5,8 @@ provider registered, listening on the loopback interface only.
     openjet serve --model /models/q27b.gguf --port 8080 --api-key sk-mine
     openjet serve --config examples/litellm_proxy.yaml
     openjet serve --print-config                   # the generated LiteLLM config, then exit
+    openjet serve --gpus all --model /models/q27b.gguf   # one worker per GPU behind a router (cluster.py)
+    openjet serve --workers 2 --backend llama.cpp        # the same with CPU workers
 
 Without `--config` the LiteLLM config is generated: one entry per model, `openjet-default`
 (the embedded model) first unless `--model` names others. The proxy's handler
@@ -86,6 +88,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-depth", type=int, default=None, help="MTP draft tokens per cycle (native)")
     p.add_argument("--api-key", help="the key clients must send (default: $LITELLM_MASTER_KEY or a random one)")
     p.add_argument("--print-config", action="store_true", help="print the generated config and exit")
+    c = p.add_argument_group("several workers (see docs/CLUSTER.md)")
+    c.add_argument("--gpus", help="one worker per GPU: 'all', a count N, or indices like 0,1")
+    c.add_argument("--workers", type=int, default=None, help="N workers without GPU pinning (CPU testing)")
+    c.add_argument("--worker-ports", help="comma-separated loopback ports of the workers (default: free ports)")
+    c.add_argument("--log-dir", help="directory for the workers' logs (default: a temporary directory)")
+    c.add_argument("--routing-strategy", default="least-busy",
+                   choices=("least-busy", "simple-shuffle", "latency-based-routing", "usage-based-routing-v2"))
+    c.add_argument("--num-retries", type=int, default=3, help="attempts on other workers after a failure")
+    c.add_argument("--cooldown", type=float, default=10.0, help="seconds a failed worker stays out of rotation")
+    c.add_argument("--no-affinity", action="store_true", help="do not keep a conversation on one worker")
+    c.add_argument("--no-restart", action="store_true", help="do not start a worker again when it dies")
+    c.add_argument("--health-interval", type=float, default=10.0,
+                   help="seconds between liveness checks of each worker (0: none)")
+    c.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for the workers")
     return p
 
 
@@ -102,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openjet serve: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
     models = [parse_model(m) for m in args.model]
+    if args.gpus is not None or args.workers is not None:
+        return serve_cluster(args, models)
     if args.config and models:
         print("openjet serve: give either --config or --model, not both", file=sys.stderr)
         return 2
@@ -121,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         config_path = Path(tmp.name) / "litellm_config.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    api_key = args.api_key or os.environ.get("LITELLM_MASTER_KEY")
-    if not api_key:
-        api_key = "sk-openjet-" + secrets.token_hex(16)
-        print(f"openjet serve: API key for this run: {api_key}", file=sys.stderr, flush=True)
+    api_key = _api_key(args)
     os.environ.update(proxy_environment(models, args, api_key))
 
     from .adapters import litellm as openjet_litellm   # after the environment: it configures the handler
@@ -134,16 +149,113 @@ def main(argv: list[str] | None = None) -> int:
     atexit.register(close_shared_engines)
     print(f"openjet serve: http://{args.host}:{args.port}/v1 (config {config_path})", file=sys.stderr, flush=True)
 
+    _run_proxy(config_path, args.host, args.port)
+    return 0
+
+
+def _run_proxy(config_path: Path, host: str, port: int) -> None:
+    """The LiteLLM proxy in this process until SIGTERM/SIGINT (then it returns)."""
     from litellm.proxy.proxy_cli import run_server
 
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the handler that
     # was there before; make that a normal exit (status 0, atexit hooks run: engines are closed)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     try:
-        run_server.main(args=["--config", str(config_path), "--host", args.host, "--port", str(args.port)],
+        run_server.main(args=["--config", str(config_path), "--host", host, "--port", str(port)],
                         prog_name="openjet serve", standalone_mode=False)
     except KeyboardInterrupt:
         pass
+
+
+def _api_key(args: argparse.Namespace) -> str:
+    api_key = args.api_key or os.environ.get("LITELLM_MASTER_KEY")
+    if not api_key:
+        api_key = "sk-openjet-" + secrets.token_hex(16)
+        print(f"openjet serve: API key for this run: {api_key}", file=sys.stderr, flush=True)
+    return api_key
+
+
+def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> int:
+    """`--gpus` / `--workers`: start the workers, then the front proxy here; stop them all at exit."""
+    import yaml
+
+    from . import cluster
+
+    if args.config:
+        print("openjet serve: --config cannot be combined with --gpus/--workers (the front's config is "
+              "generated; see --print-config and docs/CLUSTER.md)", file=sys.stderr)
+        return 2
+    if args.gpus is not None and args.workers is not None:
+        print("openjet serve: give either --gpus or --workers, not both", file=sys.stderr)
+        return 2
+    try:
+        gpus: list[str | None] = cluster.parse_gpus(args.gpus) if args.gpus is not None else [None] * args.workers
+        if args.workers is not None and args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        if args.worker_ports:
+            ports = [int(p) for p in args.worker_ports.split(",")]
+            if len(ports) != len(gpus) or len(set(ports + [args.port])) != len(ports) + 1:
+                raise ValueError(f"--worker-ports {args.worker_ports!r}: need {len(gpus)} distinct ports, "
+                                 f"none equal to --port {args.port}")
+        else:
+            ports = []
+            while len(ports) < len(gpus):
+                p = cluster.free_port(args.host if args.host != "localhost" else "127.0.0.1")
+                if p != args.port and p not in ports:
+                    ports.append(p)
+        if not all(0 < p < 65536 for p in ports):
+            raise ValueError(f"--worker-ports {args.worker_ports!r}: ports must be in 1..65535")
+    except ValueError as exc:
+        print(f"openjet serve: {exc}", file=sys.stderr)
+        return 2
+    worker_host = "::1" if args.host == "::1" else "127.0.0.1"
+    specs = [cluster.WorkerSpec(i, port, gpu, worker_host) for i, (gpu, port) in enumerate(zip(gpus, ports))]
+    policy = cluster.RouterPolicy(routing_strategy=args.routing_strategy, num_retries=args.num_retries,
+                                  cooldown_time=args.cooldown, session_affinity=not args.no_affinity)
+    worker_key = cluster.new_worker_key()
+    names = [n for n, _ in models]
+    config = cluster.front_config(specs, names, worker_key, policy)
+    if args.print_config:
+        shown = yaml.safe_dump(config, sort_keys=False).replace(worker_key, "<internal worker key>")
+        print(shown, end="")
+        return 0
+
+    serve_args = [a for m in args.model for a in ("--model", m)]
+    for flag, value in (("--backend", args.backend), ("--n-ctx", args.n_ctx), ("--draft-depth", args.draft_depth)):
+        if value is not None:
+            serve_args += [flag, str(value)]
+    tmp = tempfile.TemporaryDirectory(prefix="openjet-cluster-")
+    log_dir = Path(args.log_dir).expanduser() if args.log_dir else Path(tmp.name) / "logs"
+    config_path = Path(tmp.name) / "front_config.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    os.chmod(config_path, 0o600)                  # it holds the internal worker key
+    api_key = _api_key(args)
+    os.environ.update({"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_EVENT_LOOP": "asyncio",
+                       "LITELLM_MASTER_KEY": api_key})
+
+    if args.gpus is None:
+        from . import default_model_path
+
+        if not models:
+            default_model_path()              # generate the embedded model once, not in every worker
+    group = cluster.Cluster(specs, serve_args, worker_key, log_dir, restart=not args.no_restart,
+                            health_interval=args.health_interval)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    try:
+        group.start()
+        group.wait_ready(args.startup_timeout)
+        print(f"openjet serve: {len(specs)} workers ready; front http://{args.host}:{args.port}/v1 "
+              f"(config {config_path})", file=sys.stderr, flush=True)
+        _run_proxy(config_path, args.host, args.port)
+    except RuntimeError as exc:
+        print(f"openjet serve: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        group.stop()
+        print("openjet serve: all workers stopped", file=sys.stderr, flush=True)
+        tmp.cleanup()
     return 0
 
 

@@ -390,7 +390,12 @@ def read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[s
         f = open(path, "rb")
     except OSError as exc:
         raise ModelFileError(path, f"cannot open the file: {exc.strerror or exc}") from None
-    with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+    with f:
+        if os.fstat(f.fileno()).st_size == 0:   # mmap refuses an empty file with a bare ValueError
+            from .errors import NotGGUFError
+            raise NotGGUFError(path, "the file is empty (0 bytes), not a GGUF model")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with buf:
         def need(off: int, n: int, what: str) -> None:
             if off + n > len(buf):
                 from .errors import TruncatedFileError
@@ -415,9 +420,11 @@ def read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[s
             off += 8 + n
             return s
 
-        def read_value(vtype: int, key: str, keep: bool):
+        def read_value(vtype: int, key: str, keep: bool, depth: int = 0):
             nonlocal off
             what = f"metadata key {key!r}"
+            if depth > 2:   # as model_file's walk: no real key nests deeper; recursion must not run out
+                raise ModelFileError(path, f"{what}: arrays nested too deeply")
             if vtype in _GGUF_SCALAR:
                 fmt = _GGUF_SCALAR[vtype]
                 size = struct.calcsize(fmt)
@@ -447,7 +454,7 @@ def read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[s
                             items.append(bytes(buf[off + 8:off + 8 + ln]).decode("utf-8", errors="replace"))
                         off += 8 + ln
                     return items
-                return [read_value(etype, key, keep) for _ in range(n)]
+                return [read_value(etype, key, keep, depth + 1) for _ in range(n)]
             raise ModelFileError(path, f"metadata key {key!r} has unknown value type {vtype}")
 
         for _ in range(n_kv):

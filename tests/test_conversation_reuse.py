@@ -123,14 +123,7 @@ def run_chat(eng: Engine, enable_thinking: bool, bias):
     return messages, results
 
 
-@pytest.mark.parametrize("enable_thinking", [
-    True,
-    pytest.param(False, marks=pytest.mark.xfail(
-        reason="the chat template renders past assistant turns without the empty "
-               "'<think>\\n\\n</think>\\n\\n' block that the non-thinking generation prompt opens, "
-               "so the history stops matching the processed tokens there (template fix requested)",
-        strict=False)),
-])
+@pytest.mark.parametrize("enable_thinking", [True, False])
 def test_three_turn_chat_prefills_only_new_tokens(engine, model, enable_thinking):
     bias = word_token_bias(engine)
     engine.generate("reset the state first", max_tokens=1)

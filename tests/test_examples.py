@@ -21,7 +21,7 @@ EXPECTED = {
                            r"\[(llama\.cpp|native), finish: (stop|length)\]", r"^answer: ['\"]"],
     "litellm_completion.py": [r"^reply: ['\"]", r"usage: prompt [1-9]\d*, completion [1-9]\d*, total [1-9]\d*",
                               r"same text as the plain call: True", r"^async reply: ['\"]"],
-    "llama_cpp_dropin.py": [r"^model: openjet-synth-\w+ \(\d+ tokens, n_ctx 1024, backend (llama\.cpp|native)\)",
+    "llama_cpp_dropin.py": [r"^model: openjet-[\w-]+ \(\d+ tokens, n_ctx 1024, backend (llama\.cpp|native)\)",
                             r"usage \{'prompt_tokens': \d+, 'completion_tokens': \d+, 'total_tokens': \d+\}",
                             r"stream equals completion: True", r"-> b'Hello, world!'$"],
     "openai_client.py": [r"^models: \['openjet-default'\]", r"^reply: ['\"]",

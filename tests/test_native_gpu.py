@@ -89,11 +89,8 @@ def _random_typed_model(out: Path, preset: str, qtype: str) -> None:
     """A generated model whose quantised matrices (llama.cpp's Q4_K_M map) are all `qtype` blocks."""
     from openjet_plugin.testing import synth
 
-    cfg = _config(preset)
-    specs = synth.synth_specs(cfg)
-    types = {k: (v if v == "F32" else qtype) for k, v in synth.q4_k_m_type_map(cfg).items()}
-    synth._write_gguf(out, cfg, [(s, types[s.name]) for s in specs], synth._direct_tensors(specs, types, 0),
-                      file_type={"Q8_0": 7, "Q6_K": 18}[qtype], preset=preset, seed=0)
+    # every matrix qtype, vectors and the conv kernel F32: where llama.cpp's Q4_K_M map quantises
+    synth.synth_uniform(out, qtype, config=_config(preset), force=True)
 
 
 def model_path(preset: str, quant: str, workdir: Path) -> tuple[Path, str]:

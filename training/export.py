@@ -2,6 +2,7 @@
 
     python -m training.export --weights OUT/mtp-weights-*.pt --preset default --out model.gguf \
         [--quant Q8_0] [--summary OUT/summary.json]
+    python -m training.export --retemplate openjet_plugin/data/default.gguf   # template only
 
 The tensors are checked against `openjet_plugin.tensors.all_tensors` (names and shapes), written
 as F32 with the metadata of `ModelConfig.gguf_metadata()` and the shipped BPE vocabulary, then
@@ -49,54 +50,32 @@ def check_tensors(cfg, arrays: dict[str, np.ndarray]) -> list:
 def write_f32_gguf(path: pathlib.Path, cfg, arrays: dict[str, np.ndarray], name: str,
                    provenance: dict[str, object] | None = None) -> None:
     """An F32 qwen35 GGUF of `arrays` (GGUF numpy layout) with the shipped tokenizer and template."""
-    import gguf
-    from openjet_plugin.config import ARCH
-    from openjet_plugin.testing import bpe, synth
+    from openjet_plugin.testing import synth
 
     specs = check_tensors(cfg, arrays)
-    w = gguf.GGUFWriter(os.fspath(path), ARCH)
+    extra: dict[str, object] = {"general.license": LICENCE, "general.description": DATA_NOTE}
+    for key, value in (provenance or {}).items():
+        extra[f"openjet.training.{key}"] = value if isinstance(value, (int, float)) else str(value)
+    synth.write_gguf(path, cfg, {s.name: arrays[s.name] for s in specs}, name=name,
+                     file_type=synth.FTYPES["F32"], extra_metadata=extra)
+
+
+def retemplate(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> pathlib.Path:
+    """Give an exported GGUF the current chat_template.jinja (e.g. the embedded default after a
+    template fix) without re-exporting: every tensor is copied byte for byte. In place when
+    `dst` is None (through a temporary file next to `src`)."""
+    from openjet_plugin.testing import synth
+
+    src = pathlib.Path(src)
+    out = pathlib.Path(dst) if dst is not None else src
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        w.add_name(name)
-        w.add_type("model")
-        w.add_file_type(0)
-        w.add_license(LICENCE)
-        w.add_description(DATA_NOTE)
-        for key, value in cfg.gguf_metadata().items():
-            if isinstance(value, bool):
-                w.add_bool(key, value)
-            elif isinstance(value, int):
-                w.add_uint32(key, value)
-            elif isinstance(value, float):
-                w.add_float32(key, value)
-            elif isinstance(value, (list, tuple)):
-                w.add_array(key, list(value))
-            else:
-                raise TypeError(f"metadata key {key!r}: cannot write a value of type {type(value).__name__}")
-        vocab = bpe.vocab_arrays(cfg.n_vocab)
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre(bpe.PRE_TOKENIZER)
-        w.add_token_list(vocab.tokens)
-        w.add_token_types(vocab.token_types)
-        w.add_token_merges(vocab.merges)
-        w.add_eos_token_id(vocab.eos_id)
-        w.add_bos_token_id(vocab.bos_id)
-        w.add_pad_token_id(vocab.bos_id)
-        w.add_add_bos_token(False)
-        w.add_chat_template(synth.CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"))
-        for key, value in (provenance or {}).items():
-            if isinstance(value, float):
-                w.add_float32(f"openjet.training.{key}", value)
-            elif isinstance(value, int):
-                w.add_uint64(f"openjet.training.{key}", value)
-            else:
-                w.add_string(f"openjet.training.{key}", str(value))
-        for s in specs:
-            w.add_tensor(s.name, np.ascontiguousarray(arrays[s.name], dtype=np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        synth.rewrite_chat_template(src, tmp)
+        os.replace(tmp, out)
     finally:
-        w.close()
+        if tmp.exists():
+            tmp.unlink()
+    return out
 
 
 def export(model, out: str | os.PathLike, quant: str = "Q8_0", name: str = "openjet-default",
@@ -131,13 +110,21 @@ def main(argv=None) -> int:
     from .train import load_weights
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--weights", nargs="+", required=True, help="weights-NN.pt shards of one run")
+    ap.add_argument("--weights", nargs="+", help="weights-NN.pt shards of one run")
     ap.add_argument("--preset", default="default")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--retemplate", metavar="GGUF", default=None,
+                    help="only give GGUF the current chat_template.jinja (tensors unchanged), in place or to --out")
     ap.add_argument("--quant", default="Q8_0")
     ap.add_argument("--summary", default=None, help="summary.json from training.report (provenance keys)")
     ap.add_argument("--max-mb", type=float, default=MAX_MB)
     args = ap.parse_args(argv)
+    if args.retemplate:
+        path = retemplate(args.retemplate, args.out)
+        print(f"{path}: chat template replaced, tensors unchanged")
+        return 0
+    if not args.weights or not args.out:
+        ap.error("--weights and --out are required (unless --retemplate)")
 
     cfg = model_config(args.preset)
     model = Qwen35(cfg)

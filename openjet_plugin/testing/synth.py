@@ -21,7 +21,7 @@ import os
 import pathlib
 import sys
 import zlib
-from typing import Iterator
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -40,6 +40,16 @@ DIRECT_ONLY = {"q27b"}
 # Weight scales. Matrices are N(0, gain^2 / fan_in), so each projection keeps the RMS of its
 # input times `gain`; the residual stream starts at RMS 1 (embedding) and grows slowly.
 EMBED_STD = 1.0
+# Output projections of the residual branches (attn_output, ssm_out, ffn_down, also in the MTP
+# block) get RESIDUAL_GAIN / sqrt(2 * n_layer), as GPT-2 initialises them: the branches of all
+# layers together then add about as much as the embedding, so the logits still depend strongly on
+# the context, but each layer moves the stream only a little. With gain 1 every branch was as
+# large as the stream and the ~1-2% rounding llama.cpp's CPU applies to each product's input
+# (heavy-tailed SwiGLU / gated-norm activations in 8-bit blocks) went straight into the stream,
+# layer after layer: llama.cpp on a quantised file then disagreed with exact math on 14% of
+# the top tokens of `small`.
+RESIDUAL_GAIN = 1.0
+RESIDUAL_OUTPUTS = ("attn_output.weight", "ssm_out.weight", "ffn_down.weight")
 LOGIT_GAIN = 4.0      # logits = output @ rmsnorm(h): std about 4, a peaked but input-driven softmax
 ALPHA_GAIN = 0.5      # ssm_alpha: keeps softplus(alpha x + dt_bias) moderate so decays stay in (0, 1)
 NORM_SPREAD = 0.1     # norm weights (stored 1+w) in [0.9, 1.1]
@@ -63,15 +73,27 @@ def _rng(seed: int, name: str) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, zlib.crc32(name.encode())]))
 
 
-def _matrix_std(spec: TensorSpec) -> float:
+def residual_gain(config: ModelConfig) -> float:
+    """Gain of the residual branches' output projections for a model of `config`'s depth."""
+    return RESIDUAL_GAIN / float(np.sqrt(2 * config.n_layer))
+
+
+def _matrix_std(spec: TensorSpec, config: ModelConfig) -> float:
     name, n_in = spec.name, spec.ne[0]
     if name == "token_embd.weight":
         return EMBED_STD
-    gain = LOGIT_GAIN if name == "output.weight" else ALPHA_GAIN if name.endswith("ssm_alpha.weight") else 1.0
+    if name == "output.weight":
+        gain = LOGIT_GAIN
+    elif name.endswith("ssm_alpha.weight"):
+        gain = ALPHA_GAIN
+    elif name.endswith(RESIDUAL_OUTPUTS):
+        gain = residual_gain(config)
+    else:
+        gain = 1.0
     return gain / np.sqrt(n_in)
 
 
-def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
+def tensor_values(spec: TensorSpec, seed: int, config: ModelConfig) -> np.ndarray:
     """float32 values of one tensor, as numpy `[ne1, ne0]` (or `[ne0]` for a vector)."""
     name = spec.name
     g = _rng(seed, name)
@@ -91,7 +113,7 @@ def tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
     if name.endswith("ssm_conv1d.weight"):
         # depthwise causal conv: one kernel of n_in taps per channel, fan-in = taps
         return (g.standard_normal((n_rows, n_in), dtype=np.float32) / np.float32(np.sqrt(n_in)))
-    values = g.standard_normal((n_rows, n_in), dtype=np.float32) * np.float32(_matrix_std(spec))
+    values = g.standard_normal((n_rows, n_in), dtype=np.float32) * np.float32(_matrix_std(spec, config))
     if name == "output.weight":
         values[_n_real_tokens():] *= np.float32(PAD_ROW_SCALE)
     return values
@@ -223,7 +245,8 @@ def _pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 # --- GGUF writing ----------------------------------------------------------------------------------
 
-def _add_metadata(w, config: ModelConfig, name: str, file_type: int, preset: str | None, seed: int) -> None:
+def _add_metadata(w, config: ModelConfig, name: str, file_type: int,
+                  extra_metadata: Mapping[str, object] | None) -> None:
     import gguf
 
     w.add_name(name)
@@ -251,25 +274,76 @@ def _add_metadata(w, config: ModelConfig, name: str, file_type: int, preset: str
     w.add_pad_token_id(vocab.bos_id)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"))
-    # provenance, read by tests (llama.cpp ignores unknown keys)
-    w.add_string("openjet.synth.preset", preset or "custom")
-    w.add_uint32("openjet.synth.seed", seed)
+    # provenance and the like (llama.cpp ignores keys it does not know)
+    for key, value in (extra_metadata or {}).items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint64(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            raise TypeError(f"metadata key {key!r}: cannot write a value of type {type(value).__name__}")
     if file_type not in (0, 1, 32):
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def _write_gguf(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[TensorSpec, str]],
-                data: Iterator[np.ndarray], *, file_type: int, preset: str | None, seed: int) -> None:
-    """Stream a GGUF: header, metadata and tensor infos first, then each tensor's bytes in order."""
+def _f32_layout(config: ModelConfig, arrays: Mapping[str, np.ndarray]) -> list[tuple[TensorSpec, str]]:
+    """The (spec, "F32") list for `arrays`, in tensors.py's order; an unknown or misshapen tensor
+    is an error naming it."""
+    specs = {s.name: s for s in all_tensors(config)}
+    unknown = sorted(set(arrays) - set(specs))
+    if unknown:
+        raise ValueError(f"tensors not in tensors.py's qwen35 layout: {unknown}")
+    layout = []
+    for name, spec in specs.items():
+        if name not in arrays:
+            continue
+        shape = tuple(reversed(spec.ne))
+        if tuple(np.shape(arrays[name])) != shape:
+            raise ValueError(f"tensor {name}: shape {np.shape(arrays[name])}, tensors.py wants {shape} "
+                             f"(ne={spec.ne})")
+        layout.append((spec, "F32"))
+    return layout
+
+
+def write_gguf(path: str | os.PathLike[str], config: ModelConfig,
+               tensors: Mapping[str, np.ndarray] | Sequence[tuple[TensorSpec, str]],
+               data: Iterable[np.ndarray] | None = None, *, name: str, file_type: int = 0,
+               extra_metadata: Mapping[str, object] | None = None) -> pathlib.Path:
+    """Write a qwen35 GGUF of given weights with this project's metadata, tokenizer and chat template.
+
+    Two forms:
+    - `tensors` a mapping name -> float array in GGUF numpy order (reversed ne), `data` None: each
+      is written as F32, in tensors.py's order; names and shapes are checked against it;
+    - `tensors` a sequence of (TensorSpec, GGML type name) and `data` an iterable of the same
+      tensors' contents in that order (float32 values for F32, raw blocks `[rows, row_bytes]` for
+      the rest): streamed, header first, one tensor in memory at a time.
+    `name` is general.name; `file_type` general.file_type (llama_ftype); `extra_metadata` more
+    keys (bool, int as uint64, float as float32, str). Writes `path` in place; returns it.
+    """
     import gguf
 
+    if data is None:
+        if not isinstance(tensors, Mapping):
+            raise TypeError("write_gguf: without `data`, `tensors` must map tensor names to arrays")
+        arrays = tensors
+        layout = _f32_layout(config, arrays)
+        data = (np.ascontiguousarray(arrays[spec.name], dtype=np.float32) for spec, _ in layout)
+    else:
+        layout = list(tensors)
+    path = pathlib.Path(path)
     w = gguf.GGUFWriter(os.fspath(path), ARCH)
     try:
-        _add_metadata(w, config, f"openjet-synth-{preset or 'custom'}", file_type, preset, seed)
-        for spec, t in tensors:
+        _add_metadata(w, config, name, file_type, extra_metadata)
+        for spec, t in layout:
+            if t not in _BLOCK_BYTES:
+                raise ValueError(f"tensor {spec.name!r}: type {t!r} is not one of {', '.join(_BLOCK_BYTES)}")
             qtype = gguf.GGMLQuantizationType[t]
             per, nbytes = _BLOCK_BYTES[t]
-            n_rows = spec.ne[1] if len(spec.ne) > 1 else 1
+            n_rows = int(np.prod(spec.ne[1:])) if len(spec.ne) > 1 else 1
             size = n_rows * (spec.ne[0] // per) * nbytes
             shape = tuple(reversed(spec.ne))
             if t == "F32":
@@ -284,27 +358,91 @@ def _write_gguf(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[Ten
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for arr in data:
+        n_written = 0
+        for (spec, t), arr in zip(layout, data):
+            per, nbytes = _BLOCK_BYTES[t]
+            want = (int(np.prod(spec.ne)) // per) * nbytes
+            if arr.nbytes != want:
+                raise ValueError(f"tensor {spec.name!r}: {arr.nbytes} bytes of data, {t} with ne={spec.ne} "
+                                 f"needs {want}")
             w.write_tensor_data(arr)
+            n_written += 1
+        if n_written != len(layout):
+            raise ValueError(f"write_gguf: data ended after {n_written} of {len(layout)} tensors")
     finally:
         w.close()
+    return path
 
 
-def _f32_tensors(specs: list[TensorSpec], seed: int) -> Iterator[np.ndarray]:
+def _synth_metadata(preset: str | None, seed: int) -> dict[str, object]:
+    # provenance, read by tests
+    return {"openjet.synth.preset": preset or "custom", "openjet.synth.seed": seed}
+
+
+def _write_synth(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[TensorSpec, str]],
+                 data: Iterator[np.ndarray], *, file_type: int, preset: str | None, seed: int) -> None:
+    write_gguf(path, config, tensors, data, name=f"openjet-synth-{preset or 'custom'}", file_type=file_type,
+               extra_metadata=_synth_metadata(preset, seed))
+
+
+def rewrite_chat_template(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+                          template: str | None = None) -> pathlib.Path:
+    """Copy GGUF `src` to `dst` with `tokenizer.chat_template` set to `template` (default: the
+    shipped chat_template.jinja); every other key and every tensor's bytes stay as they are."""
+    import gguf
+
+    src, dst = pathlib.Path(src), pathlib.Path(dst)
+    if src.resolve() == dst.resolve():
+        raise ValueError(f"{dst}: rewrite_chat_template writes a new file; give another path than {src}")
+    template = CHAT_TEMPLATE_FILE.read_text(encoding="utf-8") if template is None else template
+    reader = gguf.GGUFReader(os.fspath(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(os.fspath(dst), arch)
+    try:
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            if key == gguf.Keys.Tokenizer.CHAT_TEMPLATE:
+                w.add_chat_template(template)
+            elif field.types[0] == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, field.contents(), gguf.GGUFValueType.ARRAY, field.types[-1])
+            else:
+                w.add_key_value(key, field.contents(), field.types[0])
+        if gguf.Keys.Tokenizer.CHAT_TEMPLATE not in reader.fields:
+            w.add_chat_template(template)
+        for t in reader.tensors:
+            raw = np.asarray(t.data)
+            shape = tuple(int(n) for n in reversed(t.shape))
+            if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                w.add_tensor_info(t.name, shape, raw.dtype, t.n_bytes)
+            else:
+                w.add_tensor_info(t.name, raw.shape, np.dtype(np.uint8), t.n_bytes, raw_dtype=t.tensor_type)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in reader.tensors:
+            w.write_tensor_data(np.asarray(t.data))
+    finally:
+        w.close()
+    return dst
+
+
+def _f32_tensors(specs: list[TensorSpec], seed: int, config: ModelConfig) -> Iterator[np.ndarray]:
     for spec in specs:
-        yield tensor_values(spec, seed)
+        yield tensor_values(spec, seed, config)
 
 
-def _direct_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int) -> Iterator[np.ndarray]:
+def _direct_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
+                    config: ModelConfig) -> Iterator[np.ndarray]:
     """Random blocks for each tensor in turn: one tensor in memory at a time (at most ~1 GB for
     the 27B's Q6_K output head), generated in row chunks that each draw from their own stream."""
     for spec in specs:
         t = types[spec.name]
         if t == "F32":
-            yield tensor_values(spec, seed)
+            yield tensor_values(spec, seed, config)
             continue
         n_rows, n_cols = spec.ne[1], spec.ne[0]
-        std = float(_matrix_std(spec))
+        std = float(_matrix_std(spec, config))
         per, nbytes = _BLOCK_BYTES[t]
         chunk = max(1, (64 << 20) // (n_cols // per * nbytes))
         # chunk starts; the output head also starts a chunk where its padding rows begin
@@ -358,13 +496,13 @@ def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: s
     try:
         if direct:
             types = q4_k_m_type_map(cfg)
-            _write_gguf(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed),
+            _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed, cfg),
                         file_type=FTYPES["Q4_K_M"], preset=name, seed=seed)
         elif quant == "F32":
-            _write_gguf(tmp, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed),
+            _write_synth(tmp, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg),
                         file_type=FTYPES["F32"], preset=name, seed=seed)
         else:
-            _write_gguf(tmp_f32, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed),
+            _write_synth(tmp_f32, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg),
                         file_type=FTYPES["F32"], preset=name, seed=seed)
             llama_quantize(tmp_f32, tmp, quant)
         os.replace(tmp, out)
@@ -396,7 +534,7 @@ def synth_uniform(out_path: str | os.PathLike[str], matrix_type: str, preset: st
             raise ValueError(f"tensor {s.name!r}: width {s.ne[0]} is not a multiple of the {matrix_type} block")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        _write_gguf(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed),
+        _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed, cfg),
                     file_type=_UNIFORM_FTYPES[matrix_type], preset=preset if config is None else None, seed=seed)
         os.replace(tmp, out)
     finally:
@@ -416,7 +554,7 @@ def synth_vocab_only(out_path: str | os.PathLike[str], preset: str = "tiny", for
         raise FileExistsError(f"{out}: file exists; pass force=True (--force) to overwrite it")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        _write_gguf(tmp, cfg, [], iter(()), file_type=FTYPES["F32"], preset=preset if config is None else None,
+        _write_synth(tmp, cfg, [], iter(()), file_type=FTYPES["F32"], preset=preset if config is None else None,
                     seed=0)
         os.replace(tmp, out)
     finally:
