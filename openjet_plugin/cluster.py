@@ -19,7 +19,7 @@ Router picks a worker per request:
   a conversation reaches the worker whose engine holds its prefix (see docs/CLUSTER.md);
 - failures: a connection refused or reset is retried on another worker (num_retries; the failed
   worker is excluded for the rest of that request), and the worker is put in cooldown
-  (allowed_fails, cooldown_time), so it leaves the rotation until it answers again;
+  (allowed_fails, cooldown_time): out of the rotation for cooldown_time, then tried again;
 - liveness: this process watches its workers: one that exits, or stops answering its
   /health/liveliness endpoint (served by its event loop, never queued behind a generation) for
   `health_failures` checks in a row, is killed and started again on the same port; the Router
@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .serve import DEFAULT_MODEL_NAME
+
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # no network fetch when litellm loads
 
 WORKER_KEY_PREFIX = "sk-openjet-worker-"
 STOP_GRACE_SECONDS = 20.0
@@ -145,6 +147,8 @@ class RouterPolicy:
         if self.session_affinity:
             settings["optional_pre_call_checks"] = ["session_affinity"]
             settings["deployment_affinity_ttl_seconds"] = self.affinity_ttl
+            # after a failover the conversation's cache is on the worker that answered: pin it there
+            settings["session_affinity_repin_on_failover"] = True
         return settings
 
 
@@ -230,13 +234,27 @@ def _make_session_callback():
     return ConversationSessionId()
 
 
-conversation_session_id = _make_session_callback()
+_session_callback = None
+
+
+def __getattr__(name: str):
+    # `conversation_session_id`, the instance the front's config names
+    # (litellm_settings.callbacks), is made on first use: importing this module (the supervisor,
+    # the tests) need not import LiteLLM
+    global _session_callback
+    if name == "conversation_session_id":
+        if _session_callback is None:
+            _session_callback = _make_session_callback()
+        return _session_callback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- the workers --------------------------------------------------------------------------------
 
 def _pdeathsig() -> None:
-    """In the child before exec: SIGTERM when the supervisor dies, however it dies (Linux)."""
+    """In the child before exec: SIGTERM when the supervisor dies, however it dies (Linux).
+    The kernel sends it when the *thread* that forked the child ends: the first workers come from
+    the main thread, restarted ones from the watcher thread, and both live until stop()."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)            # PR_SET_PDEATHSIG
@@ -319,6 +337,8 @@ class Cluster:
     def start(self) -> None:
         for w in self.workers:
             w.start()
+        # the front's LiteLLM import (seconds of CPU) overlaps the workers' start-up
+        threading.Thread(target=_import_proxy, name="openjet-front-import", daemon=True).start()
         self._watcher = threading.Thread(target=self._watch, name="openjet-cluster-watch", daemon=True)
         self._watcher.start()
 
@@ -427,6 +447,13 @@ class Cluster:
     def status(self) -> list[dict]:
         return [{"name": w.spec.name, "port": w.spec.port, "gpu": w.spec.gpu, "pid": w.pid,
                  "alive": w.alive(), "starts": w.starts, "log": str(w.log_path)} for w in self.workers]
+
+
+def _import_proxy() -> None:
+    try:
+        import litellm.proxy.proxy_server  # noqa: F401
+    except Exception:  # noqa: BLE001 - the front's own import reports it properly
+        pass
 
 
 def _tail(path: Path, n: int = 3000) -> str:

@@ -185,12 +185,17 @@ class Runner:
         child.close()
         self._conn = parent
         # imports are not part of any case's time
-        if not (parent.poll(STARTUP_TIMEOUT_S) and parent.recv() == "ready"):
+        try:
+            ready = parent.poll(STARTUP_TIMEOUT_S) and parent.recv() == "ready"
+        except (EOFError, OSError):
+            ready = False
+        if not ready:
             self._kill()
-            raise RuntimeError("the fuzz worker process did not start")
+            raise RuntimeError("the fuzz worker process did not start (run the fuzzer from a "
+                               "script guarded by `if __name__ == '__main__':`)")
 
     def _kill(self) -> None:
-        if self._proc is not None:
+        if self._proc is not None and self._proc.pid is not None:
             self._proc.kill()
             self._proc.join(5)
         if self._conn is not None:
@@ -223,7 +228,7 @@ class Runner:
                 self._conn.send(None)
             except OSError:
                 pass
-        if self._proc is not None:
+        if self._proc is not None and self._proc.pid is not None:
             self._proc.join(5)
             if self._proc.is_alive():
                 self._proc.kill()
@@ -333,6 +338,14 @@ class Mutator:
     def mutate(self, seed: bytes, lay: Layout) -> tuple[bytes, list[str]]:
         data = bytearray(seed)
         ops = []
+        if self.rng.random() < 0.3:
+            # type confusion: a metadata value re-encoded, well-formed, as another type; the file
+            # stays walkable, so the readers past the structural checks see the wrong type
+            op, data = self.retype_entry(data, lay)
+            ops.append(op)
+            if self.rng.random() < 0.7:
+                return bytes(data), ops
+            lay = parse_layout(bytes(data))
         for _ in range(self.rng.choice((1, 1, 1, 2, 2, 3, 4))):
             op = self.rng.choice(self._OPS)
             ops.append(op(self, data, lay))
@@ -446,6 +459,50 @@ class Mutator:
         o, n = self.rng.choice(strs)
         data[o + 8 + self.rng.randrange(n)] = self.rng.choice((0xFF, 0xC0, 0x80, 0xED))
         return f"utf8@{o}"
+
+    def retype_entry(self, data: bytearray, lay: Layout) -> tuple[str, bytearray]:
+        """Replace one metadata entry's value with a random well-formed value of a random type
+        (the tensor data is re-aligned, so only that entry differs)."""
+        start, end = self.rng.choice(lay.kv_entries)
+        n = struct.unpack_from("<Q", data, start)[0]
+        key = bytes(data[start:start + 8 + n])
+        vtype, payload = self._random_value(depth=0)
+        infos_end = lay.tensor_entries[-1][1] if lay.tensor_entries else lay.tensor_info_start
+        head = data[:start] + key + struct.pack("<I", vtype) + payload + data[end:infos_end]
+        head += bytes(-len(head) % 32)
+        return f"retype {key[8:].decode(errors='replace')} -> {vtype}", head + data[lay.data_start:]
+
+    def _random_value(self, depth: int) -> tuple[int, bytes]:
+        rng = self.rng
+        vtype = rng.choice((0, 1, 2, 3, 4, 5, 6, 7, 8, 8, 9, 9, 9, 10, 11, 12))
+        if depth and vtype == 9 and depth > 1:
+            vtype = 8
+        return vtype, self._payload(vtype, depth)
+
+    def _payload(self, vtype: int, depth: int) -> bytes:
+        rng = self.rng
+        ints = {0: ("<B", (0, 1, 255)), 1: ("<b", (-128, -1, 0, 127)), 2: ("<H", (0, 1, 65535)),
+                3: ("<h", (-32768, -1, 0, 32767)), 4: ("<I", (0, 1, 5, 4095, 4096, 2**31, 2**32 - 1)),
+                5: ("<i", (-(2**31), -1, 0, 1, 4089, 2**31 - 1)), 10: ("<Q", (0, 1, 4096, 2**63, 2**64 - 1)),
+                11: ("<q", (-(2**63), -1, 0, 1, 2**63 - 1))}
+        if vtype in ints:
+            fmt, values = ints[vtype]
+            return struct.pack(fmt, rng.choice(values))
+        if vtype == 6:
+            return struct.pack("<f", rng.choice((0.0, -1.0, 1e-6, 1e38, float("nan"), float("inf"))))
+        if vtype == 12:
+            return struct.pack("<d", rng.choice((0.0, -1.0, 1e300, float("nan"), float("-inf"))))
+        if vtype == 7:
+            return struct.pack("<B", rng.choice((0, 1, 2, 255)))
+        if vtype == 8:
+            text = rng.choice(("", "a", "gpt2", "qwen35", "llama", " ", "a b", "<|im_end|>", "é",
+                               "{{ x }}", "x" * 300))
+            raw = text.encode("utf-8")
+            return struct.pack("<Q", len(raw)) + raw
+        # an array of 0..6 elements of one type (arrays of arrays only one level deep)
+        etype = rng.choice((0, 1, 4, 5, 6, 7, 8, 8, 10, 11) + ((9,) if depth == 0 else ()))
+        count = rng.choice((0, 1, 2, 4, 6))
+        return struct.pack("<IQ", etype, count) + b"".join(self._payload(etype, depth + 1) for _ in range(count))
 
     _OPS = (bit_flip, bit_flip, set_byte, u64_field, u64_field, u64_field, u32_field, u32_field,
             u32_field, truncate, delete_range, insert_bytes, duplicate_entry, swap_entries,

@@ -252,9 +252,7 @@ def describe(path: str | os.PathLike[str]) -> str:
     if c is not None:
         lines += [
             f"architecture: {ARCH}",
-            f"layers: {c.n_layer} main ({len(c.deltanet_layers())} Gated DeltaNet, "
-            f"{len(c.attention_layers())} full attention, every {c.full_attention_interval}th) "
-            f"+ {c.n_layer_nextn} MTP",
+            f"layers: {c.n_layer} main ({_layer_kinds(c)}) + {c.n_layer_nextn} MTP",
             f"embedding: {c.n_embd}, feed-forward: {c.n_ff}, vocabulary: {c.n_vocab}",
             f"attention: {c.n_head} query heads, {c.n_head_kv} KV heads, head dim {c.head_dim}, "
             f"RoPE on {c.n_rot} dims (sections {list(c.rope_sections)}, base {c.rope_freq_base:g})",
@@ -275,6 +273,16 @@ def describe(path: str | os.PathLike[str]) -> str:
     lines += [f"  error: {e.reason}" for e in report.errors]
     lines += [f"  warning: {w}" for w in report.warnings]
     return "\n".join(lines)
+
+
+def _layer_kinds(c: ModelConfig) -> str:
+    # counted, not listed: describe() also reports files whose values are nonsense (an interval
+    # of 0, four billion layers) and must neither divide by zero nor loop over them
+    if c.full_attention_interval < 1 or c.n_layer < 0:
+        return f"full_attention_interval {c.full_attention_interval} is invalid"
+    n_attn = c.n_layer // c.full_attention_interval
+    return (f"{c.n_layer - n_attn} Gated DeltaNet, {n_attn} full attention, "
+            f"every {c.full_attention_interval}th")
 
 
 # --- the checks ---------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-depth", type=int, default=None, help="MTP draft tokens per cycle (native)")
     p.add_argument("--api-key", help="the key clients must send (default: $LITELLM_MASTER_KEY or a random one)")
     p.add_argument("--print-config", action="store_true", help="print the generated config and exit")
+    p.add_argument("--preload", action="store_true", help="load the models before listening (default: on "
+                   "the first request)")
     c = p.add_argument_group("several workers (see docs/CLUSTER.md)")
     c.add_argument("--gpus", help="one worker per GPU: 'all', a count N, or indices like 0,1")
     c.add_argument("--workers", type=int, default=None, help="N workers without GPU pinning (CPU testing)")
@@ -145,8 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     from .adapters import litellm as openjet_litellm   # after the environment: it configures the handler
     from .adapters._shared import close_shared_engines
 
-    openjet_litellm.configure_proxy_handler()
+    handler = openjet_litellm.configure_proxy_handler()
     atexit.register(close_shared_engines)
+    if args.preload:
+        # load every served model before listening, so "answers /health/liveliness" means "ready"
+        # (the cluster waits for that before its front accepts requests)
+        for name in [n for n, _ in models] or [DEFAULT_MODEL_NAME]:
+            eng = handler.engine(name)
+            print(f"openjet serve: loaded {name} ({eng.backend_name}: {eng.backend_reason})",
+                  file=sys.stderr, flush=True)
     print(f"openjet serve: http://{args.host}:{args.port}/v1 (config {config_path})", file=sys.stderr, flush=True)
 
     _run_proxy(config_path, args.host, args.port)
@@ -193,7 +202,11 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
         if args.workers is not None and args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
         if args.worker_ports:
-            ports = [int(p) for p in args.worker_ports.split(",")]
+            try:
+                ports = [int(p) for p in args.worker_ports.split(",")]
+            except ValueError:
+                raise ValueError(f"--worker-ports {args.worker_ports!r}: expected comma-separated port "
+                                 f"numbers") from None
             if len(ports) != len(gpus) or len(set(ports + [args.port])) != len(ports) + 1:
                 raise ValueError(f"--worker-ports {args.worker_ports!r}: need {len(gpus)} distinct ports, "
                                  f"none equal to --port {args.port}")
@@ -220,7 +233,7 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
         print(shown, end="")
         return 0
 
-    serve_args = [a for m in args.model for a in ("--model", m)]
+    serve_args = ["--preload"] + [a for m in args.model for a in ("--model", m)]
     for flag, value in (("--backend", args.backend), ("--n-ctx", args.n_ctx), ("--draft-depth", args.draft_depth)):
         if value is not None:
             serve_args += [flag, str(value)]
@@ -233,11 +246,10 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
     os.environ.update({"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_EVENT_LOOP": "asyncio",
                        "LITELLM_MASTER_KEY": api_key})
 
-    if args.gpus is None:
+    if not models:
         from . import default_model_path
 
-        if not models:
-            default_model_path()              # generate the embedded model once, not in every worker
+        default_model_path()                  # where missing, generate the embedded model once, not per worker
     group = cluster.Cluster(specs, serve_args, worker_key, log_dir, restart=not args.no_restart,
                             health_interval=args.health_interval)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))

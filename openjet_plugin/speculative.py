@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 import numpy as np
 
 from .sampling import SamplingParams, draw_token, token_distribution
+from .tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, read_gguf_metadata
 
 MAX_DRAFT_DEPTH = 8
 DEFAULT_DRAFT_DEPTH = 4
@@ -199,7 +200,6 @@ def frequent_token_ids(tokens: Sequence[str], token_types: Sequence[int], merges
     (the 256 bytes), merged tokens by the rank of the merge that makes them, then anything else
     by id. Capped at the vocabulary size.
     """
-    from .tokenizer import TOKEN_CONTROL
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"draft vocabulary size must be a positive integer, got {size!r}")
     n = len(tokens)
@@ -234,7 +234,9 @@ class DraftVocab:
     def __init__(self, base_ids: Iterable[int], n_vocab: int, dynamic: bool = True):
         if isinstance(n_vocab, bool) or not isinstance(n_vocab, (int, np.integer)) or n_vocab < 1:
             raise ValueError(f"n_vocab must be a positive integer, got {n_vocab!r}")
-        base = np.unique(np.asarray(list(base_ids), dtype=np.int64))
+        if not isinstance(base_ids, (np.ndarray, range, list, tuple)):
+            base_ids = list(base_ids)
+        base = np.unique(np.asarray(base_ids, dtype=np.int64))
         if base.size == 0:
             raise ValueError("the draft vocabulary is empty")
         if base[0] < 0 or base[-1] >= n_vocab:
@@ -260,7 +262,6 @@ class DraftVocab:
                   n_vocab: int | None = None, dynamic: bool = True) -> "DraftVocab":
         """The default draft vocabulary of a model file, from its `tokenizer.ggml.*` arrays.
         `n_vocab` (the output head's rows) caps it when the head is smaller than the token list."""
-        from .tokenizer import TOKEN_NORMAL, read_gguf_metadata
         meta = read_gguf_metadata(os.fspath(path), prefix="tokenizer.")
         for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
             if key not in meta:
@@ -272,7 +273,11 @@ class DraftVocab:
         return cls(ids[ids < nv], nv, dynamic)
 
     def copy(self) -> "DraftVocab":
-        return DraftVocab(self.ids, self.n_vocab, self.dynamic)
+        """An independent copy (a request adds its sequence's tokens to its own copy)."""
+        out = DraftVocab.__new__(DraftVocab)
+        out.n_vocab, out.dynamic = self.n_vocab, self.dynamic
+        out._mask, out._ids = self._mask.copy(), self._ids
+        return out
 
     def add(self, tokens: Iterable[int]) -> None:
         """Add tokens of the current sequence (no-op unless dynamic)."""
@@ -589,15 +594,22 @@ class SpeculativeDecoder:
     """Runs speculative cycles of one request over a target and a draft source.
 
     `drafts=None` or depth 0 is plain decoding through the same target (one position a cycle).
+    Randomness (draft draws, acceptance tests, corrections, bonus) comes from one generator,
+    seeded by `params.seed` unless `rng` is given, so a request is reproducible.
+
+    The native engine plugs in as a Target (verify = evaluate the current token and the drafts in
+    one call, 1 + depth <= 9 positions; commit = keep the accepted positions by replay, see the
+    module docstring) and a Drafter (its MTP block over the draft vocabulary) or a DraftSource
+    of its own when drafting runs inside the engine.
     """
 
     def __init__(self, target: Target, drafts: DraftSource | None,
                  policy: DepthPolicy | int = DEFAULT_DRAFT_DEPTH, rule: SampledRule = STANDARD_RULE):
-        self.target = target
-        self.drafts = drafts
         self.policy = policy if isinstance(policy, DepthPolicy) else DepthPolicy(policy)
         if drafts is None:
             self.policy = DepthPolicy(0)
+        self.target = target
+        self.drafts = drafts if self.policy.depth > 0 else None
         self.rule = rule
         self.last_stats: SpeculativeStats | None = None
 
@@ -653,7 +665,7 @@ class SpeculativeDecoder:
                 v = verify_greedy([int(token_distribution(logits[i], params, hists[i])[0][0])
                                    for i in range(len(tokens))], drafts)
             else:
-                p = [TokenDistribution.from_logits(logits[i], params, hists[i]) for i in range(len(tokens))]
+                p = _TargetDistributions(logits, params, hists)
                 v = verify_sampled(p, qs[:depth], drafts, rng, self.rule)
             emitted = drafts[:v.n_accepted] + [v.token]
 
@@ -683,6 +695,24 @@ class SpeculativeDecoder:
             pos += v.n_accepted + 1
             current = v.token
             prev_hidden = hid[v.n_accepted]
+
+
+class _TargetDistributions:
+    """The target's distribution after each position of a cycle, built when verification first
+    asks for it: positions after a rejection are never transformed."""
+
+    def __init__(self, logits: np.ndarray, params: SamplingParams, histories: list[list[int]]):
+        self.logits, self.params, self.histories = logits, params, histories
+        self._rows: dict[int, TokenDistribution] = {}
+
+    def __len__(self) -> int:
+        return len(self.histories)
+
+    def __getitem__(self, i: int) -> TokenDistribution:
+        i = range(len(self))[i]
+        if i not in self._rows:
+            self._rows[i] = TokenDistribution.from_logits(self.logits[i], self.params, self.histories[i])
+        return self._rows[i]
 
 
 # --- the numpy reference as target and drafter --------------------------------------------------

@@ -216,15 +216,25 @@ class Tokenizer:
         if model != "gpt2":
             raise InvalidMetadataError(source, "tokenizer.ggml.model", model,
                                        "only byte-level BPE vocabularies ('gpt2') are supported")
-        tokens = list(get("tokenizer.ggml.tokens"))
-        types = [int(x) for x in get("tokenizer.ggml.token_type", [TOKEN_NORMAL] * len(tokens))]
-        merges = list(get("tokenizer.ggml.merges"))
+        # a model file is untrusted: every value must have the type its key promises, or the
+        # error names the key (not a TypeError from deep inside the constructor)
+        def typed_list(key: str, kind: type, what: str, default=_REQUIRED) -> list:
+            v = get(key, default)
+            if not isinstance(v, list) or not all(isinstance(x, kind) for x in v):
+                raise InvalidMetadataError(source, key, v, f"expected {what}")
+            return v
+
+        tokens = list(typed_list("tokenizer.ggml.tokens", str, "an array of strings (the vocabulary)"))
+        types = [int(x) for x in typed_list("tokenizer.ggml.token_type", int, "an array of integers",
+                                            [TOKEN_NORMAL] * len(tokens))]
+        merges = list(typed_list("tokenizer.ggml.merges", str, "an array of strings ('left right')"))
 
         def token_id(key: str) -> int | None:
             v = get(key, None)
             if v is None:
                 return None
-            v = int(v)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidMetadataError(source, key, v, "expected an integer token id")
             if not 0 <= v < len(tokens):
                 raise InvalidMetadataError(source, key, v, f"is not a token id (the vocabulary has {len(tokens)})")
             return v

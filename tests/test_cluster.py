@@ -21,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from openjet_plugin import cluster
-from openjet_plugin.cluster import RouterPolicy, WorkerSpec, conversation_key, front_config, parse_gpus
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from openjet_plugin import cluster  # noqa: E402
+from openjet_plugin.cluster import RouterPolicy, WorkerSpec, conversation_key, front_config, parse_gpus  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "sk-openjet-cluster-test-" + "1" * 16
@@ -96,6 +98,27 @@ def test_conversation_key_is_the_same_on_every_turn():
     assert conversation_key([{"role": "system", "content": "x"}]) is None
 
 
+@pytest.mark.slow                       # importing litellm.router takes seconds
+def test_router_settings_are_routers_parameters():
+    # LiteLLM's proxy passes router_settings to Router(); a misspelt key would be refused (or,
+    # through the proxy, silently lost): check ours and the several-hosts example against it
+    import yaml
+    from litellm.router import router_arguments
+
+    ours = front_config([WorkerSpec(0, 5001, "0")], [], "k")["router_settings"]
+    assert set(router_arguments(**ours)) == set(ours)
+    example = yaml.safe_load((REPO / "examples" / "cluster_router.yaml").read_text())
+    assert set(router_arguments(**example["router_settings"])) == set(example["router_settings"])
+    assert example["router_settings"]["optional_pre_call_checks"] == ["session_affinity"]
+    hosts = example["model_list"]
+    assert len(hosts) >= 2 and len({d["model_name"] for d in hosts}) == 1
+    assert all(d["litellm_params"]["api_key"].startswith("os.environ/") for d in hosts)   # no key in the file
+    assert len({d["model_info"]["id"] for d in hosts}) == len(hosts)
+    for path in example["litellm_settings"]["callbacks"]:
+        module, _, attr = path.rpartition(".")
+        assert getattr(__import__(module, fromlist=[attr]), attr) is cluster.conversation_session_id
+
+
 def test_print_config_hides_the_worker_key(capsys):
     from openjet_plugin.serve import main
 
@@ -110,6 +133,8 @@ def test_print_config_hides_the_worker_key(capsys):
     (["--workers", "0"], "at least 1"),
     (["--workers", "2", "--gpus", "0"], "either --gpus or --workers"),
     (["--workers", "2", "--worker-ports", "4001"], "need 2 distinct ports"),
+    (["--workers", "2", "--worker-ports", "4001,x"], "expected comma-separated port numbers"),
+    (["--workers", "1", "--config", "examples/litellm_proxy.yaml"], "cannot be combined"),
     (["--workers", "1", "--host", "0.0.0.0"], "loopback"),
 ])
 def test_bad_cluster_arguments(argv, words, capsys):
@@ -255,6 +280,12 @@ def _ask(client, messages, max_tokens=24, **kw):
     return worker, int(raw.headers.get("x-litellm-attempted-retries") or 0), r.choices[0].message.content, r
 
 
+def _stream(client, messages, max_tokens=24) -> str:
+    chunks = client.chat.completions.create(model="openjet-default", messages=messages, temperature=0,
+                                            max_tokens=max_tokens, stream=True)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
 def _question(i: int) -> list[dict]:
     return [{"role": "user", "content": f"Question {i}: what does the module number {i} do?"}]
 
@@ -300,42 +331,68 @@ def test_requests_are_spread_over_both_workers(front, client, engine):
     assert served == by_worker, (served, by_worker)
 
 
+def _pinned_despite_a_busy_worker(front, client, first, later, **kw):
+    """Send `first`, then freeze the worker that answered it and send `later` twice at once: the
+    first of those waits on the frozen worker, so for the second, least-busy alone would pick the
+    other (idle) worker; a pin must keep it on the frozen one. -> (worker of first, workers of both)."""
+    w_first, *_ = _ask(client, first, 8, **kw)
+    pid = front["workers"][w_first]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(_ask, client, later, 8, **kw)
+            time.sleep(0.5)
+            second = pool.submit(_ask, client, later, 8, **kw)
+            time.sleep(0.5)
+            assert not waiting.done() and not second.done(), "the frozen worker answered"
+            os.kill(pid, signal.SIGCONT)
+            return w_first, (waiting.result()[0], second.result()[0]), second.result()[2]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.slow
-def test_a_conversation_stays_on_its_worker(client, engine):
-    # conversation B is opened on one worker, then that worker is kept busy by B's own long turn
-    # while the other worker is idle: least-busy alone would send B's next request to the idle
-    # worker; the conversation's pin must keep it where its cache is
+def test_a_conversation_stays_on_its_worker(front, client, engine):
     b = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Conversation B"}]
-    w_b, _, text, _ = _ask(client, b)
-    b += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on, at length."}]
-    with ThreadPoolExecutor(2) as pool:
-        t0 = time.monotonic()
-        long_turn = pool.submit(lambda: (_ask(client, b, max_tokens=400), time.monotonic()))
-        time.sleep(0.3)
-        sent = time.monotonic()
-        w_next, _, next_text, _ = _ask(client, b, max_tokens=8)
-        (w_long, _, long_text, long_r), long_done = long_turn.result()
-    assert w_long == w_b and w_next == w_b, (w_b, w_long, w_next)
-    assert long_done > sent > t0, "the long turn ended before the next request was sent; the test proves nothing"
-    assert next_text == engine.chat(b, temperature=0, max_tokens=8).text
-    # every further turn of B, sequential or not, stays there
+    w_b, _, text, _ = _ask(client, b, 8)
+    b += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on."}]
+    first, later, answer = _pinned_despite_a_busy_worker(front, client, b, b)
+    assert first == w_b and later == (w_b, w_b), (w_b, first, later)
+    assert answer == engine.chat(b, temperature=0, max_tokens=8).text
+    # further turns, one at a time, stay there too
     for turn in range(3):
-        b += [{"role": "assistant", "content": next_text}, {"role": "user", "content": f"Turn {turn}"}]
-        w, _, next_text, _ = _ask(client, b, max_tokens=8)
+        b += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"Turn {turn}"}]
+        w, _, answer, _ = _ask(client, b, max_tokens=8)
         assert w == w_b
 
 
 @pytest.mark.slow
-def test_a_client_session_id_pins_too(client):
-    # two conversations that open differently but name one session share its worker
+def test_a_client_session_id_pins_too(front, client):
+    # conversations that open differently but name one session share its worker
     session = {"x-litellm-session-id": "openjet-test-session-0001"}
-    first, *_ = _ask(client, _question(100), extra_headers=session)
-    with ThreadPoolExecutor(2) as pool:
-        busy = pool.submit(_ask, client, _question(101), 400, extra_headers=session)
-        time.sleep(0.3)
-        other, *_ = _ask(client, _question(102), max_tokens=4, extra_headers=session)
-        held, *_ = busy.result()
-    assert first == held == other
+    first, later, _ = _pinned_despite_a_busy_worker(front, client, _question(100), _question(101),
+                                                    extra_headers=session)
+    assert later == (first, first)
+
+
+@pytest.mark.slow
+def test_without_a_pin_the_idle_worker_is_chosen(front, client):
+    # the control for the two tests above: with one worker frozen holding a request, a new
+    # conversation goes to the other worker, so the pins above are what kept those requests
+    w_first, *_ = _ask(client, _question(110), 8)
+    pid = front["workers"][w_first]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(_ask, client, _question(110), 8)
+            time.sleep(0.5)
+            w_new, *_ = _ask(client, _question(111), 8)
+            assert not waiting.done()
+            os.kill(pid, signal.SIGCONT)
+            assert waiting.result()[0] == w_first
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert w_new != w_first
 
 
 @pytest.mark.slow
@@ -343,18 +400,23 @@ def test_a_killed_workers_requests_are_retried(front, client, engine):
     victim = front["workers"]["worker-1"]
     expected = {i: engine.chat(_question(i), temperature=0, max_tokens=24).text for i in range(20, 32)}
     # freeze the victim first, so requests are certainly in flight on it when it is killed
+    streamed = {i: engine.chat(_question(i), temperature=0, max_tokens=24).text for i in range(32, 36)}
     os.kill(victim["pid"], signal.SIGSTOP)
     try:
-        with ThreadPoolExecutor(12) as pool:
+        with ThreadPoolExecutor(16) as pool:
             futures = {i: pool.submit(_ask, client, _question(i)) for i in expected}
+            # streams whose worker dies before their first chunk are retried like the others
+            streams = {i: pool.submit(_stream, client, _question(i)) for i in streamed}
             time.sleep(1.5)
             os.kill(victim["pid"], signal.SIGKILL)
             results = {i: f.result() for i, f in futures.items()}       # a failed request raises here
+            stream_results = {i: f.result() for i, f in streams.items()}
     finally:
         try:
             os.kill(victim["pid"], signal.SIGKILL)
         except ProcessLookupError:
             pass
+    assert stream_results == streamed
     assert {i: text for i, (_, _, text, _) in results.items()} == expected
     assert {w for w, *_ in results.values()} == {"worker-0"}
     retried = [i for i, (_, retries, _, _) in results.items() if retries >= 1]

@@ -109,3 +109,29 @@ def test_fuzz_command_runs(tmp_path):
     assert st.executions > 50
     assert not st.findings, st.findings
     assert sum(v for k, v in st.outcomes.items() if k == "open_model:ok") > 0   # some cases load
+
+
+@pytest.mark.parametrize("key,value", [
+    ("tokenizer.ggml.tokens", 5),
+    ("tokenizer.ggml.tokens", [1, 2]),
+    ("tokenizer.ggml.merges", 1.5),
+    ("tokenizer.ggml.merges", [1, 2]),
+    ("tokenizer.ggml.token_type", ["a"]),
+    ("tokenizer.ggml.eos_token_id", "a"),
+    ("tokenizer.ggml.eos_token_id", []),
+    ("tokenizer.ggml.bos_token_id", 1.0),
+])
+def test_tokenizer_metadata_of_the_wrong_type_names_the_key(key, value):
+    """Type confusion the fuzzer found (retyped metadata values): each is an InvalidMetadataError
+    naming the key, not a TypeError/ValueError from inside the tokenizer."""
+    from openjet_plugin.errors import InvalidMetadataError
+    from openjet_plugin.tokenizer import Tokenizer
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "qwen35",
+            "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.token_type": [1, 1, 1],
+            "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 2}
+    Tokenizer.from_metadata(dict(meta), source="m.gguf")          # the untouched one is fine
+    meta[key] = value
+    with pytest.raises(InvalidMetadataError, match=key.replace(".", r"\.")) as ei:
+        Tokenizer.from_metadata(meta, source="m.gguf")
+    assert "m.gguf" in str(ei.value)

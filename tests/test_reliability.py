@@ -216,6 +216,29 @@ def test_an_exception_inside_a_consumer_loop_releases_the_engine(engine, model):
     assert engine.generate(PROMPTS[3], max_tokens=8, temperature=0).tokens == fresh_greedy(model, PROMPTS[3], 8)
 
 
+def test_an_interrupt_right_after_a_backend_step_leaves_the_engine_correct(model):
+    """Ctrl-C can land after llama.cpp evaluated a token but before the engine recorded it; the
+    next request must still be exactly a fresh engine's."""
+    with openjet_plugin.load(model, backend="llama.cpp", n_ctx=256, n_threads=1) as eng:
+        original = eng._backend.eval
+        calls = {"n": 0}
+
+        def eval_then_interrupt(tokens):
+            out = original(tokens)
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise KeyboardInterrupt
+            return out
+
+        eng._backend.eval = eval_then_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            eng.generate(PROMPTS[0], max_tokens=30, temperature=0.7, seed=3)
+        eng._backend.eval = original
+        assert eng._backend.n_past >= len(eng._tokens)
+        for p in (PROMPTS[0], PROMPTS[1]):
+            assert eng.generate(p, max_tokens=10, temperature=0).tokens == fresh_greedy(model, p, 10)
+
+
 def test_ctrl_c_in_openjet_generate_exits_130_without_a_traceback(tmp_path):
     env = dict(os.environ, OPENJET_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.cli", "generate", "def main():",
@@ -456,3 +479,76 @@ def test_the_default_model_cache_is_written_atomically(tmp_path, monkeypatch):
         defaults.default_model_path()
     assert not defaults.generated_default_path().exists()
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
+
+
+# --- through `openjet serve` (a real LiteLLM proxy subprocess): disconnects and load -------------------
+
+def _load_test_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("openjet_load_test", REPO / "scripts" / "load_test.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod          # its dataclasses look their module up while being made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def load_test():
+    return _load_test_module()
+
+
+@pytest.fixture(scope="module")
+def server(load_test, tmp_path_factory):
+    openjet_plugin.default_model_path()
+    proc, base = load_test.start_server(tmp_path_factory.mktemp("serve") / "server.log", threads="1")
+    yield {"proc": proc, "base": base}
+    assert load_test.stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def expected(load_test):
+    return load_test.expected_replies(16)
+
+
+@pytest.mark.slow
+def test_a_client_hanging_up_mid_stream_leaves_the_server_correct(server, load_test, expected):
+    import httpx
+
+    body = {"model": load_test.MODEL, "messages": load_test.CONVERSATIONS[1], "temperature": 0,
+            "max_tokens": 2000, "stream": True}     # ~25 s of generation if it were not cancelled
+    headers = {"Authorization": f"Bearer {load_test.API_KEY}"}
+    for _ in range(3):
+        with httpx.Client(timeout=60) as http:
+            with http.stream("POST", f"{server['base']}/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status_code == 200
+                lines = 0
+                for line in r.iter_lines():
+                    lines += line.startswith("data:")
+                    if lines == 3:
+                        break              # leaving the block closes the connection mid-stream
+    # the next requests (streamed and not) get exactly the engine's answer, promptly
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server['base']}/v1", api_key=load_test.API_KEY, max_retries=0, timeout=60)
+    for conv in (0, 1):
+        text, total, _ = load_test.stream_once(client, conv, 16, timeout=60)
+        assert text == expected[conv]
+        assert total < 15, "the abandoned generations went on after their clients left"
+        r = client.chat.completions.create(model=load_test.MODEL, messages=load_test.CONVERSATIONS[conv],
+                                           temperature=0, max_tokens=16)
+        assert r.choices[0].message.content == expected[conv]
+    assert server["proc"].poll() is None
+
+
+@pytest.mark.slow
+def test_load_8_streaming_clients_x_3_requests(server, load_test, expected):
+    t0 = time.monotonic()
+    res = load_test.run_load(server["base"], expected, clients=8, requests=3, max_tokens=16,
+                             server_pid=server["proc"].pid, timeout=90, log=lambda *_: None)
+    print(load_test.summary(res, 8, 3))
+    assert not res.failures, res.failures[:3]
+    assert not res.wrong, res.wrong[:3]
+    assert res.ok == 24 and len(res.latencies) == 24
+    assert time.monotonic() - t0 < 100
+    assert len(res.rss) == 3 and res.rss[-1] - res.rss[0] < 64 << 20, res.rss

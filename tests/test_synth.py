@@ -13,7 +13,8 @@ from openjet_plugin.config import PRESETS, ModelConfig
 from openjet_plugin.tensors import all_tensors
 from openjet_plugin.testing import bpe
 from openjet_plugin.testing.synth import (
-    CHAT_TEMPLATE_FILE, QUANTS, random_blocks, synth_main, synth_model, synth_specs, synth_uniform,
+    CHAT_TEMPLATE_FILE, FFN_DOWN_GAIN, QUANTS, random_blocks, residual_gain, rewrite_chat_template, synth_main, synth_model,
+    synth_specs, synth_uniform, tensor_values, write_gguf,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -113,8 +114,15 @@ def test_weights_follow_the_converters_conventions(tiny_f32):
         assert t[f"blk.{il}.ssm_conv1d.weight"].shape == (TINY.ssm_conv_dim, TINY.ssm_conv_kernel)
     emb = t["token_embd.weight"]
     assert emb.shape == (TINY.n_vocab, TINY.n_embd) and 0.9 < emb.std() < 1.1
+    assert set(np.unique(emb)) == {-1.0, 1.0}            # +-1: cheap for llama.cpp's 8-bit rounding
     w = t["blk.0.ffn_up.weight"]
     assert w.std() == pytest.approx(1 / np.sqrt(TINY.n_embd), rel=0.05)
+    # residual branches' output projections: GPT-2's 1/sqrt(2 n_layer), relative to the gain 1 above
+    assert residual_gain(TINY) < 0.5
+    for name, n_in, gain in (("blk.0.ffn_down.weight", TINY.n_ff, FFN_DOWN_GAIN),
+                             ("blk.0.ssm_out.weight", TINY.ssm_d_inner, 1.0),
+                             (f"blk.{TINY.attention_layers()[0]}.attn_output.weight", TINY.n_head * TINY.head_dim, 1.0)):
+        assert t[name].std() == pytest.approx(gain * residual_gain(TINY) / np.sqrt(n_in), rel=0.05), name
 
 
 # --- llama.cpp runs them ----------------------------------------------------------------------------
@@ -395,3 +403,55 @@ def test_rendered_prompt_tokenizes_with_single_special_tokens(synth_path):
     for special in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "<think>"):
         assert ids.count(tok.special_tokens[special]) == text.count(special), special
     assert tok.decode(ids, special=True) == text
+
+
+# --- writing given weights ---------------------------------------------------------------------------
+
+def test_write_gguf_from_given_arrays(tmp_path):
+    arrays = {s.name: tensor_values(s, 5, TINY) for s in synth_specs(TINY)}
+    out = write_gguf(tmp_path / "given.gguf", TINY, arrays, name="given-weights",
+                     extra_metadata={"general.license": "MIT", "openjet.test.steps": 7, "openjet.test.ok": True})
+    r = gguf.GGUFReader(out)
+    assert _field(r, "general.name") == "given-weights"
+    assert _field(r, "general.license") == "MIT"
+    assert _field(r, "openjet.test.steps") == 7 and _field(r, "openjet.test.ok") is True
+    assert _field(r, "tokenizer.chat_template") == CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")
+    got = {t.name: np.asarray(t.data) for t in r.tensors}
+    assert list(got) == [s.name for s in synth_specs(TINY)]
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(got[name].reshape(value.shape), value, err_msg=name)
+    llm = llama_cpp.Llama(str(out), n_ctx=64, verbose=False, n_threads=2)
+    llm.close()
+
+
+def test_write_gguf_names_a_bad_tensor(tmp_path):
+    arrays = {s.name: tensor_values(s, 5, TINY) for s in synth_specs(TINY)}
+    bad = dict(arrays, **{"blk.0.not_a_tensor": np.zeros(3, np.float32)})
+    with pytest.raises(ValueError, match="blk.0.not_a_tensor"):
+        write_gguf(tmp_path / "a.gguf", TINY, bad, name="x")
+    bad = dict(arrays, **{"blk.1.ffn_up.weight": np.zeros((3, 4), np.float32)})
+    with pytest.raises(ValueError, match="blk.1.ffn_up.weight"):
+        write_gguf(tmp_path / "b.gguf", TINY, bad, name="x")
+
+
+def test_rewrite_chat_template_keeps_every_tensor_byte(tmp_path, synth_path):
+    src = synth_path("tiny", "Q4_K_M")
+    out = rewrite_chat_template(src, tmp_path / "t.gguf", template="{{ messages }}")
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert _field(b, "tokenizer.chat_template") == "{{ messages }}"
+    fa = {k: f.contents() for k, f in a.fields.items() if not k.startswith("GGUF.")}
+    fb = {k: f.contents() for k, f in b.fields.items() if not k.startswith("GGUF.")}
+    assert fa.keys() == fb.keys()
+    assert [k for k in fa if fa[k] != fb[k]] == ["tokenizer.chat_template"]
+    assert [(t.name, t.tensor_type) for t in a.tensors] == [(t.name, t.tensor_type) for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors):
+        assert np.asarray(x.data).tobytes() == np.asarray(y.data).tobytes(), x.name
+    with pytest.raises(ValueError, match="another path"):
+        rewrite_chat_template(out, out)
+
+
+def test_embedded_default_model_carries_the_shipped_template():
+    """The engine reads the chat template from the GGUF: the embedded default must have the current one
+    (after a template change: `python -m training.export --retemplate openjet_plugin/data/default.gguf`)."""
+    r = gguf.GGUFReader(bpe.DATA_DIR / "default.gguf")
+    assert _field(r, "tokenizer.chat_template") == CHAT_TEMPLATE_FILE.read_text(encoding="utf-8")

@@ -1,0 +1,249 @@
+"""Load test of `openjet serve` on 127.0.0.1: N concurrent streaming clients x R requests each.
+
+    python scripts/load_test.py                       # 32 clients x 10 requests, the embedded model
+    python scripts/load_test.py --clients 8 --requests 3 --max-tokens 16
+
+The server is started here (a subprocess on a free loopback port) unless --url names a running one.
+Requests are greedy (temperature 0), so every response has one right answer: the text the engine
+itself produces for that conversation, computed in this process with the same model before the
+load starts. Each round, every client sends one streaming request at once; after the round the
+server's resident memory (RSS, its whole process tree) is read from /proc. Printed: failures,
+wrong answers, latency p50/p99 (request sent -> last chunk) and time to first token, RSS per
+round. Exit status 1 when any request failed or differed, or memory grew beyond --max-growth-mb
+between the first and the last round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+API_KEY = "sk-openjet-load-" + "0" * 16
+MODEL = "openjet-default"
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "def fibonacci(n):"}],
+    [{"role": "system", "content": "You answer in one line."}, {"role": "user", "content": "What is a list?"}],
+    [{"role": "user", "content": "import os\nimport sys\n\nclass Config:"}],
+    [{"role": "user", "content": "Explain recursion."}, {"role": "assistant", "content": "It calls itself."},
+     {"role": "user", "content": "Show an example."}],
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(log_path: Path, port: int | None = None, threads: str | None = None,
+                 startup_s: float = 180.0) -> tuple[subprocess.Popen, str]:
+    """`python -m openjet_plugin.serve` on a free loopback port; returns (process, base URL)."""
+    import httpx
+
+    port = port or free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
+    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    if threads:
+        env["OPENJET_THREADS"] = threads
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port),
+                             "--api-key", API_KEY], stdout=log, stderr=subprocess.STDOUT, env=env)
+    log.close()
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=2).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError(f"the server did not start in {startup_s:.0f} s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+    return proc.returncode
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of `pid` and all its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        todo += children.get(p, [])
+    return total
+
+
+def expected_replies(max_tokens: int) -> list[str]:
+    """The engine's own greedy replies, computed in this process with the server's model."""
+    import openjet_plugin
+
+    with openjet_plugin.load(None, backend="llama.cpp", n_ctx=4096) as eng:
+        return [eng.chat(c, temperature=0, max_tokens=max_tokens).text for c in CONVERSATIONS]
+
+
+@dataclass
+class Result:
+    latencies: list[float] = field(default_factory=list)
+    first_token: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)
+    rss: list[int] = field(default_factory=list)
+    ok: int = 0
+    wall: float = 0.0
+
+
+def stream_once(client, conv: int, max_tokens: int, timeout: float) -> tuple[str, float, float]:
+    t0 = time.perf_counter()
+    first = None
+    parts = []
+    for chunk in client.with_options(timeout=timeout).chat.completions.create(
+            model=MODEL, messages=CONVERSATIONS[conv], temperature=0, max_tokens=max_tokens, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - t0
+            parts.append(chunk.choices[0].delta.content)
+    total = time.perf_counter() - t0
+    return "".join(parts), total, first if first is not None else total
+
+
+def run_load(base_url: str, expected: list[str], clients: int, requests: int, max_tokens: int,
+             server_pid: int | None, timeout: float = 300.0, log=print) -> Result:
+    import httpx
+    from openai import OpenAI
+
+    res = Result()
+    lock = threading.Lock()
+    # one HTTP connection pool per client thread, as independent clients would have
+    pools = [OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0,
+                    http_client=httpx.Client(timeout=timeout)) for _ in range(clients)]
+    start = time.perf_counter()
+    for rnd in range(requests):
+        barrier = threading.Barrier(clients)
+
+        def client_main(c: int) -> None:
+            conv = (c + rnd) % len(CONVERSATIONS)
+            barrier.wait()
+            try:
+                text, total, first = stream_once(pools[c], conv, max_tokens, timeout)
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                with lock:
+                    res.failures.append(f"round {rnd} client {c}: {type(exc).__name__}: {exc}")
+                return
+            with lock:
+                res.latencies.append(total)
+                res.first_token.append(first)
+                if text != expected[conv]:
+                    res.wrong.append(f"round {rnd} client {c} conversation {conv}: {text!r} != {expected[conv]!r}")
+                else:
+                    res.ok += 1
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=client_main, args=(c,)) for c in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rss = tree_rss_bytes(server_pid) if server_pid else 0
+        res.rss.append(rss)
+        log(f"round {rnd + 1}/{requests}: {clients} streams in {time.perf_counter() - t0:.1f} s, "
+            f"server RSS {rss / 2**20:.1f} MiB, failures so far {len(res.failures)}, wrong {len(res.wrong)}")
+    res.wall = time.perf_counter() - start
+    for p in pools:
+        p.close()
+    return res
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+def summary(res: Result, clients: int, requests: int) -> str:
+    n, wall = clients * requests, res.wall
+    lat, ttft = res.latencies, res.first_token
+    rss = " ".join(f"{r / 2**20:.1f}" for r in res.rss)
+    return "\n".join([
+        f"requests: {n} ({clients} clients x {requests}), ok {res.ok}, failed {len(res.failures)}, "
+        f"wrong {len(res.wrong)}, wall {wall:.1f} s, {n / wall:.2f} req/s",
+        f"latency (request -> last chunk): p50 {percentile(lat, 50):.3f} s, p99 {percentile(lat, 99):.3f} s, "
+        f"mean {statistics.fmean(lat) if lat else float('nan'):.3f} s, max {max(lat, default=float('nan')):.3f} s",
+        f"time to first token: p50 {percentile(ttft, 50):.3f} s, p99 {percentile(ttft, 99):.3f} s",
+        f"server RSS per round (MiB): {rss}",
+        f"RSS growth first -> last round: {(res.rss[-1] - res.rss[0]) / 2**20:+.1f} MiB" if res.rss else "",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=10, help="requests per client (= rounds)")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--url", help="a running server (default: start one here)")
+    ap.add_argument("--threads", default=None, help="OPENJET_THREADS for the started server")
+    ap.add_argument("--max-growth-mb", type=float, default=32.0,
+                    help="allowed server RSS growth from the first to the last round")
+    ap.add_argument("--log", type=Path, default=Path("/tmp/openjet-load-test-server.log"))
+    args = ap.parse_args(argv)
+
+    expected = expected_replies(args.max_tokens)
+    proc = None
+    if args.url:
+        base, pid = args.url.rstrip("/").removesuffix("/v1"), None
+    else:
+        proc, base = start_server(args.log, threads=args.threads)
+        pid = proc.pid
+    try:
+        res = run_load(base, expected, args.clients, args.requests, args.max_tokens, pid)
+    finally:
+        rc = stop_server(proc) if proc is not None else 0
+    print(summary(res, args.clients, args.requests))
+    for line in (res.failures + res.wrong)[:10]:
+        print("  " + line)
+    if proc is not None:
+        print(f"server exit status after SIGTERM: {rc}")
+    growth = (res.rss[-1] - res.rss[0]) / 2**20 if len(res.rss) > 1 else 0.0
+    bad = res.failures or res.wrong or growth > args.max_growth_mb or rc != 0
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
