@@ -23,7 +23,7 @@ Decisions for what the engine does not do (each raises `NotImplementedError` nam
 rather than silently producing different output):
 - grammars (`grammar=`, `response_format={"type": "json_object"}` and a forced `tool_choice`, which
   llama-cpp-python implements with grammars), `logits_processor`, `stopping_criteria`,
-  `logit_bias`, `logprobs`, `suffix` (infill), `mirostat_mode` != 0, `typical_p` != 1;
+  `logprobs`, `suffix` (infill), `mirostat_mode` != 0, `typical_p` != 1;
 - embeddings (`create_embedding`, `embed`).
 `tfs_z` is accepted and ignored, as llama-cpp-python itself ignores it.
 Constructor parameters that configure llama.cpp internals (GPU layers and splits, mmap/mlock,
@@ -285,7 +285,7 @@ class Llama:
         for feature, used in (("suffix (infill)", suffix is not None), ("logprobs", logprobs is not None),
                               ("grammar", grammar is not None), ("logits_processor", logits_processor is not None),
                               ("stopping_criteria", stopping_criteria is not None),
-                              ("logit_bias", bool(logit_bias)), ("mirostat sampling", mirostat_mode != 0),
+                              ("mirostat sampling", mirostat_mode != 0),
                               ("typical_p sampling", typical_p != 1.0)):
             if used:
                 raise _unsupported(feature)
@@ -310,7 +310,9 @@ class Llama:
             self, prompt_tokens, max_tokens=max_tokens, stops=[s.encode("utf-8") for s in stops],
             sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                          repeat_penalty=repeat_penalty, seed=self._seed & 0xFFFFFFFF),
+                          repeat_penalty=repeat_penalty, seed=self._seed & 0xFFFFFFFF,
+                          # llama-cpp-python adds the bias to the raw logits before sampling; so does the engine
+                          logit_bias={int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None),
             model=model if model is not None else self.model_path)
         if stream:
             return run.stream()

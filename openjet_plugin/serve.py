@@ -78,7 +78,7 @@ def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, a
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openjet serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="127.0.0.1", help="loopback address to bind (127.0.0.1, localhost or ::1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); anything but loopback needs --api-key")
     p.add_argument("--port", type=int, default=4000)
     p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
                    help="serve this GGUF (repeatable); default: the embedded model as 'openjet-default'")
@@ -112,10 +112,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     if args.host not in LOOPBACK:
-        print(f"openjet serve: refusing to bind {args.host!r}: the server listens on the loopback "
-              f"interface only ({', '.join(LOOPBACK)}); put an authenticating reverse proxy in front "
-              f"to expose it", file=sys.stderr)
-        return 2
+        # Outside the loopback interface every client must authenticate: only with a key of the
+        # caller's choosing (a generated one would be printed where others may not see it).
+        if not (args.api_key or os.environ.get("LITELLM_MASTER_KEY")):
+            print(f"openjet serve: refusing to bind {args.host!r} without an API key: outside the loopback "
+                  f"interface every client must authenticate; pass --api-key (or set LITELLM_MASTER_KEY)",
+                  file=sys.stderr)
+            return 2
+        print(f"openjet serve: listening on {args.host!r}: reachable from other machines; clients must "
+              f"send the API key", file=sys.stderr)
     if not 0 < args.port < 65536:
         print(f"openjet serve: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2

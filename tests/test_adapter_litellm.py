@@ -234,6 +234,7 @@ def test_serve_config_and_refusals(engine, capsys, monkeypatch):
     assert config["model_list"] == [{"model_name": "mine", "litellm_params": {"model": "openjet/mine"}}]
     assert config["litellm_settings"]["custom_provider_map"] == [
         {"provider": "openjet", "custom_handler": "openjet_plugin.adapters.litellm.proxy_handler"}]
+    monkeypatch.delenv("LITELLM_MASTER_KEY", raising=False)   # without a key: refused
     assert serve.main(["--host", "0.0.0.0"]) == 2
     assert "loopback" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no such model file"):

@@ -8,8 +8,9 @@ end-of-generation token ("class Foo:"), one with a control token that detokenize
 
 One known difference, on purpose: llama-cpp-python 0.3.36 drops the text of a token whose piece is
 longer than 32 bytes (its detokenize buffer is 32 bytes and the negative "needed size" slices it
-away); the drop-in keeps that text. The prompts here avoid such tokens, and
-test_llama_cpp_python_drops_long_pieces pins the difference down.
+away); the drop-in keeps that text. Every differential call here passes the same `logit_bias`
+to both sides that keeps those few tokens out of the output (which also checks that the bias is
+applied identically), and test_llama_cpp_python_drops_long_pieces pins the difference down.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from openjet_plugin.adapters.llama_cpp import Llama
 N_CTX = 512
 pytestmark = pytest.mark.slow      # differential: every call runs twice, once on llama-cpp-python
 PROMPTS = {"class Foo:": 120, "SELECT * FROM": 128, "Hello": 40}   # prompt -> max_tokens
+# A nudge (applied identically on both sides through logit_bias) that makes a random-weight model's
+# reply reach a hard case: control tokens that print as nothing, and an end-of-generation stop.
+NUDGE = {"class Foo:": ("<|im_start|>", 4.0), "SELECT * FROM": ("<|im_end|>", 4.0)}
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +36,33 @@ def model_path(synth_path) -> str:
     # A random-weight model, not the trained default: its greedy output reaches the hard cases
     # (an end-of-generation stop, control tokens, invalid UTF-8) that a trained model avoids.
     return str(synth_path("tiny", "Q8_0", 0))
+
+
+@pytest.fixture(scope="module")
+def no_long(model_path) -> dict[int, float]:
+    """logit_bias that keeps tokens whose piece is longer than 32 bytes out (see the docstring)."""
+    from openjet_plugin.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(model_path)
+    return {i: -100.0 for i in range(tok.n_vocab) if len(tok.token_to_piece(i)) > 32}
+
+
+@pytest.fixture(scope="module")
+def bias(model_path, no_long):
+    """`bias(prompt)`: the logit_bias for a prompt of PROMPTS: no long pieces, plus its NUDGE."""
+    from openjet_plugin.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(model_path)
+
+    def for_prompt(prompt: str) -> dict[int, float]:
+        out = dict(no_long)
+        if prompt in NUDGE:
+            text, value = NUDGE[prompt]
+            (token,) = tok.encode(text, parse_special=True)
+            out[token] = value
+        return out
+
+    return for_prompt
 
 
 @pytest.fixture(scope="module")
@@ -70,22 +101,22 @@ def _same_response(a: dict, b: dict) -> None:
 # --- completions --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_completion_identical(ref, ours, prompt):
-    kw = dict(max_tokens=PROMPTS[prompt], temperature=0)
+def test_completion_identical(ref, ours, prompt, bias):
+    kw = dict(max_tokens=PROMPTS[prompt], temperature=0, logit_bias=bias(prompt))
     a, b = ref(prompt, **kw), ours(prompt, **kw)
     _same_response(a, b)
     assert b["id"].startswith("cmpl-") and b["object"] == "text_completion"
 
 
-def test_the_prompts_cover_the_hard_cases(ours):
+def test_the_prompts_cover_the_hard_cases(ours, bias):
     from openjet_plugin.tokenizer import TOKEN_CONTROL
 
     tok = ours._tokenizer
     finishes, control, invalid = set(), False, False
     for prompt, max_tokens in PROMPTS.items():
-        r = ours(prompt, max_tokens=max_tokens, temperature=0)
+        r = ours(prompt, max_tokens=max_tokens, temperature=0, logit_bias=bias(prompt))
         finishes.add(r["choices"][0]["finish_reason"])
-        ids = ours._engine.generate(prompt, max_tokens=max_tokens, temperature=0).tokens
+        ids = ours._engine.generate(prompt, max_tokens=max_tokens, temperature=0, logit_bias=bias(prompt)).tokens
         control |= any(tok.token_types[t] == TOKEN_CONTROL for t in ids)
         try:
             tok.decode_bytes(ids).decode("utf-8")
@@ -96,8 +127,8 @@ def test_the_prompts_cover_the_hard_cases(ours):
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_stream_identical_chunk_by_chunk(ref, ours, prompt):
-    kw = dict(max_tokens=PROMPTS[prompt], temperature=0, stream=True)
+def test_stream_identical_chunk_by_chunk(ref, ours, prompt, bias):
+    kw = dict(max_tokens=PROMPTS[prompt], temperature=0, stream=True, logit_bias=bias(prompt))
     a, b = list(ref(prompt, **kw)), list(ours(prompt, **kw))
     assert len(a) == len(b)
     for x, y in zip(a, b):
@@ -105,12 +136,12 @@ def test_stream_identical_chunk_by_chunk(ref, ours, prompt):
     assert b[-1]["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_stop_strings(ref, ours):
-    text = ref("Hello", max_tokens=40, temperature=0)["choices"][0]["text"]
+def test_stop_strings(ref, ours, no_long):
+    text = ref("Hello", max_tokens=40, temperature=0, logit_bias=no_long)["choices"][0]["text"]
     stops = [text[20:23], "zzz-never", text[30:33]]
     for stream in (False, True):
-        a = ref("Hello", max_tokens=40, temperature=0, stop=stops, stream=stream)
-        b = ours("Hello", max_tokens=40, temperature=0, stop=stops, stream=stream)
+        a = ref("Hello", max_tokens=40, temperature=0, stop=stops, stream=stream, logit_bias=no_long)
+        b = ours("Hello", max_tokens=40, temperature=0, stop=stops, stream=stream, logit_bias=no_long)
         if stream:
             a, b = list(a), list(b)
             assert len(a) == len(b)
@@ -122,18 +153,18 @@ def test_stop_strings(ref, ours):
             assert b["choices"][0]["text"] == text[:20]
 
 
-def test_echo_token_prompt_and_unlimited_max_tokens(ref, ours):
-    _same_response(ref("Hello", max_tokens=8, temperature=0, echo=True),
-                   ours("Hello", max_tokens=8, temperature=0, echo=True))
+def test_echo_token_prompt_and_unlimited_max_tokens(ref, ours, no_long):
+    _same_response(ref("Hello", max_tokens=8, temperature=0, echo=True, logit_bias=no_long),
+                   ours("Hello", max_tokens=8, temperature=0, echo=True, logit_bias=no_long))
     tokens = ref.tokenize(b"def f(x):", add_bos=False)
-    _same_response(ref.create_completion(tokens, max_tokens=8, temperature=0),
-                   ours.create_completion(tokens, max_tokens=8, temperature=0))
+    _same_response(ref.create_completion(tokens, max_tokens=8, temperature=0, logit_bias=no_long),
+                   ours.create_completion(tokens, max_tokens=8, temperature=0, logit_bias=no_long))
     # max_tokens=None: until an end-of-generation token, or until the context is full
-    _same_response(ref("class Foo:", max_tokens=None, temperature=0),
-                   ours("class Foo:", max_tokens=None, temperature=0))
+    _same_response(ref("class Foo:", max_tokens=None, temperature=0, logit_bias=no_long),
+                   ours("class Foo:", max_tokens=None, temperature=0, logit_bias=no_long))
     long_prompt = ref.tokenize(b"Hello " * 240, add_bos=False)[:N_CTX - 24]
-    a = ref.create_completion(long_prompt, max_tokens=None, temperature=0)
-    _same_response(a, ours.create_completion(long_prompt, max_tokens=None, temperature=0))
+    a = ref.create_completion(long_prompt, max_tokens=None, temperature=0, logit_bias=no_long)
+    _same_response(a, ours.create_completion(long_prompt, max_tokens=None, temperature=0, logit_bias=no_long))
     assert a["usage"]["total_tokens"] == N_CTX and a["choices"][0]["finish_reason"] == "length"
 
 
@@ -157,8 +188,8 @@ CHATS = [
 
 
 @pytest.mark.parametrize("messages", CHATS)
-def test_chat_completion_identical(ref, ours, messages):
-    kw = dict(max_tokens=32, temperature=0)
+def test_chat_completion_identical(ref, ours, messages, no_long):
+    kw = dict(max_tokens=32, temperature=0, logit_bias=no_long)
     _same_response(ref.create_chat_completion(messages, **kw), ours.create_chat_completion(messages, **kw))
     a = list(ref.create_chat_completion(messages, stream=True, **kw))
     b = list(ours.create_chat_completion(messages, stream=True, **kw))
@@ -167,21 +198,21 @@ def test_chat_completion_identical(ref, ours, messages):
         _same_response(x, y)
 
 
-def test_chat_with_tools_identical(ref, ours):
+def test_chat_with_tools_identical(ref, ours, no_long):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": schema}}]
     messages = [{"role": "user", "content": "Add 1 and 2"}]
-    _same_response(ref.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0),
-                   ours.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0))
+    _same_response(ref.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0, logit_bias=no_long),
+                   ours.create_chat_completion(messages, tools=tools, max_tokens=32, temperature=0, logit_bias=no_long))
 
 
-def test_openai_v1_types(ours):
+def test_openai_v1_types(ours, no_long):
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
     m = CHATS[0]
-    r = ours.create_chat_completion_openai_v1(m, max_tokens=4, temperature=0)
+    r = ours.create_chat_completion_openai_v1(m, max_tokens=4, temperature=0, logit_bias=no_long)
     assert isinstance(r, ChatCompletion) and r.usage.completion_tokens == 4
-    chunks = list(ours.create_chat_completion_openai_v1(m, max_tokens=4, temperature=0, stream=True))
+    chunks = list(ours.create_chat_completion_openai_v1(m, max_tokens=4, temperature=0, stream=True, logit_bias=no_long))
     assert all(isinstance(c, ChatCompletionChunk) for c in chunks)
 
 

@@ -30,7 +30,9 @@ EXPECTED = {
 }
 ARGS = {"openai_client.py": ["--start"]}      # start its own server instead of expecting one
 # run elsewhere: the proxy test starts `openjet serve --config examples/litellm_proxy.yaml`
-RUN_BY_OTHER_TESTS = {"litellm_proxy.yaml": "tests/test_litellm_proxy.py"}
+RUN_BY_OTHER_TESTS = {"litellm_proxy.yaml": "tests/test_litellm_proxy.py",
+                      # a several-host config: litellm's own Router accepts it there
+                      "cluster_router.yaml": "tests/test_cluster.py"}
 
 
 def test_every_example_is_checked():
