@@ -64,7 +64,7 @@ LEFT=$(( BUDGET - ($(date +%s) - start) ))
 MODEL_ARGS=()
 [ -n "${BENCH_MODEL:-}" ] && MODEL_ARGS=(--model "$BENCH_MODEL")
 python3 -m openjet_plugin.cli bench --resume "$RUN" --time-budget "$LEFT" "${PEER_ARGS[@]}" \
-    "${MODEL_ARGS[@]}" --json "$OUT/bench.json" --markdown "$OUT/bench.md" "$@" \
+    "${MODEL_ARGS[@]}" --json "$OUT/bench.json" --markdown "$OUT/bench.md" --force "$@" \
     >/dev/null 2> >(tee -a "$LOG" >&2)
 rc=$?
 sleep 1   # let tee flush

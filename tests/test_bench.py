@@ -634,3 +634,17 @@ def test_peer_groups_store_llama_bench_samples(fake_peer_build, tmp_path, monkey
     peak = recs[report.row_key("peak_mem_gb", "llama.cpp", {"max_depth": 8192})]
     assert peak["samples"] == [pytest.approx((5000 - 1000) * 2 ** 20 / 1e9)]
     assert st.info["llama_bench"]["gpu_info"] == "NVIDIA H200"
+
+
+def test_existing_report_files_are_not_overwritten(tmp_path, capsys):
+    """Issue 10 item 8: --json / --markdown refuse an existing file unless --force, before any work."""
+    from openjet_plugin import bench
+
+    existing = tmp_path / "mine.json"
+    existing.write_text("keep me")
+    assert bench.main(["--json", str(existing)]) == 2
+    assert "--force" in capsys.readouterr().err and existing.read_text() == "keep me"
+    existing_md = tmp_path / "mine.md"
+    existing_md.write_text("keep me too")
+    assert bench.main(["--markdown", str(existing_md)]) == 2
+    assert existing_md.read_text() == "keep me too"

@@ -417,6 +417,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", "-m", help="GGUF to run (default: a generated q27b Q4_K_M, made once into the cache)")
     ap.add_argument("--json", help="write the report JSON here (default: <run folder>/bench.json)")
     ap.add_argument("--markdown", help="write the markdown table here too (default: <run folder>/bench.md)")
+    ap.add_argument("--force", action="store_true", help="overwrite existing --json / --markdown files")
     ap.add_argument("--quick", action="store_true", help="a smoke run: 3 repetitions, fewer depths, smaller sizes")
     ap.add_argument("--resume", help="folder of finished measurements: kept, skipped, and completed by this run")
     ap.add_argument("--reps", type=int, help="repetitions per measurement after warm-up (default 6, --quick 3)")
@@ -434,6 +435,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
+    # Nothing the user gave is overwritten unless asked: checked before anything is measured.
+    for flag, value in (("--json", args.json), ("--markdown", args.markdown)):
+        if value and Path(value).exists() and not args.force:
+            print(f"openjet bench: {flag} {value} already exists; pass --force to overwrite it", file=sys.stderr)
+            return 2
     t_start = time.time()
     ok, why = smi.gpu_presence(0)
     if not ok:
