@@ -152,6 +152,40 @@ int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     return guarded(engine, [&] { oj::engine_eval(engine->e, tokens, n_tokens); });
 }
 
+int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_verify(engine->e, tokens, n_tokens); });
+}
+
+int32_t oj_commit(oj_engine *engine, int32_t n_accept) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_commit(engine->e, n_accept); });
+}
+
+int32_t oj_checkpoint_save(oj_engine *engine, int32_t slot) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_checkpoint_save(engine->e, slot); });
+}
+
+int32_t oj_checkpoint_restore(oj_engine *engine, int32_t slot, int32_t *n_past_out) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] {
+        const int n = oj::engine_checkpoint_restore(engine->e, slot);
+        if (n_past_out) *n_past_out = n;
+    });
+}
+
+int32_t oj_set_draft_vocab(oj_engine *engine, const int32_t *ids, int32_t n_ids) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_set_draft_vocab(engine->e, ids, n_ids); });
+}
+
+int32_t oj_draft_vocab_size(const oj_engine *engine, int32_t *out) {
+    if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
+    *out = engine->e.n_draft_ids > 0 ? engine->e.n_draft_ids : engine->e.dims.hp.n_vocab;
+    return OJ_OK;
+}
+
 int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] {
@@ -204,13 +238,14 @@ int32_t oj_get_draft_argmax(oj_engine *engine, int32_t *out, int32_t n) {
     });
 }
 
-int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vocab) {
+int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] {
         oj::Engine &e = engine->e;
         check_index(e, index, e.last_mtp_n, "oj_get_draft_logits");
-        check_out(out, n_vocab, e.dims.hp.n_vocab, "oj_get_draft_logits");
-        copy_to_host(e, out, e.s.draft_logits + (size_t)index * e.dims.hp.n_vocab, (size_t)e.dims.hp.n_vocab * 4, "oj_get_draft_logits");
+        const int width = e.n_draft_ids > 0 ? e.n_draft_ids : e.dims.hp.n_vocab;
+        check_out(out, n, width, "oj_get_draft_logits");
+        copy_to_host(e, out, e.s.draft_logits + (size_t)index * width, (size_t)width * 4, "oj_get_draft_logits");
     });
 }
 
@@ -232,6 +267,7 @@ int32_t oj_read_conv_state(oj_engine *engine, int32_t layer, float *out, uint64_
         if (!L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " is not a DeltaNet layer");
         const uint64_t count = (uint64_t)e.dims.ssm_conv_dim() * (e.dims.hp.ssm_conv_kernel - 1);
         check_out(out, n, count, "oj_read_conv_state");
+        oj::engine_flush(e);
         copy_to_host(e, out, L.conv_state, count * 4, "oj_read_conv_state");
     });
 }
@@ -245,6 +281,7 @@ int32_t oj_read_ssm_state(oj_engine *engine, int32_t layer, float *out, uint64_t
         const uint64_t S = e.dims.hp.ssm_d_state;
         const uint64_t count = (uint64_t)e.dims.hp.ssm_dt_rank * S * S;
         check_out(out, n, count, "oj_read_ssm_state");
+        oj::engine_flush(e);
         copy_to_host(e, out, L.ssm_state, count * 4, "oj_read_ssm_state");
     });
 }
@@ -264,16 +301,32 @@ int32_t oj_read_kv(oj_engine *engine, int32_t layer, int32_t which, int32_t pos0
         const int Hkv = e.dims.hp.n_head_kv, D = e.dims.hp.head_dim;
         const uint64_t count = (uint64_t)n_pos * Hkv * D;
         check_out(out, n, count, "oj_read_kv");
-        std::vector<__half> buf((size_t)Hkv * n_pos * D);
-        const __half *cache = which == 0 ? L.k_cache : L.v_cache;
-        for (int g = 0; g < Hkv; ++g)
-            oj::check_cuda(cudaMemcpyAsync(buf.data() + (size_t)g * n_pos * D, cache + ((size_t)g * e.n_ctx + pos0) * D,
-                                           (size_t)n_pos * D * sizeof(__half), cudaMemcpyDeviceToHost, e.stream), "oj_read_kv");
+        // per KV head, rows [pos0, pos0 + n_pos) of the value plane (and for q8_0 of the scale plane)
+        const bool q8 = L.kv_type == OJ_KV_Q8_0;
+        const size_t elem = q8 ? 1 : sizeof(__half), nb = D / 32;   // nb: q8_0 blocks per row
+        const uint8_t *cache = static_cast<const uint8_t *>(which == 0 ? L.k_cache : L.v_cache);
+        const __half *scales = which == 0 ? L.k_scale : L.v_scale;
+        std::vector<uint8_t> buf((size_t)Hkv * n_pos * D * elem);
+        std::vector<__half> sbuf(q8 ? (size_t)Hkv * n_pos * nb : 0);
+        for (int g = 0; g < Hkv; ++g) {
+            const size_t row = (size_t)g * e.n_ctx + pos0;
+            oj::check_cuda(cudaMemcpyAsync(buf.data() + (size_t)g * n_pos * D * elem, cache + row * D * elem,
+                                           (size_t)n_pos * D * elem, cudaMemcpyDeviceToHost, e.stream), "oj_read_kv");
+            if (q8)
+                oj::check_cuda(cudaMemcpyAsync(sbuf.data() + (size_t)g * n_pos * nb, scales + row * nb,
+                                               (size_t)n_pos * nb * sizeof(__half), cudaMemcpyDeviceToHost, e.stream),
+                               "oj_read_kv");
+        }
         oj::check_cuda(cudaStreamSynchronize(e.stream), "oj_read_kv");
+        const __half *h16 = reinterpret_cast<const __half *>(buf.data());
+        const int8_t *i8 = reinterpret_cast<const int8_t *>(buf.data());
         for (int p = 0; p < n_pos; ++p)
-            for (int g = 0; g < Hkv; ++g)
+            for (int g = 0; g < Hkv; ++g) {
+                const size_t src = ((size_t)g * n_pos + p) * D;
+                float *dst = out + ((size_t)p * Hkv + g) * D;
                 for (int d = 0; d < D; ++d)
-                    out[((size_t)p * Hkv + g) * D + d] = __half2float(buf[((size_t)g * n_pos + p) * D + d]);
+                    dst[d] = q8 ? (float)i8[src + d] * __half2float(sbuf[src / 32 + d / 32]) : __half2float(h16[src + d]);
+            }
     });
 }
 

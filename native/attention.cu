@@ -5,11 +5,16 @@
 //      slice of attn_q; the second half is the output gate) and of k, times q_norm / k_norm;
 //      RoPE on the first n_rot dims, NEOX pairs (i, i + n_rot/2), angle pos * base^(-2i/n_rot)
 //      with llama.cpp's IMROPE sector rule (text: t = h = w = pos, e = 0); K and V appended to
-//      the fp16 cache [n_head_kv][n_ctx][head_dim] at their positions.
+//      the cache [n_head_kv][n_ctx][head_dim] at their positions, as fp16 or as q8_0 (one warp
+//      = one 32-value block: warp amax, d = amax / 127, q = roundf(x * (1 / d)), ggml's
+//      quantize_row_q8_0_ref; quants and scales in two planes, engine.cuh's Layer).
 //   2. attention_partial: split-K flash decoding; block (head, position, split) walks up to
-//      SPLIT cached positions (causal: position p sees 0..p) with an fp32 online softmax.
+//      SPLIT cached positions (causal: position p sees 0..p) with an fp32 online softmax. For q8_0
+//      a lane's PER values lie in one block, so its partial dot takes the scale once.
 //   3. attention_combine: merges the splits, times sigmoid(gate).
-// Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention.
+// The KV type is a template parameter: the fp16 instances are the code they were before q8_0.
+// Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention
+// (kv_q8_0=True rounds K/V through q8_0 the same way).
 #include <cfloat>
 
 #include "engine.cuh"
@@ -40,11 +45,48 @@ __device__ float imrope_angle(const RopeParams &rp, int i, int pos) {
     return coord * powf(rp.freq_base, -2.0f * (float)i / (float)rp.n_rot);
 }
 
-// grid (n, n_head + n_head_kv), block head_dim.
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// One value x per lane, the warp's 32 lanes = one q8_0 block: the quant of x, and the block's
+// scale to lane 0's *scale (ggml's quantize_row_q8_0_ref, so the numpy reference can repeat it).
+__device__ __forceinline__ void q8_0_store(float x, int8_t *quant, __half *scale) {
+    const float amax = warp_max(fabsf(x));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    *quant = (int8_t)roundf(x * id);
+    if ((threadIdx.x & 31) == 0) *scale = __float2half(d);
+}
+
+// PER consecutive int8 quants (PER = 2, 4, 8; src aligned to PER bytes) as floats, one load.
+struct __align__(8) char8 { char4 lo, hi; };
+template <int PER>
+__device__ __forceinline__ void load_q8(const int8_t *src, float *out) {
+    if constexpr (PER == 2) {
+        const char2 c = *reinterpret_cast<const char2 *>(src);
+        out[0] = c.x; out[1] = c.y;
+    } else if constexpr (PER == 4) {
+        const char4 c = *reinterpret_cast<const char4 *>(src);
+        out[0] = c.x; out[1] = c.y; out[2] = c.z; out[3] = c.w;
+    } else {
+        static_assert(PER == 8, "head_dim / 32 must be 2, 4 or 8");
+        const char8 c = *reinterpret_cast<const char8 *>(src);
+        out[0] = c.lo.x; out[1] = c.lo.y; out[2] = c.lo.z; out[3] = c.lo.w;
+        out[4] = c.hi.x; out[5] = c.hi.y; out[6] = c.hi.z; out[7] = c.hi.w;
+    }
+}
+
+// grid (n, n_head + n_head_kv), block head_dim. Q8: k_cache/v_cache are int8 quant planes with
+// k_scale/v_scale (else __half values and the scales unused).
+template <bool Q8>
 __global__ void attention_prepare_kernel(const float *__restrict__ qg, const float *__restrict__ k,
                                          const float *__restrict__ v, const float *__restrict__ q_norm,
                                          const float *__restrict__ k_norm, float *__restrict__ q_rot,
-                                         __half *__restrict__ k_cache, __half *__restrict__ v_cache,
+                                         void *__restrict__ k_cache, void *__restrict__ v_cache,
+                                         __half *__restrict__ k_scale, __half *__restrict__ v_scale,
                                          int n_head, int n_head_kv, int n_ctx, int pos0, float eps,
                                          RopeParams rp) {
     extern __shared__ float normed[];
@@ -71,16 +113,24 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
         q_rot[((int64_t)n * n_head + hh) * D + t] = y;
     } else {
         const int64_t at = ((int64_t)g * n_ctx + pos) * D + t;
-        k_cache[at] = __float2half(y);
-        v_cache[at] = __float2half(v[((int64_t)n * n_head_kv + g) * D + t]);
+        const float vx = v[((int64_t)n * n_head_kv + g) * D + t];
+        if constexpr (Q8) {
+            const int64_t block = ((int64_t)g * n_ctx + pos) * (D / 32) + (t >> 5);
+            q8_0_store(y, static_cast<int8_t *>(k_cache) + at, k_scale + block);
+            q8_0_store(vx, static_cast<int8_t *>(v_cache) + at, v_scale + block);
+        } else {
+            static_cast<__half *>(k_cache)[at] = __float2half(y);
+            static_cast<__half *>(v_cache)[at] = __float2half(vx);
+        }
     }
 }
 
 // grid (n_head, n, n_splits), block 32 * PARTIAL_WARPS. Lane l holds dims [l*PER, l*PER + PER).
-template <int D>
+template <int D, bool Q8>
 __global__ void __launch_bounds__(32 * PARTIAL_WARPS)
-attention_partial_kernel(const float *__restrict__ q_rot, const __half *__restrict__ k_cache,
-                         const __half *__restrict__ v_cache, float *__restrict__ part_ml,
+attention_partial_kernel(const float *__restrict__ q_rot, const void *__restrict__ k_cache,
+                         const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
+                         const __half *__restrict__ v_scale, float *__restrict__ part_ml,
                          float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx,
                          int pos0, int n_splits, float scale) {
     constexpr int PER = D / 32;
@@ -92,31 +142,57 @@ attention_partial_kernel(const float *__restrict__ q_rot, const __half *__restri
     float q[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) q[i] = q_rot[((int64_t)n * n_head + h) * D + lane * PER + i];
-    const __half *kb = k_cache + (int64_t)g * n_ctx * D + lane * PER;
-    const __half *vb = v_cache + (int64_t)g * n_ctx * D + lane * PER;
+    const int64_t row0 = (int64_t)g * n_ctx;   // the KV head's first cache row
     float m = -INFINITY, l = 0.0f, acc[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
-    for (int p = begin + warp; p < end; p += PARTIAL_WARPS) {
-        const __half2 *kp = reinterpret_cast<const __half2 *>(kb + (int64_t)p * D);
-        float dot = 0.0f;
+    if constexpr (Q8) {
+        // per row: D int8 quants, D / 32 scales; lane's dims are in block lane * PER / 32
+        const int8_t *kb = static_cast<const int8_t *>(k_cache) + row0 * D + lane * PER;
+        const int8_t *vb = static_cast<const int8_t *>(v_cache) + row0 * D + lane * PER;
+        const __half *ksb = k_scale + row0 * (D / 32) + lane * PER / 32;
+        const __half *vsb = v_scale + row0 * (D / 32) + lane * PER / 32;
+        for (int p = begin + warp; p < end; p += PARTIAL_WARPS) {
+            float kk[PER], vv[PER];
+            load_q8<PER>(kb + (int64_t)p * D, kk);
+            float dot = 0.0f;
 #pragma unroll
-        for (int i = 0; i < PER / 2; ++i) {
-            const float2 kk = __half22float2(kp[i]);
-            dot += q[2 * i] * kk.x + q[2 * i + 1] * kk.y;
-        }
-        const float sc = warp_sum(dot) * scale;
-        const float m_new = fmaxf(m, sc);
-        const float corr = expf(m - m_new), w = expf(sc - m_new);
-        l = l * corr + w;
-        const __half2 *vp = reinterpret_cast<const __half2 *>(vb + (int64_t)p * D);
+            for (int i = 0; i < PER; ++i) dot += q[i] * kk[i];
+            dot *= __half2float(ksb[(int64_t)p * (D / 32)]);
+            const float sc = warp_sum(dot) * scale;
+            const float m_new = fmaxf(m, sc);
+            const float corr = expf(m - m_new), w = expf(sc - m_new);
+            l = l * corr + w;
+            load_q8<PER>(vb + (int64_t)p * D, vv);
+            const float wd = w * __half2float(vsb[(int64_t)p * (D / 32)]);
 #pragma unroll
-        for (int i = 0; i < PER / 2; ++i) {
-            const float2 vv = __half22float2(vp[i]);
-            acc[2 * i] = acc[2 * i] * corr + w * vv.x;
-            acc[2 * i + 1] = acc[2 * i + 1] * corr + w * vv.y;
+            for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + wd * vv[i];
+            m = m_new;
         }
-        m = m_new;
+    } else {
+        const __half *kb = static_cast<const __half *>(k_cache) + row0 * D + lane * PER;
+        const __half *vb = static_cast<const __half *>(v_cache) + row0 * D + lane * PER;
+        for (int p = begin + warp; p < end; p += PARTIAL_WARPS) {
+            const __half2 *kp = reinterpret_cast<const __half2 *>(kb + (int64_t)p * D);
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PER / 2; ++i) {
+                const float2 kk = __half22float2(kp[i]);
+                dot += q[2 * i] * kk.x + q[2 * i + 1] * kk.y;
+            }
+            const float sc = warp_sum(dot) * scale;
+            const float m_new = fmaxf(m, sc);
+            const float corr = expf(m - m_new), w = expf(sc - m_new);
+            l = l * corr + w;
+            const __half2 *vp = reinterpret_cast<const __half2 *>(vb + (int64_t)p * D);
+#pragma unroll
+            for (int i = 0; i < PER / 2; ++i) {
+                const float2 vv = __half22float2(vp[i]);
+                acc[2 * i] = acc[2 * i] * corr + w * vv.x;
+                acc[2 * i + 1] = acc[2 * i + 1] * corr + w * vv.y;
+            }
+            m = m_new;
+        }
     }
     __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
     if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
@@ -162,31 +238,48 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
     out[((int64_t)n * n_head + h) * D + t] = a / L * sigmoid(gate);
 }
 
-}  // namespace
+template <int D, bool Q8>
+void launch_partial(dim3 grid, const Layer &L, Scratch &s, int H, int Hkv, int n_ctx, int pos0, int n_splits,
+                    float scale, cudaStream_t st) {
+    attention_partial_kernel<D, Q8><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(
+        s.q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
+        n_splits, scale);
+}
 
-void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
+template <bool Q8>
+void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     RopeParams rp;
     rp.n_rot = d.hp.n_rot;
     for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
     rp.freq_base = d.hp.rope_freq_base;
-    attention_prepare_kernel<<<dim3(n, H + Hkv), D, D * sizeof(float), st>>>(
-        s.qg, s.k, s.v, L.q_norm, L.k_norm, s.q_rot, L.k_cache, L.v_cache, H, Hkv, n_ctx, pos0,
-        d.hp.rms_eps, rp);
+    attention_prepare_kernel<Q8><<<dim3(n, H + Hkv), D, D * sizeof(float), st>>>(
+        s.qg, s.k, s.v, L.q_norm, L.k_norm, s.q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv,
+        n_ctx, pos0, d.hp.rms_eps, rp);
     check_launch("attention_prepare");
     const int n_splits = (pos0 + n + SPLIT - 1) / SPLIT;
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
     const dim3 grid(H, n, n_splits);
     switch (D) {
-        case 64: attention_partial_kernel<64><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(s.q_rot, L.k_cache, L.v_cache, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale); break;
-        case 128: attention_partial_kernel<128><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(s.q_rot, L.k_cache, L.v_cache, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale); break;
-        case 256: attention_partial_kernel<256><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(s.q_rot, L.k_cache, L.v_cache, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale); break;
+        case 64: launch_partial<64, Q8>(grid, L, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
+        case 128: launch_partial<128, Q8>(grid, L, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
+        case 256: launch_partial<256, Q8>(grid, L, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");
     attention_combine_kernel<<<dim3(H, n), D, 0, st>>>(s.part_ml, s.part_acc, s.qg, s.attn_out, H, n_splits);
     check_launch("attention_combine");
+}
+
+}  // namespace
+
+void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
+    switch (L.kv_type) {
+        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st); break;
+        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st); break;
+        default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
+    }
 }
 
 int attention_splits_for(int n_ctx) { return (n_ctx + SPLIT - 1) / SPLIT; }

@@ -11,6 +11,17 @@
 //      with S stored [h][value j][key i], one warp per row j;
 //   4. RMSNorm of o per head times ssm_norm, times SiLU(z).
 // The numpy twin is ReferenceModel._deltanet (openjet_plugin/testing/reference.py).
+//
+// Commit by replay (issue 6). Every evaluation is provisional: the conv and recurrence kernels
+// read the committed state, run the new positions for their outputs and write NOTHING back. The
+// per-position intermediates they need to advance the state (raw conv inputs; normed k, v; raw
+// beta and alpha) stay in the layer's ring slot of that evaluation. oj_commit(a) only records
+// "the first a positions of slot s are accepted"; the next evaluation (or a flush) first replays
+// those a positions from slot s into the state, writes the state back, then runs its own
+// positions from the other slot. Invariant: conv_state/ssm_state == the state after position
+// n_past - 1 - replay_n, and slot replay_slot rows [0, replay_n) are exactly the intermediates of
+// positions n_past - replay_n .. n_past - 1. The replay repeats the forward arithmetic exactly,
+// so the committed state is bit-identical to stepping the accepted tokens one at a time.
 #include "engine.cuh"
 #include "reduce.cuh"
 
@@ -19,13 +30,23 @@ namespace oj {
 namespace {
 
 template <int KERNEL>
-__global__ void deltanet_conv_kernel(const float *__restrict__ qkv, const float *__restrict__ w,
-                                     float *__restrict__ state, float *__restrict__ out, int C, int n) {
+__global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
+                                     const float *__restrict__ qkv, int n, const float *__restrict__ w,
+                                     float *__restrict__ state, float *__restrict__ out, int C) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float win[KERNEL - 1], wc[KERNEL];
 #pragma unroll
     for (int j = 0; j < KERNEL - 1; ++j) win[j] = state[(int64_t)c * (KERNEL - 1) + j];
+    if (n_replay > 0) {
+        for (int t = 0; t < n_replay; ++t) {
+#pragma unroll
+            for (int j = 0; j < KERNEL - 2; ++j) win[j] = win[j + 1];
+            win[KERNEL - 2] = replay_in[(int64_t)t * C + c];
+        }
+#pragma unroll
+        for (int j = 0; j < KERNEL - 1; ++j) state[(int64_t)c * (KERNEL - 1) + j] = win[j];
+    }
 #pragma unroll
     for (int j = 0; j < KERNEL; ++j) wc[j] = w[(int64_t)c * KERNEL + j];
     for (int t = 0; t < n; ++t) {
@@ -39,8 +60,6 @@ __global__ void deltanet_conv_kernel(const float *__restrict__ qkv, const float 
         for (int j = 0; j < KERNEL - 2; ++j) win[j] = win[j + 1];
         win[KERNEL - 2] = in;
     }
-#pragma unroll
-    for (int j = 0; j < KERNEL - 1; ++j) state[(int64_t)c * (KERNEL - 1) + j] = win[j];
 }
 
 // grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output.
@@ -55,14 +74,49 @@ __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int
     p[threadIdx.x] = y;
 }
 
-// grid (n_v_heads, S / 4), block 128: warp w owns state row j = blockIdx.y * 4 + w.
+// One delta-rule step of state row j (this lane's R values), from position t's conv output.
+template <int R>
+__device__ __forceinline__ float delta_step(float (&s)[R], const float *__restrict__ base, int kh, int h, int j,
+                                            int lane, int key_dim, float beta_raw, float alpha_raw, float bias,
+                                            float a, bool want_out) {
+    constexpr int S = R * 32;
+    const float *q = base + kh * S;
+    const float *k = base + key_dim + kh * S;
+    const float v = base[2 * key_dim + h * S + j];
+    const float beta = sigmoid(beta_raw);
+    const float x = alpha_raw + bias;
+    const float softplus = x > 20.0f ? x : log1pf(expf(x));
+    const float decay = expf(softplus * a);
+    float kr[R];
+    float kv = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        kr[r] = k[r * 32 + lane];
+        kv += s[r] * kr[r];
+    }
+    kv = warp_sum(kv);
+    const float delta = (v - decay * kv) * beta;
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = decay * s[r] + kr[r] * delta;
+    if (!want_out) return 0.0f;
+    float o = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) o += s[r] * q[r * 32 + lane];
+    return warp_sum(o);
+}
+
+// grid (n_v_heads, S / 4), block 128: warp w owns state row j = blockIdx.y * 4 + w. Replays the
+// accepted positions of the previous evaluation into the state (written back), then runs this
+// evaluation's positions for their outputs only.
 template <int S>
 __global__ void __launch_bounds__(128)
-deltanet_recurrence_kernel(const float *__restrict__ conv_out, const float *__restrict__ beta_raw,
-                           const float *__restrict__ alpha_raw, const float *__restrict__ dt_bias,
-                           const float *__restrict__ ssm_a, float *__restrict__ state,
-                           float *__restrict__ out, int C, int key_dim, int n_key_heads,
-                           int n_v_heads, int n) {
+deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *__restrict__ replay_beta,
+                           const float *__restrict__ replay_alpha, int n_replay,
+                           const float *__restrict__ conv_out, const float *__restrict__ beta_raw,
+                           const float *__restrict__ alpha_raw, int n,
+                           const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
+                           float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
+                           int n_key_heads, int n_v_heads) {
     constexpr int R = S / 32;
     const int h = blockIdx.x, lane = threadIdx.x & 31;
     const int j = blockIdx.y * 4 + (threadIdx.x >> 5);
@@ -72,36 +126,18 @@ deltanet_recurrence_kernel(const float *__restrict__ conv_out, const float *__re
 #pragma unroll
     for (int r = 0; r < R; ++r) s[r] = row[r * 32 + lane];
     const float bias = dt_bias[h], a = ssm_a[h];
+    if (n_replay > 0) {
+        for (int t = 0; t < n_replay; ++t)
+            delta_step<R>(s, replay_conv + (int64_t)t * C, kh, h, j, lane, key_dim, replay_beta[t * n_v_heads + h],
+                          replay_alpha[t * n_v_heads + h], bias, a, false);
+#pragma unroll
+        for (int r = 0; r < R; ++r) row[r * 32 + lane] = s[r];
+    }
     for (int t = 0; t < n; ++t) {
-        const float *base = conv_out + (int64_t)t * C;
-        const float *q = base + kh * S;
-        const float *k = base + key_dim + kh * S;
-        const float v = base[2 * key_dim + h * S + j];
-        const float beta = sigmoid(beta_raw[t * n_v_heads + h]);
-        const float x = alpha_raw[t * n_v_heads + h] + bias;
-        const float softplus = x > 20.0f ? x : log1pf(expf(x));
-        const float decay = expf(softplus * a);
-        float kr[R], qr[R];
-        float kv = 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            kr[r] = k[r * 32 + lane];
-            qr[r] = q[r * 32 + lane];
-            kv += s[r] * kr[r];
-        }
-        kv = warp_sum(kv);
-        const float delta = (v - decay * kv) * beta;
-        float o = 0.0f;
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-            s[r] = decay * s[r] + kr[r] * delta;
-            o += s[r] * qr[r];
-        }
-        o = warp_sum(o);
+        const float o = delta_step<R>(s, conv_out + (int64_t)t * C, kh, h, j, lane, key_dim,
+                                      beta_raw[t * n_v_heads + h], alpha_raw[t * n_v_heads + h], bias, a, true);
         if (lane == 0) out[(int64_t)t * n_v_heads * S + h * S + j] = o;
     }
-#pragma unroll
-    for (int r = 0; r < R; ++r) row[r * 32 + lane] = s[r];
 }
 
 // grid (n, n_v_heads), block d_state: o = rms_norm(o) * ssm_norm * silu(z), in place.
@@ -114,32 +150,50 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
     o[off] = v / sqrtf(ss / S + eps) * w[i] * silu(z[off]);
 }
 
-}  // namespace
-
-void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, cudaStream_t st) {
+// Conv and recurrence for n_replay positions of ring slot `replay` and n new ones of slot `cur`.
+void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
+                         const RingSlot &cur, int n, float *dn_out, cudaStream_t st) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = 128, blocks = (C + threads - 1) / threads;
     switch (d.hp.ssm_conv_kernel) {
-        case 2: deltanet_conv_kernel<2><<<blocks, threads, 0, st>>>(s.qkv, L.conv1d, L.conv_state, s.conv_out, C, n); break;
-        case 3: deltanet_conv_kernel<3><<<blocks, threads, 0, st>>>(s.qkv, L.conv1d, L.conv_state, s.conv_out, C, n); break;
-        case 4: deltanet_conv_kernel<4><<<blocks, threads, 0, st>>>(s.qkv, L.conv1d, L.conv_state, s.conv_out, C, n); break;
+        case 2: deltanet_conv_kernel<2><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C); break;
+        case 3: deltanet_conv_kernel<3><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C); break;
+        case 4: deltanet_conv_kernel<4><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
     }
     check_launch("deltanet_conv");
-    deltanet_qk_norm_kernel<<<dim3(n, 2 * Hk), S, 0, st>>>(s.conv_out, C, Hk, d.hp.rms_eps,
-                                                          1.0f / sqrtf((float)S));
-    check_launch("deltanet_qk_norm");
+    if (n > 0) {
+        deltanet_qk_norm_kernel<<<dim3(n, 2 * Hk), S, 0, st>>>(cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S));
+        check_launch("deltanet_qk_norm");
+    }
     const dim3 grid(Hv, S / 4);
+#define OJ_RECURRENCE(SS)                                                                                       \
+    deltanet_recurrence_kernel<SS><<<grid, 128, 0, st>>>(replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, \
+                                                         cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a, L.ssm_state,  \
+                                                         dn_out, C, key_dim, Hk, Hv)
     switch (S) {
-        case 32: deltanet_recurrence_kernel<32><<<grid, 128, 0, st>>>(s.conv_out, s.beta, s.alpha, L.dt_bias, L.ssm_a, L.ssm_state, s.dn_out, C, key_dim, Hk, Hv, n); break;
-        case 64: deltanet_recurrence_kernel<64><<<grid, 128, 0, st>>>(s.conv_out, s.beta, s.alpha, L.dt_bias, L.ssm_a, L.ssm_state, s.dn_out, C, key_dim, Hk, Hv, n); break;
-        case 128: deltanet_recurrence_kernel<128><<<grid, 128, 0, st>>>(s.conv_out, s.beta, s.alpha, L.dt_bias, L.ssm_a, L.ssm_state, s.dn_out, C, key_dim, Hk, Hv, n); break;
+        case 32: OJ_RECURRENCE(32); break;
+        case 64: OJ_RECURRENCE(64); break;
+        case 128: OJ_RECURRENCE(128); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.state_size must be 32, 64 or 128");
     }
+#undef OJ_RECURRENCE
     check_launch("deltanet_recurrence");
-    deltanet_gated_norm_kernel<<<dim3(n, Hv), S, 0, st>>>(s.dn_out, s.z, L.ssm_norm, d.hp.rms_eps);
+}
+
+}  // namespace
+
+void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
+                  cudaStream_t st) {
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, st);
+    deltanet_gated_norm_kernel<<<dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st>>>(s.dn_out, s.z, L.ssm_norm,
+                                                                                       d.hp.rms_eps);
     check_launch("deltanet_gated_norm");
+}
+
+void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay, cudaStream_t st) {
+    if (n_replay > 0) conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[replay_slot], 0, nullptr, st);
 }
 
 }  // namespace oj

@@ -56,6 +56,10 @@ __global__ void argmax_kernel(const float *__restrict__ x, int32_t *__restrict__
 }
 
 // Reads through an address no allocation covers: the test of how a kernel fault surfaces.
+__global__ void map_ids_kernel(int32_t *__restrict__ out, const int32_t *__restrict__ ids, int n) {
+    if (threadIdx.x < n) out[threadIdx.x] = ids[out[threadIdx.x]];
+}
+
 __global__ void fault_probe_kernel(int32_t *out) {
     const int32_t *bad = reinterpret_cast<const int32_t *>(uintptr_t(0x10));
     out[0] = bad[threadIdx.x];
@@ -78,6 +82,11 @@ void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st) 
 void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st) {
     argmax_kernel<<<n, 1024, 0, st>>>(x, out, width);
     check_launch("argmax");
+}
+
+void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st) {
+    map_ids_kernel<<<1, 32, 0, st>>>(out, ids, n);
+    check_launch("map_ids");
 }
 
 void fault_probe(int32_t *out, cudaStream_t st) {

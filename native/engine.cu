@@ -94,7 +94,7 @@ public:
         if (!is_supported_type(t->type))
             fail(OJ_ERR_UNSUPPORTED, "tensor '" + name + "' has type id " + std::to_string(t->type) +
                                          ", which the native engine does not support (F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K)");
-        const int unit = is_float_type(t->type) ? 8 : QK_K;
+        const int unit = is_float_type(t->type) ? 8 : (t->type == TYPE_Q8_0 ? 32 : QK_K);
         if (K % unit != 0)
             fail(OJ_ERR_UNSUPPORTED, "tensor '" + name + "' (" + type_name(t->type) + ") has " + std::to_string(K) +
                                          " columns; the native kernels need a multiple of " + std::to_string(unit));
@@ -196,6 +196,24 @@ void load_common(Loader &ld, Engine &e, Layer &L, int il) {
     L.ffn_down = ld.matrix(p + "ffn_down.weight", F, E);
 }
 
+// K and V caches of an attention layer (or the MTP block) in e.kv_type; see Layer's KV fields.
+// q8_0: the int8 plane (kv_dim * n_ctx bytes, a multiple of 64) then the fp16 scales, 34 bytes per
+// 32 values in all, which is what memory.kv_cache reports and estimate_device_bytes predicts.
+void alloc_kv(Engine &e, Layer &L) {
+    const size_t values = (size_t)e.dims.kv_dim() * e.n_ctx;
+    L.kv_type = e.kv_type;
+    if (e.kv_type == OJ_KV_F16) {
+        L.k_cache = e.alloc(values * sizeof(__half), e.memory.kv_cache);
+        L.v_cache = e.alloc(values * sizeof(__half), e.memory.kv_cache);
+        return;
+    }
+    const size_t bytes = values + values / QK8_0 * sizeof(__half);
+    L.k_cache = e.alloc(bytes, e.memory.kv_cache);
+    L.v_cache = e.alloc(bytes, e.memory.kv_cache);
+    L.k_scale = reinterpret_cast<__half *>(static_cast<uint8_t *>(L.k_cache) + values);
+    L.v_scale = reinterpret_cast<__half *>(static_cast<uint8_t *>(L.v_cache) + values);
+}
+
 void load_attention(Loader &ld, Engine &e, Layer &L, int il) {
     const ModelDims &d = e.dims;
     const std::string p = "blk." + std::to_string(il) + ".";
@@ -206,9 +224,7 @@ void load_attention(Loader &ld, Engine &e, Layer &L, int il) {
     L.wo = ld.matrix(p + "attn_output.weight", d.q_dim(), E);
     L.q_norm = ld.vector(p + "attn_q_norm.weight", D);
     L.k_norm = ld.vector(p + "attn_k_norm.weight", D);
-    const size_t kv_bytes = (size_t)d.kv_dim() * e.n_ctx * sizeof(__half);
-    L.k_cache = static_cast<__half *>(e.alloc(kv_bytes, e.memory.kv_cache));
-    L.v_cache = static_cast<__half *>(e.alloc(kv_bytes, e.memory.kv_cache));
+    alloc_kv(e, L);
 }
 
 void load_deltanet(Loader &ld, Engine &e, Layer &L, int il) {
@@ -226,6 +242,42 @@ void load_deltanet(Loader &ld, Engine &e, Layer &L, int il) {
     L.ssm_norm = ld.vector(p + "ssm_norm.weight", S);
     L.conv_state = static_cast<float *>(e.alloc((size_t)C * (d.hp.ssm_conv_kernel - 1) * 4, e.memory.recurrent_state));
     L.ssm_state = static_cast<float *>(e.alloc((size_t)Hv * S * S * 4, e.memory.recurrent_state));
+    const size_t N = OJ_MAX_POSITIONS;
+    for (RingSlot &r : L.ring) {
+        r.qkv = static_cast<float *>(e.alloc(N * C * 4, e.memory.recurrent_state));
+        r.conv = static_cast<float *>(e.alloc(N * C * 4, e.memory.recurrent_state));
+        r.beta = static_cast<float *>(e.alloc(N * Hv * 4, e.memory.recurrent_state));
+        r.alpha = static_cast<float *>(e.alloc(N * Hv * 4, e.memory.recurrent_state));
+    }
+}
+
+size_t recurrent_floats(const ModelDims &d) {
+    return (size_t)d.ssm_conv_dim() * (d.hp.ssm_conv_kernel - 1) + (size_t)d.hp.ssm_dt_rank * d.hp.ssm_d_state * d.hp.ssm_d_state;
+}
+
+size_t checkpoint_floats(const Engine &e) {
+    size_t n = e.dims.hp.n_embd;
+    for (const Layer &L : e.layers)
+        if (L.recurrent) n += recurrent_floats(e.dims);
+    return n;
+}
+
+// Copies every DeltaNet layer's conv + ssm state between the engine and checkpoint c.
+void copy_recurrent(Engine &e, Checkpoint &c, bool save) {
+    const ModelDims &d = e.dims;
+    const size_t conv = (size_t)d.ssm_conv_dim() * (d.hp.ssm_conv_kernel - 1) * 4;
+    const size_t ssm = (size_t)d.hp.ssm_dt_rank * d.hp.ssm_d_state * d.hp.ssm_d_state * 4;
+    uint8_t *p = reinterpret_cast<uint8_t *>(c.data);
+    for (Layer &L : e.layers) {
+        if (!L.recurrent) continue;
+        uint8_t *cs = reinterpret_cast<uint8_t *>(L.conv_state), *ss = reinterpret_cast<uint8_t *>(L.ssm_state);
+        check_cuda(cudaMemcpyAsync(save ? p : cs, save ? cs : p, conv, cudaMemcpyDeviceToDevice, e.stream), "checkpoint");
+        check_cuda(cudaMemcpyAsync(save ? p + conv : ss, save ? ss : p + conv, ssm, cudaMemcpyDeviceToDevice, e.stream), "checkpoint");
+        p += conv + ssm;
+    }
+    const size_t E = (size_t)d.hp.n_embd * 4;
+    uint8_t *row = reinterpret_cast<uint8_t *>(e.s.hidden + (size_t)e.prev_row * d.hp.n_embd);
+    check_cuda(cudaMemcpyAsync(save ? p : row, save ? row : p, E, cudaMemcpyDeviceToDevice, e.stream), "checkpoint");
 }
 
 void alloc_scratch(Engine &e) {
@@ -240,12 +292,8 @@ void alloc_scratch(Engine &e) {
     s.xn = f(N * E);
     s.ffn_gate = f((int64_t)N * d.hp.n_ff);
     s.ffn_up = f((int64_t)N * d.hp.n_ff);
-    s.qkv = f((int64_t)N * d.ssm_conv_dim());
-    s.conv_out = f((int64_t)N * d.ssm_conv_dim());
     s.z = f((int64_t)N * d.ssm_value_dim());
     s.dn_out = f((int64_t)N * d.ssm_value_dim());
-    s.beta = f((int64_t)N * d.hp.ssm_dt_rank);
-    s.alpha = f((int64_t)N * d.hp.ssm_dt_rank);
     s.qg = f((int64_t)N * 2 * d.q_dim());
     s.k = f((int64_t)N * d.kv_dim());
     s.v = f((int64_t)N * d.kv_dim());
@@ -263,6 +311,7 @@ void alloc_scratch(Engine &e) {
         s.draft_logits = f(N * V);
         s.draft_argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
         s.draft_hidden = f(N * E);
+        s.draft_ids = static_cast<int32_t *>(e.alloc(V * sizeof(int32_t), c));
     }
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
 }
@@ -288,13 +337,15 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0) {
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
 
+// The projections land in the layer's ring slot of this evaluation (kept for the replay).
 void deltanet_layer(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
-    matvec(L.wqkv, s.xn, s.qkv, n, false, e.stream);
+    const RingSlot &r = L.ring[e.slot];
+    matvec(L.wqkv, s.xn, r.qkv, n, false, e.stream);
     matvec(L.wgate, s.xn, s.z, n, false, e.stream);
-    matvec(L.wbeta, s.xn, s.beta, n, false, e.stream);
-    matvec(L.walpha, s.xn, s.alpha, n, false, e.stream);
-    deltanet_mix(e.dims, L, s, n, e.stream);
+    matvec(L.wbeta, s.xn, r.beta, n, false, e.stream);
+    matvec(L.walpha, s.xn, r.alpha, n, false, e.stream);
+    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream);
     matvec(L.wssm_out, s.dn_out, s.x, n, true, e.stream);
 }
 
@@ -316,10 +367,12 @@ void finish(Engine &e, const char *what) {
 
 void engine_load(Engine &e, const oj_model_desc &desc) {
     check_hparams(desc.hparams, desc.n_ctx);
-    if (desc.kv_type != OJ_KV_F16) fail(OJ_ERR_UNSUPPORTED, "kv_type " + std::to_string(desc.kv_type) + " is not supported (only f16)");
+    if (desc.kv_type != OJ_KV_F16 && desc.kv_type != OJ_KV_Q8_0)
+        fail(OJ_ERR_UNSUPPORTED, "kv_type " + std::to_string(desc.kv_type) + " is not an oj_kv_type (0 = f16, 1 = q8_0)");
     if (desc.n_tensors <= 0 || !desc.tensors) fail(OJ_ERR_INVALID_ARGUMENT, "the model description has no tensors");
     e.dims.hp = desc.hparams;
     e.n_ctx = desc.n_ctx;
+    e.kv_type = desc.kv_type;
     e.device = desc.device;
     check_cuda(cudaSetDevice(desc.device), "cudaSetDevice");
     check_cuda(cudaStreamCreateWithFlags(&e.stream, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -356,6 +409,11 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
         m.head = m.own_head.present() ? &m.own_head : (e.output.present() ? &e.output : &e.tok_embd);
     }
     alloc_scratch(e);
+    if (desc.n_checkpoints < 0 || desc.n_checkpoints > 64)
+        fail(OJ_ERR_INVALID_ARGUMENT, "n_checkpoints is " + std::to_string(desc.n_checkpoints) + "; allowed 0..64");
+    e.checkpoints.resize(desc.n_checkpoints);
+    for (Checkpoint &c : e.checkpoints)
+        c.data = static_cast<float *>(e.alloc(checkpoint_floats(e) * 4, e.memory.checkpoints));
     // cudaMemcpy from pageable memory may return before its DMA lands, and the engine's stream does
     // not wait for the legacy default stream: finish every upload before the first kernel.
     check_cuda(cudaDeviceSynchronize(), "upload weights");
@@ -371,6 +429,11 @@ void engine_reset(Engine &e) {
     }
     check_cuda(cudaMemsetAsync(e.s.hidden, 0, (size_t)(OJ_MAX_POSITIONS + 1) * d.hp.n_embd * 4, e.stream), "reset");
     finish(e, "reset");
+    e.slot = 0;
+    e.replay_slot = 1;
+    e.replay_n = 0;
+    e.uncommitted = 0;
+    e.prev_row = 0;
     e.n_past = 0;
     e.last_start = 0;
     e.last_n = 0;
@@ -378,7 +441,7 @@ void engine_reset(Engine &e) {
     e.last_mtp_n = 0;
 }
 
-void engine_eval(Engine &e, const int32_t *tokens, int n) {
+void engine_verify(Engine &e, const int32_t *tokens, int n) {
     check_tokens(e, tokens, n);
     if (e.n_past + n > e.n_ctx)
         fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
@@ -386,12 +449,15 @@ void engine_eval(Engine &e, const int32_t *tokens, int n) {
     const int E = d.hp.n_embd;
     Scratch &s = e.s;
     check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    // A verify that was never committed is dropped (as oj_commit(0) would).
+    e.uncommitted = 0;
     // Row 0 of the hidden window: the position just before this batch (zeros at position 0), so
     // that the MTP block can pair every token of the batch with its predecessor's hidden state.
-    if (e.n_past > 0 && e.last_n > 0)
-        check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.last_n * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
-    else
+    if (e.n_past == 0)
         check_cuda(cudaMemsetAsync(s.hidden, 0, E * 4, e.stream), "hidden window");
+    else if (e.prev_row != 0)
+        check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
+    e.prev_row = 0;
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
@@ -405,9 +471,89 @@ void engine_eval(Engine &e, const int32_t *tokens, int n) {
     matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
     argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
     finish(e, "eval");
+    // the replay is in the state now; this evaluation's positions wait in e.slot for oj_commit
+    e.replay_n = 0;
+    e.replay_slot = e.slot;
+    e.slot ^= 1;
     e.last_start = e.n_past;
     e.last_n = n;
-    e.n_past += n;
+    e.uncommitted = n;
+}
+
+void engine_commit(Engine &e, int n_accept) {
+    if (e.uncommitted == 0)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit without an uncommitted oj_verify (each verify is committed once)");
+    if (n_accept < 0 || n_accept > e.uncommitted)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit(" + std::to_string(n_accept) + "): the last oj_verify evaluated " +
+                                          std::to_string(e.uncommitted) + " positions");
+    // Attention K/V of the rejected positions stay in the cache beyond n_past and are overwritten by
+    // the next evaluation; DeltaNet state advances only by replay of the accepted ones.
+    e.replay_n = n_accept;
+    e.n_past += n_accept;
+    e.prev_row = n_accept;   // row 0 (the position before the batch) when nothing was accepted
+    e.uncommitted = 0;
+}
+
+void engine_eval(Engine &e, const int32_t *tokens, int n) {
+    engine_verify(e, tokens, n);
+    engine_commit(e, n);
+}
+
+void engine_flush(Engine &e) {
+    if (e.replay_n == 0) return;
+    for (Layer &L : e.layers)
+        if (L.recurrent) deltanet_replay(e.dims, L, e.replay_slot, e.replay_n, e.stream);
+    finish(e, "replay");
+    e.replay_n = 0;
+}
+
+Checkpoint &checkpoint_at(Engine &e, int slot) {
+    if (slot < 0 || slot >= (int)e.checkpoints.size())
+        fail(OJ_ERR_INVALID_ARGUMENT, "checkpoint slot " + std::to_string(slot) + " does not exist (the engine has " +
+                                          std::to_string(e.checkpoints.size()) + "; n_checkpoints at creation)");
+    return e.checkpoints[slot];
+}
+
+void engine_checkpoint_save(Engine &e, int slot) {
+    Checkpoint &c = checkpoint_at(e, slot);
+    engine_flush(e);
+    e.uncommitted = 0;
+    copy_recurrent(e, c, true);
+    finish(e, "checkpoint save");
+    c.n_past = e.n_past;
+}
+
+int engine_checkpoint_restore(Engine &e, int slot) {
+    Checkpoint &c = checkpoint_at(e, slot);
+    if (c.n_past < 0) fail(OJ_ERR_INVALID_ARGUMENT, "checkpoint slot " + std::to_string(slot) + " was never saved");
+    e.replay_n = 0;
+    e.uncommitted = 0;
+    e.prev_row = 0;            // the saved hidden goes to row 0: the position before the next batch
+    copy_recurrent(e, c, false);
+    finish(e, "checkpoint restore");
+    e.n_past = c.n_past;
+    e.last_start = e.n_past;   // only h_{n_past-1} (row 0) is in the window now
+    e.last_n = 0;
+    if (e.mtp_n_past > e.n_past) e.mtp_n_past = e.n_past;
+    e.last_mtp_n = 0;
+    return e.n_past;
+}
+
+void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {
+    if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block: there is no draft head to restrict");
+    const int V = e.dims.hp.n_vocab;
+    if (n < 0 || n > V) fail(OJ_ERR_INVALID_ARGUMENT, "draft vocabulary of " + std::to_string(n) + " ids; the model has " + std::to_string(V));
+    if (n > 0 && !ids) fail(OJ_ERR_INVALID_ARGUMENT, "draft vocabulary ids is NULL");
+    for (int i = 0; i < n; ++i)
+        if (ids[i] < 0 || ids[i] >= V)
+            fail(OJ_ERR_INVALID_ARGUMENT, "draft vocabulary id " + std::to_string(ids[i]) + " (entry " + std::to_string(i) +
+                                              ") is outside the vocabulary [0, " + std::to_string(V) + ")");
+    if (n > 0) {
+        check_cuda(cudaMemcpyAsync(e.s.draft_ids, ids, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "draft vocabulary");
+        finish(e, "draft vocabulary");
+    }
+    e.n_draft_ids = n;
+    e.last_mtp_n = 0;   // draft results of the old vocabulary are gone
 }
 
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host) {
@@ -449,8 +595,14 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
     attention_layer(e, m.block, n, pos0);
     ffn(e, m.block, n);
     rms_norm(s.x, m.head_norm, s.draft_hidden, n, E, d.hp.rms_eps, E, e.stream);
-    matvec(*m.head, s.draft_hidden, s.draft_logits, n, false, e.stream);
-    argmax_rows(s.draft_logits, s.draft_argmax, n, d.hp.n_vocab, e.stream);
+    if (e.n_draft_ids > 0) {
+        matvec_rows(*m.head, s.draft_ids, e.n_draft_ids, s.draft_hidden, s.draft_logits, n, e.stream);
+        argmax_rows(s.draft_logits, s.draft_argmax, n, e.n_draft_ids, e.stream);
+        map_ids(s.draft_argmax, s.draft_ids, n, e.stream);
+    } else {
+        matvec(*m.head, s.draft_hidden, s.draft_logits, n, false, e.stream);
+        argmax_rows(s.draft_logits, s.draft_argmax, n, d.hp.n_vocab, e.stream);
+    }
     finish(e, "mtp_eval");
     e.mtp_n_past = pos0 + n;
     e.last_mtp_n = n;

@@ -36,6 +36,15 @@ struct Matrix {
     bool present() const { return data != nullptr; }
 };
 
+// One evaluation's Gated DeltaNet intermediates for up to OJ_MAX_POSITIONS positions: what a
+// replay needs to advance the state (deltanet.cu explains commit by replay).
+struct RingSlot {
+    float *qkv = nullptr;     // [N][conv_dim] raw conv inputs (the qkv projection)
+    float *conv = nullptr;    // [N][conv_dim] conv + SiLU output, q and k heads L2-normed
+    float *beta = nullptr;    // [N][n_v_heads] raw (before sigmoid)
+    float *alpha = nullptr;   // [N][n_v_heads] raw (before softplus)
+};
+
 struct Layer {
     bool recurrent = false;
     float *attn_norm = nullptr, *post_norm = nullptr;
@@ -43,12 +52,20 @@ struct Layer {
     // gated attention (also the MTP block)
     Matrix wq, wk, wv, wo;
     float *q_norm = nullptr, *k_norm = nullptr;
-    __half *k_cache = nullptr, *v_cache = nullptr;   // [n_head_kv][n_ctx][head_dim]
+    // KV cache, values [n_head_kv][n_ctx][head_dim] of type kv_type (oj_kv_type):
+    // OJ_KV_F16: k_cache/v_cache hold __half. OJ_KV_Q8_0: they hold int8 quants in that shape and
+    // k_scale/v_scale the fp16 scale of each 32 values, [n_head_kv][n_ctx][head_dim / 32]: ggml's
+    // block_q8_0 split into a quant plane and a scale plane, so that a lane's quants are one aligned
+    // load (a 34-byte block is only 2-byte aligned). Both planes live in one allocation.
+    int kv_type = OJ_KV_F16;
+    void *k_cache = nullptr, *v_cache = nullptr;
+    __half *k_scale = nullptr, *v_scale = nullptr;
     // Gated DeltaNet
     Matrix wqkv, wgate, wbeta, walpha, wssm_out;
     float *conv1d = nullptr, *dt_bias = nullptr, *ssm_a = nullptr, *ssm_norm = nullptr;
     float *conv_state = nullptr;   // [conv_dim][kernel-1], oldest input first
     float *ssm_state = nullptr;    // [n_v_heads][d_state (value j)][d_state (key i)]
+    RingSlot ring[2];              // evaluations alternate slots: one replays while one is written
 };
 
 struct Mtp {
@@ -65,9 +82,7 @@ struct Scratch {
     int32_t *tokens = nullptr;
     float *x = nullptr, *xn = nullptr;                 // residual stream, normed input [N][E]
     float *ffn_gate = nullptr, *ffn_up = nullptr;      // [N][n_ff]
-    float *qkv = nullptr, *conv_out = nullptr;         // [N][conv_dim]
     float *z = nullptr, *dn_out = nullptr;             // [N][value_dim]
-    float *beta = nullptr, *alpha = nullptr;           // [N][n_v_heads]
     float *qg = nullptr;                               // [N][2 * q_dim]: query and gate per head
     float *k = nullptr, *v = nullptr;                  // [N][kv_dim]
     float *q_rot = nullptr, *attn_out = nullptr;       // [N][q_dim]
@@ -77,14 +92,22 @@ struct Scratch {
     float *h_in = nullptr;                             // [N][E] MTP h
     float *logits = nullptr, *draft_logits = nullptr;  // [N][n_vocab]
     int32_t *argmax = nullptr, *draft_argmax = nullptr;
+    int32_t *draft_ids = nullptr;                      // [n_vocab]: the draft vocabulary, when restricted
     float *hidden = nullptr;                           // [N+1][E]: row 0 = position before the batch
     float *draft_hidden = nullptr;                     // [N][E]
     int32_t *fault_probe = nullptr;
 };
 
+// A copy of the recurrent state and the hidden state at n_past (oj_checkpoint_save).
+struct Checkpoint {
+    int n_past = -1;          // -1: never saved
+    float *data = nullptr;    // every DeltaNet layer's conv state then ssm state, then n_embd hidden
+};
+
 struct Engine {
     ModelDims dims;
     int n_ctx = 0;
+    int kv_type = OJ_KV_F16;          // oj_kv_type of every KV cache (main layers and MTP block)
     int device = 0;
     cudaStream_t stream = nullptr;
 
@@ -95,8 +118,15 @@ struct Engine {
     Mtp mtp;
     Scratch s;
 
-    int n_past = 0;
-    int last_start = 0, last_n = 0;   // the last oj_eval's first position and length
+    int n_past = 0;                   // committed positions
+    int last_start = 0, last_n = 0;   // the last evaluation's first position and length
+    // Commit by replay (deltanet.cu): the next evaluation writes ring slot `slot`; the first
+    // replay_n positions of slot replay_slot are accepted but not yet in the recurrent state.
+    int slot = 0, replay_slot = 1, replay_n = 0;
+    int uncommitted = 0;              // positions of the last oj_verify awaiting oj_commit
+    int prev_row = 0;                 // hidden-window row of position n_past - 1 after the last commit
+    int n_draft_ids = 0;              // 0: the draft head scores the whole vocabulary
+    std::vector<Checkpoint> checkpoints;
     int mtp_n_past = 0, last_mtp_n = 0;
 
     std::vector<void *> allocations;
@@ -111,12 +141,22 @@ struct Engine {
 // engine.cu: model loading and the forward passes (throw Error on failure).
 void engine_load(Engine &e, const oj_model_desc &desc);
 void engine_reset(Engine &e);
-void engine_eval(Engine &e, const int32_t *tokens, int n);
+void engine_verify(Engine &e, const int32_t *tokens, int n);   // provisional: commits nothing
+void engine_commit(Engine &e, int n_accept);                    // keep the first n_accept
+void engine_eval(Engine &e, const int32_t *tokens, int n);     // verify + commit all
+void engine_flush(Engine &e);                                   // replay pending positions now
+void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
+void engine_checkpoint_save(Engine &e, int slot);
+int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
 
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// matvec.cu: y[n][i] = W[rows[i]] . x[n] for i < n_rows (rows on the device): the draft head over
+// a restricted vocabulary. y is [n_vec][n_rows].
+void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
+                 cudaStream_t st);
 // matvec.cu: y[n][:] = row tokens[n] of W, dequantised (embedding lookup).
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st);
 // matvec.cu: host-side rearrangement of a file tensor into the device layout; returns bytes.
@@ -128,11 +168,17 @@ void rms_norm(const float *x, const float *w, float *y, int n, int width, float 
               int y_stride, cudaStream_t st);
 void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st);
 void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st);
+// out[i] = ids[out[i]] for i < n (an argmax over a row subset back to token ids)
+void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st);
 void fault_probe(int32_t *out, cudaStream_t st);
 
-// deltanet.cu: one Gated DeltaNet layer's mixer for n positions, from qkv/z/beta/alpha
-// (already projected) to dn_out (gated-normed, before ssm_out).
-void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, cudaStream_t st);
+// deltanet.cu: one Gated DeltaNet layer's mixer: first replays n_replay accepted positions of ring
+// slot replay_slot into the state, then runs n new positions from ring slot `slot` (qkv, beta,
+// alpha already projected there) to s.dn_out (gated-normed, before ssm_out), committing nothing.
+void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
+                  cudaStream_t st);
+// deltanet.cu: only the replay (before reading the state back).
+void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay, cudaStream_t st);
 
 // attention.cu: q/k norms, RoPE, KV append at pos0.., split-K decode, sigmoid gate:
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).

@@ -1,10 +1,32 @@
 // matvec.cu: quantised matrix x (1..8 activation vectors), and embedding rows.
 //
-// y[n][m] = sum_k W[m][k] * x[n][k] for every vector n < N: one warp owns one row m and walks it
-// in super-blocks of 256 values; each lane dequantises its 8 values of a super-block into
-// registers once and multiplies them with all N vectors, so every weight byte is read once per
-// call whatever N is (the layout of a verification pass). Accumulation is fp32; the numpy twin is
-// `W.astype(float64) @ x` with W dequantised by gguf.quants (openjet_plugin.testing.reference).
+// y[n][m] = sum_k W[m][k] * x[n][k] for every vector n < N, every weight byte read once per call
+// whatever N is (the layout of a verification pass).
+//
+// Quantised types (Q4_K, Q5_K, Q6_K, Q8_0) run on the tensor cores: mma.m16n8k16 with bf16
+// operands and fp32 accumulation. A (16 rows x 16 k) holds the block's integer quants, which bf16
+// represents exactly (0..15, 16..31, -32..31, -128..127); B (16 k x 8 columns) holds the 1..8
+// activation vectors, each split into a bf16 high part and a bf16 remainder, so x keeps ~16
+// significant bits (relative error ~4e-6, against ~5e-3 for int8 activations) and fp32's range.
+// The block scales multiply the fp32 partial sum of each scale group (32 values for the K-quants'
+// sub-blocks and Q8_0, 16 for Q6_K); the K-quant mins multiply the group's sum of x, taken by one
+// extra mma with A = 1 that every row tile of the warp shares. Nothing is rounded but x.
+//
+// The k order inside one mma is free as long as A and B agree, so each lane reads its weight
+// bytes as stored (8 or 16 contiguous bytes, a quad of lanes covering whole 32-byte sectors of a
+// row) and takes the matching activation columns: lane t of a quad holds columns (0,2 | 1,3) of
+// each group of 4 it owns, which is what the nibble-pair extraction (bits 0-3 and 16-19 of a word)
+// yields. A block is 4 warps over the same 16 rows (one tile); the warps split K by
+// super-block and their partial sums meet in shared memory in a fixed order, so the result for a
+// vector does not depend on N or on timing (2..8 vectors per call bit-identical to one).
+// Each warp loads its next super-block's bytes into a second register set before computing the
+// current one (software prefetch), so a warp's DRAM latency overlaps its own math; the arithmetic
+// and its order are unchanged from the first version (tools/matvec_v1.cuh), results bit-identical.
+// Q8_0 needs K a multiple of 32 only (a partial last 128-column unit); the K-quants need 256.
+//
+// Float weights (F32/F16/BF16) keep the fp32 CUDA-core kernel: one warp per row, 8 values per lane.
+// The numpy twin is `W.astype(float64) @ x` with W dequantised by gguf.quants
+// (openjet_plugin.testing.reference).
 #include <cuda_bf16.h>
 
 #include <cstring>
@@ -13,7 +35,17 @@
 
 namespace oj {
 
+// Byte of lane t's 16-byte run for Q6_K value l (0..31) of half `half` of a super-block, in the
+// regrouped q plane (quant_blocks.cuh): 16 * t + 4 * c + j with c = 2 * half + l / 16.
+__host__ __device__ inline int q6_K_byte(int half, int l) {
+    const int t = (l & 15) >> 2, c = 2 * half + (l >> 4), j = l & 3;
+    return 16 * t + 4 * c + j;
+}
+
 namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Float weights: one warp per row, fp32 FMAs (the v1 kernel).
 
 constexpr int ROWS_PER_BLOCK = 8;   // 8 warps, one row each
 
@@ -29,115 +61,6 @@ __device__ __forceinline__ void fma_run4(float (&acc)[N], const float *x, int64_
         const float4 xv = __ldg(reinterpret_cast<const float4 *>(x + n * K + col));
         acc[n] += w0 * xv.x + w1 * xv.y + w2 * xv.z + w3 * xv.w;
     }
-}
-
-template <int N>
-__device__ __forceinline__ void fma_run2(float (&acc)[N], const float *x, int64_t K, int64_t col,
-                                         float w0, float w1) {
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-        const float2 xv = __ldg(reinterpret_cast<const float2 *>(x + n * K + col));
-        acc[n] += w0 * xv.x + w1 * xv.y;
-    }
-}
-
-// One lane's 8 values of super-block u of row m. Lane l of a Q4_K block: chunk j = l/8 of the
-// 128 quant bytes, 4 bytes at (l%8)*4; low nibbles are values 64j + .., high nibbles 64j + 32 + ..
-template <int N>
-__device__ __forceinline__ void unit_q4_K(const Matrix &w, int64_t m, int64_t u, int lane,
-                                          const float *x, float (&acc)[N]) {
-    const int64_t nb = w.K / QK_K;
-    const uint8_t *b = w.data + (m * nb + u) * 144;
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const int j = lane >> 3, off = (lane & 7) * 4;
-    const uint32_t q = *reinterpret_cast<const uint32_t *>(b + 16 + 32 * j + off);
-    int s1, m1, s2, m2;
-    scale_min_k4(2 * j, b + 4, s1, m1);
-    scale_min_k4(2 * j + 1, b + 4, s2, m2);
-    const float d1 = d * s1, c1 = dmin * m1, d2 = d * s2, c2 = dmin * m2;
-    const int64_t col = u * QK_K + 64 * j + off;
-    fma_run4<N>(acc, x, w.K, col, d1 * (q & 15) - c1, d1 * ((q >> 8) & 15) - c1,
-                d1 * ((q >> 16) & 15) - c1, d1 * ((q >> 24) & 15) - c1);
-    fma_run4<N>(acc, x, w.K, col + 32, d2 * ((q >> 4) & 15) - c2, d2 * ((q >> 12) & 15) - c2,
-                d2 * ((q >> 20) & 15) - c2, d2 * ((q >> 28) & 15) - c2);
-}
-
-// Q5_K: as Q4_K plus a fifth bit: bit 2j (low nibble) / 2j+1 (high) of qh[value % 32].
-template <int N>
-__device__ __forceinline__ void unit_q5_K(const Matrix &w, int64_t m, int64_t u, int lane,
-                                          const float *x, float (&acc)[N]) {
-    const int64_t nb = w.K / QK_K;
-    const uint8_t *b = w.data + (m * nb + u) * 176;
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const int j = lane >> 3, off = (lane & 7) * 4;
-    const uint32_t h = *reinterpret_cast<const uint32_t *>(b + 16 + off);
-    const uint32_t q = *reinterpret_cast<const uint32_t *>(b + 48 + 32 * j + off);
-    int s1, m1, s2, m2;
-    scale_min_k4(2 * j, b + 4, s1, m1);
-    scale_min_k4(2 * j + 1, b + 4, s2, m2);
-    const float d1 = d * s1, c1 = dmin * m1, d2 = d * s2, c2 = dmin * m2;
-    float lo[4], hi[4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        const int ql = (q >> (8 * t)) & 15, qhv = (q >> (8 * t + 4)) & 15;
-        const int b_lo = (h >> (8 * t + 2 * j)) & 1, b_hi = (h >> (8 * t + 2 * j + 1)) & 1;
-        lo[t] = d1 * (ql + 16 * b_lo) - c1;
-        hi[t] = d2 * (qhv + 16 * b_hi) - c2;
-    }
-    const int64_t col = u * QK_K + 64 * j + off;
-    fma_run4<N>(acc, x, w.K, col, lo[0], lo[1], lo[2], lo[3]);
-    fma_run4<N>(acc, x, w.K, col + 32, hi[0], hi[1], hi[2], hi[3]);
-}
-
-// Q6_K planar. Lane l: half n = l/16 of the block, value pair l0 = (l%16)*2, l0+1 of each of the
-// four 32-value quarters m (ggml's dequantize_row_q6_K order: y[l + 32m] of each 128-half).
-template <int N>
-__device__ __forceinline__ void unit_q6_K(const Matrix &w, int64_t m, int64_t u, int lane,
-                                          const float *x, float (&acc)[N]) {
-    const Q6Planes p = q6_K_planes(w.M, w.K);
-    const int64_t blk = m * (w.K / QK_K) + u;
-    const uint8_t *ql = w.data + p.ql + blk * 128;
-    const uint8_t *qh = w.data + p.qh + blk * 64;
-    const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16);
-    const float d = half_at(w.data + p.d + blk * 2);
-    const int n = lane >> 4, l0 = (lane & 15) * 2, is = l0 >> 4;
-    const uint32_t a = *reinterpret_cast<const uint16_t *>(ql + 64 * n + l0);
-    const uint32_t b = *reinterpret_cast<const uint16_t *>(ql + 64 * n + 32 + l0);
-    const uint32_t h = *reinterpret_cast<const uint16_t *>(qh + 32 * n + l0);
-    float v[4][2];
-#pragma unroll
-    for (int dl = 0; dl < 2; ++dl) {
-        const int qa = (a >> (8 * dl)) & 0xFF, qb = (b >> (8 * dl)) & 0xFF, hh = (h >> (8 * dl)) & 0xFF;
-        const int q0 = ((qa & 15) | ((hh & 3) << 4)) - 32;
-        const int q1 = ((qb & 15) | (((hh >> 2) & 3) << 4)) - 32;
-        const int q2 = ((qa >> 4) | (((hh >> 4) & 3) << 4)) - 32;
-        const int q3 = ((qb >> 4) | (((hh >> 6) & 3) << 4)) - 32;
-        v[0][dl] = d * sc[8 * n + is + 0] * q0;
-        v[1][dl] = d * sc[8 * n + is + 2] * q1;
-        v[2][dl] = d * sc[8 * n + is + 4] * q2;
-        v[3][dl] = d * sc[8 * n + is + 6] * q3;
-    }
-    const int64_t col = u * QK_K + 128 * n + l0;
-#pragma unroll
-    for (int q = 0; q < 4; ++q) fma_run2<N>(acc, x, w.K, col + 32 * q, v[q][0], v[q][1]);
-}
-
-// Q8_0 planar: lane l takes the 8 consecutive values at 8l of the super-block.
-template <int N>
-__device__ __forceinline__ void unit_q8_0(const Matrix &w, int64_t m, int64_t u, int lane,
-                                          const float *x, float (&acc)[N]) {
-    const Q8Planes p = q8_0_planes(w.M, w.K);
-    const int64_t col = u * QK_K + lane * 8;
-    const uint2 q = *reinterpret_cast<const uint2 *>(w.data + p.qs + m * w.K + col);
-    const float d = half_at(w.data + p.d + (m * (w.K / QK8_0) + col / QK8_0) * 2);
-    float v[8];
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-        v[t] = (int8_t)((q.x >> (8 * t)) & 0xFF) * d;
-        v[4 + t] = (int8_t)((q.y >> (8 * t)) & 0xFF) * d;
-    }
-    fma_run4<N>(acc, x, w.K, col, v[0], v[1], v[2], v[3]);
-    fma_run4<N>(acc, x, w.K, col + 4, v[4], v[5], v[6], v[7]);
 }
 
 // Float types: 8 consecutive values per lane; K need only be a multiple of 8.
@@ -170,51 +93,589 @@ __device__ __forceinline__ void unit_float(const Matrix &w, int64_t m, int64_t u
     fma_run4<N>(acc, x, w.K, col + 4, v[4], v[5], v[6], v[7]);
 }
 
+// Output row o reads weight row rows[o] (rows == nullptr: row o), writes y[n * n_out + o].
 template <int TYPE, int N>
 __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK)
-matvec_kernel(const Matrix w, const float *__restrict__ x, float *__restrict__ y, bool accumulate) {
-    const int64_t m = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+float_matvec_kernel(const Matrix w, const float *__restrict__ x, float *__restrict__ y, bool accumulate,
+                    const int32_t *__restrict__ rows, int64_t n_out) {
+    const int64_t o = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
-    if (m >= w.M) return;
+    if (o >= n_out) return;
+    const int64_t m = rows ? (int64_t)rows[o] : o;
     float acc[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.0f;
     const int64_t n_units = (w.K + QK_K - 1) / QK_K;
-    for (int64_t u = 0; u < n_units; ++u) {
-        if constexpr (TYPE == TYPE_Q4_K) unit_q4_K<N>(w, m, u, lane, x, acc);
-        else if constexpr (TYPE == TYPE_Q5_K) unit_q5_K<N>(w, m, u, lane, x, acc);
-        else if constexpr (TYPE == TYPE_Q6_K) unit_q6_K<N>(w, m, u, lane, x, acc);
-        else if constexpr (TYPE == TYPE_Q8_0) unit_q8_0<N>(w, m, u, lane, x, acc);
-        else unit_float<TYPE, N>(w, m, u, lane, x, acc);
-    }
+    for (int64_t u = 0; u < n_units; ++u) unit_float<TYPE, N>(w, m, u, lane, x, acc);
 #pragma unroll
     for (int n = 0; n < N; ++n) {
         float v = acc[n];
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
         if (lane == 0) {
-            float *dst = y + n * w.M + m;
+            float *dst = y + n * n_out + o;
             *dst = accumulate ? *dst + v : v;
         }
     }
 }
 
 template <int TYPE>
-void launch_type(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st) {
-    const dim3 grid((unsigned)((w.M + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK));
+void launch_float(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
+                  const int32_t *rows, int64_t n_out, cudaStream_t st) {
+    const dim3 grid((unsigned)((n_out + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK));
     const dim3 block(32 * ROWS_PER_BLOCK);
     switch (n_vec) {
-        case 1: matvec_kernel<TYPE, 1><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 2: matvec_kernel<TYPE, 2><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 3: matvec_kernel<TYPE, 3><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 4: matvec_kernel<TYPE, 4><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 5: matvec_kernel<TYPE, 5><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 6: matvec_kernel<TYPE, 6><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 7: matvec_kernel<TYPE, 7><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        case 8: matvec_kernel<TYPE, 8><<<grid, block, 0, st>>>(w, x, y, accumulate); break;
-        default: fail(OJ_ERR_INVALID_ARGUMENT, "matvec: vector count must be 1..8");
+        case 1: float_matvec_kernel<TYPE, 1><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 2: float_matvec_kernel<TYPE, 2><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 3: float_matvec_kernel<TYPE, 3><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 4: float_matvec_kernel<TYPE, 4><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 5: float_matvec_kernel<TYPE, 5><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 6: float_matvec_kernel<TYPE, 6><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 7: float_matvec_kernel<TYPE, 7><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        default: float_matvec_kernel<TYPE, 8><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Quantised weights on the tensor cores.
+
+constexpr int MMA_WARPS = 4;                  // warps per block, splitting K by super-block
+constexpr int MMA_TILES = 1;                  // 16-row tiles per block (each warp does all of them)
+constexpr int MMA_ROWS = 16 * MMA_TILES;      // output rows per block
+static_assert(MMA_WARPS == MMA_TILES * 4, "the final reduction gives each warp one (tile, C slot)");
+
+constexpr uint32_t BF16_128 = 0x43004300u;    // bf16x2 (128, 128): OR a 7-bit integer into it
+constexpr uint32_t BF16_160 = 0x43204320u;    // bf16x2 (160, 160) = 128 + the Q6_K offset 32
+constexpr uint32_t BF16_ONE = 0x3F803F80u;    // bf16x2 (1, 1)
+
+__device__ __forceinline__ uint4 ld16(const uint8_t *p) { return __ldg(reinterpret_cast<const uint4 *>(p)); }
+__device__ __forceinline__ uint2 ld8(const uint8_t *p) { return __ldg(reinterpret_cast<const uint2 *>(p)); }
+
+__device__ __forceinline__ uint32_t bits_of(__nv_bfloat162 v) {
+    uint32_t r;
+    memcpy(&r, &v, 4);
+    return r;
+}
+
+// a - b on bf16 pairs; exact here (both operands and the result are small integers).
+__device__ __forceinline__ uint32_t bf2_sub(uint32_t a, uint32_t b) {
+    __nv_bfloat162 x, y;
+    memcpy(&x, &a, 4);
+    memcpy(&y, &b, 4);
+    return bits_of(__hsub2(x, y));
+}
+
+// Logical shift by a compile-time amount that may be negative (left).
+template <int S>
+__device__ __forceinline__ uint32_t shr(uint32_t v) {
+    if constexpr (S >= 0) return v >> S;
+    else return v << (-S);
+}
+
+// Byte k of a word as a float: the byte becomes the low mantissa of 2^23, then 2^23 goes.
+template <int K>
+__device__ __forceinline__ float byte_f(uint32_t word) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | K)) - 8388608.0f;
+}
+
+// B fragments of one k16 step: bf16 high parts and remainders of 4 activation values, k slots
+// (2t, 2t+1 | 2t+8, 2t+9) = columns (0, 2 | 1, 3) of the float4.
+struct Frag {
+    uint32_t hi0, hi1, lo0, lo1;
+};
+
+__device__ __forceinline__ void split_pair(float a, float b, uint32_t &hi, uint32_t &lo) {
+    hi = bits_of(__floats2bfloat162_rn(a, b));   // a in the low half (the lower k)
+    const float ra = a - __uint_as_float(hi << 16), rb = b - __uint_as_float(hi & 0xFFFF0000u);
+    lo = bits_of(__floats2bfloat162_rn(ra, rb));
+}
+
+__device__ __forceinline__ Frag frag_of(float4 v) {
+    Frag f;
+    split_pair(v.x, v.z, f.hi0, f.lo0);
+    split_pair(v.y, v.w, f.hi1, f.lo1);
+    return f;
+}
+
+__device__ __forceinline__ float4 load_x(const float *xg, int64_t col, bool has_x) {
+    return has_x ? __ldg(reinterpret_cast<const float4 *>(xg + col)) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+// c += A * B on the tensor cores. A regs: (row g, k 2t..) (row g+8, k 2t..) (row g, k 2t+8..)
+// (row g+8, k 2t+8..); C: (row g, col 2t, 2t+1), (row g+8, col 2t, 2t+1).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+    __trap();   // the engine builds for sm_80 and newer only
+#endif
+}
+
+// Both parts of x against the same A.
+__device__ __forceinline__ void mma_x(float (&c)[4], const uint32_t (&a)[4], const Frag &f) {
+    mma_bf16(c, a[0], a[1], a[2], a[3], f.hi0, f.hi1);
+    mma_bf16(c, a[0], a[1], a[2], a[3], f.lo0, f.lo1);
+}
+
+// Sum of x over the group's k (for the K-quant mins): C = ones * B, one value per column.
+__device__ __forceinline__ void mma_ones(float (&c)[4], const Frag &f) {
+    mma_bf16(c, BF16_ONE, BF16_ONE, BF16_ONE, BF16_ONE, f.hi0, f.hi1);
+    mma_bf16(c, BF16_ONE, BF16_ONE, BF16_ONE, BF16_ONE, f.lo0, f.lo1);
+}
+
+using TileAcc = float[MMA_TILES][4];
+using TileRows = int64_t[MMA_TILES][2];   // weight row of (tile, row g / row g+8) for this lane
+
+// One step's bytes of a Q4_K / Q5_K tile: super-block u of the lane's two rows (see run_q4_q5).
+template <bool Q5>
+__device__ __forceinline__ void load_q4_q5(const Matrix &w, const TileRows &src, int64_t u, int64_t nb, int t,
+                                           uint4 (&hdr)[MMA_TILES][2], uint2 (&q)[MMA_TILES][2][4],
+                                           uint2 (&qh)[MMA_TILES][2]) {
+    constexpr int BYTES = Q5 ? 176 : 144, QS = Q5 ? 48 : 16;
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint8_t *b = w.data + (src[i][r] * nb + u) * BYTES;
+            hdr[i][r] = ld16(b);
+            if constexpr (Q5) qh[i][r] = ld8(b + 16 + 8 * t);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) q[i][r][j] = ld8(b + QS + 32 * j + 8 * t);
+        }
+    }
+}
+
+// Q4_K / Q5_K (file layout). Lane t of a quad reads bytes 8t..8t+7 of each 32-byte chunk j of the
+// row's quants: low nibbles are sub-block 2j, high nibbles sub-block 2j+1, columns 8t.. of each.
+// Q5_K's fifth bit of value l of sub-block s is bit s of qh[l]: the same 8 qh bytes for every j.
+template <bool Q5>
+__device__ __forceinline__ void run_q4_q5(const Matrix &w, const TileRows &src, int warp, int t,
+                                          const float *xg, bool has_x, TileAcc &acc) {
+    const int64_t nb = w.K / QK_K;
+    if (warp >= nb) return;
+    uint4 hdr[MMA_TILES][2];
+    uint2 q[MMA_TILES][2][4];
+    uint2 qh[MMA_TILES][2];
+    load_q4_q5<Q5>(w, src, warp, nb, t, hdr, q, qh);
+    for (int64_t u = warp; u < nb; u += MMA_WARPS) {
+        // Prefetch: the next step's bytes are in flight while this one computes (the last step
+        // re-reads its own block, an L1 hit, rather than branch).
+        uint4 hdr_n[MMA_TILES][2];
+        uint2 q_n[MMA_TILES][2][4];
+        uint2 qh_n[MMA_TILES][2];
+        load_q4_q5<Q5>(w, src, u + MMA_WARPS < nb ? u + MMA_WARPS : u, nb, t, hdr_n, q_n, qh_n);
+        // 6-bit scales and mins of sub-blocks 0..3 and 4..7, one byte each (get_scale_min_k4)
+        uint32_t sc[MMA_TILES][2][2], mn[MMA_TILES][2][2];
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const uint4 h = hdr[i][r];
+                sc[i][r][0] = h.y & 0x3F3F3F3Fu;
+                mn[i][r][0] = h.z & 0x3F3F3F3Fu;
+                sc[i][r][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
+                mn[i][r][1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
+            }
+        }
+        float s1[MMA_TILES][4], s2[MMA_TILES][4];   // sum_s sc_s * (q.x)_s, sum_s m_s * (sum x)_s
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) s1[i][k] = s2[i][k] = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const int64_t col = u * QK_K + 64 * j + 8 * t;
+            float4 xv[2][2];
+            xv[0][0] = load_x(xg, col, has_x);
+            xv[0][1] = load_x(xg, col + 4, has_x);
+            xv[1][0] = load_x(xg, col + 32, has_x);
+            xv[1][1] = load_x(xg, col + 36, has_x);
+#pragma unroll
+            for (int nib = 0; nib < 2; ++nib) {
+                const int s = 2 * j + nib;
+                const Frag f0 = frag_of(xv[nib][0]), f1 = frag_of(xv[nib][1]);
+                float xs[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_ones(xs, f0);
+                mma_ones(xs, f1);
+#pragma unroll
+                for (int i = 0; i < MMA_TILES; ++i) {
+                    uint32_t a[2][4];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                        for (int r = 0; r < 2; ++r) {
+                            const uint32_t wv = h ? q[i][r][j].y : q[i][r][j].x;
+                            uint32_t p0 = ((wv >> (4 * nib)) & 0x000F000Fu) | BF16_128;       // bytes 0, 2
+                            uint32_t p1 = ((wv >> (4 * nib + 8)) & 0x000F000Fu) | BF16_128;   // bytes 1, 3
+                            if constexpr (Q5) {
+                                const uint32_t hv = h ? qh[i][r].y : qh[i][r].x;
+                                if (s <= 4) p0 |= (hv << (4 - s)) & 0x00100010u;
+                                else p0 |= (hv >> (s - 4)) & 0x00100010u;
+                                p1 |= (hv >> (s + 4)) & 0x00100010u;
+                            }
+                            a[h][r] = bf2_sub(p0, BF16_128);
+                            a[h][2 + r] = bf2_sub(p1, BF16_128);
+                        }
+                    }
+                    float c[4] = {0.f, 0.f, 0.f, 0.f};
+                    mma_x(c, a[0], f0);
+                    mma_x(c, a[1], f1);
+                    float scg, sc8, mng, mn8;
+                    switch (s & 3) {   // compile-time after unrolling
+                        case 0: scg = byte_f<0>(sc[i][0][s >> 2]); sc8 = byte_f<0>(sc[i][1][s >> 2]);
+                                mng = byte_f<0>(mn[i][0][s >> 2]); mn8 = byte_f<0>(mn[i][1][s >> 2]); break;
+                        case 1: scg = byte_f<1>(sc[i][0][s >> 2]); sc8 = byte_f<1>(sc[i][1][s >> 2]);
+                                mng = byte_f<1>(mn[i][0][s >> 2]); mn8 = byte_f<1>(mn[i][1][s >> 2]); break;
+                        case 2: scg = byte_f<2>(sc[i][0][s >> 2]); sc8 = byte_f<2>(sc[i][1][s >> 2]);
+                                mng = byte_f<2>(mn[i][0][s >> 2]); mn8 = byte_f<2>(mn[i][1][s >> 2]); break;
+                        default: scg = byte_f<3>(sc[i][0][s >> 2]); sc8 = byte_f<3>(sc[i][1][s >> 2]);
+                                 mng = byte_f<3>(mn[i][0][s >> 2]); mn8 = byte_f<3>(mn[i][1][s >> 2]); break;
+                    }
+                    s1[i][0] += scg * c[0];
+                    s1[i][1] += scg * c[1];
+                    s1[i][2] += sc8 * c[2];
+                    s1[i][3] += sc8 * c[3];
+                    s2[i][0] += mng * xs[0];
+                    s2[i][1] += mng * xs[1];
+                    s2[i][2] += mn8 * xs[2];
+                    s2[i][3] += mn8 * xs[3];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const float d = __half2float(__ushort_as_half((unsigned short)(hdr[i][r].x & 0xFFFF)));
+                const float dmin = __half2float(__ushort_as_half((unsigned short)(hdr[i][r].x >> 16)));
+                acc[i][2 * r] += d * s1[i][2 * r] - dmin * s2[i][2 * r];
+                acc[i][2 * r + 1] += d * s1[i][2 * r + 1] - dmin * s2[i][2 * r + 1];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                hdr[i][r] = hdr_n[i][r];
+                if constexpr (Q5) qh[i][r] = qh_n[i][r];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) q[i][r][j] = q_n[i][r][j];
+            }
+        }
+    }
+}
+
+template <int C>
+__device__ __forceinline__ uint32_t comp(const uint4 &v) {
+    if constexpr (C == 0) return v.x;
+    else if constexpr (C == 1) return v.y;
+    else if constexpr (C == 2) return v.z;
+    else return v.w;
+}
+
+// Q6_K, regrouped planes. Group c = 2 * half + l / 16; quarter qq; lane t owns values
+// l = 16 * (c & 1) + 4t + 0..3 of each (half, quarter): one word of each kind per group.
+template <int C, int QQ>
+__device__ __forceinline__ void q6_group(const uint4 (&qa)[MMA_TILES][2], const uint4 (&qb)[MMA_TILES][2],
+                                         const uint4 (&qhh)[MMA_TILES][2], const uint4 (&scw)[MMA_TILES][2],
+                                         const Frag &f, float (&s1)[MMA_TILES][4]) {
+    constexpr int S = 8 * (C >> 1) + 2 * QQ + (C & 1);   // ggml's scale index
+    constexpr int SH = 4 * (QQ >> 1);                     // quarters 2, 3: high nibbles
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i) {
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t A = (QQ & 1) ? comp<C>(qb[i][r]) : comp<C>(qa[i][r]);
+            const uint32_t H = comp<C>(qhh[i][r]);
+            const uint32_t p0 = ((A >> SH) & 0x000F000Fu) | (shr<2 * QQ - 4>(H) & 0x00300030u) | BF16_128;
+            const uint32_t p1 = ((A >> (SH + 8)) & 0x000F000Fu) | (shr<2 * QQ + 4>(H) & 0x00300030u) | BF16_128;
+            a[r] = bf2_sub(p0, BF16_160);
+            a[2 + r] = bf2_sub(p1, BF16_160);
+        }
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_x(c, a, f);
+        // signed scale bytes, stored XOR 0x80: (2^23 + 128 + sc) - (2^23 + 128)
+        const float scg = byte_f<S & 3>(comp<(S >> 2)>(scw[i][0])) - 128.0f;
+        const float sc8 = byte_f<S & 3>(comp<(S >> 2)>(scw[i][1])) - 128.0f;
+        s1[i][0] += scg * c[0];
+        s1[i][1] += scg * c[1];
+        s1[i][2] += sc8 * c[2];
+        s1[i][3] += sc8 * c[3];
+    }
+}
+
+template <int C>
+__device__ __forceinline__ void q6_groups(const uint4 (&qa)[MMA_TILES][2], const uint4 (&qb)[MMA_TILES][2],
+                                          const uint4 (&qhh)[MMA_TILES][2], const uint4 (&scw)[MMA_TILES][2],
+                                          const float *xg, int64_t u, int t, bool has_x,
+                                          float (&s1)[MMA_TILES][4]) {
+    const int64_t col = u * QK_K + 128 * (C >> 1) + 16 * (C & 1) + 4 * t;
+    const float4 x0 = load_x(xg, col, has_x), x1 = load_x(xg, col + 32, has_x);
+    const float4 x2 = load_x(xg, col + 64, has_x), x3 = load_x(xg, col + 96, has_x);
+    q6_group<C, 0>(qa, qb, qhh, scw, frag_of(x0), s1);
+    q6_group<C, 1>(qa, qb, qhh, scw, frag_of(x1), s1);
+    q6_group<C, 2>(qa, qb, qhh, scw, frag_of(x2), s1);
+    q6_group<C, 3>(qa, qb, qhh, scw, frag_of(x3), s1);
+}
+
+// One step's bytes of a Q6_K tile: super-block u of the lane's two rows (regrouped planes).
+__device__ __forceinline__ void load_q6(const Matrix &w, const Q6Planes &p, const TileRows &src, int64_t u,
+                                        int64_t nb, int t, uint4 (&qa)[MMA_TILES][2], uint4 (&qb)[MMA_TILES][2],
+                                        uint4 (&qhh)[MMA_TILES][2], uint4 (&scw)[MMA_TILES][2],
+                                        unsigned short (&dh)[MMA_TILES][2]) {
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int64_t blk = src[i][r] * nb + u;
+            const uint8_t *q = w.data + p.q + blk * 192 + 16 * t;
+            qa[i][r] = ld16(q);
+            qb[i][r] = ld16(q + 64);
+            qhh[i][r] = ld16(q + 128);
+            scw[i][r] = ld16(w.data + p.sc + blk * 16);
+            dh[i][r] = __ldg(reinterpret_cast<const unsigned short *>(w.data + p.d + blk * 2));
+        }
+    }
+}
+
+__device__ __forceinline__ void run_q6(const Matrix &w, const TileRows &src, int warp, int t,
+                                       const float *xg, bool has_x, TileAcc &acc) {
+    const int64_t nb = w.K / QK_K;
+    if (warp >= nb) return;
+    const Q6Planes p = q6_K_planes(w.M, w.K);
+    uint4 qa[MMA_TILES][2], qb[MMA_TILES][2], qhh[MMA_TILES][2], scw[MMA_TILES][2];
+    unsigned short dh[MMA_TILES][2];
+    load_q6(w, p, src, warp, nb, t, qa, qb, qhh, scw, dh);
+    for (int64_t u = warp; u < nb; u += MMA_WARPS) {
+        // Prefetch the next step (the last step re-reads its own block: an L1 hit, no branch).
+        uint4 qa_n[MMA_TILES][2], qb_n[MMA_TILES][2], qhh_n[MMA_TILES][2], scw_n[MMA_TILES][2];
+        unsigned short dh_n[MMA_TILES][2];
+        load_q6(w, p, src, u + MMA_WARPS < nb ? u + MMA_WARPS : u, nb, t, qa_n, qb_n, qhh_n, scw_n, dh_n);
+        float d[MMA_TILES][2];
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                d[i][r] = __half2float(__ushort_as_half(dh[i][r]));
+                scw[i][r].x ^= 0x80808080u;
+                scw[i][r].y ^= 0x80808080u;
+                scw[i][r].z ^= 0x80808080u;
+                scw[i][r].w ^= 0x80808080u;
+            }
+        }
+        float s1[MMA_TILES][4];
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) s1[i][k] = 0.0f;
+        q6_groups<0>(qa, qb, qhh, scw, xg, u, t, has_x, s1);
+        q6_groups<1>(qa, qb, qhh, scw, xg, u, t, has_x, s1);
+        q6_groups<2>(qa, qb, qhh, scw, xg, u, t, has_x, s1);
+        q6_groups<3>(qa, qb, qhh, scw, xg, u, t, has_x, s1);
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+            acc[i][0] += d[i][0] * s1[i][0];
+            acc[i][1] += d[i][0] * s1[i][1];
+            acc[i][2] += d[i][1] * s1[i][2];
+            acc[i][3] += d[i][1] * s1[i][3];
+        }
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                qa[i][r] = qa_n[i][r];
+                qb[i][r] = qb_n[i][r];
+                qhh[i][r] = qhh_n[i][r];
+                scw[i][r] = scw_n[i][r];
+                dh[i][r] = dh_n[i][r];
+            }
+        }
+    }
+}
+
+// Q8_0 planar, in units of 128 columns (4 blocks of 32). Lane t reads 8 bytes at 8t of each block.
+// An int8 q = low7 - 128 * sign: (128 + low7) - (128 or 256), the sign bit landing on bf16's
+// exponent LSB. K need only be a multiple of 32: when K % 128 != 0 the last unit holds
+// nlast = (K % 128) / 32 blocks, and its missing blocks are neither loaded nor computed. The
+// scales are then read one fp16 at a time (a row's d run, (K/32) * 2 bytes, is 8-byte aligned
+// only when K % 128 == 0).
+__device__ __forceinline__ void load_q8(const Matrix &w, const Q8Planes &p, const TileRows &src, int64_t u,
+                                        int nblk, bool full, int t, uint2 (&q)[MMA_TILES][2][4],
+                                        uint2 (&dw)[MMA_TILES][2]) {
+    const int64_t nb32 = w.K / QK8_0;
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint8_t *row = w.data + p.qs + src[i][r] * w.K + u * 128 + 8 * t;
+            const uint8_t *dp = w.data + p.d + (src[i][r] * nb32 + u * 4) * 2;
+            if (full) {
+#pragma unroll
+                for (int s = 0; s < 4; ++s) q[i][r][s] = ld8(row + 32 * s);
+                dw[i][r] = ld8(dp);
+            } else {
+                uint32_t dh[4];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    q[i][r][s] = s < nblk ? ld8(row + 32 * s) : make_uint2(0u, 0u);
+                    dh[s] = s < nblk ? __ldg(reinterpret_cast<const unsigned short *>(dp + 2 * s)) : 0u;
+                }
+                dw[i][r] = make_uint2(dh[0] | (dh[1] << 16), dh[2] | (dh[3] << 16));
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void run_q8(const Matrix &w, const TileRows &src, int warp, int t,
+                                       const float *xg, bool has_x, TileAcc &acc) {
+    const int64_t nu = (w.K + 127) / 128;
+    if (warp >= nu) return;
+    const int nlast = (int)((w.K % 128) / 32);   // blocks in the last unit, 0: it is full
+    const Q8Planes p = q8_0_planes(w.M, w.K);
+    auto blocks_of = [&](int64_t u) { return (nlast != 0 && u == nu - 1) ? nlast : 4; };
+    uint2 q[MMA_TILES][2][4], dw[MMA_TILES][2];
+    {
+        const int nblk = blocks_of(warp);
+        load_q8(w, p, src, warp, nblk, nblk == 4 && nlast == 0, t, q, dw);
+    }
+    for (int64_t u = warp; u < nu; u += MMA_WARPS) {
+        const int nblk = blocks_of(u);
+        // Prefetch the next step (the last step re-reads its own unit: an L1 hit, no branch).
+        const int64_t un = u + MMA_WARPS < nu ? u + MMA_WARPS : u;
+        const int nblk_n = blocks_of(un);
+        uint2 q_n[MMA_TILES][2][4], dw_n[MMA_TILES][2];
+        load_q8(w, p, src, un, nblk_n, nblk_n == 4 && nlast == 0, t, q_n, dw_n);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            if (s >= nblk) break;   // only in the last unit when K % 128 != 0
+            const int64_t col = u * 128 + 32 * s + 8 * t;
+            const Frag f0 = frag_of(load_x(xg, col, has_x)), f1 = frag_of(load_x(xg, col + 4, has_x));
+#pragma unroll
+            for (int i = 0; i < MMA_TILES; ++i) {
+                uint32_t a[2][4];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int r = 0; r < 2; ++r) {
+                        const uint32_t wv = h ? q[i][r][s].y : q[i][r][s].x, w8 = wv >> 8;
+                        a[h][r] = bf2_sub((wv & 0x007F007Fu) | BF16_128, (wv & 0x00800080u) | BF16_128);
+                        a[h][2 + r] = bf2_sub((w8 & 0x007F007Fu) | BF16_128, (w8 & 0x00800080u) | BF16_128);
+                    }
+                }
+                float c[4] = {0.f, 0.f, 0.f, 0.f};
+                mma_x(c, a[0], f0);
+                mma_x(c, a[1], f1);
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    const uint32_t dword = (s < 2) ? dw[i][r].x : dw[i][r].y;
+                    const float d = __half2float(__ushort_as_half((unsigned short)((s & 1) ? dword >> 16 : dword & 0xFFFF)));
+                    acc[i][2 * r] += d * c[2 * r];
+                    acc[i][2 * r + 1] += d * c[2 * r + 1];
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                dw[i][r] = dw_n[i][r];
+#pragma unroll
+                for (int s = 0; s < 4; ++s) q[i][r][s] = q_n[i][r][s];
+            }
+        }
+    }
+}
+
+// One block: MMA_ROWS output rows (from blockIdx), 8 warps splitting K. Lane (g, t) of a warp
+// feeds weight rows g and g+8 of each tile and activation vector g (zeros when g >= n_vec), and
+// ends with C for rows (g, g+8) x vectors (2t, 2t+1).
+template <int TYPE>
+__global__ void __launch_bounds__(32 * MMA_WARPS)
+mma_matvec_kernel(const Matrix w, const float *__restrict__ x, float *__restrict__ y, int n_vec,
+                  bool accumulate, const int32_t *__restrict__ rows, int64_t n_out) {
+    __shared__ float red[MMA_WARPS][MMA_TILES * 4][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t out0 = (int64_t)blockIdx.x * MMA_ROWS;
+    int64_t src[MMA_TILES][2];
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            int64_t o = out0 + 16 * i + g + 8 * r;
+            if (o >= n_out) o = n_out - 1;   // rows past the end compute a copy, never written
+            src[i][r] = rows ? (int64_t)rows[o] : o;
+        }
+    }
+    float acc[MMA_TILES][4];
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[i][k] = 0.0f;
+    const bool has_x = g < n_vec;
+    const float *xg = x + (has_x ? (int64_t)g * w.K : 0);
+    if constexpr (TYPE == TYPE_Q4_K) run_q4_q5<false>(w, src, warp, t, xg, has_x, acc);
+    else if constexpr (TYPE == TYPE_Q5_K) run_q4_q5<true>(w, src, warp, t, xg, has_x, acc);
+    else if constexpr (TYPE == TYPE_Q6_K) run_q6(w, src, warp, t, xg, has_x, acc);
+    else run_q8(w, src, warp, t, xg, has_x, acc);
+
+#pragma unroll
+    for (int i = 0; i < MMA_TILES; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) red[warp][4 * i + k][lane] = acc[i][k];
+    __syncthreads();
+    // warp w sums slot w over the 8 warps, always in the same order
+    float v = 0.0f;
+#pragma unroll
+    for (int wi = 0; wi < MMA_WARPS; ++wi) v += red[wi][warp][lane];
+    const int i = warp >> 2, k = warp & 3;
+    const int64_t o = out0 + 16 * i + g + 8 * (k >> 1);
+    const int vec = 2 * t + (k & 1);
+    if (vec < n_vec && o < n_out) {
+        float *dst = y + (int64_t)vec * n_out + o;
+        *dst = accumulate ? *dst + v : v;
+    }
+}
+
+template <int TYPE>
+void launch_mma(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
+                const int32_t *rows, int64_t n_out, cudaStream_t st) {
+    const dim3 grid((unsigned)((n_out + MMA_ROWS - 1) / MMA_ROWS));
+    mma_matvec_kernel<TYPE><<<grid, 32 * MMA_WARPS, 0, st>>>(w, x, y, n_vec, accumulate, rows, n_out);
+}
+
+void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
+                const int32_t *rows, int64_t n_out, cudaStream_t st, const char *what) {
+    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": vector count must be 1..8");
+    if (n_out <= 0) return;
+    const bool kquant = w.type == TYPE_Q4_K || w.type == TYPE_Q5_K || w.type == TYPE_Q6_K;
+    const bool quant = kquant || w.type == TYPE_Q8_0;
+    if (kquant && w.K % QK_K != 0)
+        fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": " + type_name(w.type) + " needs K a multiple of 256, got " +
+                                     std::to_string(w.K));
+    if (w.type == TYPE_Q8_0 && w.K % QK8_0 != 0)
+        fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": Q8_0 needs K a multiple of 32, got " + std::to_string(w.K));
+    if (!quant && w.K % 8 != 0)
+        fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": K must be a multiple of 8, got " + std::to_string(w.K));
+    switch (w.type) {
+        case TYPE_F32: launch_float<TYPE_F32>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        case TYPE_F16: launch_float<TYPE_F16>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        case TYPE_BF16: launch_float<TYPE_BF16>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        case TYPE_Q8_0: launch_mma<TYPE_Q8_0>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        case TYPE_Q4_K: launch_mma<TYPE_Q4_K>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        case TYPE_Q5_K: launch_mma<TYPE_Q5_K>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        case TYPE_Q6_K: launch_mma<TYPE_Q6_K>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
+        default: fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": no kernel for type " + type_name(w.type));
+    }
+    check_launch(what);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding rows.
 
 // One value of row m, column k of W (scalar; used by the embedding lookup only).
 __device__ float dequant_one(const Matrix &w, int64_t m, int64_t k) {
@@ -247,14 +708,14 @@ __device__ float dequant_one(const Matrix &w, int64_t m, int64_t k) {
             const Q6Planes p = q6_K_planes(w.M, w.K);
             const int64_t blk = m * (w.K / QK_K) + k / QK_K;
             const int i = (int)(k % QK_K);
-            const int n = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
-            const uint8_t *ql = w.data + p.ql + blk * 128 + 64 * n;
-            const uint8_t *qh = w.data + p.qh + blk * 64 + 32 * n;
-            const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16) + 8 * n;
-            const int lowbyte = ql[l + 32 * (quarter & 1)];
+            const int half = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
+            const uint8_t *q = w.data + p.q + blk * 192;
+            const int off = q6_K_byte(half, l);
+            const int lowbyte = q[64 * (quarter & 1) + off];
             const int nib = quarter >= 2 ? (lowbyte >> 4) : (lowbyte & 15);
-            const int q = (nib | (((qh[l] >> (2 * quarter)) & 3) << 4)) - 32;
-            return half_at(w.data + p.d + blk * 2) * sc[l / 16 + 2 * quarter] * q;
+            const int v = (nib | (((q[128 + off] >> (2 * quarter)) & 3) << 4)) - 32;
+            const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16);
+            return half_at(w.data + p.d + blk * 2) * sc[8 * half + l / 16 + 2 * quarter] * v;
         }
         default: return 0.0f;
     }
@@ -269,17 +730,13 @@ __global__ void embed_kernel(const Matrix w, const int32_t *__restrict__ tokens,
 }  // namespace
 
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st) {
-    switch (w.type) {
-        case TYPE_F32: launch_type<TYPE_F32>(w, x, y, n_vec, accumulate, st); break;
-        case TYPE_F16: launch_type<TYPE_F16>(w, x, y, n_vec, accumulate, st); break;
-        case TYPE_BF16: launch_type<TYPE_BF16>(w, x, y, n_vec, accumulate, st); break;
-        case TYPE_Q8_0: launch_type<TYPE_Q8_0>(w, x, y, n_vec, accumulate, st); break;
-        case TYPE_Q4_K: launch_type<TYPE_Q4_K>(w, x, y, n_vec, accumulate, st); break;
-        case TYPE_Q5_K: launch_type<TYPE_Q5_K>(w, x, y, n_vec, accumulate, st); break;
-        case TYPE_Q6_K: launch_type<TYPE_Q6_K>(w, x, y, n_vec, accumulate, st); break;
-        default: fail(OJ_ERR_UNSUPPORTED, std::string("matvec: no kernel for type ") + type_name(w.type));
-    }
-    check_launch("matvec");
+    launch_any(w, x, y, n_vec, accumulate, nullptr, w.M, st, "matvec");
+}
+
+void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
+                 cudaStream_t st) {
+    if (n_rows < 0) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_rows: negative row count");
+    launch_any(w, x, y, n_vec, false, rows, n_rows, st, "matvec_rows");
 }
 
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st) {
@@ -313,8 +770,15 @@ std::vector<uint8_t> to_device_layout(int type, int64_t K, int64_t M, const uint
         const int64_t nblk = M * (K / QK_K);
         const block_q6_K *blocks = reinterpret_cast<const block_q6_K *>(src);
         for (int64_t i = 0; i < nblk; ++i) {
-            std::memcpy(out.data() + p.ql + i * 128, blocks[i].ql, 128);
-            std::memcpy(out.data() + p.qh + i * 64, blocks[i].qh, 64);
+            uint8_t *q = out.data() + p.q + i * 192;
+            for (int half = 0; half < 2; ++half) {
+                for (int l = 0; l < 32; ++l) {
+                    const int off = q6_K_byte(half, l);
+                    q[off] = blocks[i].ql[64 * half + l];
+                    q[64 + off] = blocks[i].ql[64 * half + 32 + l];
+                    q[128 + off] = blocks[i].qh[32 * half + l];
+                }
+            }
             std::memcpy(out.data() + p.sc + i * 16, blocks[i].scales, 16);
             std::memcpy(out.data() + p.d + i * 2, &blocks[i].d, 2);
         }

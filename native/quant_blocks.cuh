@@ -6,8 +6,13 @@
 // kernels is naturally aligned. Rearranging moves bytes only; no value changes.
 //
 //   Q8_0 planar, a matrix of M rows and K columns:  qs int8 [M][K], then d fp16 [M][K/32]
-//   Q6_K planar, nb = K/256 blocks per row:         ql [M*nb][128], qh [M*nb][64],
-//                                                   scales int8 [M*nb][16], d fp16 [M*nb]
+//   Q6_K planar, nb = K/256 blocks per row:         q [M*nb][192], scales int8 [M*nb][16],
+//                                                   d fp16 [M*nb]
+//   where a block's 192 q bytes are ggml's ql (128) and qh (64) regrouped for the tensor-core
+//   kernel: byte 64*i + 16*t + 4*c + j, with c = 2*half + l/16 and l = 16*(l/16) + 4*t + j, is
+//   i=0: ql[64*half + l], i=1: ql[64*half + 32 + l], i=2: qh[32*half + l]
+//   so that lane t of a quad reads its 16 bytes of each kind with one aligned load
+//   (matvec.cu: q6_K_byte, to_device_layout).
 #pragma once
 
 #include <cstddef>
@@ -80,13 +85,12 @@ __host__ __device__ inline Q8Planes q8_0_planes(int64_t M, int64_t K) {
     return p;
 }
 
-struct Q6Planes { size_t ql, qh, sc, d, total; };
+struct Q6Planes { size_t q, sc, d, total; };
 __host__ __device__ inline Q6Planes q6_K_planes(int64_t M, int64_t K) {
     const size_t nblk = (size_t)M * (K / QK_K);
     Q6Planes p;
-    p.ql = 0;
-    p.qh = nblk * 128;
-    p.sc = p.qh + nblk * 64;
+    p.q = 0;
+    p.sc = nblk * 192;
     p.d = p.sc + nblk * 16;
     p.total = p.d + nblk * 2;
     return p;

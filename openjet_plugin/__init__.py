@@ -10,6 +10,28 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+
+def _source_tree_adapters() -> None:
+    """Installed, `adapters/` is the subpackage openjet_plugin.adapters (pyproject maps it). Run from
+    a source checkout on PYTHONPATH (the GPU machine's scripts do), register it under that name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    src = here.parent / "adapters" / "__init__.py"
+    if (here / "adapters").is_dir() or not src.is_file() or __name__ + ".adapters" in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(__name__ + ".adapters", src,
+                                                  submodule_search_locations=[str(src.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    globals()["adapters"] = module
+
+
+_source_tree_adapters()
+
 from . import errors  # noqa: E402
 from .defaults import default_model_path  # noqa: E402
 from .engine import Chunk, Engine, GenerationResult, GenerationStats, load  # noqa: E402

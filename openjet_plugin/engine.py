@@ -131,7 +131,22 @@ class Engine:
         self._logits: np.ndarray | None = None   # logits after _tokens[-1], when known
         self._closed = False
         self._stream_ref: weakref.ref | None = None
+        self._speculator = self._make_speculator(backend)
         _LIVE_ENGINES.add(self)
+
+    @staticmethod
+    def _make_speculator(backend):
+        """MTP speculative decoding where the backend drafts (native with an MTP block and
+        draft_depth > 0); None otherwise."""
+        if not getattr(backend, "supports_speculative", False) or getattr(backend, "draft_depth", 0) < 1:
+            return None
+        from .speculative import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocab
+        from .speculative_native import NativeSpeculator
+
+        vocab = None
+        if backend.n_vocab > DEFAULT_DRAFT_VOCAB_SIZE:
+            vocab = DraftVocab.from_gguf(backend._model_file.path, n_vocab=backend.n_vocab)
+        return NativeSpeculator(backend, backend.draft_depth, vocab)
 
     # --- properties ---------------------------------------------------------------------------
     @property
@@ -337,6 +352,25 @@ class Engine:
         self._tokens += todo
         return None, top, common
 
+    def _prefill_before_last(self, prompt: list[int]) -> int:
+        """Speculative requests: bring the state to prompt[:-1] (the last prompt token enters the
+        first cycle, which emits the first tokens). Returns the cached prompt tokens."""
+        b = self._backend
+        head = prompt[:-1]
+        common = 0
+        limit = min(len(self._tokens), len(head))
+        while common < limit and self._tokens[common] == head[common]:
+            common += 1
+        if common < b.n_past and not b.rollback(common):
+            common = b.restore_checkpoint(common)
+        self._tokens = list(head[:common])
+        self._logits = None
+        if len(head) > common:
+            b.eval(head[common:])
+            self._tokens = list(head)
+        b.save_checkpoint()
+        return common
+
     def _run(self, prompt: list[int], params: SamplingParams) -> Iterator[Chunk]:
         """The generation loop, as a generator: the lock is taken at the first next() and released
         when it finishes or is closed (a stream dropped early leaves `_tokens` equal to the state)."""
@@ -359,10 +393,18 @@ class Engine:
         # greedy without penalties needs only the argmax: a GPU backend keeps the logits on the device
         argmax_only = params.greedy and not params.has_penalties and not params.logit_bias
 
+        spec = self._speculator
+        queue: list[int] = []       # tokens a speculative cycle emitted, still to hand out
         t0 = time.perf_counter()
-        logits, top, cached = self._prefill(prompt, want_logits=not argmax_only)
-        if argmax_only and top is None:
-            top = int(np.argmax(logits))
+        if spec is not None:
+            cached = self._prefill_before_last(prompt)
+            spec.begin(prompt)
+            rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
+            logits, top = None, prompt[-1]      # the last prompt token is the first cycle's current
+        else:
+            logits, top, cached = self._prefill(prompt, want_logits=not argmax_only)
+            if argmax_only and top is None:
+                top = int(np.argmax(logits))
         t1 = time.perf_counter()
         stats.cached_prompt_tokens = cached
         stats.prefill_seconds = t1 - t0
@@ -373,9 +415,13 @@ class Engine:
         unreported: list[int] = []
         finish: str | None = None
         paused = 0.0          # time the caller spent between stream chunks is not decode time
+        chosen = top if argmax_only else None     # the next token when it is known without sampling
+        if spec is not None:
+            queue = self._cycle(spec, top, history, params, rng, params.max_tokens, stats)
+            chosen = queue.pop(0)
         try:
             while True:
-                tok = top if argmax_only else sampler.sample(logits, history)
+                tok = chosen if chosen is not None else sampler.sample(logits, history)
                 stats.generated_tokens += 1
                 if tok in self.eog_tokens:
                     finish = "stop"
@@ -398,8 +444,12 @@ class Engine:
                     unreported = []
                 # evaluate the token just sampled to get the next logits
                 self._logits = None
-                if argmax_only:
-                    top = b.eval_argmax([tok])
+                if spec is not None:
+                    if not queue:
+                        queue = self._cycle(spec, tok, history, params, rng, params.max_tokens - len(generated), stats)
+                    chosen = queue.pop(0)
+                elif argmax_only:
+                    chosen = b.eval_argmax([tok])
                     self._tokens.append(tok)
                 else:
                     logits = b.eval([tok])
@@ -410,6 +460,18 @@ class Engine:
             stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
                                        if stats.decode_seconds > 0 else 0.0)
         yield Chunk(text.finish(), unreported, finish, stats)
+
+
+    def _cycle(self, spec, tok: int, history: list[int], params: SamplingParams, rng, max_emit: int,
+               stats: GenerationStats) -> list[int]:
+        """One speculative cycle from tok: the state takes tok and the accepted drafts; returns
+        the emitted tokens (the last is the next cycle's current token)."""
+        emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit)
+        self._tokens += [tok] + emitted[:-1]
+        stats.cycles += 1
+        stats.drafts_proposed += depth
+        stats.drafts_accepted += accepted
+        return emitted
 
 
 class _TextAssembler:

@@ -25,7 +25,7 @@ python3 -m pip download -q --no-deps "${PLAT[@]}" -d "$TMP/w" \
     pydantic-core==2.50.5 pydantic-settings==2.16.3 pydantic==2.14.4 pyjwt==2.15.1 python-dotenv==1.2.4 \
     python-multipart==0.0.34 redis==8.1.0 referencing==0.37.0 rpds-py==2026.9.1 semver==3.1.2 \
     sniffio==1.3.1 soundfile==0.14.0 sse-starlette==3.7.0 starlette==1.10.0 truststore==0.10.5 \
-    typing-inspection==0.4.5 tzlocal==5.4.5 uvicorn==0.54.0 websockets==17.4 \
+    typing-inspection==0.4.5 tzlocal==5.4.5 uvicorn==0.54.0 websockets==17.4 h2==4.4.1 hpack==4.2.0 hyperframe==6.1.0 email-validator dnspython \
     typing-extensions==4.16.0 anyio==4.16.0 annotated-doc==0.0.7 h11==0.16.0 httpcore==1.0.9 \
     httpx==0.28.1 click==8.5.1 idna==3.20 certifi==2026.10.19.post1 attrs==26.1.0 packaging==26.4 \
     jinja2==3.1.6 zipp==4.1.2

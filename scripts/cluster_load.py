@@ -68,7 +68,8 @@ class Front:
         self.log = self.dir / "front.log"
         cmd = [sys.executable, "-m", "openjet_plugin.serve", "--port", str(self.port), "--api-key", API_KEY,
                "--log-dir", str(self.dir), "--startup-timeout", str(args.startup_timeout)]
-        cmd += ["--gpus", ",".join(args.gpus.split(",")[:n])] if args.gpus else ["--workers", str(n)]
+        # a trailing comma keeps one index an index list ("--gpus 1" would mean "the first GPU")
+        cmd += ["--gpus", ",".join(args.gpus.split(",")[:n]) + ","] if args.gpus else ["--workers", str(n)]
         if model:
             cmd += ["--model", f"{MODEL_NAME}={model}"]
         if args.backend:

@@ -3,8 +3,8 @@
 Greedy decoding, same calls on both: identical text and identical response structure (keys,
 types, finish_reason, usage), stream chunk by chunk. The prompts (with their max_tokens) are picked
 so that the replies cover the hard cases of llama-cpp-python's text rules: a reply ended by an
-end-of-generation token ("class Foo:"), one with a control token that detokenizes as nothing
-("SELECT * FROM"), and bytes that are not valid UTF-8 (all of them) — asserted below.
+end-of-generation token ("SELECT * FROM"), one with a control token that detokenizes as nothing
+("class Foo:"), and bytes that are not valid UTF-8 (all of them) — asserted below.
 
 One known difference, on purpose: llama-cpp-python 0.3.36 drops the text of a token whose piece is
 longer than 32 bytes (its detokenize buffer is 32 bytes and the negative "needed size" slices it
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow      # differential: every call runs twice, once o
 PROMPTS = {"class Foo:": 120, "SELECT * FROM": 128, "Hello": 40}   # prompt -> max_tokens
 # A nudge (applied identically on both sides through logit_bias) that makes a random-weight model's
 # reply reach a hard case: control tokens that print as nothing, and an end-of-generation stop.
-NUDGE = {"class Foo:": ("<|im_start|>", 4.0), "SELECT * FROM": ("<|im_end|>", 4.0)}
+NUDGE = {"class Foo:": ("<|im_start|>", 6.0), "SELECT * FROM": ("<|im_end|>", 6.0)}
 
 
 @pytest.fixture(scope="module")

@@ -75,13 +75,14 @@ def test_native_refusing_falls_back_with_its_reason(model, monkeypatch):
 
 def test_native_accepting_is_chosen_and_gets_the_load_parameters(model, monkeypatch):
     RecordingNative.made.clear()
-    monkeypatch.setitem(sys.modules, NATIVE, fake_native(lambda mf, n: (True, "RTX 3090 sm_86, 22 GiB free"),
+    monkeypatch.setitem(sys.modules, NATIVE, fake_native(lambda mf, n, kv_type="f16": (True, f"RTX 3090 sm_86, 22 GiB free, KV {kv_type}"),
                                                          RecordingNative))
     for backend in ("auto", "native"):
         eng = openjet_plugin.load(model, backend=backend, n_ctx=96, draft_depth=3, kv_type="q8_0", seed=5,
                                   n_threads=1)
         with eng:
             assert eng.backend_name == "native" and "sm_86" in eng.backend_reason
+            assert "KV q8_0" in eng.backend_reason   # the status check was asked about the KV type
             assert eng.generate("x", max_tokens=3, temperature=0).stats.backend == "native"
             mf = RecordingNative.made[-1][0]
             assert not mf.closed                # the native backend may keep using the mapping

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -538,46 +539,337 @@ def test_our_engine_child_reports_why_it_measured_nothing(tmp_path, monkeypatch,
         assert run.not_measured[report.row_key(*r)].startswith("native backend unavailable"), r
 
 
-def test_our_engine_child_measures_every_planned_row(tmp_path, monkeypatch, tiny_model):
-    """ours.run's plan with a stand-in backend: every verify/decode row gets `reps` samples at the
-    right parameters, and the state is at (or just past) each depth when its decode starts."""
+class _ToyEngine:
+    """The native engine's C API as far as the bench drives it, over a toy model: after token t at
+    position p the greedy next token is g(t, p); the MTP head guesses it except when (t + p) % 4 == 0.
+    It refuses what the real engine would make wrong: MTP rows that leave a hole, an MTP step whose
+    main hidden is not there yet, a commit without a verify."""
+
+    def __init__(self, ffi, n_vocab: int):
+        self.ffi, self.V = ffi, n_vocab
+        self.n_past, self.last, self.pending, self.slots = 0, [], 0, {}
+        self.mtp_n_past, self.draft = 0, []
+        self.evals = self.mtp_calls = 0
+        self.error = ffi.new("char[]", b"ok")
+
+    def g(self, t, p):
+        return (31 * t + 7 * p + 3) % self.V
+
+    def _fail(self, msg):
+        self.error = self.ffi.new("char[]", msg.encode())
+        return 2
+
+    def oj_last_error(self, h):
+        return self.error
+
+    def oj_n_past(self, h, out):
+        out[0] = self.n_past
+        return 0
+
+    def oj_eval(self, h, buf, n):
+        toks = [buf[i] for i in range(n)]
+        self.last = [self.g(t, self.n_past + i) for i, t in enumerate(toks)]
+        self.n_past += n
+        self.pending = 0
+        self.evals += 1
+        return 0
+
+    def oj_verify(self, h, buf, n):
+        toks = [buf[i] for i in range(n)]
+        self.last = [self.g(t, self.n_past + i) for i, t in enumerate(toks)]
+        self.pending = n
+        return 0
+
+    def oj_commit(self, h, n):
+        if not 1 <= n <= self.pending:
+            return self._fail(f"commit {n} after a verify of {self.pending}")
+        self.n_past += n
+        self.pending = 0
+        return 0
+
+    def oj_get_argmax(self, h, out, n):
+        if not 1 <= n <= len(self.last):
+            return self._fail("argmax: no evaluation")
+        for i in range(n):
+            out[i] = self.last[i]
+        return 0
+
+    def oj_mtp_eval(self, h, buf, n, pos0, source, hp):
+        if pos0 > self.mtp_n_past:
+            return self._fail(f"MTP rows end at {self.mtp_n_past}, a step at {pos0} leaves a hole")
+        if source == 0 and pos0 + n - 1 > self.n_past + self.pending:
+            return self._fail(f"MTP step at {pos0 + n - 1} needs the main hidden of a position not evaluated")
+        toks = [buf[i] for i in range(n)]
+        self.draft = [self.g(t, pos0 + i) + ((t + pos0 + i) % 4 == 0) for i, t in enumerate(toks)]
+        self.draft = [d % self.V for d in self.draft]
+        self.mtp_n_past = pos0 + n
+        self.mtp_calls += 1
+        return 0
+
+    def oj_get_draft_argmax(self, h, out, n):
+        for i in range(n):
+            out[i] = self.draft[i]
+        return 0
+
+    def oj_checkpoint_save(self, h, slot):
+        self.slots[slot] = self.n_past
+        return 0
+
+    def oj_checkpoint_restore(self, h, slot, out):
+        self.n_past = self.slots[slot]
+        self.mtp_n_past = min(self.mtp_n_past, self.n_past)
+        self.last, self.pending = [], 0
+        out[0] = self.n_past
+        return 0
+
+    def oj_reset(self, h):
+        self.n_past = self.mtp_n_past = self.pending = 0
+        self.last = []
+        return 0
+
+    def oj_draft_vocab_size(self, h, out):
+        out[0] = self.V
+        return 0
+
+    def oj_set_draft_vocab(self, h, ids, n):
+        return 0
+
+    def oj_memory(self, h, rep):
+        rep.total = 123
+        return 0
+
+
+@pytest.fixture()
+def toy_native(monkeypatch):
+    """The real NativeBackend (and NativeSpeculator above it) over _ToyEngine instead of the CUDA
+    library: what the bench's child does on the GPU, dry-run on the CPU. Returns the engines made."""
+    from openjet_plugin import _native
     from openjet_plugin.backends import native
+
+    ffi = _native.make_ffi()
+    engines: list[_ToyEngine] = []
+
+    def load():
+        lib = _ToyEngine(ffi, 0)
+        engines.append(lib)
+        return SimpleNamespace(ffi=ffi, lib=lib)
+
+    def create(self, model_file, kv_type, device):
+        self._nl.lib.V = self.n_vocab
+        return ffi.new("int32_t *")
+
+    monkeypatch.setattr(_native, "load", load)
+    monkeypatch.setattr(native.NativeBackend, "_create", create)
+    monkeypatch.setattr(native, "native_status", lambda mf, n_ctx: (True, "toy engine"))
+    return engines
+
+
+def _child_lines(out: Path) -> tuple[dict, dict, list[dict]]:
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    res = {report.row_key(x["metric"], x["engine"], x["params"]): x for x in lines if "metric" in x}
+    skips = {report.row_key(x["skip"]["metric"], x["skip"]["engine"], x["skip"]["params"]): x["reason"]
+             for x in lines if "skip" in x}
+    return res, skips, lines
+
+
+def test_our_engine_child_measures_every_planned_row(tmp_path, monkeypatch, tiny_model, toy_native):
+    """ours.run's plan on the real NativeBackend over the toy engine: every verify/decode/spec row
+    gets `reps` samples at the right parameters; every decode repetition starts at its depth."""
     from openjet_plugin.bench import ours
 
     starts: list[int] = []
+    real_decode = ours.decode_samples
 
-    class Backend(_FakeBackend):
-        def __init__(self, mf, n_ctx, draft_depth, kv_type, seed):
-            super().__init__()
-            self.n_ctx = n_ctx
-            self.n_vocab = mf.config.n_vocab
+    def spy(be, n_tokens, reps, first, restore=None):
+        def again():
+            restore()
+            starts.append(be.n_past)
+        return real_decode(be, n_tokens, reps, first, restore=again)
 
-        def memory(self):
-            return {"total": 123}
+    monkeypatch.setattr(ours, "decode_samples", spy)
+    out = tmp_path / "o.jsonl"
+    rc = ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "1,3", "--verify-depth", "100",
+                    "--decode-depths", "0,300", "--decode-tokens", "4", "--reps", "6",
+                    "--spec", "0.0:2,1.0:2,0.5:3", "--spec-mtp", "1,3", "--spec-depth", "200", "--spec-tokens", "24"])
+    assert rc == 0
+    res, skips, lines = _child_lines(out)
+    assert skips == {}
+    key = lambda m, p: report.row_key(m, "openjet", p)  # noqa: E731
+    want = {key("verify_ms", {"positions": 1, "depth": 100}), key("verify_ms", {"positions": 3, "depth": 100}),
+            key("decode_tps", {"depth": 0}), key("decode_tps", {"depth": 300}),
+            key("spec_tps", {"acceptance": 0.0, "drafts": 2, "depth": 200}),
+            key("spec_tps", {"acceptance": 1.0, "drafts": 2, "depth": 200}),
+            key("spec_tps", {"acceptance": 0.5, "drafts": 3, "depth": 200}),
+            key("spec_mtp_tps", {"drafts": 1, "depth": 200}), key("spec_mtp_tps", {"drafts": 3, "depth": 200})}
+    assert set(res) == want
+    assert all(len(x["samples"]) == 6 and x["engine"] == "openjet" for x in res.values())
+    assert starts == [0] * 6 + [300] * 6
+    assert any("info" in x and x["info"].get("openjet_memory_bytes", {}).get("total") == 123 for x in lines)
+    details = {}
+    for x in lines:
+        details.update(x.get("info", {}).get(ours.DETAILS_KEY, {}))
+    assert set(details) == {k for k in want if k.startswith("spec")}
+    for k, d in details.items():
+        assert d["runs_differing_from_plain"] == 0, k          # greedy speculation == plain decode
+        assert d["tokens"] == 24 and d["reps"] == 6 and len(d["ms_per_cycle"]) == 6
+    never = details[key("spec_tps", {"acceptance": 0.0, "drafts": 2, "depth": 200})]
+    always = details[key("spec_tps", {"acceptance": 1.0, "drafts": 2, "depth": 200})]
+    half = details[key("spec_tps", {"acceptance": 0.5, "drafts": 3, "depth": 200})]
+    assert never["acceptance_at"] == [0.0, 0.0] and never["tokens_per_cycle"] == 1.0
+    assert always["acceptance_at"] == [1.0, 1.0] and always["tokens_per_cycle"] == 3.0
+    assert 0.3 < half["acceptance_at"][0] < 0.7            # forced a = 0.5 at the first slot
+    assert "no MTP draft pass" in never["drafts_from"]
+    mtp3 = details[key("spec_mtp_tps", {"drafts": 3, "depth": 200})]
+    assert 0.5 < mtp3["acceptance_at"][0] < 1.0 and "MTP head" in mtp3["drafts_from"]
+
+
+def test_our_engine_child_skips_spec_rows_with_reasons(tmp_path, monkeypatch, tiny_model, toy_native):
+    """A failing speculative row is a skip with the engine's message; an oracle row still runs; a
+    deadline that cannot fit a row gives 'out of time' skips."""
+    from openjet_plugin.bench import ours
+    from openjet_plugin.bench import spec as spec_mod
+
+    real = spec_mod.mtp_factory
+
+    def broken(be, vocab, depth):
+        make = real(be, vocab, depth)
+
+        def bad(rep):
+            s = make(rep)
+            be.supports_speculative = True
+            be._mtp_upto = -5                        # the MTP bookkeeping out of step: draft_first refuses
+            return s
+        return bad
+
+    monkeypatch.setattr(spec_mod, "mtp_factory", broken)
+    out = tmp_path / "o.jsonl"
+    assert ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "", "--decode-depths", "",
+                      "--spec", "0.8:2", "--spec-mtp", "2", "--spec-depth", "64", "--spec-tokens", "8",
+                      "--reps", "2"]) == 0
+    res, skips, _ = _child_lines(out)
+    assert report.row_key("spec_tps", "openjet", {"acceptance": 0.8, "drafts": 2, "depth": 64}) in res
+    reason = skips[report.row_key("spec_mtp_tps", "openjet", {"drafts": 2, "depth": 64})]
+    assert "RuntimeError" in reason and "MTP rows end at" in reason
+    out2 = tmp_path / "o2.jsonl"
+    import time as _time
+    assert ours.main(["--model", str(tiny_model), "--out", str(out2), "--verify", "", "--decode-depths", "",
+                      "--spec", "0.8:2", "--spec-depth", "64", "--spec-tokens", "8",
+                      "--deadline", str(_time.time() + 12)]) == 0
+    res2, skips2, _ = _child_lines(out2)
+    assert res2 == {} and all(r.startswith("out of time") for r in skips2.values()) and len(skips2) == 1
+
+
+def test_accepted_per_cycle_child_without_the_engine_says_why(tmp_path):
+    """On this machine the native engine cannot run the default model: every row is a skip with
+    the reason, nothing is invented."""
+    from openjet_plugin.bench import ours
+    from openjet_plugin.defaults import SHIPPED_DEFAULT
+
+    out = tmp_path / "a.jsonl"
+    assert ours.main(["--model", str(SHIPPED_DEFAULT), "--out", str(out), "--accept", "0.0:1,0.7:4"]) == 0
+    res, skips, _ = _child_lines(out)
+    assert res == {} and len(skips) == 2
+    assert all(r.startswith("native backend unavailable for default.gguf") for r in skips.values())
+
+
+def test_accepted_per_cycle_load_error_names_the_tensor(tmp_path, monkeypatch):
+    """Until the native kernels take the default model, its load error (naming the tensor) is the
+    rows' reason."""
+    import openjet_plugin
+    from openjet_plugin.backends import native
+    from openjet_plugin.bench import ours
+    from openjet_plugin.defaults import SHIPPED_DEFAULT
+    from openjet_plugin.errors import NativeEngineError
+
+    def load(**kw):
+        raise NativeEngineError(3, "loading default.gguf onto the GPU: tensor 'blk.0.ssm_out.weight' (Q8_0) "
+                                   "has 48 columns, not a multiple of 32")
+
+    monkeypatch.setattr(native, "native_status", lambda mf, n_ctx: (True, "toy"))
+    monkeypatch.setattr(openjet_plugin, "load", load)
+    out = tmp_path / "a.jsonl"
+    ours.main(["--model", str(SHIPPED_DEFAULT), "--out", str(out), "--accept", "0.0:2,0.7:2",
+               "--accept-prompts", "2", "--accept-prompt-tokens", "16"])
+    res, skips, _ = _child_lines(out)
+    assert res == {} and len(skips) == 2
+    for r in skips.values():
+        assert "could not load default.gguf" in r and "blk.0.ssm_out.weight" in r
+
+
+def test_accepted_per_cycle_rows_count_cycles_and_greedy_differences(tmp_path, monkeypatch):
+    """acceptance.measure over a stand-in Engine: per-prompt tokens/cycle samples, pooled ratio,
+    per-slot acceptance, and greedy outputs that differ from plain decoding are counted."""
+    import openjet_plugin
+    from openjet_plugin.backends import native
+    from openjet_plugin.bench import acceptance, ours
+    from openjet_plugin.defaults import SHIPPED_DEFAULT
+    from openjet_plugin.speculative import DepthPolicy, SpeculativeStats
+
+    class Eng:
+        def __init__(self, depth):
+            self.depth = depth
+            self.backend_name, self.backend_reason = "native", "toy"
+            self._speculator = (SimpleNamespace(policy=DepthPolicy(depth), stats=SpeculativeStats(depth))
+                                if depth else None)
+
+        def generate(self, p, max_tokens, temperature, seed=None, **kw):
+            toks = [(p[-1] + i) % 100 for i in range(max_tokens)]
+            if self.depth == 2 and temperature == 0 and seed == 1:
+                toks[5] += 1                                  # one greedy output differs from plain
+            st = SpeculativeStats(max(self.depth, 1))
+            cycles = 0
+            while st.generated_tokens < max_tokens:          # every cycle accepts the first draft only
+                st.record(self.depth, min(1, self.depth), min(1, self.depth) + 1)
+                cycles += 1
+            if self._speculator:
+                self._speculator.stats = st
+            return SimpleNamespace(tokens=toks, stats=SimpleNamespace(cycles=cycles if self.depth else 0,
+                                                                        generated_tokens=max_tokens))
 
         def close(self):
             pass
 
-    real_decode = ours.decode_samples
+    monkeypatch.setattr(native, "native_status", lambda mf, n_ctx: (True, "toy"))
+    monkeypatch.setattr(openjet_plugin, "load", lambda **kw: Eng(kw["draft_depth"]))
+    out = tmp_path / "a.jsonl"
+    assert ours.main(["--model", str(SHIPPED_DEFAULT), "--out", str(out), "--accept", "0.0:2,0.7:3",
+                      "--accept-prompts", "3", "--accept-prompt-tokens", "16", "--accept-tokens", "8"]) == 0
+    res, skips, lines = _child_lines(out)
+    assert skips == {}
+    g = res[report.row_key("accepted_per_cycle", "openjet", acceptance.row_params(2, 0.0))]
+    assert g["samples"] == [2.0, 2.0, 2.0] and g["unit"] == "tokens/cycle"
+    details = {}
+    for x in lines:
+        details.update(x.get("info", {}).get(ours.DETAILS_KEY, {}))
+    dg = details[report.row_key("accepted_per_cycle", "openjet", acceptance.row_params(2, 0.0))]
+    assert dg["greedy_prompts_differing_from_plain"] == 1 and dg["greedy_differing_prompts"] == [1]
+    assert dg["acceptance_at"] == [1.0, 0.0] and dg["tokens_per_cycle"] == 2.0
+    ds = details[report.row_key("accepted_per_cycle", "openjet", acceptance.row_params(3, 0.7))]
+    assert "greedy_prompts_differing_from_plain" not in ds and ds["sampling"]["top_k"] == 40
 
-    def spy(be, n_tokens, reps, first):
-        starts.append(be.n_past)
-        return real_decode(be, n_tokens, reps, first)
 
-    monkeypatch.setattr(native, "native_status", lambda mf, n_ctx: (True, "stand-in"))
-    monkeypatch.setattr(native, "NativeBackend", Backend)
-    monkeypatch.setattr(ours, "decode_samples", spy)
-    out = tmp_path / "o.jsonl"
-    rc = ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "1,3", "--verify-depth", "100",
-                    "--decode-depths", "0,300", "--decode-tokens", "4", "--reps", "6"])
-    assert rc == 0
-    lines = [json.loads(x) for x in out.read_text().splitlines()]
-    res = {(x["metric"], json.dumps(x["params"], sort_keys=True)): x for x in lines if "metric" in x}
-    assert set(res) == {("verify_ms", '{"depth": 100, "positions": 1}'), ("verify_ms", '{"depth": 100, "positions": 3}'),
-                        ("decode_tps", '{"depth": 0}'), ("decode_tps", '{"depth": 300}')}
-    assert all(len(x["samples"]) == 6 and x["engine"] == "openjet" for x in res.values())
-    assert starts == [0, 300]
-    assert any("info" in x and x["info"].get("openjet_memory_bytes") == {"total": 123} for x in lines)
+def test_heldout_split_is_the_training_split():
+    """The bench's copy of the held-out rule picks exactly training/data.py's files."""
+    sys.path.insert(0, str(REPO))
+    from training.data import heldout_files
+    from openjet_plugin.bench import acceptance
+
+    assert acceptance.heldout_files() == heldout_files()
+    assert len(acceptance.heldout_files()) > 12
+
+
+def test_heldout_prompts_are_python_from_unseen_files():
+    from openjet_plugin.bench import acceptance
+    from openjet_plugin.defaults import SHIPPED_DEFAULT
+    from openjet_plugin.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(SHIPPED_DEFAULT)
+    prompts = acceptance.heldout_prompts(tok, 12, 64)
+    assert len(prompts) == 12 and all(len(p) == 64 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 12
+    assert any("def " in tok.decode_bytes(p).decode("utf-8", "replace") for p in prompts)
+    with pytest.raises(ValueError, match="held-out stdlib files"):
+        acceptance.heldout_prompts(tok, 10 ** 6, 64)
 
 
 @pytest.fixture(scope="module")
@@ -648,3 +940,111 @@ def test_existing_report_files_are_not_overwritten(tmp_path, capsys):
     existing_md.write_text("keep me too")
     assert bench.main(["--markdown", str(existing_md)]) == 2
     assert existing_md.read_text() == "keep me too"
+
+
+# --- speculative rows: plan, child protocol, tables ---------------------------------------------------
+
+def test_plan_measures_speculative_rows_and_groups_cover_the_plan(tmp_path):
+    s = runner.Settings()
+    planned, pending = runner.plan(s)
+    spec = [r for r in planned if r[0] == "spec_tps"]
+    assert len(spec) == len(s.acceptances) * len(s.drafts) and all(r[2]["depth"] == 8192 for r in spec)
+    assert [r[2]["drafts"] for r in planned if r[0] == "spec_mtp_tps"] == [1, 2, 3, 4]
+    accept = [r for r in planned if r[0] == "accepted_per_cycle"]
+    assert {(r[2]["temperature"], r[2]["drafts"]) for r in accept} == {(t, d) for t in (0.0, 0.7) for d in (1, 2, 3, 4)}
+    assert {p["metric"] for p in pending} == {"prefill_tps"}            # only batched prefill still waits
+    run = runner.Run(settings=s, store=Store(tmp_path / "r", {"x": 1}), model=tmp_path / "m.gguf", cache=tmp_path,
+                     deadline=None, session="t", arch="90")
+    covered = {report.row_key(*r) for _, _, rows, _ in runner.groups(run) for r in rows}
+    assert covered == {report.row_key(*r) for r in planned}
+    names = [g[0] for g in runner.groups(run)]
+    assert names.index("openjet acceptance") < names.index("openjet")   # cheap group before the long one
+
+
+def test_child_protocol_merges_details_and_names_failures(tmp_path):
+    """_run_child: results kept, skips marked with their reason, per-row details merged across
+    lines and runs, and rows the child never reached marked with its error."""
+    rows = [("spec_tps", "openjet", {"acceptance": a, "drafts": 2, "depth": 64}) for a in (0.5, 0.7, 0.8)]
+    k = [report.row_key(*r) for r in rows]
+    lines = [{"metric": "spec_tps", "engine": "openjet", "params": rows[0][2], "unit": "tokens/s", "samples": [1.0, 2.0]},
+             {"info": {"spec_details": {k[0]: {"tokens_per_cycle": 1.5}}}},
+             {"skip": {"metric": "spec_tps", "engine": "openjet", "params": rows[1][2]}, "reason": "boom: tensor x"},
+             {"info": {"spec_details": {"other": {"tokens_per_cycle": 9}}, "openjet_n_ctx": 5}},
+             {"error": "RuntimeError: the third row broke"}]
+    script = tmp_path / "child.py"
+    script.write_text("import json, sys\nout = sys.argv[sys.argv.index('--out') + 1]\n"
+                      f"lines = {json.dumps(lines)!r}\n"
+                      "open(out, 'a').write(''.join(json.dumps(x) + '\\n' for x in json.loads(lines)))\nsys.exit(1)\n")
+    st = Store(tmp_path / "r", {"x": 1})
+    st.update_info(spec_details={"earlier": {"tokens_per_cycle": 3}})
+    run = runner.Run(settings=runner.Settings(), store=st, model=tmp_path / "m", cache=tmp_path, deadline=None,
+                     session="t", arch="90")
+    made = runner._run_child(run, "ours", [sys.executable, str(script)], rows)
+    assert made == {k[0]} and st.has(*rows[0])
+    assert run.not_measured[k[1]] == "boom: tensor x"
+    assert run.not_measured[k[2]] == "our engine failed: RuntimeError: the third row broke"
+    assert set(st.info["spec_details"]) == {"earlier", k[0], "other"} and st.info["openjet_n_ctx"] == 5
+
+
+def _spec_report() -> dict:
+    rng = np.random.default_rng(3)
+    spec_p = {"acceptance": 0.8, "drafts": 4, "depth": 8192}
+    mtp_p = {"drafts": 4, "depth": 8192}
+    acc_p = {"drafts": 4, "model": "trained default", "temperature": 0.0}
+    results = [
+        report.result("decode_tps", "openjet", {"depth": 8192}, rng.normal(45, 0.5, 6)),
+        report.result("decode_tps", "llama.cpp", {"depth": 8192}, rng.normal(82, 0.5, 6)),
+        report.result("roofline_tps", "openjet", {"depth": 8192}, rng.normal(278, 1, 10)),
+        report.result("spec_tps", "openjet", spec_p, rng.normal(120, 2, 6)),
+        report.result("spec_mtp_tps", "openjet", mtp_p, rng.normal(40, 1, 6)),
+        report.result("accepted_per_cycle", "openjet", acc_p, rng.normal(2.4, 0.2, 12)),
+    ]
+    details = {report.row_key("spec_tps", "openjet", spec_p): {
+                   "tokens_per_cycle": 3.36, "acceptance_at": [0.8, 0.79, 0.81, 0.8], "ms_per_cycle": [28.0, 28.5, 29.0],
+                   "runs_differing_from_plain": 0, "reps": 6},
+               report.row_key("spec_mtp_tps", "openjet", mtp_p): {
+                   "tokens_per_cycle": 1.02, "acceptance_at": [0.02, 0.0, 0.0, 0.0], "ms_per_cycle": [40.0],
+                   "runs_differing_from_plain": 1, "first_difference": 17, "reps": 6},
+               report.row_key("accepted_per_cycle", "openjet", acc_p): {
+                   "tokens_per_cycle": 2.41, "acceptance_at": [0.7, 0.5, 0.3, 0.2], "prompts": 12,
+                   "greedy_prompts_differing_from_plain": 0}}
+    man = {"gpu": {"name": "H200"}, "info": {"spec_details": details}, "pending": [],
+           "not_measured": [{"metric": "spec_tps", "engine": "openjet", "params": {"acceptance": 0.9, "drafts": 4, "depth": 8192},
+                             "reason": "out of time in this run"},
+                            {"metric": "accepted_per_cycle", "engine": "openjet",
+                             "params": {"drafts": 1, "model": "trained default", "temperature": 0.7},
+                             "reason": "the native engine could not load default.gguf: tensor 'blk.0.x' (Q8_0)"}]}
+    return {"manifest": man, "results": results}
+
+
+def test_markdown_speculative_tables_compare_with_plain_decode_and_roofline():
+    rep = json.loads(json.dumps(_spec_report()))
+    report.validate_report(rep)
+    md = report.markdown(rep)
+    med = {(r["metric"], r["engine"]): r["median"] for r in rep["results"]}
+    row = next(line for line in md.splitlines() if "| oracle, a = 0.8 |" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:3] == ["8192", "4", "oracle, a = 0.8"]
+    assert cells[4] == "3.36" and cells[5] == "0.80 / 0.79 / 0.81 / 0.80" and cells[6] == "28.50"
+    spec = med[("spec_tps", "openjet")]
+    assert cells[7] == f"{spec / med[('decode_tps', 'openjet')]:.2f}×"
+    assert cells[8] == f"{spec / med[('decode_tps', 'llama.cpp')]:.2f}×"
+    assert cells[9] == f"{spec / med[('roofline_tps', 'openjet')]:.0%}" and cells[10] == "yes"
+    mtp = next(line for line in md.splitlines() if "| MTP head |" in line)
+    assert "1 of 6 runs differ (first at token 17)" in mtp
+    acc = next(line for line in md.splitlines() if line.startswith("| 0.0 | 4 |"))
+    assert "2.41" in acc and "12 of 12 prompts identical" in acc
+    # rows not measured keep their reason, in their own table
+    assert re.search(r"\| oracle, a = 0\.9 \| not measured \(\d\) \|", md)
+    assert re.search(r"\| 0\.7 \| 1 \| not measured \(\d\) \|", md) and "tensor 'blk.0.x'" in md
+    main_table = md.split("## Speculative")[0]
+    assert "| spec_tps |" not in main_table and "| accepted_per_cycle |" not in main_table
+
+
+def test_markdown_of_the_v1_report_still_renders():
+    """A report of an earlier version (speculative rows pending) prints again."""
+    rep = json.loads((REPO / "bench" / "results" / "2026-11-29-native-v1.json").read_text())
+    report.validate_report(rep)
+    md = report.markdown(rep)
+    assert "- spec_tps (acceptance 0.5/0.7/0.8/0.9, drafts 1/2/3/4, depth 8192): pending: issue 6" in md
+    assert "| decode_tps | depth 8192 |" in md

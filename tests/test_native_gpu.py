@@ -164,12 +164,29 @@ def report(row: dict) -> None:
             f.write(line + "\n")
 
 
-def _backend(path: Path, n_ctx: int):
+def _backend(path: Path, n_ctx: int, kv_type: str = "f16"):
     from openjet_plugin.backends.native import NativeBackend
     from openjet_plugin.model_file import open_model
 
     mf = open_model(path)
-    return mf, NativeBackend(mf, n_ctx=n_ctx)
+    return mf, NativeBackend(mf, n_ctx=n_ctx, kv_type=kv_type)
+
+
+def _teacher_forced(be, tokens: list[int]) -> tuple[np.ndarray, np.ndarray, float]:
+    """(main logits, MTP logits, seconds): 8 positions per call, the MTP row of every position."""
+    t0 = time.perf_counter()
+    got = np.empty((len(tokens), be.n_vocab), dtype=np.float32)
+    got_mtp = np.empty_like(got)
+    for a in range(0, len(tokens), 8):
+        chunk = tokens[a:a + 8]
+        be._eval_chunk(chunk)
+        for j in range(len(chunk)):
+            got[a + j] = be.logits(j)
+        # MTP position p pairs token p with the main hidden state of p - 1 (llama.cpp's process())
+        be.mtp_eval(chunk, pos0=a, h="main")
+        for j in range(len(chunk)):
+            got_mtp[a + j] = be.draft_logits(j)
+    return got, got_mtp, time.perf_counter() - t0
 
 
 # --- tests ----------------------------------------------------------------------------------------
@@ -184,19 +201,7 @@ def test_teacher_forced_matches_reference(native, workdir, preset, quant):
     try:
         rng = np.random.default_rng(1234)
         tokens = rng.integers(0, be.n_vocab, N_POSITIONS).tolist()
-        t0 = time.perf_counter()
-        got = np.empty((N_POSITIONS, be.n_vocab), dtype=np.float32)
-        got_mtp = np.empty_like(got)
-        for a in range(0, N_POSITIONS, 8):
-            chunk = tokens[a:a + 8]
-            be._eval_chunk(chunk)
-            for j in range(len(chunk)):
-                got[a + j] = be.logits(j)
-            # MTP position p pairs token p with the main hidden state of p - 1 (llama.cpp's process())
-            be.mtp_eval(chunk, pos0=a, h="main")
-            for j in range(len(chunk)):
-                got_mtp[a + j] = be.draft_logits(j)
-        native_s = time.perf_counter() - t0
+        got, got_mtp, native_s = _teacher_forced(be, tokens)
         state = be.state()
 
         ref = ReferenceModel(path)
@@ -224,6 +229,85 @@ def test_teacher_forced_matches_reference(native, workdir, preset, quant):
     assert mtop1 >= TOP1_MIN and mkl <= KL_MAX, f"draft-head logits: top-1 {mtop1:.4f}, mean KL {mkl:.2e}"
     bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
     assert not bad, f"state relative errors above {STATE_REL_MAX}: {bad}"
+
+
+KV_Q8_0_MODELS = [("tiny", "Q4_K_M"), ("w256", "Q4_K_M")]
+KV_Q8_0_POSITIONS = int(os.environ.get("OPENJET_GPU_KV_Q8_0_POSITIONS", "256"))
+KV_Q8_0_FP16_KL_MAX = 1e-2   # sanity bound on the q8_0 engine vs the unrounded reference (reported)
+
+
+@pytest.mark.parametrize("preset,quant", KV_Q8_0_MODELS, ids=[f"{p}-{q}-kv_q8_0" for p, q in KV_Q8_0_MODELS])
+def test_kv_q8_0_matches_q8_0_reference(native, workdir, preset, quant):
+    """kv_type="q8_0": logits, draft logits and state against the reference that rounds K/V through
+    q8_0 the same way (ReferenceModel(kv_q8_0=True)); the gap to the unrounded one is reported."""
+    from openjet_plugin.testing.reference import ReferenceModel
+
+    path, origin = model_path(preset, quant, workdir)
+    n = KV_Q8_0_POSITIONS
+    mf, be = _backend(path, n_ctx=n + 16, kv_type="q8_0")
+    try:
+        tokens = np.random.default_rng(4321).integers(0, be.n_vocab, n).tolist()
+        got, got_mtp, native_s = _teacher_forced(be, tokens)
+        state = be.state()
+        mem = be.memory()
+    finally:
+        be.close()
+        mf.close()
+    ref = ReferenceModel(path, kv_q8_0=True)
+    want = ref.logits(tokens)
+    want_mtp = ref.mtp_prefill()
+    want_state = ref.state()
+    plain = ReferenceModel(path)
+    want_f = plain.logits(tokens)
+    want_f_mtp = plain.mtp_prefill()
+
+    assert np.isfinite(got).all() and np.isfinite(got_mtp).all(), "native logits contain NaN/inf"
+    top1, kl, kl_max = agreement(want, got)
+    mtop1, mkl, _ = agreement(want_mtp, got_mtp)
+    f_top1, f_kl, _ = agreement(want_f, got)
+    _, f_mkl, _ = agreement(want_f_mtp, got_mtp)
+    errs = {k: rel_err(state[k], v) for k, v in want_state.items() if k in state}
+    kv_keys = [k for k in errs if k.endswith((".k", ".v"))]
+    # stored values that differ at all (an input a float32 rounding away from a half-step tie, or
+    # a block maximum whose fp16 scale rounds the other way): a fraction, reported
+    steps = {k: float(np.mean(np.abs(state[k] - want_state[k]) > 1e-6 * np.abs(want_state[k]).max())) for k in kv_keys}
+    worst = max(errs, key=errs.get)
+    report({"test": "kv_q8_0", "model": f"{preset}-{quant}", "origin": origin, "positions": n,
+            "top1": top1, "kl_mean": kl, "kl_max": kl_max, "mtp_top1": mtop1, "mtp_kl_mean": mkl,
+            "vs_unrounded_top1": f_top1, "vs_unrounded_kl_mean": f_kl, "vs_unrounded_mtp_kl_mean": f_mkl,
+            "state_worst": worst, "state_rel_err": errs[worst],
+            "kv_rel_err_max": max(errs[k] for k in kv_keys), "kv_values_differing": max(steps.values()),
+            "kv_cache_bytes": mem["kv_cache"], "native_s": round(native_s, 2)})
+    assert kv_keys and any(k.startswith("mtp.") for k in kv_keys), sorted(errs)
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"main logits vs q8_0 reference: top-1 {top1:.4f}, mean KL {kl:.2e}"
+    assert mtop1 >= TOP1_MIN and mkl <= KL_MAX, f"draft logits vs q8_0 reference: top-1 {mtop1:.4f}, mean KL {mkl:.2e}"
+    bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
+    assert not bad, f"state relative errors above {STATE_REL_MAX} (vs the q8_0 reference): {bad}"
+    assert f_kl <= KV_Q8_0_FP16_KL_MAX, f"q8_0 KV moves the logits by mean KL {f_kl:.2e} from the unrounded reference"
+
+
+def test_kv_cache_bytes_equal_the_estimate(native, workdir):
+    """memory().kv_cache is what estimate_device_bytes says, exactly, for f16 and q8_0 (34/32 bytes)."""
+    from openjet_plugin.backends.native import estimate_device_bytes
+
+    path, _ = model_path("tiny", "Q4_K_M", workdir)
+    n_ctx = 1000
+    got = {}
+    for kv_type in ("f16", "q8_0"):
+        mf, be = _backend(path, n_ctx=n_ctx, kv_type=kv_type)
+        try:
+            mem = be.memory()
+            est = estimate_device_bytes(mf, n_ctx, kv_type=kv_type)
+            assert len(be.eval([1, 2, 3])) == be.n_vocab
+        finally:
+            be.close()
+            mf.close()
+        got[kv_type] = mem
+        report({"test": "kv_memory", "kv_type": kv_type, "kv_cache": mem["kv_cache"], "estimate": est["kv_cache"],
+                "total": mem["total"], "estimate_total": est["total"]})
+        assert mem["kv_cache"] == est["kv_cache"], (kv_type, mem["kv_cache"], est["kv_cache"])
+    assert got["q8_0"]["kv_cache"] * 32 == got["f16"]["kv_cache"] * 17
+    assert got["f16"]["total"] - got["q8_0"]["total"] == got["f16"]["kv_cache"] - got["q8_0"]["kv_cache"]
 
 
 @pytest.mark.parametrize("preset,quant", [("tiny", "Q4_K_M"), ("small", "Q6_K"), ("small", "F32")])

@@ -121,22 +121,13 @@ def _check_twin(path, tokens, table, tmp_path, model, quant):
     _assert_thresholds(row["twin"], f"{model} {quant} (dequantised twin)", "F32")
 
 
-# Measured gap, not met (issue 2 stays open): llama.cpp's CPU backend rounds every matmul input to
-# 8 bits, ~0.02-0.03 nats of noise per logit; every flipped top-1 is a near-tie (top-2 gap < 0.05
-# nats), and llama.cpp disagrees with itself (F16 vs F32 KV) at 0.99-1.00. KL meets 1e-3 everywhere.
-# strict: the day these pass, the marker must go.
-_TOP1_GAP = pytest.mark.xfail(strict=True, reason="top-1 below 99% on near-ties under llama.cpp's "
-                              "8-bit activation rounding (measured 0.970-0.987); see the table")
-
-
-@pytest.mark.parametrize("quant", [q if q not in ("Q6_K", "Q4_K_M") else pytest.param(q, marks=_TOP1_GAP)
-                                   for q in QUANTS])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_agreement_tiny(synth_path, text_tokens, agreement_table, quant):
     _check_direct(synth_path("tiny", quant), text_tokens, agreement_table, "tiny", quant)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quant", [q if q != "Q8_0" else pytest.param(q, marks=_TOP1_GAP) for q in QUANTS])
+@pytest.mark.parametrize("quant", QUANTS)
 def test_agreement_small(synth_path, text_tokens, agreement_table, quant):
     _check_direct(synth_path("small", quant), text_tokens, agreement_table, "small", quant)
 

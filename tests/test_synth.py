@@ -14,7 +14,7 @@ from openjet_plugin.tensors import all_tensors
 from openjet_plugin.testing import bpe
 from openjet_plugin.testing.synth import (
     CHAT_TEMPLATE_FILE, FFN_DOWN_GAIN, QUANTS, random_blocks, residual_gain, rewrite_chat_template, synth_main, synth_model,
-    synth_specs, synth_uniform, tensor_values, write_gguf,
+    synth_specs, synth_uniform, tensor_values, token_dims, write_gguf,
 )
 
 gguf = pytest.importorskip("gguf")
@@ -113,8 +113,10 @@ def test_weights_follow_the_converters_conventions(tiny_f32):
         assert (dt > 5e-4).all() and (dt < 0.2).all()
         assert t[f"blk.{il}.ssm_conv1d.weight"].shape == (TINY.ssm_conv_dim, TINY.ssm_conv_kernel)
     emb = t["token_embd.weight"]
-    assert emb.shape == (TINY.n_vocab, TINY.n_embd) and 0.9 < emb.std() < 1.1
-    assert set(np.unique(emb)) == {-1.0, 1.0}            # +-1: cheap for llama.cpp's 8-bit rounding
+    half = token_dims(TINY)
+    assert emb.shape == (TINY.n_vocab, TINY.n_embd)
+    assert set(np.unique(emb[:, :half])) == {-1.0, 1.0}   # +-1: cheap for llama.cpp's 8-bit rounding
+    assert not emb[:, half:].any()                        # the context half starts empty
     w = t["blk.0.ffn_up.weight"]
     assert w.std() == pytest.approx(1 / np.sqrt(TINY.n_embd), rel=0.05)
     # residual branches' output projections: GPT-2's 1/sqrt(2 n_layer), relative to the gain 1 above
@@ -122,7 +124,8 @@ def test_weights_follow_the_converters_conventions(tiny_f32):
     for name, n_in, gain in (("blk.0.ffn_down.weight", TINY.n_ff, FFN_DOWN_GAIN),
                              ("blk.0.ssm_out.weight", TINY.ssm_d_inner, 1.0),
                              (f"blk.{TINY.attention_layers()[0]}.attn_output.weight", TINY.n_head * TINY.head_dim, 1.0)):
-        assert t[name].std() == pytest.approx(gain * residual_gain(TINY) / np.sqrt(n_in), rel=0.05), name
+        assert t[name][half:].std() == pytest.approx(gain * residual_gain(TINY) / np.sqrt(n_in), rel=0.05), name
+        assert not t[name][:half].any(), name             # no branch writes the token half
 
 
 # --- llama.cpp runs them ----------------------------------------------------------------------------

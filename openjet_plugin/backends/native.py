@@ -4,6 +4,13 @@ The model file (openjet_plugin.model_file.ModelFile) is described to the engine 
 (name, ggml type id, ne, pointer into the memory-mapped file); the engine uploads what it needs
 once and keeps nothing of the host mapping. One NativeBackend holds one conversation on the GPU.
 Logits stay on the device unless asked for: `eval_argmax` copies one int back per call.
+
+Speculative decoding (issue 6): `verify` evaluates the current token and the drafts together and
+`commit` keeps the accepted prefix (the engine replays the accepted DeltaNet positions, see
+native/deltanet.cu). With an MTP block and draft_depth > 0 the backend keeps the MTP cache in step
+with the main model: every committed position p has its MTP row from (x_p, h_{p-1}) with the main
+hidden state, made during prefill chunk by chunk and, in decoding, batched with the next cycle's
+first draft step (`_uncaught` holds the committed tokens still waiting for their row).
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngine
 
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
 MIN_COMPUTE_CAPABILITY = (8, 6)
-KV_TYPES = {"f16": 0}
+KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
+N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
+MEMORY_FIELDS = ("weights", "kv_cache", "recurrent_state", "activations", "checkpoints", "total")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _H_SOURCES = {"main": 0, "draft": 1}
 _MEMORY_MARGIN = 256 << 20   # bytes kept free beyond the engine's own estimate
@@ -30,23 +39,37 @@ def _kv_layers(c: ModelConfig) -> int:
     return len(c.attention_layers()) + (1 if c.n_layer_nextn else 0)
 
 
-def estimate_device_bytes(model_file, n_ctx: int) -> dict[str, int]:
+def kv_cache_bytes(config: ModelConfig, n_ctx: int, kv_type: str = "f16") -> int:
+    """Bytes of every K and V cache (attention layers + MTP block), as engine.cu's alloc_kv: fp16
+    is 2 bytes a value; q8_0 an int8 plane plus one fp16 scale per 32 values (34 bytes per 32)."""
+    if kv_type not in KV_TYPES:
+        raise ValueError(f"kv_type {kv_type!r} is not supported by the native engine "
+                         f"(supported: {', '.join(KV_TYPES)})")
+    values = _kv_layers(config) * 2 * config.kv_dim * n_ctx
+    return values * 2 if kv_type == "f16" else values // 32 * 34
+
+
+def estimate_device_bytes(model_file, n_ctx: int, n_checkpoints: int = N_CHECKPOINTS,
+                          kv_type: str = "f16") -> dict[str, int]:
     """What the engine will allocate, by purpose (mirrors engine.cu's allocations)."""
     c = model_file.config
     weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
     # vectors are widened to fp32 on the device
     weights += sum(int(t.n_bytes) for t in model_file.tensors.values()
                    if len(t.ne) == 1 and t.ggml_type in ("F16", "BF16"))
-    kv = _kv_layers(c) * 2 * c.kv_dim * n_ctx * 2
+    kv = kv_cache_bytes(c, n_ctx, kv_type)
     dn = len(c.deltanet_layers())
-    recurrent = dn * (c.ssm_conv_dim * (c.ssm_conv_kernel - 1) + c.ssm_dt_rank * c.ssm_d_state ** 2) * 4
     n = MAX_POSITIONS
+    state = (c.ssm_conv_dim * (c.ssm_conv_kernel - 1) + c.ssm_dt_rank * c.ssm_d_state ** 2) * 4
+    ring = 2 * n * (2 * c.ssm_conv_dim + 2 * c.ssm_dt_rank) * 4    # two slots of replay intermediates
+    recurrent = dn * (state + ring)
+    checkpoints = n_checkpoints * (dn * state + c.n_embd * 4)
     splits = (n_ctx + 255) // 256
-    act = 4 * n * (2 * c.n_embd + 2 * c.n_ff + 2 * c.ssm_conv_dim + 2 * c.ssm_value_dim
-                   + 2 * c.ssm_dt_rank + 2 * c.q_dim + 2 * c.kv_dim + c.q_dim
+    act = 4 * n * (2 * c.n_embd + 2 * c.n_ff + 2 * c.ssm_value_dim + 2 * c.q_dim + 2 * c.kv_dim + c.q_dim
                    + c.n_head * splits * (c.head_dim + 2) + 3 * c.n_embd + 2 * c.n_vocab + 2 * c.n_embd)
+    act += 4 * c.n_vocab if c.n_layer_nextn else 0
     return {"weights": weights, "kv_cache": kv, "recurrent_state": recurrent, "activations": act,
-            "total": weights + kv + recurrent + act}
+            "checkpoints": checkpoints, "total": weights + kv + recurrent + act + checkpoints}
 
 
 def model_problems(model_file) -> list[str]:
@@ -64,14 +87,14 @@ def model_problems(model_file) -> list[str]:
             problems.append(f"tensor {t.name!r} has type {t.ggml_type} "
                             f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})")
         elif len(t.ne) == 2 and t.ne[0] > 1 and not t.name.endswith("ssm_conv1d.weight"):
-            unit = 8 if t.ggml_type in _FLOAT_TYPES else 256
+            unit = 8 if t.ggml_type in _FLOAT_TYPES else (32 if t.ggml_type == "Q8_0" else 256)
             if t.ne[0] % unit:
                 problems.append(f"tensor {t.name!r} ({t.ggml_type}) has {t.ne[0]} columns, "
                                 f"not a multiple of {unit}")
     return problems
 
 
-def native_status(model_file, n_ctx: int) -> tuple[bool, str]:
+def native_status(model_file, n_ctx: int, kv_type: str = "f16") -> tuple[bool, str]:
     """(True, what will run) or (False, why not): library, GPU, memory, model shape/types."""
     try:
         nl = _native.load()
@@ -91,7 +114,7 @@ def native_status(model_file, n_ctx: int) -> tuple[bool, str]:
     problems = model_problems(model_file)
     if problems:
         return False, "the model does not fit the native kernels: " + "; ".join(problems[:5])
-    need = estimate_device_bytes(model_file, n_ctx)["total"] + _MEMORY_MARGIN
+    need = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type)["total"] + _MEMORY_MARGIN
     if need > int(free[0]):
         return False, (f"GPU {gpu} has {int(free[0]) / 2**30:.1f} GiB free, the model at n_ctx {n_ctx} "
                        f"needs about {need / 2**30:.1f} GiB")
@@ -102,10 +125,9 @@ class NativeBackend:
     """One conversation on the GPU through the native engine (see backends/base.py's protocol)."""
 
     name = "native"
-    supports_speculative = False   # v1: plain decoding; the MTP draft head is exposed for tests
 
     def __init__(self, model_file, n_ctx: int, draft_depth: int = 4, kv_type: str = "f16",
-                 seed: int | None = None, device: int = 0):
+                 seed: int | None = None, device: int = 0, n_checkpoints: int = N_CHECKPOINTS):
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {kv_type!r} is not supported by the native engine "
                              f"(supported: {', '.join(KV_TYPES)})")
@@ -120,7 +142,17 @@ class NativeBackend:
         self._tokenizer = None
         self._engine = None
         self._last_n = 0
+        self.n_checkpoints = int(n_checkpoints)
+        self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
+        self.kv_type = kv_type
         self._engine = self._create(model_file, kv_type, device)
+        self.has_mtp = model_file.config.mtp_layer is not None and self._mtp_loaded()
+        # the MTP cache follows the main model when drafting is possible at all
+        self.supports_speculative = self.has_mtp and self.draft_depth > 0
+        self._mtp_upto = 0          # MTP rows of positions < this are made from main hiddens
+        self._uncaught: list[int] = []   # committed tokens at positions _mtp_upto.. without a row
+        self._verify_tokens: list[int] = []
+        self._draft_vocab_len = 0
 
     # --- creation ------------------------------------------------------------------------------
     def _create(self, model_file, kv_type: str, device: int):
@@ -158,6 +190,7 @@ class NativeBackend:
         desc.n_ctx = self.n_ctx
         desc.kv_type = KV_TYPES[kv_type]
         desc.device = int(device)
+        desc.n_checkpoints = self.n_checkpoints
         out = ffi.new("oj_engine **")
         rc = lib.oj_engine_create(desc, out)
         del keep
@@ -203,11 +236,23 @@ class NativeBackend:
             raise ContextOverflowError(self.n_past + len(toks), self.n_ctx)
         return [toks[i:i + MAX_POSITIONS] for i in range(0, len(toks), MAX_POSITIONS)]
 
+    def _mtp_loaded(self) -> bool:
+        out = self._nl.ffi.new("int32_t *")
+        return self._nl.lib.oj_draft_vocab_size(self._handle(), out) == 0 and \
+            self._nl.lib.oj_set_draft_vocab(self._handle(), self._nl.ffi.NULL, 0) == 0
+
     def _eval_chunk(self, chunk: list[int]) -> None:
         ffi = self._nl.ffi
+        self._flush_mtp()
+        start = self.n_past
         buf = ffi.new("int32_t[]", chunk)
         self._check(self._nl.lib.oj_eval(self._handle(), buf, len(chunk)), "eval")
         self._last_n = len(chunk)
+        self._verify_tokens = []
+        if self.supports_speculative:
+            # the chunk's MTP rows, while its main hiddens are in the engine's window
+            self._mtp_call(chunk, start, "main")
+            self._mtp_upto = start + len(chunk)
 
     def eval(self, tokens: list[int]) -> np.ndarray:
         for chunk in self._chunks(tokens):
@@ -254,12 +299,124 @@ class NativeBackend:
         return out
 
     def rollback(self, n_keep: int) -> bool:
-        # The recurrent state cannot go back in v1 (no snapshots yet): only a no-op succeeds.
+        # The recurrent state cannot go back by itself: checkpoints do that (restore_checkpoint).
         return n_keep == self.n_past
 
     def reset(self) -> None:
         self._check(self._nl.lib.oj_reset(self._handle()), "reset")
         self._last_n = 0
+        self._checkpoints = []
+        self._mtp_upto, self._uncaught, self._verify_tokens = 0, [], []
+
+    # --- checkpoints (backends/base.py's optional protocol) ------------------------------------
+    def save_checkpoint(self) -> None:
+        """Copy the recurrent state at n_past into a slot (on the device; the oldest is reused)."""
+        if self.n_checkpoints < 1:
+            return
+        self._flush_mtp()
+        n = self.n_past
+        self._checkpoints = [(s, k) for s, k in self._checkpoints if k != n]
+        used = {s for s, _ in self._checkpoints}
+        free = [s for s in range(self.n_checkpoints) if s not in used]
+        slot = free[0] if free else self._checkpoints.pop(0)[0]
+        self._check(self._nl.lib.oj_checkpoint_save(self._handle(), slot), "checkpoint save")
+        self._checkpoints.append((slot, n))
+
+    def restore_checkpoint(self, n_max: int) -> int:
+        """Back to the newest checkpoint with <= n_max tokens (checkpoints after n_max belong to a
+        history that no longer holds: dropped). Returns its n_past; 0 after a reset."""
+        keep = [(s, k) for s, k in self._checkpoints if k <= n_max]
+        if not keep:
+            self.reset()
+            return 0
+        slot, n = max(keep, key=lambda sk: sk[1])
+        out = self._nl.ffi.new("int32_t *")
+        self._check(self._nl.lib.oj_checkpoint_restore(self._handle(), slot, out), "checkpoint restore")
+        self._checkpoints = keep
+        self._last_n = 0
+        self._mtp_upto, self._uncaught, self._verify_tokens = min(self._mtp_upto, n), [], []
+        return int(out[0])
+
+    # --- speculative cycles (used by speculative_native.NativeSpeculator) ----------------------
+    def verify(self, tokens: list[int]) -> None:
+        """Evaluate the current token and the drafts at n_past provisionally (read the results
+        with argmax()/logits()); nothing is kept until commit()."""
+        toks = self._chunks(tokens)
+        if len(toks) != 1:
+            raise ValueError(f"verify takes 1..{MAX_POSITIONS} tokens, got {len(tokens)}")
+        # rows still owed (a cycle that drafted nothing) need this window's hiddens: make them now
+        self._flush_mtp()
+        buf = self._nl.ffi.new("int32_t[]", toks[0])
+        self._check(self._nl.lib.oj_verify(self._handle(), buf, len(toks[0])), "verify")
+        self._last_n = len(toks[0])
+        self._verify_tokens = toks[0]
+
+    def commit(self, n_accept: int) -> None:
+        """Keep the first n_accept positions of the last verify."""
+        if not self._verify_tokens:
+            raise RuntimeError("commit without a verify")
+        start = self.n_past
+        self._check(self._nl.lib.oj_commit(self._handle(), int(n_accept)), "commit")
+        kept = self._verify_tokens[:n_accept]
+        self._verify_tokens = []
+        if self.supports_speculative:
+            skip = max(0, self._mtp_upto - start)      # the first draft step made position start's row
+            self._uncaught += kept[skip:]
+
+    def _mtp_call(self, tokens: list[int], pos0: int, h: str) -> None:
+        buf = self._nl.ffi.new("int32_t[]", tokens)
+        self._check(self._nl.lib.oj_mtp_eval(self._handle(), buf, len(tokens), int(pos0), _H_SOURCES[h],
+                                             self._nl.ffi.NULL), "mtp_eval")
+
+    def _flush_mtp(self) -> None:
+        """Rows for committed tokens still without one (needs the last verify's hidden window)."""
+        if self._uncaught:
+            toks, self._uncaught = self._uncaught, []
+            self._mtp_call(toks, self._mtp_upto, "main")
+            self._mtp_upto += len(toks)
+
+    def draft_first(self, token: int) -> int:
+        """The MTP step for the current (not yet evaluated) token at n_past, batched with the rows
+        still owed; returns the draft argmax (a token id). Draft logits: draft_logits(-1)."""
+        if not self.supports_speculative:
+            raise RuntimeError("this backend does not draft (no MTP block or draft_depth 0)")
+        pos = self.n_past
+        toks = self._uncaught + [int(token)]
+        if self._mtp_upto + len(self._uncaught) != pos:
+            raise RuntimeError(f"MTP rows end at {self._mtp_upto} with {len(self._uncaught)} owed, "
+                               f"the main model is at {pos}")
+        while len(toks) > MAX_POSITIONS:                       # more rows owed than one call takes
+            self._mtp_call(toks[:MAX_POSITIONS], self._mtp_upto, "main")
+            self._mtp_upto += MAX_POSITIONS
+            toks = toks[MAX_POSITIONS:]
+        self._mtp_call(toks, self._mtp_upto, "main")
+        self._uncaught = []
+        self._mtp_upto = pos + 1
+        self._mtp_last = len(toks)
+        out = self._nl.ffi.new("int32_t[]", len(toks))
+        self._check(self._nl.lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
+        return int(out[len(toks) - 1])
+
+    def draft_next(self, token: int, pos: int) -> int:
+        """A chained draft step: `token` at MTP position pos with the MTP block's own last output
+        as the hidden; returns the draft argmax."""
+        self._mtp_call([int(token)], pos, "draft")
+        self._mtp_last = 1
+        out = self._nl.ffi.new("int32_t[]", 1)
+        self._check(self._nl.lib.oj_get_draft_argmax(self._handle(), out, 1), "draft argmax")
+        return int(out[0])
+
+    def set_draft_vocab(self, ids: np.ndarray | None) -> None:
+        """Restrict the draft head to `ids` (None: the whole vocabulary)."""
+        ffi = self._nl.ffi
+        if ids is None:
+            self._check(self._nl.lib.oj_set_draft_vocab(self._handle(), ffi.NULL, 0), "draft vocabulary")
+            self._draft_vocab_len = 0
+            return
+        arr = np.ascontiguousarray(ids, dtype=np.int32)
+        self._check(self._nl.lib.oj_set_draft_vocab(self._handle(), ffi.from_buffer("int32_t[]", arr), arr.size),
+                    "draft vocabulary")
+        self._draft_vocab_len = int(arr.size)
 
     def close(self) -> None:
         if self._engine is not None:
@@ -294,14 +451,21 @@ class NativeBackend:
             source = 2
         buf = ffi.new("int32_t[]", toks)
         self._check(lib.oj_mtp_eval(self._handle(), buf, len(toks), int(pos0), source, h_ptr), "mtp_eval")
+        self._mtp_last = len(toks)
+        self._mtp_upto = min(self._mtp_upto, int(pos0))   # rows from here on are the caller's
         out = ffi.new("int32_t[]", len(toks))
         self._check(lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
         return [int(x) for x in out]
 
     def draft_logits(self, index: int) -> np.ndarray:
-        out = np.empty(self.n_vocab, dtype=np.float32)
+        """Draft-head logits of position `index` of the last MTP call (negative: from the end),
+        over the draft vocabulary (set_draft_vocab's order) or the whole vocabulary."""
+        if index < 0:
+            index += getattr(self, "_mtp_last", 1)
+        width = self._draft_vocab_len or self.n_vocab
+        out = np.empty(width, dtype=np.float32)
         ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
-        self._check(self._nl.lib.oj_get_draft_logits(self._handle(), index, ptr, self.n_vocab), "draft logits")
+        self._check(self._nl.lib.oj_get_draft_logits(self._handle(), index, ptr, width), "draft logits")
         return out
 
     def draft_hidden(self, index: int) -> np.ndarray:
@@ -345,7 +509,7 @@ class NativeBackend:
     def memory(self) -> dict[str, int]:
         rep = self._nl.ffi.new("oj_memory_report *")
         self._check(self._nl.lib.oj_memory(self._handle(), rep), "memory")
-        return {k: int(getattr(rep, k)) for k in ("weights", "kv_cache", "recurrent_state", "activations", "total")}
+        return {k: int(getattr(rep, k)) for k in MEMORY_FIELDS}
 
     def debug_fault(self, kind: int) -> None:
         """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""

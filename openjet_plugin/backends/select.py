@@ -37,7 +37,7 @@ def _native_module():
         return None, f"the native backend failed to import: {type(exc).__name__}: {exc}"
 
 
-def native_verdict(model_file, n_ctx: int) -> tuple[bool, str]:
+def native_verdict(model_file, n_ctx: int, kv_type: str = "f16") -> tuple[bool, str]:
     """(True, why) when the native backend can run this model here, else (False, why not)."""
     mod, why = _native_module()
     if mod is None:
@@ -46,19 +46,20 @@ def native_verdict(model_file, n_ctx: int) -> tuple[bool, str]:
     if status is None:
         return False, f"{NATIVE_MODULE} has no native_status()"
     try:
-        ok, reason = status(model_file, n_ctx)
+        # the memory check counts the KV cache in the requested type (q8_0: 34 bytes per 32 values)
+        ok, reason = status(model_file, n_ctx) if kv_type == "f16" else status(model_file, n_ctx, kv_type=kv_type)
     except Exception as exc:  # noqa: BLE001
         return False, f"the native status check failed: {type(exc).__name__}: {exc}"
     return bool(ok), str(reason)
 
 
-def choose_backend(backend: str, model_file, n_ctx: int) -> tuple[str, str]:
+def choose_backend(backend: str, model_file, n_ctx: int, kv_type: str = "f16") -> tuple[str, str]:
     """Resolve `backend` to "native" or "llama.cpp" with the reason, without starting anything.
     Raises BackendUnavailableError for backend="native" where native cannot run."""
     check_backend_name(backend)
     if backend == "llama.cpp":
         return "llama.cpp", "llama.cpp requested (backend='llama.cpp')"
-    ok, reason = native_verdict(model_file, n_ctx)
+    ok, reason = native_verdict(model_file, n_ctx, kv_type)
     if ok:
         return "native", reason or "native backend supported on this machine"
     if backend == "native":
@@ -72,7 +73,7 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
     """Start the chosen backend; returns (backend object, reason)."""
     from .llama_cpp import LlamaCppBackend
 
-    name, reason = choose_backend(backend, model_file, n_ctx)
+    name, reason = choose_backend(backend, model_file, n_ctx, kv_type)
     if name == "native":
         mod, _ = _native_module()
         try:

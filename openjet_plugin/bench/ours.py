@@ -3,24 +3,33 @@ memory is its own and a fault cannot take the benchmark down):
 
     python -m openjet_plugin.bench.ours --model M --out RECORDS.jsonl [--verify 1,2,3,4,5]
         [--verify-depth 1024] [--decode-depths 0,8192,30720] [--decode-tokens 128] [--reps 6]
+        [--spec 0.5:1,0.5:2,...] [--spec-mtp 1,2,3,4] [--spec-depth 8192] [--spec-tokens 128]
         [--deadline EPOCH_SECONDS]
+    python -m openjet_plugin.bench.ours --model default.gguf --out RECORDS.jsonl --verify '' \
+        --decode-depths '' --accept 0.0:1,...,0.7:4 [--accept-prompts 12] [--accept-prompt-tokens 64]
+        [--accept-tokens 64]
 
 It talks to the native backend directly (`backends/native.py`), the layer under the engine API
 that holds the model state, so that what is timed is the engine's work and not sampling on the
 host — the same boundary llama-bench times for llama.cpp (llama_decode + synchronize).
 
-- decode_tps at depth d: the state is filled to d with random tokens, then each repetition is
-  128 single-token steps feeding back the greedy token (`eval_argmax`, which waits for the GPU);
-  one sample = 128 / elapsed. v1 cannot roll the recurrent state back, so repetition r starts at
-  d + (warm-up + r) * 128 rather than exactly d (llama-bench restores a saved state); at 8K and
-  30K that adds under 10% more attention reads to a pass dominated by 15.8 GB of weights.
+- decode_tps at depth d: the state is filled to d with random tokens and saved in a checkpoint;
+  after 8 warm-up steps each repetition restores the checkpoint (as llama-bench restores its saved
+  state) and times 128 single-token steps feeding back the greedy token (`eval_argmax`, which waits
+  for the GPU); one sample = 128 / elapsed.
 - verify_ms for P positions at depth 1024: one `oj_eval` of P tokens plus the copy of their
   argmax to the host, i.e. one verification pass; the state is reset and refilled to the depth
   for every P.
+- Both are passes of the main model alone (llama.cpp runs no MTP block): a backend made to
+  speculate adds MTP rows to every evaluation, which `spec.main_model_only` switches off for them.
+- spec_tps / spec_mtp_tps at the spec depth: bench/spec.py (speculative cycles from a checkpoint,
+  oracle drafts at a forced acceptance, or the model's MTP head).
+- accepted_per_cycle (--accept, on the trained default model): bench/acceptance.py.
 
 Every result line is a JSON object {"metric", "engine", "params", "unit", "samples"}; lines
 {"skip": {...}, "reason"} name a measurement that was not made, and {"info": {...}} carries facts
-for the manifest (memory report, fill rate).
+for the manifest (memory report, fill rate, and under "spec_details" each speculative row's
+tokens per cycle, acceptance per draft slot and the rest that has no samples of its own).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ import numpy as np
 
 ENGINE = "openjet"
 WARMUP_STEPS = 8
+SPEC_WARMUP_TOKENS = 16        # one short warm-up run per speculative row (kernels of its D + 1)
+DETAILS_KEY = "spec_details"   # info key: {row_key: details}, merged by the parent
 
 
 class Emitter:
@@ -52,16 +63,23 @@ class Emitter:
     def skip(self, metric: str, params: dict, reason: str) -> None:
         self.emit({"skip": {"metric": metric, "engine": ENGINE, "params": params}, "reason": reason})
 
+    def details(self, metric: str, params: dict, details: dict) -> None:
+        from .report import row_key
+
+        self.emit({"info": {DETAILS_KEY: {row_key(metric, ENGINE, params): details}}})
+
 
 class Filler:
     """Appends random tokens (as llama-bench does) in the largest chunks the engine takes, and keeps
-    the rate so the caller can tell whether a fill fits the time left."""
+    the rate so the caller can tell whether a fill fits the time left, and the tokens appended since
+    the last reset (the history a speculative request starts from)."""
 
     def __init__(self, backend, rng: np.random.Generator):
         self.be = backend
         self.rng = rng
         self.tokens = 0
         self.seconds = 0.0
+        self.appended: list[int] = []
 
     @property
     def rate(self) -> float | None:
@@ -71,9 +89,14 @@ class Filler:
         r = self.rate
         return None if r is None else n / r
 
+    def reset(self) -> None:
+        self.be.reset()
+        self.appended = []
+
     def fill_to(self, depth: int) -> None:
         from ..backends.native import MAX_POSITIONS
 
+        del self.appended[self.be.n_past:]          # a checkpoint restored the state to here
         while self.be.n_past < depth:
             n = min(MAX_POSITIONS * 64, depth - self.be.n_past)
             toks = self.rng.integers(0, self.be.n_vocab, size=n).tolist()
@@ -81,14 +104,20 @@ class Filler:
             self.be.eval_argmax(toks)
             self.seconds += time.perf_counter() - t0
             self.tokens += n
+            self.appended += toks
 
 
-def decode_samples(be, n_tokens: int, reps: int, first: int) -> list[float]:
+def decode_samples(be, n_tokens: int, reps: int, first: int, restore=None) -> list[float]:
+    """`reps` runs of `n_tokens` greedy steps after WARMUP_STEPS; with `restore` (a callable that
+    puts the state back at the depth) every run starts from the same state and token."""
     tok = first
     for _ in range(WARMUP_STEPS):
         tok = be.eval_argmax([tok])
     samples = []
     for _ in range(reps):
+        if restore is not None:
+            restore()
+            tok = first
         t0 = time.perf_counter()
         for _ in range(n_tokens):
             tok = be.eval_argmax([tok])
@@ -108,69 +137,180 @@ def verify_samples(be, positions: int, reps: int, rng: np.random.Generator) -> l
     return samples
 
 
+def _pairs(text: str, what: str) -> list[tuple[float, int]]:
+    """'0.5:1,0.7:4' -> [(0.5, 1), (0.7, 4)]."""
+    out = []
+    for item in (x for x in (text or "").split(",") if x.strip()):
+        a, sep, d = item.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            out.append((float(a), int(d)))
+        except ValueError:
+            raise ValueError(f"{what}: expected VALUE:DRAFTS items like 0.5:4, got {item!r}") from None
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in (text or "").split(",") if x.strip()]
+
+
+def spec_rows(pairs: list[tuple[float, int]], mtp: list[int], depth: int) -> list[tuple[str, dict]]:
+    return ([("spec_tps", {"acceptance": a, "drafts": d, "depth": depth}) for a, d in pairs]
+            + [("spec_mtp_tps", {"drafts": d, "depth": depth}) for d in mtp])
+
+
+def spec_phase(be, args, out: Emitter, history: list[int], rng: np.random.Generator, time_left) -> None:
+    """Every spec_tps / spec_mtp_tps row at the spec depth, from the checkpoint there (bench/spec.py).
+    Each row becomes a result or a skip with its reason."""
+    from . import spec
+
+    d, n = args.spec_depth, args.spec_tokens
+    pairs, mtp = _pairs(args.spec, "--spec"), _ints(args.spec_mtp)
+    rows = spec_rows(pairs, mtp, d)
+
+    def skip(which, reason: str) -> None:
+        for metric, params in which:
+            out.skip(metric, params, reason)
+
+    try:
+        point = spec.start_point(be, d, history, int(rng.integers(0, be.n_vocab)), n)
+    except Exception as exc:  # noqa: BLE001 - the rows say why, the rest of the benchmark goes on
+        skip(rows, f"speculative start point at depth {d} failed: {type(exc).__name__}: {exc}")
+        return
+    vocab = vocab_text = None
+    if mtp and getattr(be, "has_mtp", False):
+        try:
+            vocab, vocab_text = spec.draft_vocab(args.model, be.n_vocab)
+        except Exception as exc:  # noqa: BLE001
+            skip(rows[len(pairs):], f"draft vocabulary of {args.model}: {type(exc).__name__}: {exc}")
+            rows = rows[:len(pairs)]
+    seconds_per_token = 1.5 / point.plain_tps      # a speculative row is rarely slower than this
+    for i, (metric, params) in enumerate(rows):
+        est = (args.reps + 0.2) * n * seconds_per_token
+        if est + 10 > time_left():
+            skip(rows[i:], f"out of time: a speculative row of {args.reps} x {n} tokens takes ~{est:.0f} s")
+            return
+        D = params["drafts"]
+        if metric == "spec_tps":
+            make = spec.oracle_factory(be, point, params["acceptance"], D)
+            note = spec.ORACLE_NOTE
+        elif not getattr(be, "has_mtp", False):
+            out.skip(metric, params, f"{Path(args.model).name} has no MTP block: nothing drafts")
+            continue
+        else:
+            make = spec.mtp_factory(be, vocab, D)
+            note = f"{spec.MTP_NOTE}; draft vocabulary: {vocab_text}"
+        t0 = time.perf_counter()
+        try:
+            samples, details = spec.measure_row(be, make, point, D, n, args.reps, SPEC_WARMUP_TOKENS)
+        except Exception as exc:  # noqa: BLE001 - one row's failure is recorded and the rest go on
+            out.skip(metric, params, f"{type(exc).__name__}: {exc}")
+            continue
+        seconds_per_token = 1.2 * (time.perf_counter() - t0) / ((args.reps + 0.2) * n)
+        details["drafts_from"] = note
+        out.result(metric, params, "tokens/s", samples)
+        out.details(metric, params, details)
+
+
 def run(args, out: Emitter) -> int:
     from ..backends.native import MAX_POSITIONS, NativeBackend, native_status
     from ..model_file import open_model
+    from .spec import main_model_only, restore_to
 
-    verify = [int(x) for x in args.verify.split(",") if x] if args.verify else []
-    depths = [int(x) for x in args.decode_depths.split(",") if x] if args.decode_depths else []
+    def time_left() -> float:
+        return args.deadline - time.time() if args.deadline else float("inf")
+
+    accept = _pairs(args.accept, "--accept")
+    if accept:
+        from . import acceptance
+        acceptance.measure(args.model, accept, args.accept_prompts, args.accept_prompt_tokens,
+                           args.accept_tokens, out, time_left)
+        return 0
+
+    verify = _ints(args.verify)
+    depths = _ints(args.decode_depths)
+    if depths != sorted(set(depths)):
+        raise ValueError(f"--decode-depths must be increasing, got {depths}")
+    spec_todo = spec_rows(_pairs(args.spec, "--spec"), _ints(args.spec_mtp), args.spec_depth)
     planned = ([("verify_ms", {"positions": p, "depth": args.verify_depth}) for p in verify]
-               + [("decode_tps", {"depth": d}) for d in depths])
+               + [("decode_tps", {"depth": d}) for d in depths] + spec_todo)
+    if not planned:
+        return 0
 
     def skip_all(reason: str, which=None) -> None:
-        for metric, params in (which or planned):
+        for metric, params in (planned if which is None else which):
             out.skip(metric, params, reason)
 
     too_many = [p for p in verify if not 1 <= p <= MAX_POSITIONS]
     if too_many:
         raise ValueError(f"--verify: positions {too_many} outside 1..{MAX_POSITIONS} (one native call)")
+    max_drafts = max([p["drafts"] for _, p in spec_todo], default=0)
     need_ctx = max([args.verify_depth + MAX_POSITIONS * (args.reps + 2)]
-                   + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths])
-    n_ctx = args.n_ctx or need_ctx
+                   + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths]
+                   + ([args.spec_depth + args.spec_tokens + max_drafts + 16] if spec_todo else []))
+    n_ctx = max(args.n_ctx, need_ctx)
     mf = open_model(args.model)
     ok, why = native_status(mf, n_ctx)
     if not ok:
         skip_all(f"native backend unavailable: {why}")
         return 0
     t0 = time.perf_counter()
-    be = NativeBackend(mf, n_ctx, draft_depth=4, kv_type="f16", seed=0)
+    # speculating needs a backend that keeps the MTP cache (draft depth > 0); plain passes switch
+    # that off (main_model_only)
+    be = NativeBackend(mf, n_ctx, draft_depth=max_drafts, kv_type="f16", seed=0)
     out.emit({"info": {"openjet_load_seconds": round(time.perf_counter() - t0, 2), "openjet_n_ctx": n_ctx,
                        "openjet_memory_bytes": be.memory(), "openjet_backend": why}})
     rng = np.random.default_rng(0)
     fill = Filler(be, rng)
 
-    def time_left() -> float:
-        return args.deadline - time.time() if args.deadline else float("inf")
+    with main_model_only(be):
+        for p in verify:
+            params = {"positions": p, "depth": args.verify_depth}
+            est = fill.estimate(args.verify_depth)
+            if est is not None and est + 5 > time_left():
+                out.skip("verify_ms", params, f"out of time: refilling to depth {args.verify_depth} takes ~{est:.0f} s")
+                continue
+            fill.reset()
+            fill.fill_to(args.verify_depth)
+            out.result("verify_ms", params, "ms", verify_samples(be, p, args.reps, rng))
 
-    for p in verify:
-        params = {"positions": p, "depth": args.verify_depth}
-        est = fill.estimate(args.verify_depth)
-        if est is not None and est + 5 > time_left():
-            out.skip("verify_ms", params, f"out of time: refilling to depth {args.verify_depth} takes ~{est:.0f} s")
-            continue
-        be.reset()
-        fill.fill_to(args.verify_depth)
-        out.result("verify_ms", params, "ms", verify_samples(be, p, args.reps, rng))
+    # decode depths and the speculative rows' depth, in order; the state only grows between them
+    targets = sorted(set(depths) | ({args.spec_depth} if spec_todo else set()))
 
-    be.reset()
-    for i, d in enumerate(depths):
-        params = {"depth": d}
+    def rows_at(d: int) -> list[tuple[str, dict]]:
+        return (([("decode_tps", {"depth": d})] if d in depths else [])
+                + (spec_todo if spec_todo and d == args.spec_depth else []))
+
+    fill.reset()
+    for i, d in enumerate(targets):
         todo = max(0, d - be.n_past)
         est = fill.estimate(todo) or 0.0
         if est + 30 > time_left():
             rate = fill.rate
             skip_all(f"out of time: filling the state to depth {d} would take "
                      f"(~{est:.0f} s at {rate or 0:.0f} tokens/s with {MAX_POSITIONS} positions per call; "
-                     f"batched prefill is issue 9)", [("decode_tps", {"depth": x}) for x in depths[i:]])
+                     f"batched prefill is issue 9)", [r for x in targets[i:] for r in rows_at(x)])
             break
-        if be.n_past > d:
-            raise ValueError(f"--decode-depths must be increasing, got {depths}")
-        fill.fill_to(d)
-        first = int(rng.integers(0, be.n_vocab))
-        out.result("decode_tps", params, "tokens/s", decode_samples(be, args.decode_tokens, args.reps, first))
+        if spec_todo and d <= args.spec_depth:
+            fill.fill_to(d)                        # with MTP rows: the speculative rows need them
+        else:
+            with main_model_only(be):
+                fill.fill_to(d)
+        be.save_checkpoint()
+        if d in depths:
+            first = int(rng.integers(0, be.n_vocab))
+            with main_model_only(be):
+                samples = decode_samples(be, args.decode_tokens, args.reps, first,
+                                         restore=lambda d=d: restore_to(be, d))
+            out.result("decode_tps", {"depth": d}, "tokens/s", samples)
+            restore_to(be, d)
+        if spec_todo and d == args.spec_depth:
+            spec_phase(be, args, out, fill.appended[:d], rng, time_left)
+            restore_to(be, d)
     if fill.rate:
         out.emit({"info": {"openjet_fill_tps": round(fill.rate, 1),
-                           "openjet_fill_note": f"state filled {MAX_POSITIONS} positions per call (v1)"}})
+                           "openjet_fill_note": f"state filled {MAX_POSITIONS} positions per call"}})
     be.close()
     mf.close()
     return 0
@@ -185,6 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-depths", default="0,8192,30720")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--spec", default="", help="oracle rows as ACCEPTANCE:DRAFTS items, e.g. 0.8:4,0.9:4")
+    ap.add_argument("--spec-mtp", default="", help="draft depths of the MTP-head rows, e.g. 1,2,3,4")
+    ap.add_argument("--spec-depth", type=int, default=8192)
+    ap.add_argument("--spec-tokens", type=int, default=128)
+    ap.add_argument("--accept", default="", help="accepted_per_cycle rows as TEMPERATURE:DRAFTS items (--model: "
+                                                 "the trained default model); nothing else runs")
+    ap.add_argument("--accept-prompts", type=int, default=12)
+    ap.add_argument("--accept-prompt-tokens", type=int, default=64)
+    ap.add_argument("--accept-tokens", type=int, default=64)
     ap.add_argument("--n-ctx", type=int, default=0, help="default: what the depths need")
     ap.add_argument("--deadline", type=float, default=0.0, help="epoch seconds; 0 = none")
     args = ap.parse_args(argv)

@@ -2,7 +2,8 @@
 
 Both engines run the same GGUF. llama.cpp is built once per machine (cached under the bench cache
 folder, keyed by the sdist version and the CUDA architectures), in the background while other
-measurements run, and only the `llama-bench` target.
+measurements run, and only the `llama-bench` and `llama` (libllama, for native/tools/llama_logits.cpp)
+targets.
 
 What each llama-bench invocation measures (tools/llama-bench/llama-bench.cpp):
 - `-n 128 -d M`: 128 single-token decode steps appended at depth M; the depth is prefilled once,
@@ -65,6 +66,19 @@ CMAKE_OPTIONS = (
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
 )
+
+
+# llama-bench, and libllama (with the ggml libraries, shared: llama.cpp's default) for the tools
+# that call llama.cpp's C API, e.g. native/tools/llama_logits.cpp (compile_llama_logits).
+# llama-bench links libllama anyway; naming `llama` keeps that true should the bench stop needing it.
+BUILD_TARGETS = ("llama-bench", "llama")
+
+
+def build_targets(llama_src: Path) -> list[str]:
+    """BUILD_TARGETS that the source tree defines (`llama` lives in src/CMakeLists.txt)."""
+    cm = llama_src / "src" / "CMakeLists.txt"
+    has_lib = cm.is_file() and re.search(r"add_library\(\s*llama\b", cm.read_text(errors="replace"))
+    return [t for t in BUILD_TARGETS if t != "llama" or has_lib]
 
 
 class PeerError(RuntimeError):
@@ -168,6 +182,15 @@ class PeerBuild:
     def lock(self) -> Path:
         return self.root.with_name(self.root.name + ".lock")
 
+    @property
+    def lib_dir(self) -> Path:
+        """Where the build puts libllama.so and the libggml*.so it needs (llama.cpp's bin/)."""
+        return self.root / "build" / "bin"
+
+    @property
+    def llama_src(self) -> Path:
+        return self.root / "src" / "vendor" / "llama.cpp"
+
     def ready(self) -> bool:
         return self.ok_marker.is_file() and self.binary.is_file()
 
@@ -178,7 +201,7 @@ def build_dir(cache: Path, sdist: Path, archs: str) -> PeerBuild:
 
 
 def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
-    """Unpack, configure and build llama-bench; holds pb.lock while building. Idempotent."""
+    """Unpack, configure and build llama-bench and libllama; holds pb.lock while building. Idempotent."""
     pb.root.mkdir(parents=True, exist_ok=True)
     with open(pb.lock, "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -203,7 +226,7 @@ def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
                      f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"]
-        compile_ = ["cmake", "--build", str(bdir), "--target", "llama-bench", "-j", str(jobs)]
+        compile_ = ["cmake", "--build", str(bdir), "--target", *build_targets(llama), "-j", str(jobs)]
         # llama.cpp stamps its build with `git rev-parse HEAD` run in its source folder; the slim
         # sdist has no git data, so stop git from walking up into whatever repository holds the
         # cache (it would report that repository's commit as llama.cpp's)
@@ -221,6 +244,51 @@ def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
             raise PeerError(f"the build finished but {pb.binary} is missing; see {pb.log}")
         pb.ok_marker.write_text(f"{time.time() - t0:.0f}\n")
         return pb.binary
+
+
+def llama_include_dirs(llama_src: Path) -> list[Path]:
+    """The folders llama.h and the ggml headers it includes live in, in a llama.cpp source tree."""
+    dirs = [llama_src / "include", llama_src / "ggml" / "include"]
+    for d, header in zip(dirs, ("llama.h", "ggml.h")):
+        if not (d / header).is_file():
+            raise PeerError(f"{d / header} not found: {llama_src} is not a llama.cpp source tree")
+    return dirs
+
+
+def compile_llama_logits(source: Path, out: Path, include_dirs: list[Path], lib_dir: Path,
+                         cxx: str | None = None, timeout: float = 300) -> Path:
+    """Compile a tool like native/tools/llama_logits.cpp against the shared libllama in `lib_dir`.
+
+    Links libllama and the ggml libraries directly with an RPATH to `lib_dir` (old-style DT_RPATH,
+    which also serves libllama's own dependencies), so the binary runs without LD_LIBRARY_PATH.
+    Reuses `out` when it is newer than the source and libllama.so. Raises PeerError with the
+    compiler's message.
+    """
+    source, out, lib_dir = Path(source), Path(out), Path(lib_dir)
+    if not source.is_file():
+        raise PeerError(f"{source}: source file not found")
+    lib = lib_dir / "libllama.so"
+    if not lib.exists():
+        raise PeerError(f"{lib} not found: build llama.cpp's `llama` target first (see {lib_dir.parent})")
+    if out.is_file() and out.stat().st_mtime > max(source.stat().st_mtime, lib.stat().st_mtime):
+        return out
+    cxx = cxx or os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise PeerError("no C++ compiler found (g++, c++, clang++ or $CXX)")
+    ggml = [f"-l{n}" for n in ("ggml", "ggml-base") if (lib_dir / f"lib{n}.so").exists()]
+    cmd = [cxx, "-O2", "-std=c++17", str(source), "-o", str(out) + ".tmp",
+           *(f"-I{d}" for d in include_dirs), f"-L{lib_dir}", "-lllama", *ggml,
+           "-Wl,--disable-new-dtags", f"-Wl,-rpath,{lib_dir.resolve()}"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise PeerError(f"compiling {source} took longer than {timeout:.0f} s: {' '.join(cmd)}") from None
+    if r.returncode != 0:
+        raise PeerError(f"compiling {source} failed (exit {r.returncode}): {' '.join(cmd)}\n"
+                        f"{r.stderr.strip()[-2000:]}")
+    os.replace(str(out) + ".tmp", out)
+    return out
 
 
 def start_background_build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> subprocess.Popen | None:

@@ -28,11 +28,16 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "decode_tps": ("tokens/s", ("depth",), True),
     "verify_ms": ("ms", ("positions", "depth"), False),
     "spec_tps": ("tokens/s", ("acceptance", "drafts", "depth"), True),
+    "spec_mtp_tps": ("tokens/s", ("drafts", "depth"), True),
     "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
     "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
     "peak_mem_gb": ("GB", (), False),
 }
 CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
+# shown in their own tables under the main one (their columns differ)
+SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
+ACCEPT_METRICS = ("accepted_per_cycle",)
+DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
 
 
 def result(metric: str, engine: str, params: dict, samples: Iterable[float]) -> dict:
@@ -158,6 +163,8 @@ def markdown(report: dict) -> str:
     for src in (results, man.get("not_measured", [])):
         for r in src:
             rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
+    side = {k: v for k, v in rows.items() if k[0] in SPEC_METRICS + ACCEPT_METRICS}
+    rows = {k: v for k, v in rows.items() if k not in side}
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
         (str(type(v)), v) for v in kv[1].values()]))
@@ -175,7 +182,7 @@ def markdown(report: dict) -> str:
              f"{gpu.get('driver', '?')}, CUDA {gpu.get('cuda_driver_version', '?')}", "",
              "Cells: median [lo, hi] (lo/hi: 95% interval for the median, bench/README.md). "
              "Ratios are of medians, openjet/llama.cpp: above 1 is better for tokens/s and GB/s, "
-             "below 1 for ms and GB. spec_tps is compared with llama.cpp's plain decode.", "",
+             "below 1 for ms and GB.", "",
              "| metric | params | card / openjet | llama.cpp | unit | openjet/llama.cpp "
              "| openjet of roofline | llama.cpp of roofline |",
              "|---|---|---|---|---|---|---|---|"]
@@ -185,11 +192,7 @@ def markdown(report: dict) -> str:
         peer = "" if metric in CARD_METRICS else cell(metric, "llama.cpp", params)
         ratio = roof_o = roof_p = ""
         mo = median_of(metric, "openjet", params)
-        if metric == "spec_tps":
-            mp = median_of("decode_tps", "llama.cpp", {"depth": params.get("depth")})
-            peer = f"(decode) {_fmt(mp)}" if mp else "—"
-        else:
-            mp = median_of(metric, "llama.cpp", params)
+        mp = median_of(metric, "llama.cpp", params)
         if mo and mp:
             ratio = f"{mo / mp:.2f}×"
         if metric == "decode_tps":
@@ -199,13 +202,112 @@ def markdown(report: dict) -> str:
                 roof_p = f"{mp / roof:.0%}" if mp else ""
         lines.append(f"| {metric} | {_params_text(params)} | {ours} | {peer} | {unit} | {ratio} "
                      f"| {roof_o} | {roof_p} |")
-    alone = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in rows]
+    alone = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in rows
+             and p["metric"] not in SPEC_METRICS + ACCEPT_METRICS]
     for metric, params_text, reason in _collapse(alone):
         lines.append(f"| {metric} | {params_text} | {reason} | | {METRICS[metric][0]} | | | |")
+    details = man.get("info", {}).get(DETAILS_KEY, {})
+    pending = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in side]
+    lines += _spec_section(side, by_key, status, details, pending, median_of)
+    lines += _accept_section(side, by_key, status, details, pending)
     if notes:
         lines.append("")
         lines += [f"({i}) {n}" for i, n in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}×" if a and b else ""
+
+
+def _slots(d: dict) -> str:
+    acc = d.get("acceptance_at")
+    return " / ".join(f"{x:.2f}" for x in acc) if acc else ""
+
+
+def _pending_lines(pending: list[dict], metrics: tuple[str, ...]) -> list[str]:
+    return [f"- {metric} ({params_text}): {reason}"
+            for metric, params_text, reason in _collapse([p for p in pending if p["metric"] in metrics])]
+
+
+def _spec_section(side, by_key, status, details, pending, median_of) -> list[str]:
+    """Speculative decoding on the bench model: one row per (draft source, D, forced acceptance)."""
+    keys = sorted((k for k in side if k[0] in SPEC_METRICS),
+                  key=lambda k: (side[k].get("depth", 0), side[k]["drafts"], k[0] == "spec_mtp_tps",
+                                 side[k].get("acceptance", 0)))
+    extra = _pending_lines(pending, SPEC_METRICS)
+    if not keys and not extra:
+        return []
+    out = ["", "## Speculative decoding (bench model, greedy)", "",
+           "spec_tps: drafts from an oracle over the model's own greedy continuation, each right with "
+           "probability a (forced acceptance), D drafts every cycle; the oracle costs no MTP pass, so the "
+           "draft cost is not included (the MTP catch-up on accepted positions is). spec_mtp_tps: the "
+           "model's MTP head drafts, at whatever acceptance it gets. tokens/cycle, acceptance per draft "
+           "slot and ms/cycle are over all repetitions; ×: ratio of medians to plain decode at the same "
+           "depth (openjet's, llama.cpp's); of roofline: over the plain-decode roofline at that depth "
+           "(speculation may pass it: one weight pass yields several tokens).", "",
+           "| depth | D | drafts | tokens/s | tokens/cycle | accepted at slot 1..D | ms/cycle "
+           "| × openjet decode | × llama.cpp decode | of roofline | greedy = plain |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        metric, params = k[0], side[k]
+        key = row_key(metric, "openjet", params)
+        r = by_key.get(key)
+        d = details.get(key, {})
+        depth = params.get("depth")
+        src = f"oracle, a = {params['acceptance']}" if metric == "spec_tps" else "MTP head"
+        if r is None:
+            out.append(f"| {depth} | {params['drafts']} | {src} | {status.get(key, '—')} | | | | | | | |")
+            continue
+        mo = r["median"]
+        ours = median_of("decode_tps", "openjet", {"depth": depth})
+        peer = median_of("decode_tps", "llama.cpp", {"depth": depth})
+        roof = median_of("roofline_tps", "openjet", {"depth": depth})
+        ms = d.get("ms_per_cycle")
+        ms_text = _fmt(sorted(ms)[len(ms) // 2]) if ms else ""
+        tpc = d.get("tokens_per_cycle")
+        same = ""
+        if "runs_differing_from_plain" in d:
+            bad = d["runs_differing_from_plain"]
+            same = "yes" if bad == 0 else f"{bad} of {d.get('reps', '?')} runs differ (first at token {d.get('first_difference')})"
+        out.append(f"| {depth} | {params['drafts']} | {src} | {_cell(r)} | {_fmt(tpc) if tpc else ''} "
+                   f"| {_slots(d)} | {ms_text} | {_ratio(mo, ours)} | {_ratio(mo, peer)} "
+                   f"| {f'{mo / roof:.0%}' if roof else ''} | {same} |")
+    if extra:
+        out += [""] + extra
+    return out
+
+
+def _accept_section(side, by_key, status, details, pending) -> list[str]:
+    """Real MTP acceptance on the trained default model (held-out stdlib files)."""
+    keys = sorted((k for k in side if k[0] in ACCEPT_METRICS),
+                  key=lambda k: (side[k]["temperature"], side[k]["drafts"]))
+    extra = _pending_lines(pending, ACCEPT_METRICS)
+    if not keys and not extra:
+        return []
+    out = ["", "## Accepted tokens per cycle (trained default model, held-out stdlib files)", "",
+           "Cell: median [lo, hi] over prompts of generated tokens / cycles; all prompts: the pooled "
+           "ratio; D drafts every cycle.", "",
+           "| temperature | D | tokens/cycle | all prompts | accepted at slot 1..D | greedy = plain |",
+           "|---|---|---|---|---|---|"]
+    for k in keys:
+        params = side[k]
+        key = row_key(k[0], "openjet", params)
+        r = by_key.get(key)
+        d = details.get(key, {})
+        if r is None:
+            out.append(f"| {params['temperature']} | {params['drafts']} | {status.get(key, '—')} | | | |")
+            continue
+        same = ""
+        if "greedy_prompts_differing_from_plain" in d:
+            bad, n = d["greedy_prompts_differing_from_plain"], d.get("prompts", "?")
+            same = f"{n - bad if isinstance(n, int) else '?'} of {n} prompts identical"
+        tpc = d.get("tokens_per_cycle")
+        out.append(f"| {params['temperature']} | {params['drafts']} | {_cell(r)} | {_fmt(tpc) if tpc else ''} "
+                   f"| {_slots(d)} | {same} |")
+    if extra:
+        out += [""] + extra
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

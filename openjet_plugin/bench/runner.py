@@ -6,7 +6,9 @@ The run, in order (each step's finished measurements go to the resume folder at 
   3. the model (--model, or the generated q27b Q4_K_M, made once into the cache); its sha256 in
      a background thread;
   4. the card: streaming read and copy rates (the roofline probe);
-  5. our engine, in a child process: verification passes at depth 1K, decode at each depth;
+  5. our engine, in a child process: verification passes at depth 1K, decode at each depth, and
+     speculative decoding at depth 8K (oracle drafts at forced acceptance rates, and the model's
+     own MTP head); then, in a second child, real MTP acceptance on the trained default model;
   6. llama.cpp (waiting for its build): decode at each depth, batches of 1..D+1 at depth 1K,
      the two prefill scenarios;
   7. the manifest's end state; JSON and markdown out.
@@ -54,6 +56,11 @@ class Settings:
     spec_depth: int = 8192
     acceptances: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9)
     drafts: tuple[int, ...] = (1, 2, 3, 4)
+    # accepted_per_cycle: the trained default model on held-out stdlib files
+    accept_temperatures: tuple[float, ...] = (0.0, 0.7)
+    accept_prompts: int = 12
+    accept_prompt_tokens: int = 64
+    accept_tokens: int = 64
     peer_batch: int = 2048
     peer_ubatch: int = 512
     read_mib: int = 8192
@@ -69,23 +76,32 @@ class Settings:
 
 # Rows that wait for later issues: (metric, reason).
 PENDING_REASONS = {
-    "spec_tps": "pending: issue 6 (speculative decoding with oracle drafts)",
-    "accepted_per_cycle": "pending: issue 11 (trained default model with a real MTP head) and issue 6",
     "prefill_tps": "pending: issue 9 (batched prefill)",
 }
+ACCEPT_MODEL = "trained default"
 
 
-def _spec_reason() -> str:
-    """Pending until the engine speculates; once it does, say that this benchmark lags behind."""
-    try:
-        from ..backends.native import NativeBackend
-        speculates = bool(getattr(NativeBackend, "supports_speculative", False))
-    except Exception:  # noqa: BLE001 - no native module: still pending
-        speculates = False
-    if speculates:
-        return ("pending: the native backend speculates (issue 6) but bench/ours.py does not "
-                "drive oracle drafts yet")
-    return PENDING_REASONS["spec_tps"]
+def spec_params(s: Settings, acceptance: float, drafts: int) -> dict:
+    return {"acceptance": float(acceptance), "drafts": int(drafts), "depth": s.spec_depth}
+
+
+def spec_mtp_params(s: Settings, drafts: int) -> dict:
+    return {"drafts": int(drafts), "depth": s.spec_depth}
+
+
+def accept_params(drafts: int, temperature: float) -> dict:
+    return {"drafts": int(drafts), "model": ACCEPT_MODEL, "temperature": float(temperature)}
+
+
+def spec_rows(s: Settings) -> list[tuple[str, str, dict]]:
+    """Speculative decoding on the bench model (our engine's child, bench/spec.py)."""
+    return ([("spec_tps", OURS, spec_params(s, a, d)) for a in s.acceptances for d in s.drafts]
+            + [("spec_mtp_tps", OURS, spec_mtp_params(s, d)) for d in s.drafts])
+
+
+def accept_rows(s: Settings) -> list[tuple[str, str, dict]]:
+    """Real acceptance on the trained default model (bench/acceptance.py)."""
+    return [("accepted_per_cycle", OURS, accept_params(d, t)) for t in s.accept_temperatures for d in s.drafts]
 
 
 def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
@@ -96,13 +112,9 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
         rows += [("verify_ms", eng, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
     rows += [("prefill_tps", PEER, {"new_tokens": n, "depth": d}) for n, d in s.prefill]
     rows += [("peak_mem_gb", eng, {"max_depth": max(s.depths)}) for eng in (OURS, PEER)]
-    pending = [{"metric": "spec_tps", "engine": OURS, "params": {"acceptance": a, "drafts": d, "depth": s.spec_depth},
-                "reason": _spec_reason()} for a in s.acceptances for d in s.drafts]
-    pending += [{"metric": "accepted_per_cycle", "engine": OURS,
-                 "params": {"drafts": d, "model": "trained default", "temperature": t},
-                 "reason": PENDING_REASONS["accepted_per_cycle"]} for t in (0.0, 0.7) for d in s.drafts]
-    pending += [{"metric": "prefill_tps", "engine": OURS, "params": {"new_tokens": n, "depth": d},
-                 "reason": PENDING_REASONS["prefill_tps"]} for n, d in s.prefill]
+    rows += spec_rows(s) + accept_rows(s)
+    pending = [{"metric": "prefill_tps", "engine": OURS, "params": {"new_tokens": n, "depth": d},
+                "reason": PENDING_REASONS["prefill_tps"]} for n, d in s.prefill]
     return rows, pending
 
 
@@ -164,33 +176,25 @@ def group_card(run: Run) -> None:
             f"copy {report._fmt(sorted(data['copy_gbps'])[len(data['copy_gbps']) // 2])} GB/s")
 
 
-def group_ours(run: Run) -> None:
-    s = run.settings
-    verify = [p for p in s.verify_positions if not run.store.has("verify_ms", OURS, {"positions": p, "depth": s.verify_depth})]
-    depths = [d for d in s.depths if not run.store.has("decode_tps", OURS, {"depth": d})]
-    peak_row = ("peak_mem_gb", OURS, {"max_depth": max(s.depths)})
-    if not verify and not depths and run.store.has(*peak_row):
-        return
-    from ..backends.native import MAX_POSITIONS
-    n_ctx = max([s.verify_depth + MAX_POSITIONS * (s.reps + 2)]
-                + [d + (s.reps + 1) * s.decode_tokens + 64 for d in s.depths])
-    out = run.cache / f"ours-{run.session}.jsonl"
-    cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model), "--out", str(out),
-           "--verify", ",".join(map(str, verify)), "--verify-depth", str(s.verify_depth),
-           "--decode-depths", ",".join(map(str, depths)), "--decode-tokens", str(s.decode_tokens),
-           "--reps", str(s.reps), "--n-ctx", str(n_ctx)]
+# info keys whose values are dicts the child adds to row by row (kept, not replaced)
+MERGED_INFO = ("spec_details",)
+
+
+def _run_child(run: Run, tag: str, cmd: list[str], rows: list[tuple[str, str, dict]]) -> set[str]:
+    """Run an `openjet_plugin.bench.ours` child, keep what it measured and mark every row it did
+    not make with its reason. Returns the keys of the rows made."""
+    out = run.cache / f"{tag}-{run.session}.jsonl"
+    log_path = run.cache / f"{tag}-{run.session}.log"
+    cmd = cmd + ["--out", str(out)]
     if run.deadline is not None:
         cmd += ["--deadline", f"{run.deadline - 5:.0f}"]
-    rows = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in verify]
-            + [("decode_tps", OURS, {"depth": d}) for d in depths])
-    run.log(f"openjet: {len(rows)} measurements in a child process (n_ctx {n_ctx})")
     timed_out = False
-    with open(run.cache / f"ours-{run.session}.log", "a") as log, smi.PeakMemory() as pm:
+    with open(log_path, "a") as log:
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=run.timeout()).returncode
         except subprocess.TimeoutExpired:
             rc, timed_out = None, True
-    made = set()
+    made: set[str] = set()
     error = None
     if out.is_file():
         for line in out.read_text().splitlines():
@@ -205,14 +209,47 @@ def group_ours(run: Run) -> None:
                 k = obj["skip"]
                 run.mark([(k["metric"], k["engine"], k["params"])], obj["reason"])
             elif "info" in obj:
-                run.store.update_info(**obj["info"])
+                info = dict(obj["info"])
+                for k in MERGED_INFO:
+                    if isinstance(info.get(k), dict):
+                        info[k] = {**run.store.info.get(k, {}), **info[k]}
+                run.store.update_info(**info)
             elif "error" in obj:
                 error = obj["error"]
     left_over = [r for r in rows if report.row_key(*r) not in made and report.row_key(*r) not in run.not_measured]
     if timed_out:
         run.mark(left_over, OUT_OF_TIME)
     elif left_over:
-        run.mark(left_over, f"our engine failed: {error or f'exit {rc}, see {run.cache}/ours-{run.session}.log'}")
+        run.mark(left_over, f"our engine failed: {error or f'exit {rc}, see {log_path}'}")
+    return made
+
+
+def group_ours(run: Run) -> None:
+    s = run.settings
+    verify = [p for p in s.verify_positions if not run.store.has("verify_ms", OURS, {"positions": p, "depth": s.verify_depth})]
+    depths = [d for d in s.depths if not run.store.has("decode_tps", OURS, {"depth": d})]
+    spec = [(a, d) for a in s.acceptances for d in s.drafts if not run.store.has("spec_tps", OURS, spec_params(s, a, d))]
+    mtp = [d for d in s.drafts if not run.store.has("spec_mtp_tps", OURS, spec_mtp_params(s, d))]
+    peak_row = ("peak_mem_gb", OURS, {"max_depth": max(s.depths)})
+    if not verify and not depths and not spec and not mtp and run.store.has(*peak_row):
+        return
+    from ..backends.native import MAX_POSITIONS
+    n_ctx = max([s.verify_depth + MAX_POSITIONS * (s.reps + 2)]
+                + [d + (s.reps + 1) * s.decode_tokens + 64 for d in s.depths]
+                + [s.spec_depth + s.decode_tokens + max(s.drafts) + 64])
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model),
+           "--verify", ",".join(map(str, verify)), "--verify-depth", str(s.verify_depth),
+           "--decode-depths", ",".join(map(str, depths)), "--decode-tokens", str(s.decode_tokens),
+           "--spec", ",".join(f"{a}:{d}" for a, d in spec), "--spec-mtp", ",".join(map(str, mtp)),
+           "--spec-depth", str(s.spec_depth), "--spec-tokens", str(s.decode_tokens),
+           "--reps", str(s.reps), "--n-ctx", str(n_ctx)]
+    rows = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in verify]
+            + [("decode_tps", OURS, {"depth": d}) for d in depths]
+            + [("spec_tps", OURS, spec_params(s, a, d)) for a, d in spec]
+            + [("spec_mtp_tps", OURS, spec_mtp_params(s, d)) for d in mtp])
+    run.log(f"openjet: {len(rows)} measurements in a child process (n_ctx {n_ctx})")
+    with smi.PeakMemory() as pm:
+        made = _run_child(run, "ours", cmd, rows)
     if made and not run.store.has(*peak_row):
         if pm.peak_gb is not None:
             run.add(*peak_row, [pm.peak_gb])
@@ -222,6 +259,29 @@ def group_ours(run: Run) -> None:
         run.mark([peak_row], run.not_measured.get(report.row_key(*rows[0]), "our engine ran nothing") if rows
                  else "our engine ran nothing")
     run.log(f"openjet: {len(made)} of {len(rows)} measurements made")
+
+
+def accept_model() -> Path:
+    """The trained default model shipped with the package (what accepted_per_cycle measures)."""
+    from ..defaults import SHIPPED_DEFAULT
+    return SHIPPED_DEFAULT
+
+
+def group_acceptance(run: Run) -> None:
+    s = run.settings
+    todo = [(t, d) for t in s.accept_temperatures for d in s.drafts
+            if not run.store.has("accepted_per_cycle", OURS, accept_params(d, t))]
+    if not todo:
+        return
+    rows = [("accepted_per_cycle", OURS, accept_params(d, t)) for t, d in todo]
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(accept_model()),
+           "--verify", "", "--decode-depths", "",
+           "--accept", ",".join(f"{float(t)}:{d}" for t, d in todo),
+           "--accept-prompts", str(s.accept_prompts), "--accept-prompt-tokens", str(s.accept_prompt_tokens),
+           "--accept-tokens", str(s.accept_tokens), "--reps", str(s.reps)]
+    run.log(f"openjet: {len(rows)} acceptance measurements on the trained default model")
+    made = _run_child(run, "ours-accept", cmd, rows)
+    run.log(f"openjet: {len(made)} of {len(rows)} acceptance measurements made")
 
 
 def _peer_binary(run: Run) -> Path:
@@ -294,7 +354,8 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
     s = run.settings
     card = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
     ours = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
-            + [("decode_tps", OURS, {"depth": d}) for d in s.depths] + [("peak_mem_gb", OURS, {"max_depth": max(s.depths)})])
+            + [("decode_tps", OURS, {"depth": d}) for d in s.depths] + [("peak_mem_gb", OURS, {"max_depth": max(s.depths)})]
+            + spec_rows(s))
     pdec = [("decode_tps", PEER, {"depth": d}) for d in s.depths] + [("peak_mem_gb", PEER, {"max_depth": max(s.depths)})]
     pver = [("verify_ms", PEER, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
     # seconds each group needs at least, from llama.cpp's rates on the H200 (shared/notes/gpu.md:
@@ -303,6 +364,9 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
     load, pp, tg = 15.0, 1800.0, 75.0
     out = [("card", 20.0, card, group_card)]
     if not run.no_ours:
+        # the default model is 22 MB: loading and 12 prompts x 64 tokens per row take seconds, so it
+        # goes before the group that can take all the time left
+        out.append(("openjet acceptance", 30.0, accept_rows(s), group_acceptance))
         out.append(("openjet", 60.0, ours, group_ours))
     if not run.no_peer:
         dec = load + sum(d / pp + (s.reps + 1) * s.decode_tokens / tg for d in s.depths)

@@ -14,6 +14,10 @@
  * - oj_eval appends 1..OJ_MAX_POSITIONS tokens at n_past and computes, for every one of them,
  *   the full-vocabulary logits and their argmax on the GPU; logits are copied to the host only
  *   when asked (oj_get_logits).
+ * - Speculative cycles use oj_verify + oj_commit instead: a verify evaluates like oj_eval but
+ *   commits nothing (n_past stays); oj_commit(n_accept) keeps its first n_accept positions. The
+ *   Gated DeltaNet state advances by replaying the accepted positions' intermediates at the start
+ *   of the next evaluation (native/deltanet.cu); K/V of rejected positions are simply overwritten.
  * - The MTP (nextn) block has its own KV cache; oj_mtp_eval places token i at MTP position
  *   pos0 + i (dropping MTP positions >= pos0 first, which is how drafts are rolled back).
  * - After a CUDA fault that poisons the context (an illegal address) every call but
@@ -29,7 +33,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 1, OJ_MAX_POSITIONS = 8 };
+enum { OJ_ABI_VERSION = 2, OJ_MAX_POSITIONS = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -53,9 +57,13 @@ typedef enum oj_type {
     OJ_TYPE_BF16 = 30
 } oj_type;
 
-/* KV cache element type. */
+/* KV cache element type (oj_model_desc.kv_type; the main model and the MTP block alike).
+   OJ_KV_F16: one fp16 per value. OJ_KV_Q8_0: ggml's q8_0 per 32 values of a head row (one fp16
+   scale d = amax / 127 and 32 int8 q = roundf(x * (1 / d)), read back as q * d): 34 bytes per 32
+   values, 53% of f16. oj_read_kv returns the dequantised floats either way. */
 typedef enum oj_kv_type {
-    OJ_KV_F16 = 0
+    OJ_KV_F16 = 0,
+    OJ_KV_Q8_0 = 1
 } oj_kv_type;
 
 /* Where oj_mtp_eval takes the hidden state h for MTP position p. */
@@ -105,6 +113,7 @@ typedef struct oj_model_desc {
     int32_t n_ctx;            /* KV cache length of the main model and of the MTP block */
     int32_t kv_type;          /* oj_kv_type */
     int32_t device;           /* CUDA device ordinal */
+    int32_t n_checkpoints;    /* recurrent-state checkpoint slots (oj_checkpoint_save), 0..64 */
 } oj_model_desc;
 
 /* Device memory the engine holds, by purpose (bytes). */
@@ -113,6 +122,7 @@ typedef struct oj_memory_report {
     uint64_t kv_cache;
     uint64_t recurrent_state;
     uint64_t activations;
+    uint64_t checkpoints;
     uint64_t total;
 } oj_memory_report;
 
@@ -140,6 +150,11 @@ int32_t oj_n_past(const oj_engine *engine, int32_t *out);
 
 /* Main model: append tokens[0..n_tokens) at n_past (1 <= n_tokens <= OJ_MAX_POSITIONS). */
 int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
+/* Evaluate tokens at n_past..n_past+n_tokens-1 provisionally (the results are read as after
+   oj_eval); a verify not committed before the next evaluation counts as oj_commit(0). */
+int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
+/* Keep the first n_accept (0..n_tokens) positions of the last oj_verify: n_past += n_accept. */
+int32_t oj_commit(oj_engine *engine, int32_t n_accept);
 /* Results of the last oj_eval: argmax per position, one position's logits or final hidden
    state (after output_norm). */
 int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n);
@@ -151,9 +166,20 @@ int32_t oj_get_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_em
 int32_t oj_mtp_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t pos0,
                     int32_t h_source, const float *h_host);
 int32_t oj_mtp_n_past(const oj_engine *engine, int32_t *out);
+/* Restrict the draft head to ids[0..n_ids) (n_ids = 0: the whole vocabulary again). Draft logits
+   are then n_ids values in the order of ids; the draft argmax is a token id. */
+int32_t oj_set_draft_vocab(oj_engine *engine, const int32_t *ids, int32_t n_ids);
+int32_t oj_draft_vocab_size(const oj_engine *engine, int32_t *out);
 int32_t oj_get_draft_argmax(oj_engine *engine, int32_t *out, int32_t n);
-int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vocab);
+int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n);
 int32_t oj_get_draft_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd);
+
+/* Checkpoints: the recurrent state (DeltaNet conv + ssm state) and the hidden state at n_past,
+   copied on the device into slot `slot` (< n_checkpoints). Restoring returns the conversation to
+   that n_past: K/V beyond it are ignored, the MTP cache is cut to it. A slot never saved gives
+   OJ_ERR_INVALID_ARGUMENT. `n_past_out` (may be NULL) receives the restored n_past. */
+int32_t oj_checkpoint_save(oj_engine *engine, int32_t slot);
+int32_t oj_checkpoint_restore(oj_engine *engine, int32_t slot, int32_t *n_past_out);
 
 /* State read-back for tests, in the numpy reference's layouts (openjet_plugin.testing.reference):
    conv state of DeltaNet layer `layer`: [conv_dim][kernel-1] (oldest input first);

@@ -88,6 +88,37 @@ def quantize_q8_k(x: np.ndarray) -> np.ndarray:
     return (q * d).reshape(np.shape(x))
 
 
+KV_Q8_0_BLOCK = 32   # values per q8_0 block of a K/V head row
+
+
+def quantize_kv_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """K/V rows `[..., head_dim]` as the native engine stores them with OJ_KV_Q8_0 -> (quants
+    int8 `[..., head_dim]`, scales fp16 `[..., head_dim // 32]`), block by block of 32 values:
+    d = amax / 127 and q = roundf(x * (1 / d)) (half away from zero), all in float32 as ggml's
+    quantize_row_q8_0_ref and native/attention.cu's q8_0_store compute them; d = 0 gives q = 0."""
+    a = np.asarray(x, dtype=np.float32)
+    if a.ndim == 0 or a.shape[-1] % KV_Q8_0_BLOCK:
+        raise ValueError(f"q8_0 KV rows need a last axis that is a multiple of {KV_Q8_0_BLOCK}, got shape {a.shape}")
+    b = a.reshape(*a.shape[:-1], a.shape[-1] // KV_Q8_0_BLOCK, KV_Q8_0_BLOCK)
+    d = np.max(np.abs(b), axis=-1, keepdims=True) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
+    y = (b * inv).astype(np.float64)                        # the float32 product, exactly
+    q = np.sign(y) * np.floor(np.abs(y) + 0.5)              # roundf; exact in float64
+    return q.astype(np.int8).reshape(a.shape), d[..., 0].astype(np.float16)
+
+
+def dequantize_kv_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Float32 values q * d of quantize_kv_q8_0's output (what the engine's decode reads)."""
+    q = np.asarray(q)
+    b = q.reshape(*q.shape[:-1], q.shape[-1] // KV_Q8_0_BLOCK, KV_Q8_0_BLOCK).astype(np.float32)
+    return (b * np.asarray(d, dtype=np.float16).astype(np.float32)[..., None]).reshape(q.shape)
+
+
+def round_kv_q8_0(x: np.ndarray, dtype=None) -> np.ndarray:
+    """x through the engine's q8_0 KV storage and back (in x's dtype unless dtype is given)."""
+    return dequantize_kv_q8_0(*quantize_kv_q8_0(x)).astype(np.asarray(x).dtype if dtype is None else dtype)
+
+
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """x rounded to bfloat16 (nearest, ties to even, as ggml's fp32_to_bf16), back to float32."""
     u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
@@ -188,7 +219,8 @@ class ReferenceModel:
     - `state()`: every piece of per-conversation state, by name (see `state`).
     """
 
-    def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False):
+    def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False,
+                 kv_q8_0: bool = False):
         """`llama_cpu_rounding=True` adds the roundings of llama.cpp's CPU backend with its default
         context: every matrix product's input in the weight's `vec_dot_type` (Q8_0 blocks for
         Q8_0 weights, Q8_K for K-quants, F16 / BF16 for F16 / BF16; `CPU_MATMUL_INPUT`), and
@@ -196,9 +228,15 @@ class ReferenceModel:
         rounded to F16 for the two products). Off by default: the reference computes the
         model's own math on the dequantised weights. On, each layer matches llama.cpp's CPU to
         float32 rounding, which is how the per-layer test checks the reference on quantised files.
+
+        `kv_q8_0=True` stores every appended K and V row (main layers and the MTP block) as the
+        native engine does with OJ_KV_Q8_0 (`round_kv_q8_0`: per 32 values, fp16 scale amax/127,
+        int8 roundf) and attends over the dequantised values; q and the softmax stay unrounded
+        (with llama_cpu_rounding, this replaces its F16 rounding of K and V).
         """
         self.path = Path(path)
         self.llama_cpu_rounding = llama_cpu_rounding
+        self.kv_q8_0 = kv_q8_0
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF model file not found: {self.path}")
         self.dtype = np.dtype(dtype)
@@ -387,7 +425,11 @@ class ReferenceModel:
         q = apply_rope(q, ang, c.n_rot)
         k = apply_rope(k, ang, c.n_rot)
         if self.llama_cpu_rounding:
-            q, k, v = (_f16(a, self.dtype) for a in (q, k, v))
+            q = _f16(q, self.dtype)
+            if not self.kv_q8_0:
+                k, v = _f16(k, self.dtype), _f16(v, self.dtype)
+        if self.kv_q8_0:
+            k, v = round_kv_q8_0(k, self.dtype), round_kv_q8_0(v, self.dtype)
         cache.append(k, v, positions)
 
         group = H // Hkv

@@ -1,0 +1,163 @@
+"""Speculative cycles on the native engine (issue 6): `NativeSpeculator.cycle`.
+
+One cycle from the current token x at position n (sampled, not yet in the state):
+
+    MTP: the rows still owed for the last accepted drafts + (x, h_{n-1})  -> draft 1   (one call)
+         chained on the MTP block's own output                            -> drafts 2..D
+    main model: oj_verify([x, d_1..d_D]) at n..n+D                           (one call)
+    verification on the target's logits (speculative.verify_greedy / verify_sampled)
+    oj_commit(1 + accepted): DeltaNet state advances by replay at the next evaluation
+
+The rules and the invariant are speculative.py's; this module only drives the native backend
+(backends/native.py), whose verify/commit/draft_* calls keep the MTP cache in step. Greedy
+requests without penalties or bias verify on the GPU's argmax (one copy of D + 1 ints); otherwise
+the target's rows are copied only as far as verification reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .sampling import SamplingParams, token_distribution
+from .speculative import (STANDARD_RULE, DepthPolicy, DraftVocab, SampledRule, SpeculativeStats,
+                          TokenDistribution, verify_greedy, verify_sampled)
+
+MAX_NATIVE_DEPTH = 7          # one oj_verify takes the current token + 7 drafts (OJ_MAX_POSITIONS 8)
+
+
+class _LazyRows:
+    """The target's logits rows of the last verify, copied from the GPU when first read."""
+
+    def __init__(self, backend, n: int):
+        self.b, self.n, self._rows = backend, n, {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = range(self.n)[i]
+        if i not in self._rows:
+            self._rows[i] = self.b.logits(i)
+        return self._rows[i]
+
+
+class _Targets:
+    """p[i]: the target distribution after position i, built when verification asks for it."""
+
+    def __init__(self, rows: _LazyRows, params: SamplingParams, histories: list[list[int]]):
+        self.rows, self.params, self.histories, self._d = rows, params, histories, {}
+
+    def __len__(self) -> int:
+        return len(self.histories)
+
+    def __getitem__(self, i: int) -> TokenDistribution:
+        i = range(len(self))[i]
+        if i not in self._d:
+            self._d[i] = TokenDistribution.from_logits(self.rows[i], self.params, self.histories[i])
+        return self._d[i]
+
+
+class NativeSpeculator:
+    """MTP speculative decoding for one native backend (one conversation).
+
+    `vocab`: the draft head's vocabulary (None or the whole vocabulary: unrestricted); tokens of
+    the request's sequence are added as they appear. `oracle`: a draft source from speculative.py
+    (ContinuationDrafts, ForcedAcceptanceDrafts) used instead of the MTP head, for tests and for
+    timing cycles at a chosen acceptance rate.
+    """
+
+    def __init__(self, backend, depth: int | DepthPolicy, vocab: DraftVocab | None = None,
+                 rule: SampledRule = STANDARD_RULE, oracle=None):
+        self.b = backend
+        self.policy = depth if isinstance(depth, DepthPolicy) else DepthPolicy(min(int(depth), MAX_NATIVE_DEPTH))
+        if self.policy.depth > MAX_NATIVE_DEPTH:
+            raise ValueError(f"draft depth {self.policy.depth} exceeds the native engine's {MAX_NATIVE_DEPTH}")
+        self.restricted = vocab is not None and len(vocab) < backend.n_vocab
+        self.base_vocab = vocab if self.restricted else None
+        self.vocab: DraftVocab | None = None
+        self.rule = rule
+        self.oracle = oracle
+        self.stats = SpeculativeStats(self.policy.depth)
+
+    def begin(self, history: Sequence[int]) -> None:
+        """A new request whose tokens so far (prompt) are `history`."""
+        self.policy.reset()
+        self.stats = SpeculativeStats(self.policy.depth)
+        if self.restricted:
+            self.vocab = self.base_vocab.copy()
+            self.vocab.add(history)
+            self._upload()
+        if self.oracle is not None:
+            self.oracle.begin(list(history)[:-1], [])
+
+    def _upload(self) -> None:
+        if self.restricted and len(self.vocab) != self.b._draft_vocab_len:
+            self.b.set_draft_vocab(self.vocab.ids)
+
+    def _drafts(self, token: int, pos: int, depth: int, history: list[int], params: SamplingParams,
+                rng: np.random.Generator) -> tuple[list[int], list[TokenDistribution]]:
+        if self.oracle is not None:
+            drafts, qs = self.oracle.propose(pos, token, None, history, depth, params, rng)
+            drafts = [int(t) for t in drafts][:depth]
+            return drafts, list(qs)[:len(drafts)]
+        if self.restricted:
+            self.vocab.add([token])
+            self._upload()
+        ids = self.vocab.ids if self.restricted else None
+        drafts: list[int] = []
+        qs: list[TokenDistribution] = []
+        hist = list(history)
+        for i in range(depth):
+            top = self.b.draft_first(token) if i == 0 else self.b.draft_next(drafts[-1], pos + i)
+            if params.greedy:
+                # greedy verification never reads q: the head's plain argmax is the draft
+                tok, q = top, TokenDistribution.point(top, self.b.n_vocab)
+            else:
+                q = TokenDistribution.from_logits(self.b.draft_logits(-1), params, hist, vocab_ids=ids,
+                                                  n_vocab=self.b.n_vocab)
+                tok = q.draw(rng.random())
+            drafts.append(int(tok))
+            qs.append(q)
+            hist.append(int(tok))
+        return drafts, qs
+
+    def cycle(self, token: int, history: Sequence[int], params: SamplingParams, rng: np.random.Generator,
+              max_emit: int) -> tuple[list[int], int, int]:
+        """One cycle from `token` (the last of `history`, not yet in the state). Returns (emitted:
+        the accepted drafts and one more token, depth, accepted); the state then holds `token`
+        and the accepted drafts, and the last emitted token starts the next cycle."""
+        b = self.b
+        pos = b.n_past
+        room = b.n_ctx - pos - 1                       # positions left after the current token's
+        depth = max(0, min(self.policy.next_depth(), max_emit - 1, room))
+        history = [int(t) for t in history]
+        drafts, qs = self._drafts(int(token), pos, depth, history, params, rng) if depth > 0 else ([], [])
+        depth = len(drafts)                            # an oracle may run out of continuation
+        tokens = [int(token)] + drafts
+        b.verify(tokens)
+        if params.greedy and not params.has_penalties and not params.logit_bias:
+            v = verify_greedy(b.argmax(), drafts)
+        else:
+            rows = _LazyRows(b, len(tokens))
+            hists = [history + drafts[:i] for i in range(len(tokens))]
+            if params.greedy:
+                targets, j = [], 0
+                while True:                            # rows only up to the first mismatch
+                    targets.append(int(token_distribution(rows[j], params, hists[j])[0][0]))
+                    if j == depth or targets[j] != drafts[j]:
+                        break
+                    j += 1
+                v = verify_greedy(targets + [0] * (depth + 1 - len(targets)), drafts)
+            else:
+                v = verify_sampled(_Targets(rows, params, hists), qs, drafts, rng, self.rule)
+        emitted = drafts[:v.n_accepted] + [v.token]
+        b.commit(v.n_accepted + 1)
+        if self.oracle is not None and b.supports_speculative:
+            b._flush_mtp()                             # keep the MTP cache in step while the window holds
+        self.policy.update(depth, v.n_accepted)
+        self.stats.record(depth, v.n_accepted, len(emitted))
+        if self.restricted:
+            self.vocab.add(emitted)
+        return emitted, depth, v.n_accepted
