@@ -34,6 +34,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto: native where supported, else llama.cpp (default: auto)")
     p.add_argument("--n-ctx", type=int, default=4096, help="context window in tokens (default 4096)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for llama.cpp")
+    p.add_argument("--draft-depth", type=int, default=4,
+                   help="MTP drafts per speculative cycle on the native backend, 0 = off (default 4)")
+    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="native KV cache type (default f16)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -162,7 +165,8 @@ def _load(args):
         with _progress(f"generating the default model (once) into {generated_default_path().parent}"):
             model = default_model_path()
     with _progress(f"loading {model or 'the default model'}"):
-        eng = load(model, backend=args.backend, n_ctx=args.n_ctx, n_threads=args.threads)
+        eng = load(model, backend=args.backend, n_ctx=args.n_ctx, n_threads=args.threads,
+                   draft_depth=getattr(args, "draft_depth", 4), kv_type=getattr(args, "kv_type", "f16"))
     print(f"model {eng.model_path}, backend {eng.backend_name} ({eng.backend_reason})",
           file=sys.stderr, flush=True)
     return eng

@@ -13,7 +13,7 @@ from openjet_plugin.config import PRESETS, ModelConfig
 from openjet_plugin.tensors import all_tensors
 from openjet_plugin.testing import bpe
 from openjet_plugin.testing.synth import (
-    CHAT_TEMPLATE_FILE, FFN_DOWN_GAIN, QUANTS, random_blocks, residual_gain, rewrite_chat_template, synth_main, synth_model,
+    CHAT_TEMPLATE_FILE, FFN_DOWN_GAIN, QUANTS, quantize_rows, random_blocks, residual_gain, rewrite_chat_template, synth_main, synth_model,
     synth_specs, synth_uniform, tensor_values, token_dims, write_gguf,
 )
 
@@ -305,6 +305,37 @@ def test_uniform_type_models_load_in_llama_cpp(tmp_path, ggml_type):
 def test_random_blocks_refuse_partial_blocks(ggml_type):
     with pytest.raises(ValueError, match="multiple of its block size"):
         random_blocks(ggml_type, 2, 100, 0.05, np.random.default_rng(0))
+
+
+# --- float values to blocks (the direct writer's structured tensors) -------------------------------
+
+@pytest.mark.parametrize("ggml_type, rel_rms", [("Q4_K", 0.09), ("Q6_K", 0.025), ("Q8_0", 0.008),
+                                                ("F16", 1e-3), ("BF16", 4e-3), ("F32", 0.0)])
+def test_quantize_rows_round_trips_through_ggufs_dequantiser(ggml_type, rel_rms):
+    from gguf.quants import dequantize
+
+    g = np.random.default_rng(1)
+    x = (g.standard_normal((16, 512)) * 0.05).astype(np.float32)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    back = dequantize(quantize_rows(x, ggml_type), qtype).reshape(x.shape)
+    assert np.sqrt(np.mean((back - x) ** 2)) <= rel_rms * x.std()
+    # what the structure needs: +-1 rows, one-hot rows and zero halves come back (nearly) exact
+    signs = np.where(g.random((4, 512)) < 0.5, -1.0, 1.0).astype(np.float32)
+    signs[:, 128:] = 0.0
+    one_hot = np.eye(4, 512, k=37, dtype=np.float32) * 3.0
+    for values in (signs, one_hot):
+        back = dequantize(quantize_rows(values, ggml_type), qtype).reshape(values.shape)
+        np.testing.assert_allclose(back, values, atol=2e-3 * np.abs(values).max())
+        assert not back[values == 0].any()
+
+
+def test_quantize_rows_refuses_what_it_cannot_write():
+    with pytest.raises(ValueError, match="multiple of its block size"):
+        quantize_rows(np.zeros((2, 100), np.float32), "Q4_K")
+    with pytest.raises(ValueError, match="no quantiser for Q5_K"):
+        quantize_rows(np.zeros((2, 256), np.float32), "Q5_K")
+    with pytest.raises(ValueError, match="unknown type 'Q3_K'"):
+        quantize_rows(np.zeros((2, 256), np.float32), "Q3_K")
 
 
 # --- the chat template written into the files ----------------------------------------------------

@@ -52,7 +52,11 @@ def project_info() -> dict:
     """Commit (git, else $OPENJET_COMMIT for a tree copied without .git), dirty flag, source digest."""
     commit = _git("rev-parse", "HEAD")
     info: dict = {}
-    if commit:
+    if os.environ.get("OPENJET_COMMIT"):
+        # said explicitly by whoever copied the tree (a copy may carry a stale .git of its own)
+        info["commit"] = os.environ["OPENJET_COMMIT"]
+        info["dirty"] = f"{UNAVAILABLE}: commit from $OPENJET_COMMIT" + (f" (the copy's git says {commit})" if commit else "")
+    elif commit:
         info["commit"] = commit
         status = _git("status", "--porcelain", "--untracked-files=no")
         info["dirty"] = bool(status) if status is not None else f"{UNAVAILABLE}: git status failed"

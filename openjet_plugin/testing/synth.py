@@ -11,8 +11,10 @@ depend strongly on the input, with a confident top token at most positions as a 
 Two ways to a quantised file:
 - small presets: write F32, then llama.cpp's own quantiser (`llama_model_quantize`), so the type
   mix is exactly llama.cpp's recipe;
-- q27b (the 27B's shapes; an F32 intermediate would be ~100 GB): random quantised blocks written
-  directly, tensor by tensor, with the types `q4_k_m_type_map` says llama.cpp would choose.
+- q27b (the 27B's shapes; an F32 intermediate would be ~100 GB): quantised blocks written
+  directly, tensor by tensor, with the types `q4_k_m_type_map` says llama.cpp would choose: random
+  blocks, except the few tensors that carry the confidence structure, quantised from float row
+  chunks by `quantize_rows` (see "The direct writer's confidence structure").
 """
 
 from __future__ import annotations
@@ -331,6 +333,96 @@ def _pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
+# --- float values to blocks (the few structured tensors of the direct writer) ------------------------
+
+def quantize_rows(values: np.ndarray, ggml_type: str) -> np.ndarray:
+    """float32 `[n_rows, n_cols]` -> blocks of `ggml_type` (uint8 `[n_rows, row_bytes]`).
+
+    Plain absmax / min-max rounding, no search for the best scales as llama.cpp's quantiser does:
+    the direct writer uses it only for the few tensors that carry the confidence structure, whose
+    values (+-1 embeddings, one-hot rows, zero halves) such rounding keeps exact or nearly so.
+    gguf.quants quantises Q8_0 but none of the K-quants, so Q4_K and Q6_K are done here.
+    """
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if values.ndim != 2:
+        raise ValueError(f"quantize_rows: values must be [rows, cols], got shape {values.shape}")
+    n_rows, n_cols = values.shape
+    if ggml_type not in _BLOCK_BYTES:
+        raise ValueError(f"quantize_rows: unknown type {ggml_type!r}; one of {', '.join(_BLOCK_BYTES)}")
+    per, _ = _BLOCK_BYTES[ggml_type]
+    if n_cols % per:
+        raise ValueError(f"{ggml_type}: row width {n_cols} is not a multiple of its block size {per}")
+    if ggml_type == "F32":
+        return values.view(np.uint8).reshape(n_rows, -1)
+    if ggml_type == "F16":
+        return _f16_bytes(values).reshape(n_rows, -1)
+    if ggml_type == "BF16":
+        rounded = (values.view(np.uint32) + np.uint32(0x7FFF) + ((values.view(np.uint32) >> 16) & 1)) >> 16
+        return rounded.astype(np.uint16).view(np.uint8).reshape(n_rows, -1)
+    if ggml_type == "Q8_0":
+        import gguf
+        return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0)
+    blocks = values.reshape(-1, 256)
+    if ggml_type == "Q4_K":
+        out = _quantize_q4_k(blocks)
+    elif ggml_type == "Q6_K":
+        out = _quantize_q6_k(blocks)
+    else:
+        raise ValueError(f"quantize_rows: no quantiser for {ggml_type}")
+    return out.reshape(n_rows, -1)
+
+
+def _f16_round(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _safe_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.divide(a, b, out=np.zeros(np.broadcast_shapes(a.shape, b.shape), np.float32), where=b > 0)
+
+
+def _quantize_q4_k(blocks: np.ndarray) -> np.ndarray:
+    """[nb, 256] -> Q4_K blocks: x = d*sc*q - dmin*m per group of 32, q in 0..15, sc and m 6-bit."""
+    nb = blocks.shape[0]
+    g = blocks.reshape(nb, 8, 32)
+    lo = np.minimum(g.min(axis=-1), 0.0)
+    step = (np.maximum(g.max(axis=-1), 0.0) - lo) / 15.0           # [nb, 8]
+    d = _f16_round(step.max(axis=-1) / 63.0)                     # [nb]
+    dmin = _f16_round(-lo.min(axis=-1) / 63.0)
+    sc = np.clip(np.rint(_safe_div(step, d[:, None])), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(_safe_div(-lo, dmin[:, None])), 0, 63).astype(np.uint8)
+    q = np.rint(_safe_div(g + (dmin[:, None] * m)[..., None], (d[:, None] * sc)[..., None]))
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(nb, 4, 2, 32)
+    out = np.empty((nb, 144), dtype=np.uint8)
+    out[:, 0:2] = _f16_bytes(d)
+    out[:, 2:4] = _f16_bytes(dmin)
+    out[:, 4:16] = _pack_k4_scales(sc, m)
+    # 64 values per 32 bytes: low nibbles the first 32-group, high nibbles the second
+    out[:, 16:] = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(nb, 128)
+    return out
+
+
+def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
+    """[nb, 256] -> Q6_K blocks: x = d*sc*(q - 32) per group of 16, q in 0..63, sc int8."""
+    nb = blocks.shape[0]
+    g = blocks.reshape(nb, 16, 16)
+    step = np.abs(g).max(axis=-1) / 31.0                         # [nb, 16]
+    d = _f16_round(step.max(axis=-1) / 127.0)
+    sc = np.clip(np.rint(_safe_div(step, d[:, None])), 0, 127).astype(np.int8)
+    q = np.rint(_safe_div(g, (d[:, None] * sc)[..., None]))
+    q = (np.clip(q, -32, 31) + 32).astype(np.uint8).reshape(nb, 2, 4, 32)
+    # per 128 values: ql[l] = q[l] | q[l+64] << 4, ql[l+32] = q[l+32] | q[l+96] << 4,
+    # qh[l] = the top two bits of q[l], q[l+32], q[l+64], q[l+96] (ggml-common.h's block_q6_K)
+    lo, hi = q & 0xF, q >> 4
+    ql = np.concatenate([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], axis=-1)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    out = np.empty((nb, 210), dtype=np.uint8)
+    out[:, 0:128] = ql.reshape(nb, 128)
+    out[:, 128:192] = qh.reshape(nb, 64)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = _f16_bytes(d)
+    return out
+
+
 # --- GGUF writing ----------------------------------------------------------------------------------
 
 def _add_metadata(w, config: ModelConfig, name: str, file_type: int,
@@ -520,27 +612,170 @@ def _f32_tensors(specs: list[TensorSpec], seed: int, config: ModelConfig) -> Ite
         yield tensor_values(spec, seed, config)
 
 
-def _direct_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
+def _random_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
                     config: ModelConfig) -> Iterator[np.ndarray]:
-    """Random blocks for each tensor in turn: one tensor in memory at a time (at most ~1 GB for
-    the 27B's Q6_K output head), generated in row chunks that each draw from their own stream."""
+    """Random blocks for each tensor in turn (synth_uniform: every matrix of one type, no
+    confidence structure): one tensor in memory at a time."""
     for spec in specs:
         t = types[spec.name]
         if t == "F32":
             yield tensor_values(spec, seed, config)
             continue
+        n_rows = spec.ne[1]
+        std = float(_matrix_std(spec, config))
+        n_real = _n_real_tokens() if spec.name == "output.weight" else n_rows
+        out = _random_rows(spec, t, 0, min(n_real, n_rows), std, seed)
+        if n_real < n_rows:
+            out = np.concatenate([out, _random_rows(spec, t, n_real, n_rows, std * PAD_ROW_SCALE, seed)])
+        yield out
+
+
+def _random_rows(spec: TensorSpec, ggml_type: str, r0: int, r1: int, std: float, seed: int) -> np.ndarray:
+    """Random blocks for rows [r0, r1) of `spec`, in chunks of ~64 MB that each draw from their own
+    stream (keyed by the tensor's name and the chunk's first row)."""
+    n_cols = spec.ne[0]
+    per, nbytes = _BLOCK_BYTES[ggml_type]
+    chunk = max(1, (64 << 20) // (n_cols // per * nbytes))
+    out = np.empty((r1 - r0, n_cols // per * nbytes), dtype=np.uint8)
+    for c0 in range(r0, r1, chunk):
+        c1 = min(c0 + chunk, r1)
+        out[c0 - r0:c1 - r0] = random_blocks(ggml_type, c1 - c0, n_cols, std, _rng(seed, f"{spec.name}@{c0}"))
+    return out
+
+
+# The direct writer's confidence structure: the same as the F32 path's (see "Confidence structure"
+# at the top), built without a float copy of the model. Only token_embd, output, the MTP block's
+# eh_proj and the residual branches' outputs carry it; they are quantised from float row chunks
+# (`quantize_rows`) where they are not zero, except for the big plain parts (the branch outputs'
+# context rows, the padding rows of the head), which stay random blocks. Every other matrix is
+# random blocks as before. The values are drawn from other streams than the F32 path's: the same
+# seed gives a model of the same kind, not the same model (`successor_of` holds for both).
+EMBED_CHUNK_ROWS = 8192     # token_embd signs: one stream per this many rows (any row range can be redrawn)
+# The 27B's vocabulary is 244K UNUSED padding rows and 4K real tokens. A padding row reads little
+# of the stream (PAD_ROW_SCALE), so its logit is about 0, and 244K of them outweighed the real
+# tokens' successor (e^11, the successor's logit): 70% of the probability went to tokens that
+# detokenize to nothing (measured with llama.cpp on q27b). A real head's unused rows lose to its
+# real tokens by far more than e^12. So one dim of the token half, the bias dim, is +1 in every
+# embedding row (a constant of the stream, as no branch writes there), and the padding rows read it
+# with this weight: their logits are about -10, a common offset that leaves the real tokens'
+# distribution as it was.
+PAD_BIAS_WEIGHT = -8.0
+
+
+def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
+                        config: ModelConfig) -> Iterator[np.ndarray]:
+    """The direct writer's tensors in turn, with the confidence structure: one tensor in memory at a
+    time (at most ~1 GB, the 27B's Q6_K output head)."""
+    t_half = token_dims(config)
+    for spec in specs:
+        t = types[spec.name]
+        name = spec.name
+        if t == "F32":
+            yield tensor_values(spec, seed, config)
+            continue
         n_rows, n_cols = spec.ne[1], spec.ne[0]
         std = float(_matrix_std(spec, config))
-        per, nbytes = _BLOCK_BYTES[t]
-        chunk = max(1, (64 << 20) // (n_cols // per * nbytes))
-        # chunk starts; the output head also starts a chunk where its padding rows begin
-        n_real = _n_real_tokens() if spec.name == "output.weight" else n_rows
-        starts = sorted(set(range(0, n_rows, chunk)) | ({n_real} if n_real < n_rows else set()))
-        out = np.empty((n_rows, n_cols // per * nbytes), dtype=np.uint8)
-        for r0, r1 in zip(starts, starts[1:] + [n_rows]):
-            row_std = std if r0 < n_real else std * PAD_ROW_SCALE
-            out[r0:r1] = random_blocks(t, r1 - r0, n_cols, row_std, _rng(seed, f"{spec.name}@{r0}"))
-        yield out
+        if name == "token_embd.weight":
+            yield _direct_embedding(spec, t, seed, config)
+        elif name == "output.weight":
+            yield _direct_output_head(spec, t, seed, config)
+        elif name.endswith(RESIDUAL_OUTPUTS):
+            # branches write the context half only: the token-half rows are zero blocks
+            yield np.concatenate([_zero_rows(t, t_half, n_cols), _random_rows(spec, t, t_half, n_rows, std, seed)])
+        elif name.endswith("nextn.eh_proj.weight"):
+            # token-half rows copy the token half of enorm(embedding) (the first n_embd inputs)
+            eye = np.zeros((t_half, n_cols), dtype=np.float32)
+            eye[np.arange(t_half), np.arange(t_half)] = 1.0
+            context = _random_rows(spec, t, t_half, n_rows, std * MTP_CONTEXT_GAIN, seed)
+            yield np.concatenate([quantize_rows(eye, t), context])
+        else:
+            yield _random_rows(spec, t, 0, n_rows, std, seed)
+
+
+def _zero_rows(ggml_type: str, n_rows: int, n_cols: int) -> np.ndarray:
+    # all-zero bytes decode to 0.0 in every type (a zero scale for the block types)
+    per, nbytes = _BLOCK_BYTES[ggml_type]
+    return np.zeros((n_rows, n_cols // per * nbytes), dtype=np.uint8)
+
+
+def _two_halves(ggml_type: str, t_half: int, token_half: np.ndarray,
+                context_std: float, g: np.random.Generator | None) -> np.ndarray:
+    """Blocks of rows `[token_half | context half]`: `token_half` (float `[rows, t_half]`) quantised,
+    the context half N(0, context_std^2) drawn from `g`, or zero when `g` is None. Where the halves
+    are whole blocks (the 27B's are) the context half is drawn as random blocks directly and only the
+    token half is quantised; otherwise the whole rows go through floats."""
+    per, nbytes = _BLOCK_BYTES[ggml_type]
+    rows, n_cols = token_half.shape[0], 2 * t_half
+    if t_half % per == 0:
+        split = t_half // per * nbytes
+        out = np.zeros((rows, n_cols // per * nbytes), dtype=np.uint8)
+        out[:, :split] = quantize_rows(token_half, ggml_type)
+        if g is not None:
+            out[:, split:] = random_blocks(ggml_type, rows, n_cols - t_half, context_std, g)
+        return out
+    full = np.zeros((rows, n_cols), dtype=np.float32)
+    full[:, :t_half] = token_half
+    if g is not None:
+        full[:, t_half:] = g.standard_normal((rows, n_cols - t_half), dtype=np.float32) * np.float32(context_std)
+    return quantize_rows(full, ggml_type)
+
+
+def _embedding_signs(seed: int, config: ModelConfig, r0: int, r1: int) -> np.ndarray:
+    """+-1 (int8 `[r1 - r0, n_embd/2]`): the token half of the direct writer's embedding rows [r0, r1),
+    random signs except the bias dim, +1 in every row."""
+    t_half = token_dims(config)
+    first = r0 // EMBED_CHUNK_ROWS * EMBED_CHUNK_ROWS
+    parts = []
+    for c0 in range(first, r1, EMBED_CHUNK_ROWS):
+        c1 = min(c0 + EMBED_CHUNK_ROWS, config.n_vocab)
+        g = _rng(seed, f"token_embd.weight@{c0}")
+        parts.append(g.integers(0, 2, (c1 - c0, t_half), dtype=np.int8) * 2 - 1)
+    signs = np.concatenate(parts)[r0 - first:r1 - first]
+    signs[:, bias_dim(config)] = 1
+    return signs
+
+
+def bias_dim(config: ModelConfig) -> int:
+    """The direct writer's constant dimension: the last of the token half, +1 in every embedding row
+    (no branch writes the token half, so it stays constant in the stream)."""
+    return token_dims(config) - 1
+
+
+def _direct_embedding(spec: TensorSpec, ggml_type: str, seed: int, config: ModelConfig) -> np.ndarray:
+    """token_embd: +-EMBED_STD on the token half, zero on the context half, as the F32 path's."""
+    n_rows, n_cols = spec.ne[1], spec.ne[0]
+    per, nbytes = _BLOCK_BYTES[ggml_type]
+    out = np.empty((n_rows, n_cols // per * nbytes), dtype=np.uint8)
+    for r0 in range(0, n_rows, EMBED_CHUNK_ROWS):
+        r1 = min(r0 + EMBED_CHUNK_ROWS, n_rows)
+        signs = _embedding_signs(seed, config, r0, r1).astype(np.float32) * np.float32(EMBED_STD)
+        out[r0:r1] = _two_halves(ggml_type, token_dims(config), signs, 0.0, None)
+    return out
+
+
+def _direct_output_head(spec: TensorSpec, ggml_type: str, seed: int, config: ModelConfig) -> np.ndarray:
+    """output.weight as the F32 path's `_output_head`: the real tokens' rows (at most a few
+    thousand) in float, then quantised; the padding rows random context-half blocks (PAD_ROW_SCALE)
+    and PAD_BIAS_WEIGHT on the bias dim."""
+    n_rows, n_cols = spec.ne[1], spec.ne[0]
+    t_half = token_dims(config)
+    n_real = min(_n_real_tokens(), n_rows)
+    context_std = CONTEXT_LOGIT_GAIN / np.sqrt(n_cols - t_half)
+    g = _rng(seed, "output.weight@0")
+    succ = successor_of(seed, config)
+    real_token_half = np.zeros((n_real, t_half), dtype=np.float32)
+    real_token_half[succ] = _embedding_signs(seed, config, 0, len(succ)) * np.float32(EMBED_STD * SUCCESSOR_GAIN / t_half)
+    per, nbytes = _BLOCK_BYTES[ggml_type]
+    out = np.empty((n_rows, n_cols // per * nbytes), dtype=np.uint8)
+    out[:n_real] = _two_halves(ggml_type, t_half, real_token_half, context_std, g)
+    chunk = max(1, (16 << 20) // n_cols)
+    for r0 in range(n_real, n_rows, chunk):
+        r1 = min(r0 + chunk, n_rows)
+        pad_token_half = np.zeros((r1 - r0, t_half), dtype=np.float32)
+        pad_token_half[:, bias_dim(config)] = PAD_BIAS_WEIGHT
+        out[r0:r1] = _two_halves(ggml_type, t_half, pad_token_half, context_std * PAD_ROW_SCALE,
+                                 _rng(seed, f"output.weight@{r0}"))
+    return out
 
 
 def _resolve(preset: str | None, config: ModelConfig | None) -> ModelConfig:
@@ -584,7 +819,7 @@ def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: s
     try:
         if direct:
             types = q4_k_m_type_map(cfg)
-            _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed, cfg),
+            _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _structured_tensors(specs, types, seed, cfg),
                         file_type=FTYPES["Q4_K_M"], preset=name, seed=seed)
         elif quant == "F32":
             _write_synth(tmp, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg),
@@ -622,7 +857,7 @@ def synth_uniform(out_path: str | os.PathLike[str], matrix_type: str, preset: st
             raise ValueError(f"tensor {s.name!r}: width {s.ne[0]} is not a multiple of the {matrix_type} block")
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _direct_tensors(specs, types, seed, cfg),
+        _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _random_tensors(specs, types, seed, cfg),
                     file_type=_UNIFORM_FTYPES[matrix_type], preset=preset if config is None else None, seed=seed)
         os.replace(tmp, out)
     finally:
