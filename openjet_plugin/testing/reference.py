@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from ..config import ARCH, ModelConfig
 
@@ -117,6 +117,55 @@ def dequantize_kv_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
 def round_kv_q8_0(x: np.ndarray, dtype=None) -> np.ndarray:
     """x through the engine's q8_0 KV storage and back (in x's dtype unless dtype is given)."""
     return dequantize_kv_q8_0(*quantize_kv_q8_0(x)).astype(np.asarray(x).dtype if dtype is None else dtype)
+
+
+# --- the native engine's int8 activations (OPENJET_MATVEC=int8, native/matvec.cu) -------------
+
+ACT_INT8_BLOCK = 32                                  # activation values per scale
+ACT_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")    # weight types whose products round x (launch_any)
+_K_QUANT_BYTES = {"Q4_K": 144, "Q5_K": 176}          # block sizes of the types with mins
+
+
+def quantize_act_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Activation rows `[..., K]` as quantize_x_kernel stores them -> (q int8 `[..., K]`, d float32
+    `[..., K/32]`, s float32 `[..., K/32]`), per block of 32 values of the float32 activations:
+    amax = max |x| (fmaxf: NaN lanes ignored), d = amax / 127 and q = __float2int_rn(x / d) (a
+    float32 division, not a product with 1/d; nearest, ties to even, unlike llama.cpp's q8_1
+    roundf), q = 0 where amax == 0; s = the block's float32 sum of x, in the warp's butterfly
+    order (lane i adds lane i ^ 16, then ^ 8, ^ 4, ^ 2, ^ 1), which the K-quant mins multiply.
+    Beyond |x / d| <= 127 (only reachable for subnormal d) the conversion saturates to int32 with
+    NaN -> 0 and the store keeps the low byte, as the GPU's cvt.rni.s32.f32 and (int8_t) do."""
+    a = np.asarray(x, dtype=np.float32)
+    if a.ndim == 0 or a.shape[-1] % ACT_INT8_BLOCK:
+        raise ValueError(f"int8 activations need a last axis that is a multiple of {ACT_INT8_BLOCK}, "
+                         f"got shape {a.shape}")
+    b = a.reshape(*a.shape[:-1], a.shape[-1] // ACT_INT8_BLOCK, ACT_INT8_BLOCK)
+    amax = np.fmax.reduce(np.abs(b), axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        r = np.rint((b / d).astype(np.float64))                 # the float32 quotient, rounded
+    r = np.clip(np.nan_to_num(r, nan=0.0, posinf=2.0 ** 31 - 1, neginf=-2.0 ** 31), -2.0 ** 31, 2.0 ** 31 - 1)
+    r = np.where(amax == 0, 0.0, r)
+    q = r.astype(np.int64).astype(np.int8)                      # low byte, as the kernel's store
+    s = b
+    with np.errstate(invalid="ignore", over="ignore"):          # inf + -inf as the GPU does it
+        while s.shape[-1] > 1:                                  # the butterfly, as lane 0 sees it
+            h = s.shape[-1] // 2
+            s = s[..., :h] + s[..., h:]
+    return q.reshape(a.shape), d[..., 0], s[..., 0]
+
+
+def dequantize_act_int8(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Float64 values q * d of quantize_act_int8's output (exact: 8-bit times 24-bit)."""
+    q = np.asarray(q)
+    b = q.reshape(*q.shape[:-1], q.shape[-1] // ACT_INT8_BLOCK, ACT_INT8_BLOCK).astype(np.float64)
+    return (b * np.asarray(d, dtype=np.float64)[..., None]).reshape(q.shape)
+
+
+def round_act_int8(x: np.ndarray) -> np.ndarray:
+    """x through the engine's int8 activation rounding and back, in float64."""
+    q, d, _ = quantize_act_int8(x)
+    return dequantize_act_int8(q, d)
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -220,7 +269,7 @@ class ReferenceModel:
     """
 
     def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False,
-                 kv_q8_0: bool = False):
+                 kv_q8_0: bool = False, act_int8: bool = False):
         """`llama_cpu_rounding=True` adds the roundings of llama.cpp's CPU backend with its default
         context: every matrix product's input in the weight's `vec_dot_type` (Q8_0 blocks for
         Q8_0 weights, Q8_K for K-quants, F16 / BF16 for F16 / BF16; `CPU_MATMUL_INPUT`), and
@@ -233,10 +282,21 @@ class ReferenceModel:
         native engine does with OJ_KV_Q8_0 (`round_kv_q8_0`: per 32 values, fp16 scale amax/127,
         int8 roundf) and attends over the dequantised values; q and the softmax stay unrounded
         (with llama_cpu_rounding, this replaces its F16 rounding of K and V).
+
+        `act_int8=True` models the native engine's OPENJET_MATVEC=int8 path: every product with a
+        Q4_K / Q5_K / Q6_K / Q8_0 weight (main layers, output head, MTP block) takes its input rows
+        through `quantize_act_int8` (per 32 values, float32 d = amax/127, int8 q) and multiplies the
+        dequantised weights by q * d in the reference's dtype; for Q4_K / Q5_K the mins multiply the
+        block's float32 sum of the unrounded x instead, as the engine's kernels do. F32 / F16 /
+        BF16 weights and the embedding lookups are unchanged. Not combinable with
+        llama_cpu_rounding (another engine's roundings).
         """
         self.path = Path(path)
+        if llama_cpu_rounding and act_int8:
+            raise ValueError("llama_cpu_rounding and act_int8 model different engines; choose one")
         self.llama_cpu_rounding = llama_cpu_rounding
         self.kv_q8_0 = kv_q8_0
+        self.act_int8 = act_int8
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF model file not found: {self.path}")
         self.dtype = np.dtype(dtype)
@@ -253,6 +313,7 @@ class ReferenceModel:
         self.config = ModelConfig.from_gguf_metadata(self._field, n_vocab)
         self.n_vocab = n_vocab
         self._weights: dict[str, np.ndarray] = {}
+        self._mins: dict[str, np.ndarray] = {}
         self.reset()
         self.mtp_reset()
 
@@ -300,7 +361,43 @@ class ReferenceModel:
             rounding = CPU_MATMUL_INPUT[kind]
             if rounding is not None:
                 x = rounding(x).astype(self.dtype)
+        elif self.act_int8 and self.tensor_type(name) in ACT_INT8_TYPES:
+            return self._mm_act_int8(x, name)
         return x @ self.weight(name).T
+
+    def _mm_act_int8(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W.T as the engine's int8 kernels compute it: W (= scale part - mins) times the
+        rounded x, and for Q4_K / Q5_K the mins times the exact block sums instead of the rounded
+        ones: W @ xr + mins @ (sum_b xr - s_b)."""
+        w = self.weight(name)
+        if w.shape[1] % ACT_INT8_BLOCK:
+            raise ValueError(f"{self.path}: tensor {name!r} has {w.shape[1]} input columns, not a multiple "
+                             f"of {ACT_INT8_BLOCK} (the int8 activation block)")
+        q, d, s = quantize_act_int8(x)
+        xr = dequantize_act_int8(q, d)
+        y = xr.astype(self.dtype) @ w.T
+        mins = self._block_mins(name)
+        if mins is not None:
+            rounded_sum = xr.reshape(*xr.shape[:-1], -1, ACT_INT8_BLOCK).sum(axis=-1)
+            y = y + ((rounded_sum - s).astype(self.dtype) @ mins.T)
+        return y
+
+    def _block_mins(self, name: str) -> np.ndarray | None:
+        """dmin * m of every 32-value sub-block `[n_out, K/32]` of a Q4_K / Q5_K weight (what
+        gguf.quants subtracts; ggml's get_scale_min_k4), else None; cached."""
+        kind = self.tensor_type(name)
+        if kind not in _K_QUANT_BYTES:
+            return None
+        m = self._mins.get(name)
+        if m is None:
+            t = self._tensors[name]
+            blocks = np.asarray(t.data, dtype=np.uint8).reshape(-1, _K_QUANT_BYTES[kind])
+            dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)   # [n_blocks, 1]
+            _, mn = Q4_K.get_scale_min(blocks[:, 4:16].copy())                  # Q5_K packs them alike
+            n_out = int(t.shape[1])
+            m = np.ascontiguousarray((dmin * mn.astype(np.float64)).reshape(n_out, -1), dtype=self.dtype)
+            self._mins[name] = m
+        return m
 
     # -- state --
     def reset(self) -> None:
