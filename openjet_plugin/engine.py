@@ -536,13 +536,17 @@ def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tup
 
 def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "auto", n_ctx: int = 4096,
          draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None, verbose: bool = False,
-         n_threads: int | None = None) -> Engine:
+         n_threads: int | None = None, checkpoint_interval: int = 0, n_checkpoints: int | None = None) -> Engine:
     """Open a qwen35 GGUF and start a backend for it.
 
     model_path None: the embedded default model (defaults.default_model_path()).
     backend: "auto" (native when this machine and model support it, else llama.cpp; the reason is
     in `engine.backend_reason`), "llama.cpp" or "native" (raises BackendUnavailableError, with the
     reason, where it cannot run).
+    checkpoint_interval / n_checkpoints (native): also keep a copy of the recurrent state every N
+    prompt tokens, in a ring of K device slots (each one DeltaNet state: ~157 MB for the 27B,
+    `engine.memory()`-style figures in the backend's memory report), so an edit earlier in a long
+    conversation re-evaluates from the nearest copy before it instead of from the start.
     """
     from .backends.select import create_backend
     from .defaults import default_model_path
@@ -558,6 +562,11 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
         raise ValueError(f"kv_type must be 'f16' or 'q8_0', got {kv_type!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+    if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 0:
+        raise ValueError(f"checkpoint_interval must be an integer >= 0 (0: off), got {checkpoint_interval!r}")
+    if n_checkpoints is not None and (isinstance(n_checkpoints, bool) or not isinstance(n_checkpoints, int)
+                                      or not 1 <= n_checkpoints <= 64):
+        raise ValueError(f"n_checkpoints must be an integer in [1, 64], got {n_checkpoints!r}")
     if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int)
                                   or n_threads < 1):
         raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
@@ -580,7 +589,12 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
         metadata = dict(mf.metadata)
         template = mf.chat_template
         config = mf.config
-        be, reason = create_backend(backend, path, mf, n_ctx=n_ctx, draft_depth=draft_depth,
+        ckpt = {}
+        if checkpoint_interval:
+            ckpt["checkpoint_interval"] = checkpoint_interval
+        if n_checkpoints is not None:
+            ckpt["n_checkpoints"] = n_checkpoints
+        be, reason = create_backend(backend, path, mf, n_ctx=n_ctx, draft_depth=draft_depth, checkpoints=ckpt,
                                     kv_type=kv_type, seed=seed, n_threads=n_threads)
     except BaseException:
         mf.close()

@@ -32,7 +32,7 @@ class FakeLib:
     def __init__(self, ffi):
         self.ffi = ffi
         self.error = ffi.new("char[]", b"")
-        self.n_ckpt = 2
+        self.n_ckpt = 64
         self.oj_reset(None)
 
     # --- the toy model: greedy next token after history h; the MTP head guesses it 3 times in 4
@@ -201,11 +201,11 @@ def template():
     eng.close()
 
 
-def _engine(template, depth: int, n_ctx: int = 256) -> Engine:
+def _engine(template, depth: int, n_ctx: int = 256, **checkpoints) -> Engine:
     from openjet_plugin.model_file import open_model
 
     mf = open_model(template.model_path)
-    be = native.NativeBackend(mf, n_ctx=n_ctx, draft_depth=depth)
+    be = native.NativeBackend(mf, n_ctx=n_ctx, draft_depth=depth, **checkpoints)
     return Engine(be, model_path=template.model_path, config=template.config, metadata=template.metadata,
                   chat_template_source=template.chat_template, eog_tokens=(), token_eos=None,
                   backend_reason="fake native library", model_file=mf)
@@ -282,3 +282,25 @@ def test_a_stream_dropped_mid_cycle_leaves_the_cache_consistent(fake_native, tem
     assert fake_native[-2].hist == spec._tokens
     assert spec.generate(PROMPTS[2], max_tokens=20, temperature=0).tokens == \
         plain.generate(PROMPTS[2], max_tokens=20, temperature=0).tokens
+
+
+@pytest.mark.parametrize("depth", [0, 4])
+def test_an_edit_in_a_long_conversation_resumes_from_the_nearest_checkpoint(fake_native, template, depth):
+    """Issue 9's edit rule on the native bookkeeping: with a checkpoint every N tokens, changing a
+    token in the middle re-evaluates at most N + (the tokens from the edit on), and answers as a
+    fresh engine does."""
+    N = 32
+    spec = _engine(template, depth, n_ctx=1024, n_checkpoints=24, checkpoint_interval=N)
+    plain = _engine(template, 0, n_ctx=1024)
+    rng = np.random.default_rng(7)
+    history = rng.integers(0, V, 600).tolist()
+    spec.generate(history, max_tokens=4, temperature=0)
+    for edit_at in (450, 301, 577):
+        history = history[:edit_at] + [(history[edit_at] + 1) % V] + history[edit_at + 1:]
+        got = spec.generate(history, max_tokens=6, temperature=0)
+        want = plain.generate(history, max_tokens=6, temperature=0)
+        assert got.tokens == want.tokens
+        redone = len(history) - got.stats.cached_prompt_tokens
+        assert redone <= N + (len(history) - edit_at), (edit_at, redone)
+        assert got.stats.cached_prompt_tokens >= edit_at - N
+    assert fake_native[-2].hist == spec._tokens

@@ -460,3 +460,36 @@ def test_native_boundary_errors_leave_the_engine_usable(native, workdir):
     with pytest.raises(NativeEngineError, match="closed"):
         be.eval([1])
     report({"test": "native_boundary", "messages": messages})
+
+
+def test_an_edit_resumes_from_the_nearest_interval_checkpoint(native, workdir):
+    """Issue 9's edit rule on the GPU: a checkpoint every N prompt tokens; changing a token in the
+    middle of a 3,000-token history re-evaluates at most N + the tokens from the edit on, and the
+    answer equals a fresh engine's."""
+    import openjet_plugin
+
+    N = 256
+    path = _model("small-Q4_K_M", workdir)
+    eng = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=4096, draft_depth=4,
+                              checkpoint_interval=N, n_checkpoints=16)
+    fresh = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=4096, draft_depth=4)
+    rows = []
+    try:
+        rng = np.random.default_rng(11)
+        history = rng.integers(0, eng.n_vocab, 3000).tolist()
+        eng.generate(history, max_tokens=8, temperature=0)
+        for edit_at in (1500, 2222, 2990):
+            history = history[:edit_at] + [(history[edit_at] + 1) % eng.n_vocab] + history[edit_at + 1:]
+            got = eng.generate(history, max_tokens=16, temperature=0)
+            fresh._forget_state()
+            want = fresh.generate(history, max_tokens=16, temperature=0)
+            redone = len(history) - got.stats.cached_prompt_tokens
+            rows.append({"edit_at": edit_at, "re_evaluated": redone, "bound": N + len(history) - edit_at,
+                         "prefill_s": round(got.stats.prefill_seconds, 3), "fresh_prefill_s": round(want.stats.prefill_seconds, 3)})
+            assert got.tokens == want.tokens, edit_at
+            assert redone <= N + (len(history) - edit_at), rows[-1]
+        mem = eng._backend.memory()
+    finally:
+        eng.close()
+        fresh.close()
+    report({"test": "edit_checkpoints", "interval": N, "slots": 16, "checkpoint_bytes": mem["checkpoints"], "rows": rows})

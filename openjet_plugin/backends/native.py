@@ -127,7 +127,8 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, model_file, n_ctx: int, draft_depth: int = 4, kv_type: str = "f16",
-                 seed: int | None = None, device: int = 0, n_checkpoints: int = N_CHECKPOINTS):
+                 seed: int | None = None, device: int = 0, n_checkpoints: int = N_CHECKPOINTS,
+                 checkpoint_interval: int = 0):
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {kv_type!r} is not supported by the native engine "
                              f"(supported: {', '.join(KV_TYPES)})")
@@ -143,6 +144,8 @@ class NativeBackend:
         self._engine = None
         self._last_n = 0
         self.n_checkpoints = int(n_checkpoints)
+        # also save a checkpoint each time n_past crosses a multiple of this (0: off)
+        self.checkpoint_interval = int(checkpoint_interval)
         self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
         self.kv_type = kv_type
         self._engine = self._create(model_file, kv_type, device)
@@ -254,14 +257,26 @@ class NativeBackend:
             self._mtp_call(chunk, start, "main")
             self._mtp_upto = start + len(chunk)
 
+    def _eval_chunks(self, tokens: list[int]) -> None:
+        every = self.checkpoint_interval
+        toks = [int(t) for t in tokens]
+        self._chunks(toks)            # validation: ids, context
+        i = 0
+        while i < len(toks):
+            n = min(MAX_POSITIONS, len(toks) - i)
+            if every:                 # chunks end on the interval's multiples
+                n = min(n, every - self.n_past % every)
+            self._eval_chunk(toks[i:i + n])
+            i += n
+            if every and self.n_past % every == 0 and i < len(toks):
+                self.save_checkpoint()
+
     def eval(self, tokens: list[int]) -> np.ndarray:
-        for chunk in self._chunks(tokens):
-            self._eval_chunk(chunk)
+        self._eval_chunks(tokens)
         return self.logits(self._last_n - 1)
 
     def eval_argmax(self, tokens: list[int]) -> int:
-        for chunk in self._chunks(tokens):
-            self._eval_chunk(chunk)
+        self._eval_chunks(tokens)
         return self.argmax()[-1]
 
     def eval_all_logits(self, tokens: list[int], positions_per_call: int = MAX_POSITIONS) -> np.ndarray:

@@ -69,6 +69,7 @@ def choose_backend(backend: str, model_file, n_ctx: int, kv_type: str = "f16") -
 
 def create_backend(backend: str, model_path: str | os.PathLike[str], model_file, *, n_ctx: int,
                    draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None,
+                   checkpoints: dict | None = None,
                    n_threads: int | None = None):
     """Start the chosen backend; returns (backend object, reason)."""
     from .llama_cpp import LlamaCppBackend
@@ -77,7 +78,8 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
     if name == "native":
         mod, _ = _native_module()
         try:
-            return mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed), reason
+            # checkpoints: {"n_checkpoints": K, "checkpoint_interval": N}, only when asked for
+            return mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed, **(checkpoints or {})), reason
         except Exception as exc:  # noqa: BLE001
             if backend == "native":
                 raise BackendUnavailableError(

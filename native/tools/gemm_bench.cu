@@ -1,0 +1,506 @@
+// gemm_bench.cu: correctness and speed of tools/gemm_prefill.cuh (quantised W x P positions on
+// the integer tensor cores) on the 27B shapes.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Xcompiler -fopenmp -Inative native/tools/gemm_bench.cu \
+//        native/matvec.cu -o gb -lgomp
+//   ./gb [--quick] [--table FILE]       (scripts/gpu_gemm.sh builds and runs it)
+//
+// For each (type, shape) of the 27B Q4_K_M type map (the MTP block included, the output head
+// not: prefill needs logits for its last position only) and, without --quick, Q5_K / Q8_0 /
+// Q6_K on the big shapes: random valid blocks (finite fp16 scales), random X with a different
+// scale per position (some positions 300x larger, one all zero), the engine's to_device_layout.
+// Per P in {64, 256, 512, 2048} (plus P = 77, not a multiple of the 64-position tile, with an
+// accumulate run), the output poisoned with NaN before each run, checked against
+//   (a) matvec.cu's int8-activation path (OPENJET_MATVEC=int8) run 8 positions at a time on the
+//       same X: the same rounding of X and the same integer dots, only the fp32 summation order
+//       differs, so |gemm - matvec| <= 1e-5 of sum_k |w_k x_k| on sampled (row, position) pairs
+//       (measured and printed: expect ~1e-7) and <= 1e-4 of the position's rms output on all;
+//   (b) a float64 host dequant (ggml's dequantize_row_* written out here, not from the kernels)
+//       times the unrounded X on sampled (row, position) pairs: <= 1e-2 of sum_k |w_k x_k|
+//       (int8 rounding of X, as matvec_bench's int8 bar);
+//   every output finite (nothing left unwritten), nothing past P written (a guard row).
+// Timing: CUDA events, median of RUNS (>= 10, default 15) after 3 warm-ups, L2 flushed (256 MB
+// memset) before each; the quantisation of X and the GEMM timed separately; TOPS = 2 M K P /
+// GEMM time; weight GB/s = device weight bytes / GEMM time (the weights are read once per
+// position tile from L2; DRAM sees them ~once); "27B stack": sum over the Q4_K_M map's matrices
+// (counts as matvec_bench's pass: 64 layers + MTP) of (quantise + GEMM) time at each P, as
+// tokens/s = P / that sum (projections only: no attention, DeltaNet, norms).
+// Exit status 1 on any failed check.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine.cuh"
+#include "tools/gemm_prefill.cuh"
+
+namespace oj {
+// engine.cu normally provides these two.
+[[noreturn]] void fail(int code, const std::string &message) {
+    std::fprintf(stderr, "oj::fail(%d): %s\n", code, message.c_str());
+    std::exit(2);
+}
+void check_cuda(cudaError_t err, const char *what) {
+    if (err != cudaSuccess) fail(1, std::string(what) + ": " + cudaGetErrorString(err));
+}
+// matvec.cu: 0 the bf16-split path, 1 int8 activations (OPENJET_MATVEC=int8), -1 the variable's
+void matvec_force_path(int path);
+}  // namespace oj
+
+using namespace oj;
+
+#define CK(call) check_cuda((call), #call)
+
+static int g_failures = 0;
+static int RUNS = 15;
+
+// ---- random numbers -------------------------------------------------------------------------
+struct Rng {
+    uint64_t s;
+    explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+    uint64_t next() {
+        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    }
+    float uniform() { return (next() >> 40) * (1.0f / 16777216.0f); }   // [0, 1)
+    float normalish() { return (uniform() + uniform() + uniform() - 1.5f) * 2.0f; }
+};
+
+static uint16_t f16_bits(float v) {
+    __half h = __float2half_rn(v);
+    uint16_t b;
+    std::memcpy(&b, &h, 2);
+    return b;
+}
+static double f16_val(uint16_t b) {
+    __half h;
+    std::memcpy(&h, &b, 2);
+    return (double)__half2float(h);
+}
+
+// ---- file-layout blocks (ggml-common.h) -----------------------------------------------------
+static size_t file_bytes(int type, int64_t K, int64_t M) {
+    return (size_t)(K / type_block_values(type)) * type_block_bytes(type) * (size_t)M;
+}
+
+static std::vector<uint8_t> make_matrix(int type, int64_t K, int64_t M, uint64_t seed) {
+    std::vector<uint8_t> out(file_bytes(type, K, M));
+    const int64_t rows_per_chunk = 64;
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t m0 = 0; m0 < M; m0 += rows_per_chunk) {
+        Rng g(seed * 1000003ull + (uint64_t)m0);
+        const int64_t m1 = std::min(M, m0 + rows_per_chunk);
+        const size_t row_bytes = file_bytes(type, K, 1);
+        uint8_t *p = out.data() + (size_t)m0 * row_bytes;
+        const size_t n_bytes = (size_t)(m1 - m0) * row_bytes;
+        if (type == TYPE_F32) {
+            float *f = reinterpret_cast<float *>(p);
+            for (size_t i = 0; i < n_bytes / 4; ++i) f[i] = g.normalish() * 0.05f;
+        } else if (type == TYPE_F16) {
+            uint16_t *h = reinterpret_cast<uint16_t *>(p);
+            for (size_t i = 0; i < n_bytes / 2; ++i) h[i] = f16_bits(g.normalish() * 0.05f);
+        } else if (type == TYPE_BF16) {
+            uint16_t *h = reinterpret_cast<uint16_t *>(p);
+            for (size_t i = 0; i < n_bytes / 2; ++i) {
+                const float v = g.normalish() * 0.05f;
+                uint32_t u;
+                std::memcpy(&u, &v, 4);
+                h[i] = (uint16_t)(u >> 16);
+            }
+        } else {
+            // random bytes everywhere, then valid finite fp16 scales
+            for (size_t i = 0; i + 8 <= n_bytes; i += 8) {
+                const uint64_t r = g.next();
+                std::memcpy(p + i, &r, 8);
+            }
+            for (size_t i = n_bytes & ~size_t(7); i < n_bytes; ++i) p[i] = (uint8_t)g.next();
+            const int bb = type_block_bytes(type);
+            for (size_t b = 0; b < n_bytes / bb; ++b) {
+                uint8_t *blk = p + b * bb;
+                const float d = (0.5f + g.uniform()) * 1e-3f, dmin = (0.5f + g.uniform()) * 1e-3f;
+                if (type == TYPE_Q8_0) {
+                    reinterpret_cast<block_q8_0 *>(blk)->d = f16_bits(d * 8.0f);
+                } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+                    block_q4_K *q = reinterpret_cast<block_q4_K *>(blk);   // d, dmin lead both
+                    q->d = f16_bits(d);
+                    q->dmin = f16_bits(dmin * 8.0f);
+                } else if (type == TYPE_Q6_K) {
+                    reinterpret_cast<block_q6_K *>(blk)->d = f16_bits(d * 0.2f);
+                }
+            }
+        }
+    }
+    return out;
+}
+
+// ggml's get_scale_min_k4, written out again here (not shared with the kernel file).
+static void ref_scale_min(int j, const uint8_t *q, int &d, int &m) {
+    if (j < 4) {
+        d = q[j] & 63;
+        m = q[j + 4] & 63;
+    } else {
+        d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
+    }
+}
+
+// One row of the file layout, dequantised in float64 (ggml's dequantize_row_* order).
+static void ref_row(int type, int64_t K, const uint8_t *row, std::vector<double> &y) {
+    y.assign(K, 0.0);
+    if (type == TYPE_F32) {
+        for (int64_t k = 0; k < K; ++k) { float v; std::memcpy(&v, row + 4 * k, 4); y[k] = v; }
+    } else if (type == TYPE_F16) {
+        for (int64_t k = 0; k < K; ++k) { uint16_t b; std::memcpy(&b, row + 2 * k, 2); y[k] = f16_val(b); }
+    } else if (type == TYPE_BF16) {
+        for (int64_t k = 0; k < K; ++k) {
+            uint16_t b; std::memcpy(&b, row + 2 * k, 2);
+            const uint32_t u = (uint32_t)b << 16; float v; std::memcpy(&v, &u, 4); y[k] = v;
+        }
+    } else if (type == TYPE_Q8_0) {
+        for (int64_t b = 0; b < K / 32; ++b) {
+            const uint8_t *blk = row + b * 34;
+            uint16_t db; std::memcpy(&db, blk, 2);
+            for (int i = 0; i < 32; ++i) y[b * 32 + i] = f16_val(db) * (double)(int8_t)blk[2 + i];
+        }
+    } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
+        const bool q5 = type == TYPE_Q5_K;
+        const int bb = q5 ? 176 : 144;
+        for (int64_t b = 0; b < K / 256; ++b) {
+            const uint8_t *blk = row + b * bb;
+            uint16_t db, mb; std::memcpy(&db, blk, 2); std::memcpy(&mb, blk + 2, 2);
+            const double d = f16_val(db), dmin = f16_val(mb);
+            const uint8_t *scales = blk + 4, *qh = blk + 16, *ql = blk + (q5 ? 48 : 16);
+            double *out = y.data() + b * 256;
+            int is = 0;
+            unsigned u1 = 1, u2 = 2;
+            for (int j = 0; j < 256; j += 64) {
+                int sc, m;
+                ref_scale_min(is + 0, scales, sc, m);
+                const double d1 = d * sc, m1 = dmin * m;
+                ref_scale_min(is + 1, scales, sc, m);
+                const double d2 = d * sc, m2 = dmin * m;
+                for (int l = 0; l < 32; ++l)
+                    *out++ = d1 * ((ql[l] & 0xF) + (q5 && (qh[l] & u1) ? 16 : 0)) - m1;
+                for (int l = 0; l < 32; ++l)
+                    *out++ = d2 * ((ql[l] >> 4) + (q5 && (qh[l] & u2) ? 16 : 0)) - m2;
+                ql += 32; is += 2; u1 <<= 2; u2 <<= 2;
+            }
+        }
+    } else if (type == TYPE_Q6_K) {
+        for (int64_t b = 0; b < K / 256; ++b) {
+            const uint8_t *blk = row + b * 210;
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const int8_t *sc = reinterpret_cast<const int8_t *>(blk + 192);
+            uint16_t db; std::memcpy(&db, blk + 208, 2);
+            const double d = f16_val(db);
+            double *out = y.data() + b * 256;
+            for (int n = 0; n < 256; n += 128) {
+                for (int l = 0; l < 32; ++l) {
+                    const int is = l / 16;
+                    const int q1 = ((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                    const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                    const int q3 = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                    out[l + 0] = d * sc[is + 0] * q1;
+                    out[l + 32] = d * sc[is + 2] * q2;
+                    out[l + 64] = d * sc[is + 4] * q3;
+                    out[l + 96] = d * sc[is + 6] * q4;
+                }
+                out += 128; ql += 64; qh += 32; sc += 8;
+            }
+        }
+    }
+}
+
+// ---- timing ---------------------------------------------------------------------------------
+static uint8_t *g_flush = nullptr;
+static const size_t FLUSH_BYTES = 256ull << 20;
+
+template <class F>
+static double median_ms(F &&launch) {
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    for (int i = 0; i < 3; ++i) launch();
+    std::vector<float> t;
+    for (int i = 0; i < RUNS; ++i) {
+        CK(cudaMemsetAsync(g_flush, i & 0xFF, FLUSH_BYTES, 0));
+        CK(cudaEventRecord(a, 0));
+        launch();
+        CK(cudaEventRecord(b, 0));
+        CK(cudaEventSynchronize(b));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms);
+    }
+    CK(cudaGetLastError());
+    std::sort(t.begin(), t.end());
+    CK(cudaEventDestroy(a));
+    CK(cudaEventDestroy(b));
+    return t[t.size() / 2];
+}
+
+// ---- one case -------------------------------------------------------------------------------
+struct Shape {
+    const char *name;
+    int64_t K, M;
+};
+
+static const int PS[4] = {64, 256, 512, 2048};
+static const int P_ODD = 77;
+static const int P_MAX = 2048;
+
+struct Result {
+    double q_ms[4] = {0}, g_ms[4] = {0};
+    size_t bytes = 0;
+    double err_mv = 0, err_mv_all = 0, err_ref = 0, err_mv_ref = 0;
+    bool ok = true;
+};
+
+static FILE *g_table = nullptr;
+
+static Result run_case(int type, const Shape &s, uint64_t seed) {
+    Result res;
+    const int64_t K = s.K, M = s.M;
+    std::vector<uint8_t> file = make_matrix(type, K, M, seed);
+    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
+    res.bytes = dev.size();
+    Matrix w;
+    w.type = type; w.K = K; w.M = M;
+    CK(cudaMalloc(&w.data, dev.size()));
+    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
+    std::vector<uint8_t>().swap(dev);
+
+    // X: P_MAX positions; scales vary by position (every 13th 300x, position 5 all zero) so the
+    // per-block int8 scales differ across the tile
+    Rng g(seed ^ 0xABCDEFull);
+    std::vector<float> x((size_t)P_MAX * K);
+    for (int p = 0; p < P_MAX; ++p) {
+        const float scale = p == 5 ? 0.0f : (p % 13 == 7 ? 300.0f : 0.5f + (p % 8));
+        for (int64_t k = 0; k < K; ++k) x[(size_t)p * K + k] = g.normalish() * scale;
+    }
+    float *dx, *dy, *dmv;
+    void *ws;
+    const size_t ws_bytes = gemm::workspace_bytes(K, P_MAX);
+    CK(cudaMalloc(&dx, x.size() * 4));
+    CK(cudaMalloc(&dy, ((size_t)P_MAX + 1) * M * 4));   // + a guard row past P
+    CK(cudaMalloc(&dmv, (size_t)P_MAX * M * 4));
+    CK(cudaMalloc(&ws, ws_bytes));
+    CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+
+    // float64 reference on sampled rows x sampled positions
+    std::vector<int64_t> srows;
+    for (int i = 0; i < 12; ++i) srows.push_back((int64_t)((double)i / 11 * (M - 1)));
+    for (int i = 0; i < 8; ++i) srows.push_back((int64_t)(g.next() % (uint64_t)M));
+    std::vector<int> spos = {0, 1, 5, 7, 63, 64, 76};
+    for (int i = 0; i < 9; ++i) spos.push_back((int)(g.next() % (uint64_t)P_MAX));
+    spos.push_back(P_MAX - 1);
+    const size_t row_bytes = file_bytes(type, K, 1);
+    std::vector<double> ref(srows.size() * spos.size()), mag(srows.size() * spos.size()), wrow;
+    for (size_t ri = 0; ri < srows.size(); ++ri) {
+        ref_row(type, K, file.data() + (size_t)srows[ri] * row_bytes, wrow);
+        for (size_t pi = 0; pi < spos.size(); ++pi) {
+            double acc = 0, a = 0;
+            const float *xp = x.data() + (size_t)spos[pi] * K;
+            for (int64_t k = 0; k < K; ++k) {
+                const double p = wrow[k] * (double)xp[k];
+                acc += p;
+                a += std::fabs(p);
+            }
+            ref[ri * spos.size() + pi] = acc;
+            mag[ri * spos.size() + pi] = a + 1e-30;
+        }
+    }
+    std::vector<float>().swap(x);
+    std::vector<uint8_t>().swap(file);
+
+    // matvec int8, 8 positions per call, on all P_MAX positions (the same X for every P)
+    matvec_force_path(1);
+    CK(cudaMemset(dmv, 0xFF, (size_t)P_MAX * M * 4));
+    for (int p0 = 0; p0 < P_MAX; p0 += 8) matvec(w, dx + (size_t)p0 * K, dmv + (size_t)p0 * M, 8, false, 0);
+    matvec_force_path(0);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> ymv((size_t)P_MAX * M), y((size_t)(P_MAX + 1) * M);
+    CK(cudaMemcpy(ymv.data(), dmv, ymv.size() * 4, cudaMemcpyDeviceToHost));
+
+    auto fail_msg = [&](const char *what, int P, const char *detail) {
+        std::printf("FAIL %s %s P=%d %s: %s\n", type_name(type), s.name, P, what, detail);
+        res.ok = false;
+    };
+    // checks of y [P][M] (+ prev when accumulating)
+    auto check = [&](int P, const std::vector<float> *prev) {
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(y.data(), dy, ((size_t)P + 1) * M * 4, cudaMemcpyDeviceToHost));
+        char buf[256];
+        int64_t unwritten = 0, guard = 0;
+        for (size_t i = 0; i < (size_t)P * M; ++i) unwritten += !std::isfinite(y[i]);
+        for (int64_t m = 0; m < M; ++m) {   // the guard row was NaN-poisoned: must stay NaN
+            const float v = y[(size_t)P * M + m];
+            guard += !std::isnan(v);
+        }
+        if (unwritten || guard) {
+            std::snprintf(buf, sizeof buf, "%lld outputs not finite, %lld written past P", (long long)unwritten,
+                          (long long)guard);
+            fail_msg("coverage", P, buf);
+        }
+        // (a) against matvec int8: sampled pairs relative to sum |w x|; every output relative to
+        // the position's rms
+        double worst_s = 0, worst_all = 0, worst_ref = 0, worst_mvref = 0;
+        for (size_t ri = 0; ri < srows.size(); ++ri)
+            for (size_t pi = 0; pi < spos.size(); ++pi) {
+                const int p = spos[pi];
+                if (p >= P) continue;
+                const size_t i = (size_t)p * M + srows[ri];
+                const double base = prev ? (*prev)[i] : 0.0;
+                const double m = mag[ri * spos.size() + pi] + std::fabs(base);
+                worst_s = std::max(worst_s, std::fabs((y[i] - base) - ymv[i]) / m);
+                worst_ref = std::max(worst_ref, std::fabs((y[i] - base) - ref[ri * spos.size() + pi]) / m);
+                worst_mvref = std::max(worst_mvref, std::fabs(ymv[i] - ref[ri * spos.size() + pi]) / m);
+            }
+        for (int p = 0; p < P; ++p) {
+            double ss = 0;
+            for (int64_t mm = 0; mm < M; ++mm) ss += (double)ymv[(size_t)p * M + mm] * ymv[(size_t)p * M + mm];
+            const double rms = std::sqrt(ss / M) + 1e-30;
+            for (int64_t mm = 0; mm < M; ++mm) {
+                const size_t i = (size_t)p * M + mm;
+                const double base = prev ? (*prev)[i] : 0.0;
+                const double d = std::fabs((y[i] - base) - ymv[i]) / (rms + std::fabs(base));
+                if (!(d <= worst_all)) worst_all = std::isnan(d) ? INFINITY : std::max(worst_all, d);
+            }
+        }
+        if (!(worst_s <= 1e-5)) { std::snprintf(buf, sizeof buf, "vs matvec int8 %.3e of sum|w x| (bar 1e-5)", worst_s); fail_msg("matvec", P, buf); }
+        if (!(worst_all <= 1e-4)) { std::snprintf(buf, sizeof buf, "vs matvec int8 %.3e of rms on some output (bar 1e-4)", worst_all); fail_msg("matvec-all", P, buf); }
+        if (!(worst_ref <= 1e-2)) { std::snprintf(buf, sizeof buf, "vs float64 %.3e of sum|w x| (bar 1e-2)", worst_ref); fail_msg("float64", P, buf); }
+        res.err_mv = std::max(res.err_mv, worst_s);
+        res.err_mv_all = std::max(res.err_mv_all, worst_all);
+        res.err_ref = std::max(res.err_ref, worst_ref);
+        res.err_mv_ref = std::max(res.err_mv_ref, worst_mvref);
+    };
+
+    for (int P : {PS[0], PS[1], PS[2], PS[3], P_ODD}) {
+        CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));   // NaN
+        gemm::gemm_prefill(w, dx, P, dy, false, ws, ws_bytes, 0);
+        check(P, nullptr);
+    }
+    {   // accumulate: y = prev + W x, at the odd P
+        const int P = P_ODD;
+        std::vector<float> prev((size_t)(P + 1) * M);
+        for (auto &v : prev) v = g.normalish();
+        for (int64_t m = 0; m < M; ++m) prev[(size_t)P * M + m] = NAN;   // guard row
+        CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
+        gemm::gemm_prefill(w, dx, P, dy, true, ws, ws_bytes, 0);
+        check(P, &prev);
+    }
+
+    // timing
+    for (int pi = 0; pi < 4; ++pi) {
+        const int P = PS[pi];
+        res.q_ms[pi] = median_ms([&] { gemm::quantize_x(dx, K, P, type, ws, 0); });
+        gemm::quantize_x(dx, K, P, type, ws, 0);
+        res.g_ms[pi] = median_ms([&] { gemm::gemm_run(w, ws, P, dy, false, 0); });
+        const double tops = 2.0 * M * K * P / (res.g_ms[pi] * 1e-3) / 1e12;
+        const double gbs = res.bytes / (res.g_ms[pi] * 1e-3) / 1e9;
+        const char *fmt = "%-5s %-10s %6lld %6lld P=%-5d gemm %8.4f ms  quantise %7.4f ms  %7.1f TOPS  %7.0f GB/s weights\n";
+        std::printf(fmt, type_name(type), s.name, (long long)K, (long long)M, P, res.g_ms[pi], res.q_ms[pi], tops, gbs);
+        if (g_table) std::fprintf(g_table, fmt, type_name(type), s.name, (long long)K, (long long)M, P, res.g_ms[pi], res.q_ms[pi], tops, gbs);
+    }
+    CK(cudaFree(w.data));
+    CK(cudaFree(dx));
+    CK(cudaFree(dy));
+    CK(cudaFree(dmv));
+    CK(cudaFree(ws));
+    if (!res.ok) ++g_failures;
+    return res;
+}
+
+int main(int argc, char **argv) {
+    bool quick = false;
+    const char *table_path = nullptr;
+    for (int i = 1; i < argc; ++i) {
+        if (!std::strcmp(argv[i], "--quick")) quick = true;
+        else if (!std::strcmp(argv[i], "--table") && i + 1 < argc) table_path = argv[++i];
+        else { std::fprintf(stderr, "gemm_bench: unknown argument %s\n", argv[i]); return 2; }
+    }
+    if (const char *r = std::getenv("GB_RUNS")) RUNS = std::max(10, std::atoi(r));
+    if (table_path) g_table = std::fopen(table_path, "w");
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    int optin = 0;
+    CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    std::printf("device %s sm_%d%d, %d SMs, L2 %d MB, %d KB shared per block\n", prop.name, prop.major, prop.minor,
+                prop.multiProcessorCount, prop.l2CacheSize >> 20, optin >> 10);
+    CK(cudaMalloc(&g_flush, FLUSH_BYTES));
+
+    const Shape qkv{"attn_qkv", 5120, 10240}, gate{"attn_gate", 5120, 6144}, q{"attn_q", 5120, 12288},
+        kv{"attn_k/v", 5120, 1024}, out5{"ssm_out", 6144, 5120}, ffn_gu{"ffn_gate", 5120, 17408},
+        down{"ffn_down", 17408, 5120}, ab{"ssm_a/b", 5120, 48}, eh{"eh_proj", 10240, 5120};
+    struct Use { int type; Shape s; int count; };
+    // matvec_bench's Q4_K_M map (64 layers + the MTP block), without the output head
+    const std::vector<Use> model = {
+        {TYPE_Q4_K, ffn_gu, 130}, {TYPE_Q4_K, down, 32}, {TYPE_Q6_K, down, 33}, {TYPE_Q4_K, qkv, 24},
+        {TYPE_Q6_K, qkv, 24}, {TYPE_Q4_K, q, 17}, {TYPE_Q4_K, out5, 17 + 48}, {TYPE_Q4_K, gate, 48},
+        {TYPE_Q4_K, kv, 17 + 8}, {TYPE_Q6_K, kv, 9}, {TYPE_Q4_K, eh, 1}, {TYPE_Q4_K, ab, 96},
+    };
+    struct Case { int type; Shape s; };
+    std::vector<Case> cases;
+    for (const Use &u : model) cases.push_back({u.type, u.s});
+    if (!quick) {
+        for (const Shape &s : {qkv, ffn_gu, down}) {
+            cases.push_back({TYPE_Q5_K, s});
+            cases.push_back({TYPE_Q8_0, s});
+        }
+        cases.push_back({TYPE_Q6_K, ffn_gu});
+    } else {
+        cases.push_back({TYPE_Q8_0, qkv});
+        cases.push_back({TYPE_Q5_K, kv});
+    }
+    std::map<std::string, Result> results;
+    uint64_t seed = 1;
+    for (const Case &c : cases) {
+        const Result r = run_case(c.type, c.s, seed++);
+        results[std::string(type_name(c.type)) + " " + c.s.name] = r;
+        std::printf("  -> %s %s: vs matvec int8 %.2e of sum|wx| (all outputs %.2e of rms), vs float64 %.2e "
+                    "(matvec int8 vs float64 %.2e) %s\n",
+                    type_name(c.type), c.s.name, r.err_mv, r.err_mv_all, r.err_ref, r.err_mv_ref, r.ok ? "ok" : "FAILED");
+        std::fflush(stdout);
+    }
+
+    std::printf("\n%-16s %8s | %-36s | %-36s\n", "case", "MB", "TOPS at P = 64 256 512 2048", "weight GB/s at P = 64 256 512 2048");
+    for (const Case &c : cases) {
+        const Result &r = results[std::string(type_name(c.type)) + " " + c.s.name];
+        double tops[4], gbs[4];
+        for (int i = 0; i < 4; ++i) {
+            tops[i] = 2.0 * c.s.M * c.s.K * PS[i] / (r.g_ms[i] * 1e-3) / 1e12;
+            gbs[i] = r.bytes / (r.g_ms[i] * 1e-3) / 1e9;
+        }
+        std::printf("%-16s %8.1f | %8.1f %8.1f %8.1f %8.1f | %8.0f %8.0f %8.0f %8.0f%s\n",
+                    (std::string(type_name(c.type)) + " " + c.s.name).c_str(), r.bytes / 1e6, tops[0], tops[1], tops[2],
+                    tops[3], gbs[0], gbs[1], gbs[2], gbs[3], r.ok ? "" : " FAIL");
+    }
+    // the 27B stack's projections (Q4_K_M map, 64 layers + MTP) at each P
+    for (int i = 0; i < 4; ++i) {
+        double ms = 0, gms = 0, flop = 0, bytes = 0;
+        for (const Use &u : model) {
+            const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
+            ms += u.count * (r.g_ms[i] + r.q_ms[i]);
+            gms += u.count * r.g_ms[i];
+            flop += u.count * 2.0 * u.s.M * u.s.K * PS[i];
+            bytes += (double)u.count * r.bytes;
+        }
+        std::printf("27B stack projections P=%-5d: %8.2f ms (GEMM %.2f, quantise %.2f)  %7.1f TOPS  %6.0f GB/s weights"
+                    "  -> %7.0f tokens/s (projections only)\n",
+                    PS[i], ms, gms, ms - gms, flop / (gms * 1e-3) / 1e12, bytes / (gms * 1e-3) / 1e9, PS[i] / (ms * 1e-3));
+    }
+    std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
+    if (g_table) std::fclose(g_table);
+    return g_failures ? 1 : 0;
+}
