@@ -2,11 +2,11 @@
 # Builds native/tools/matvec_bench.cu (with native/matvec.cu and the pre-rewrite kernel copy in
 # native/tools/matvec_old.cuh) for sm_90 and runs it: correctness against a float64 host
 # reference, speed on the 27B shapes of both quantised paths of matvec.cu (the bf16-split
-# kernels, "new", and int8 activations, "int8" = OPENJET_MATVEC=int8), plus v1/old beside them
+# kernels, "new", and int8 activations, "int8" = OPENJET_MATVEC=int8), plus old beside them
 # in the full run; a summary table last. Full table, resource report and log go to $OUT (or
 # /tmp/openjet-matvec-out).
 #
-#   bash scripts/gpu_matvec.sh            # all types and shapes, with v1 and old (~2-4 minutes on an H200)
+#   bash scripts/gpu_matvec.sh            # all types and shapes, with old (~2-4 minutes on an H200)
 #   bash scripts/gpu_matvec.sh --quick    # the Q4_K_M model's (type, shape) pairs + Q8_0 K % 256 != 0,
 #                                         # new and int8 only
 set -uo pipefail
@@ -20,7 +20,7 @@ nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -I
     || { tail -30 "$OUT/build.log"; exit 1; }
 # registers / spills of the engine's tensor-core kernels (type id 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K;
 # int8 path: type/warps per block)
-awk '/Compiling entry function/ { k = ($0 ~ /oj_v1/) ? "v1 " : (($0 ~ /oj_old/) ? "" : "new"); t = ""
+awk '/Compiling entry function/ { k = ($0 ~ /oj_old/) ? "" : "new"; t = ""
          if (match($0, /mma_matvec_kernelILi[0-9]+/)) t = substr($0, RSTART + 20, RLENGTH - 20)
          else if (match($0, /i8_matvec_kernelILi[0-9]+ELi[0-9]+/)) {
              t = substr($0, RSTART + 19, RLENGTH - 19); sub(/ELi/, "/", t); k = "i8 " }

@@ -1,7 +1,8 @@
-// matvec_bench.cu: correctness and speed of native/matvec.cu on the 27B shapes, with the first
-// tensor-core kernel ("v1", tools/matvec_v1.cuh) and the pre-tensor-core one ("old",
-// tools/matvec_old.cuh) beside it; Q8_0 also at K a multiple of 32 only (the trained default
-// model's 384/512/768/1024 and odd tails), where v1 and old cannot run.
+// matvec_bench.cu: correctness and speed of native/matvec.cu on the 27B shapes (both paths: the
+// bf16-split "new" and the int8-activation "int8"), with the pre-tensor-core kernel ("old",
+// tools/matvec_old.cuh) beside them; Q8_0 also at K a multiple of 32 only (the trained default
+// model's 384/512/768/1024 and odd tails), where old cannot run. (The first tensor-core kernel,
+// timed beside the current one on 2026-11-29 — native/README.md — is no longer kept here.)
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative native/tools/matvec_bench.cu native/matvec.cu -o mb
 //   ./mb [--quick]            (scripts/gpu_matvec.sh builds and runs it)
@@ -32,7 +33,6 @@
 
 #include "engine.cuh"
 #include "tools/matvec_old.cuh"
-#include "tools/matvec_v1.cuh"
 
 namespace oj {
 // engine.cu normally provides these two.
@@ -58,193 +58,7 @@ using namespace oj;
 static int g_failures = 0;
 static int RUNS = 25;
 
-// ---- random numbers -------------------------------------------------------------------------
-struct Rng {
-    uint64_t s;
-    explicit Rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
-    uint64_t next() {
-        uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        return z ^ (z >> 31);
-    }
-    float uniform() { return (next() >> 40) * (1.0f / 16777216.0f); }   // [0, 1)
-    float normalish() { return (uniform() + uniform() + uniform() - 1.5f) * 2.0f; }
-};
-
-static uint16_t f16_bits(float v) {
-    __half h = __float2half_rn(v);
-    uint16_t b;
-    std::memcpy(&b, &h, 2);
-    return b;
-}
-static double f16_val(uint16_t b) {
-    __half h;
-    std::memcpy(&h, &b, 2);
-    return (double)__half2float(h);
-}
-
-// ---- file-layout blocks (ggml-common.h) -----------------------------------------------------
-static size_t file_bytes(int type, int64_t K, int64_t M) {
-    return (size_t)(K / type_block_values(type)) * type_block_bytes(type) * (size_t)M;
-}
-
-static std::vector<uint8_t> make_matrix(int type, int64_t K, int64_t M, uint64_t seed) {
-    std::vector<uint8_t> out(file_bytes(type, K, M));
-    const int64_t rows_per_chunk = 64;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t m0 = 0; m0 < M; m0 += rows_per_chunk) {
-        Rng g(seed * 1000003ull + (uint64_t)m0);
-        const int64_t m1 = std::min(M, m0 + rows_per_chunk);
-        const size_t row_bytes = file_bytes(type, K, 1);
-        uint8_t *p = out.data() + (size_t)m0 * row_bytes;
-        const size_t n_bytes = (size_t)(m1 - m0) * row_bytes;
-        if (type == TYPE_F32) {
-            float *f = reinterpret_cast<float *>(p);
-            for (size_t i = 0; i < n_bytes / 4; ++i) f[i] = g.normalish() * 0.05f;
-        } else if (type == TYPE_F16) {
-            uint16_t *h = reinterpret_cast<uint16_t *>(p);
-            for (size_t i = 0; i < n_bytes / 2; ++i) h[i] = f16_bits(g.normalish() * 0.05f);
-        } else if (type == TYPE_BF16) {
-            uint16_t *h = reinterpret_cast<uint16_t *>(p);
-            for (size_t i = 0; i < n_bytes / 2; ++i) {
-                const float v = g.normalish() * 0.05f;
-                uint32_t u;
-                std::memcpy(&u, &v, 4);
-                h[i] = (uint16_t)(u >> 16);
-            }
-        } else {
-            // random bytes everywhere, then valid finite fp16 scales
-            for (size_t i = 0; i + 8 <= n_bytes; i += 8) {
-                const uint64_t r = g.next();
-                std::memcpy(p + i, &r, 8);
-            }
-            for (size_t i = n_bytes & ~size_t(7); i < n_bytes; ++i) p[i] = (uint8_t)g.next();
-            const int bb = type_block_bytes(type);
-            for (size_t b = 0; b < n_bytes / bb; ++b) {
-                uint8_t *blk = p + b * bb;
-                const float d = (0.5f + g.uniform()) * 1e-3f, dmin = (0.5f + g.uniform()) * 1e-3f;
-                if (type == TYPE_Q8_0) {
-                    reinterpret_cast<block_q8_0 *>(blk)->d = f16_bits(d * 8.0f);
-                } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
-                    block_q4_K *q = reinterpret_cast<block_q4_K *>(blk);   // d, dmin lead both
-                    q->d = f16_bits(d);
-                    q->dmin = f16_bits(dmin * 8.0f);
-                } else if (type == TYPE_Q6_K) {
-                    reinterpret_cast<block_q6_K *>(blk)->d = f16_bits(d * 0.2f);
-                }
-            }
-        }
-    }
-    return out;
-}
-
-// ggml's get_scale_min_k4, written out again here (not shared with the kernel file).
-static void ref_scale_min(int j, const uint8_t *q, int &d, int &m) {
-    if (j < 4) {
-        d = q[j] & 63;
-        m = q[j + 4] & 63;
-    } else {
-        d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        m = (q[j + 4] >> 4) | ((q[j - 0] >> 6) << 4);
-    }
-}
-
-// One row of the file layout, dequantised in float64 (ggml's dequantize_row_* order).
-static void ref_row(int type, int64_t K, const uint8_t *row, std::vector<double> &y) {
-    y.assign(K, 0.0);
-    if (type == TYPE_F32) {
-        for (int64_t k = 0; k < K; ++k) { float v; std::memcpy(&v, row + 4 * k, 4); y[k] = v; }
-    } else if (type == TYPE_F16) {
-        for (int64_t k = 0; k < K; ++k) { uint16_t b; std::memcpy(&b, row + 2 * k, 2); y[k] = f16_val(b); }
-    } else if (type == TYPE_BF16) {
-        for (int64_t k = 0; k < K; ++k) {
-            uint16_t b; std::memcpy(&b, row + 2 * k, 2);
-            const uint32_t u = (uint32_t)b << 16; float v; std::memcpy(&v, &u, 4); y[k] = v;
-        }
-    } else if (type == TYPE_Q8_0) {
-        for (int64_t b = 0; b < K / 32; ++b) {
-            const uint8_t *blk = row + b * 34;
-            uint16_t db; std::memcpy(&db, blk, 2);
-            for (int i = 0; i < 32; ++i) y[b * 32 + i] = f16_val(db) * (double)(int8_t)blk[2 + i];
-        }
-    } else if (type == TYPE_Q4_K || type == TYPE_Q5_K) {
-        const bool q5 = type == TYPE_Q5_K;
-        const int bb = q5 ? 176 : 144;
-        for (int64_t b = 0; b < K / 256; ++b) {
-            const uint8_t *blk = row + b * bb;
-            uint16_t db, mb; std::memcpy(&db, blk, 2); std::memcpy(&mb, blk + 2, 2);
-            const double d = f16_val(db), dmin = f16_val(mb);
-            const uint8_t *scales = blk + 4, *qh = blk + 16, *ql = blk + (q5 ? 48 : 16);
-            double *out = y.data() + b * 256;
-            int is = 0;
-            unsigned u1 = 1, u2 = 2;
-            for (int j = 0; j < 256; j += 64) {
-                int sc, m;
-                ref_scale_min(is + 0, scales, sc, m);
-                const double d1 = d * sc, m1 = dmin * m;
-                ref_scale_min(is + 1, scales, sc, m);
-                const double d2 = d * sc, m2 = dmin * m;
-                for (int l = 0; l < 32; ++l)
-                    *out++ = d1 * ((ql[l] & 0xF) + (q5 && (qh[l] & u1) ? 16 : 0)) - m1;
-                for (int l = 0; l < 32; ++l)
-                    *out++ = d2 * ((ql[l] >> 4) + (q5 && (qh[l] & u2) ? 16 : 0)) - m2;
-                ql += 32; is += 2; u1 <<= 2; u2 <<= 2;
-            }
-        }
-    } else if (type == TYPE_Q6_K) {
-        for (int64_t b = 0; b < K / 256; ++b) {
-            const uint8_t *blk = row + b * 210;
-            const uint8_t *ql = blk, *qh = blk + 128;
-            const int8_t *sc = reinterpret_cast<const int8_t *>(blk + 192);
-            uint16_t db; std::memcpy(&db, blk + 208, 2);
-            const double d = f16_val(db);
-            double *out = y.data() + b * 256;
-            for (int n = 0; n < 256; n += 128) {
-                for (int l = 0; l < 32; ++l) {
-                    const int is = l / 16;
-                    const int q1 = ((ql[l + 0] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                    const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                    const int q3 = ((ql[l + 0] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                    const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                    out[l + 0] = d * sc[is + 0] * q1;
-                    out[l + 32] = d * sc[is + 2] * q2;
-                    out[l + 64] = d * sc[is + 4] * q3;
-                    out[l + 96] = d * sc[is + 6] * q4;
-                }
-                out += 128; ql += 64; qh += 32; sc += 8;
-            }
-        }
-    }
-}
-
-// ---- timing ---------------------------------------------------------------------------------
-static uint8_t *g_flush = nullptr;
-static const size_t FLUSH_BYTES = 256ull << 20;
-
-template <class F>
-static double median_ms(F &&launch) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> t;
-    for (int i = 0; i < RUNS; ++i) {
-        CK(cudaMemsetAsync(g_flush, i & 0xFF, FLUSH_BYTES, 0));
-        CK(cudaEventRecord(a, 0));
-        launch();
-        CK(cudaEventRecord(b, 0));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return t[t.size() / 2];
-}
+#include "bench_blocks.cuh"
 
 static double copy_gbs() {
     const size_t bytes = 2ull << 30;
@@ -265,18 +79,17 @@ struct Shape {
 };
 
 struct Result {
-    double new_ms[9] = {0}, old_ms[9] = {0}, v1_ms[9] = {0}, i8_ms[9] = {0};
+    double new_ms[9] = {0}, old_ms[9] = {0}, i8_ms[9] = {0};
     size_t bytes = 0;
     double i8_err = 0;   // int8 path: max error / sum |w x|
-    double max_err = 0, old_err = 0, v1_err = 0, embed_err = 0;
-    int64_t v1_diff = 0;   // outputs (all n) where new and v1 differ in any bit
+    double max_err = 0, old_err = 0, embed_err = 0;
     bool ok = true;
 };
 
 static double g_copy = 0;
 static FILE *g_table = nullptr;
 
-static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old, bool with_v1) {
+static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old) {
     Result res;
     const int64_t K = s.K, M = s.M;
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
@@ -352,7 +165,6 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old, b
         CK(cudaMemset(dy, 0xFF, 8 * M * 4));   // NaN
         matvec(w, dx, dy, n, false, 0);
         res.max_err = std::max(res.max_err, check(n, 1e-4, "new"));
-        std::vector<float> y_new(y.begin(), y.begin() + (size_t)n * M);
         if (n == 1) std::memcpy(y_first.data(), y.data(), M * 4);
         else if (std::memcmp(y_first.data(), y.data(), M * 4) != 0) {
             std::printf("FAIL %s %s new: vector 0 differs between n=1 and n=%d\n", type_name(type), s.name, n);
@@ -362,13 +174,6 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old, b
             CK(cudaMemset(dy, 0xFF, 8 * M * 4));
             oj_old::matvec(wo, dx, dy, n, false, 0);
             res.old_err = std::max(res.old_err, check(n, 1e-5, "old"));
-        }
-        if (with_v1) {
-            CK(cudaMemset(dy, 0xFF, 8 * M * 4));
-            oj_v1::matvec(w, dx, dy, n, false, 0);
-            res.v1_err = std::max(res.v1_err, check(n, 1e-4, "v1"));
-            // same arithmetic in the same order (only the load schedule differs): expect 0
-            for (size_t i = 0; i < y_new.size(); ++i) res.v1_diff += std::memcmp(&y_new[i], &y[i], 4) != 0;
         }
     }
     // int8 activations: the bound is for rounding x to int8 per 32 values (amax / 254 per value
@@ -486,7 +291,6 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old, b
         res.new_ms[n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
         const bool sampled = n == 1 || n == 2 || n == 3 || n == 5 || n == 8;
         if (with_old && sampled) res.old_ms[n] = median_ms([&] { oj_old::matvec(wo, dx, dy, n, false, 0); });
-        if (with_v1 && sampled) res.v1_ms[n] = median_ms([&] { oj_v1::matvec(w, dx, dy, n, false, 0); });
         if (sampled) {
             matvec_force_path(1);
             res.i8_ms[n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
@@ -494,9 +298,9 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old, b
         }
     }
     for (int n = 1; n <= 8; ++n) {
-        for (int which = 0; which < 4; ++which) {
-            const double ms = which == 0 ? res.new_ms[n] : which == 1 ? res.v1_ms[n] : which == 2 ? res.old_ms[n] : res.i8_ms[n];
-            const char *label = which == 0 ? "new" : which == 1 ? "v1" : which == 2 ? "old" : "i8";
+        for (int which = 0; which < 3; ++which) {
+            const double ms = which == 0 ? res.new_ms[n] : which == 1 ? res.old_ms[n] : res.i8_ms[n];
+            const char *label = which == 0 ? "new" : which == 1 ? "old" : "i8";
             if (ms <= 0) continue;
             const double gbs = res.bytes / (ms * 1e-3) / 1e9;
             const char *fmt = "%-5s %-10s %6lld %7lld %-3s n=%d %9.4f ms %7.0f GB/s %5.1f%% of copy\n";
@@ -559,43 +363,40 @@ int main(int argc, char **argv) {
     std::map<std::string, Result> results;
     uint64_t seed = 1;
     for (const Case &c : cases) {
-        // v1 and old need K % 256 == 0 (Q8_0 too)
-        // --quick skips them (the time goes to the int8 path)
+        // old needs K % 256 == 0 (Q8_0 too); --quick skips it (the time goes to the int8 path)
         const bool k256 = c.s.K % QK_K == 0 && !quick;
-        const Result r = run_case(c.type, c.s, seed++, k256, k256);
+        const Result r = run_case(c.type, c.s, seed++, k256);
         results[std::string(type_name(c.type)) + " " + c.s.name] = r;
-        std::printf("  -> %s %s: max rel err new %.2e int8 %.2e v1 %.2e old %.2e, embed %.1e, new!=v1 bitwise %lld %s\n",
-                    type_name(c.type), c.s.name, r.max_err, r.i8_err, r.v1_err, r.old_err, r.embed_err, (long long)r.v1_diff,
-                    r.ok ? "ok" : "FAILED");
+        std::printf("  -> %s %s: max rel err new %.2e int8 %.2e old %.2e, embed %.1e %s\n",
+                    type_name(c.type), c.s.name, r.max_err, r.i8_err, r.old_err, r.embed_err, r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
 
     // summary
-    std::printf("\n%-16s %9s | %-32s | %-32s | %-32s | %-32s | %s\n", "case", "MB", "new % of copy n=1 2 3 5 8",
-                "int8 % of copy n=1 2 3 5 8", "v1 % of copy n=1 2 3 5 8", "old % of copy n=1 2 3 5 8",
+    std::printf("\n%-16s %9s | %-32s | %-32s | %-32s | %s\n", "case", "MB", "new % of copy n=1 2 3 5 8",
+                "int8 % of copy n=1 2 3 5 8", "old % of copy n=1 2 3 5 8",
                 "new n5/n1  err  int8 err");
     for (const Case &c : cases) {
         const std::string key = std::string(type_name(c.type)) + " " + c.s.name;
         const Result &r = results[key];
         auto pct = [&](double ms) { return ms > 0 ? 100.0 * (r.bytes / (ms * 1e-3) / 1e9) / g_copy : 0.0; };
-        std::printf("%-16s %9.1f | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.2f  %.1e  %.1e%s\n",
+        std::printf("%-16s %9.1f | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.1f %5.1f %5.1f %5.1f %5.1f    | %5.2f  %.1e  %.1e%s\n",
                     key.c_str(), r.bytes / 1e6, pct(r.new_ms[1]), pct(r.new_ms[2]), pct(r.new_ms[3]), pct(r.new_ms[5]),
                     pct(r.new_ms[8]), pct(r.i8_ms[1]), pct(r.i8_ms[2]), pct(r.i8_ms[3]), pct(r.i8_ms[5]), pct(r.i8_ms[8]),
-                    pct(r.v1_ms[1]), pct(r.v1_ms[2]), pct(r.v1_ms[3]), pct(r.v1_ms[5]), pct(r.v1_ms[8]),
                     pct(r.old_ms[1]), pct(r.old_ms[2]), pct(r.old_ms[3]), pct(r.old_ms[5]),
                     pct(r.old_ms[8]), r.new_ms[5] / r.new_ms[1], r.max_err, r.i8_err, r.ok ? "" : " FAIL");
     }
-    // one decode pass's matvecs (27B Q4_K_M, MTP included), new vs v1 vs old
-    for (int which = 0; which < 4; ++which) {
+    // one decode pass's matvecs (27B Q4_K_M, MTP included), new vs old vs int8
+    for (int which = 0; which < 3; ++which) {
         double pass[9] = {0}, bytes = 0;
         for (const Use &u : model) {
             const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
             for (int n = 1; n <= 8; ++n)
-                pass[n] += u.count * (which == 0 ? r.new_ms[n] : which == 1 ? r.v1_ms[n] : which == 2 ? r.old_ms[n] : r.i8_ms[n]);
+                pass[n] += u.count * (which == 0 ? r.new_ms[n] : which == 1 ? r.old_ms[n] : r.i8_ms[n]);
             bytes += (double)u.count * r.bytes;
         }
-        if (pass[1] <= 0) continue;   // v1 / old not run (--quick)
-        const char *label = which == 0 ? "new" : which == 1 ? "v1" : which == 2 ? "old" : "int8";
+        if (pass[1] <= 0) continue;   // old not run (--quick)
+        const char *label = which == 0 ? "new" : which == 1 ? "old" : "int8";
         std::printf("27B pass matvecs (%s, %.2f GB, kernel time only, flushed L2): n=1 %.2f ms (%.0f GB/s, %.0f%% of copy)"
                     "  n=2 %.2f  n=3 %.2f  n=5 %.2f  n=8 %.2f ms  n5/n1 %.2f\n",
                     label, bytes / 1e9, pass[1], bytes / (pass[1] * 1e-3) / 1e9,

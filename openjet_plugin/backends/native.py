@@ -149,7 +149,9 @@ class NativeBackend:
         self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
         self.kv_type = kv_type
         self._engine = self._create(model_file, kv_type, device)
-        self.has_mtp = model_file.config.mtp_layer is not None and self._mtp_loaded()
+        # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
+        il = model_file.config.mtp_layer
+        self.has_mtp = il is not None and f"blk.{il}.nextn.eh_proj.weight" in model_file.tensors
         # the MTP cache follows the main model when drafting is possible at all
         self.supports_speculative = self.has_mtp and self.draft_depth > 0
         self._mtp_upto = 0          # MTP rows of positions < this are made from main hiddens
@@ -238,11 +240,6 @@ class NativeBackend:
         if self.n_past + len(toks) > self.n_ctx:
             raise ContextOverflowError(self.n_past + len(toks), self.n_ctx)
         return [toks[i:i + MAX_POSITIONS] for i in range(0, len(toks), MAX_POSITIONS)]
-
-    def _mtp_loaded(self) -> bool:
-        out = self._nl.ffi.new("int32_t *")
-        return self._nl.lib.oj_draft_vocab_size(self._handle(), out) == 0 and \
-            self._nl.lib.oj_set_draft_vocab(self._handle(), self._nl.ffi.NULL, 0) == 0
 
     def _eval_chunk(self, chunk: list[int]) -> None:
         ffi = self._nl.ffi
