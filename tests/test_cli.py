@@ -73,6 +73,7 @@ def test_backend_choices_on_this_machine(model, cache_dir):
     (["--max-tokens", "0"], "max_tokens"),
     (["--repeat-penalty", "0"], "repeat_penalty"),
     (["--n-ctx", "5"], "n_ctx"),
+    (["--draft-depth", "9"], "draft_depth"),
 ])
 def test_bad_parameters_are_one_line_errors(model, capsys, args, needle):
     rc = cli.main(["generate", "x", "-m", str(model), *args])

@@ -15,6 +15,7 @@ first draft step (`_uncaught` holds the committed tokens still waiting for their
 
 from __future__ import annotations
 
+import os
 from typing import Iterable
 
 import numpy as np
@@ -28,6 +29,8 @@ from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngine
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
 MIN_COMPUTE_CAPABILITY = (8, 6)
 KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
+MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "int8" = int8 activations; else bf16-split
+MATVEC_PATHS = ("", "bf16", "int8")
 N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
 MEMORY_FIELDS = ("weights", "kv_cache", "recurrent_state", "activations", "checkpoints", "total")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -96,6 +99,11 @@ def model_problems(model_file) -> list[str]:
 
 def native_status(model_file, n_ctx: int, kv_type: str = "f16") -> tuple[bool, str]:
     """(True, what will run) or (False, why not): library, GPU, memory, model shape/types."""
+    path = os.environ.get(MATVEC_ENV, "")
+    if path not in MATVEC_PATHS:
+        # matvec.cu reads the variable itself and would take any other value as the default path
+        return False, (f"${MATVEC_ENV}={path!r} is not one of {', '.join(repr(p) for p in MATVEC_PATHS if p)} "
+                       f"(or unset)")
     try:
         nl = _native.load()
     except BackendUnavailableError as e:
@@ -134,6 +142,10 @@ class NativeBackend:
                              f"(supported: {', '.join(KV_TYPES)})")
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        if isinstance(n_checkpoints, bool) or not isinstance(n_checkpoints, int) or not 0 <= n_checkpoints <= 64:
+            raise ValueError(f"n_checkpoints must be an integer in [0, 64], got {n_checkpoints!r}")
+        if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 0:
+            raise ValueError(f"checkpoint_interval must be an integer >= 0 (0: off), got {checkpoint_interval!r}")
         self._nl = _native.load()
         self._model_file = model_file
         self.config: ModelConfig = model_file.config
