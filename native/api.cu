@@ -152,6 +152,11 @@ int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     return guarded(engine, [&] { oj::engine_eval(engine->e, tokens, n_tokens); });
 }
 
+int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_prefill(engine->e, tokens, n_tokens); });
+}
+
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] { oj::engine_verify(engine->e, tokens, n_tokens); });

@@ -239,37 +239,55 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
 }
 
 template <int D, bool Q8>
-void launch_partial(dim3 grid, const Layer &L, Scratch &s, int H, int Hkv, int n_ctx, int pos0, int n_splits,
-                    float scale, cudaStream_t st) {
+void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
+                    int n_splits, float scale, cudaStream_t st) {
     attention_partial_kernel<D, Q8><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(
-        s.q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
+        q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
         n_splits, scale);
 }
 
-template <bool Q8>
-void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
-    const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
+RopeParams rope_params(const ModelDims &d) {
     RopeParams rp;
     rp.n_rot = d.hp.n_rot;
     for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
     rp.freq_base = d.hp.rope_freq_base;
+    return rp;
+}
+
+template <bool Q8>
+void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v, float *q_rot, int n,
+                int pos0, int n_ctx, cudaStream_t st) {
+    const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     attention_prepare_kernel<Q8><<<dim3(n, H + Hkv), D, D * sizeof(float), st>>>(
-        s.qg, s.k, s.v, L.q_norm, L.k_norm, s.q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv,
-        n_ctx, pos0, d.hp.rms_eps, rp);
+        qg, k, v, L.q_norm, L.k_norm, q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv,
+        n_ctx, pos0, d.hp.rms_eps, rope_params(d));
     check_launch("attention_prepare");
+}
+
+// Steps 2 and 3 for n <= OJ_MAX_POSITIONS positions at pos0.. (q_rot, qg and out point at the first).
+template <bool Q8>
+void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg, float *out, int n,
+               int pos0, int n_ctx, cudaStream_t st) {
+    const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     const int n_splits = (pos0 + n + SPLIT - 1) / SPLIT;
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
     const dim3 grid(H, n, n_splits);
     switch (D) {
-        case 64: launch_partial<64, Q8>(grid, L, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
-        case 128: launch_partial<128, Q8>(grid, L, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
-        case 256: launch_partial<256, Q8>(grid, L, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
+        case 64: launch_partial<64, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
+        case 128: launch_partial<128, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
+        case 256: launch_partial<256, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");
-    attention_combine_kernel<<<dim3(H, n), D, 0, st>>>(s.part_ml, s.part_acc, s.qg, s.attn_out, H, n_splits);
+    attention_combine_kernel<<<dim3(H, n), D, 0, st>>>(s.part_ml, s.part_acc, qg, out, H, n_splits);
     check_launch("attention_combine");
+}
+
+template <bool Q8>
+void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
+    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st);
+    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st);
 }
 
 }  // namespace
@@ -279,6 +297,26 @@ void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, in
         case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st); break;
         case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st); break;
         default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
+    }
+}
+
+void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v,
+                       float *q_rot, int n, int pos0, int n_ctx, cudaStream_t st) {
+    switch (L.kv_type) {
+        case OJ_KV_F16: prepare_kv<false>(d, L, qg, k, v, q_rot, n, pos0, n_ctx, st); break;
+        case OJ_KV_Q8_0: prepare_kv<true>(d, L, qg, k, v, q_rot, n, pos0, n_ctx, st); break;
+        default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
+    }
+}
+
+void attention_by_decode(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg,
+                         float *out, int n, int pos0, int n_ctx, cudaStream_t st) {
+    const int H = d.hp.n_head, D = d.hp.head_dim;
+    for (int i = 0; i < n; i += OJ_MAX_POSITIONS) {
+        const int m = n - i < OJ_MAX_POSITIONS ? n - i : OJ_MAX_POSITIONS;
+        const size_t row = (size_t)i * H * D;
+        if (L.kv_type == OJ_KV_Q8_0) decode_kv<true>(d, L, s, q_rot + row, qg + 2 * row, out + row, m, pos0 + i, n_ctx, st);
+        else decode_kv<false>(d, L, s, q_rot + row, qg + 2 * row, out + row, m, pos0 + i, n_ctx, st);
     }
 }
 

@@ -22,6 +22,10 @@
 // n_past - 1 - replay_n, and slot replay_slot rows [0, replay_n) are exactly the intermediates of
 // positions n_past - replay_n .. n_past - 1. The replay repeats the forward arithmetic exactly,
 // so the committed state is bit-identical to stepping the accepted tokens one at a time.
+//
+// Prefill (deltanet_prefill) runs the same kernels over a whole pass (up to prefill_chunk
+// positions, the recurrence looping over them with the state in registers) with `commit` set:
+// the state after the last position is written back at the end, nothing is kept for a replay.
 #include "engine.cuh"
 #include "reduce.cuh"
 
@@ -32,7 +36,7 @@ namespace {
 template <int KERNEL>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
-                                     float *__restrict__ state, float *__restrict__ out, int C) {
+                                     float *__restrict__ state, float *__restrict__ out, int C, bool commit) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     float win[KERNEL - 1], wc[KERNEL];
@@ -49,6 +53,7 @@ __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_
     }
 #pragma unroll
     for (int j = 0; j < KERNEL; ++j) wc[j] = w[(int64_t)c * KERNEL + j];
+#pragma unroll 4   // a prefill pass loops over thousands of positions: keep loads in flight
     for (int t = 0; t < n; ++t) {
         const float in = qkv[(int64_t)t * C + c];
         float acc = 0.0f;
@@ -59,6 +64,10 @@ __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_
 #pragma unroll
         for (int j = 0; j < KERNEL - 2; ++j) win[j] = win[j + 1];
         win[KERNEL - 2] = in;
+    }
+    if (commit) {   // prefill: the new positions are final
+#pragma unroll
+        for (int j = 0; j < KERNEL - 1; ++j) state[(int64_t)c * (KERNEL - 1) + j] = win[j];
     }
 }
 
@@ -74,34 +83,51 @@ __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int
     p[threadIdx.x] = y;
 }
 
-// One delta-rule step of state row j (this lane's R values), from position t's conv output.
+// What one delta-rule step of state row j reads from position t: this lane's R key and query
+// values, v_j, raw beta and alpha. Loaded one position ahead of the arithmetic (the loads do not
+// depend on the state), so that a prefill pass's thousands of sequential steps do not each wait
+// for their loads.
 template <int R>
-__device__ __forceinline__ float delta_step(float (&s)[R], const float *__restrict__ base, int kh, int h, int j,
-                                            int lane, int key_dim, float beta_raw, float alpha_raw, float bias,
-                                            float a, bool want_out) {
+struct StepIn {
+    float k[R], q[R];
+    float v, beta_raw, alpha_raw;
+};
+
+template <int R>
+__device__ __forceinline__ void load_step(StepIn<R> &in, const float *__restrict__ base, const float *__restrict__ beta,
+                                          const float *__restrict__ alpha, int kh, int h, int j, int lane, int key_dim,
+                                          bool want_q) {
     constexpr int S = R * 32;
     const float *q = base + kh * S;
     const float *k = base + key_dim + kh * S;
-    const float v = base[2 * key_dim + h * S + j];
-    const float beta = sigmoid(beta_raw);
-    const float x = alpha_raw + bias;
-    const float softplus = x > 20.0f ? x : log1pf(expf(x));
-    const float decay = expf(softplus * a);
-    float kr[R];
-    float kv = 0.0f;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        kr[r] = k[r * 32 + lane];
-        kv += s[r] * kr[r];
+        in.k[r] = k[r * 32 + lane];
+        in.q[r] = want_q ? q[r * 32 + lane] : 0.0f;
     }
-    kv = warp_sum(kv);
-    const float delta = (v - decay * kv) * beta;
+    in.v = base[2 * key_dim + h * S + j];
+    in.beta_raw = *beta;
+    in.alpha_raw = *alpha;
+}
+
+// One delta-rule step of state row j (this lane's R values).
+template <int R>
+__device__ __forceinline__ float delta_step(float (&s)[R], const StepIn<R> &in, float bias, float a, bool want_out) {
+    const float beta = sigmoid(in.beta_raw);
+    const float x = in.alpha_raw + bias;
+    const float softplus = x > 20.0f ? x : log1pf(expf(x));
+    const float decay = expf(softplus * a);
+    float kv = 0.0f;
 #pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = decay * s[r] + kr[r] * delta;
+    for (int r = 0; r < R; ++r) kv += s[r] * in.k[r];
+    kv = warp_sum(kv);
+    const float delta = (in.v - decay * kv) * beta;
+#pragma unroll
+    for (int r = 0; r < R; ++r) s[r] = decay * s[r] + in.k[r] * delta;
     if (!want_out) return 0.0f;
     float o = 0.0f;
 #pragma unroll
-    for (int r = 0; r < R; ++r) o += s[r] * q[r * 32 + lane];
+    for (int r = 0; r < R; ++r) o += s[r] * in.q[r];
     return warp_sum(o);
 }
 
@@ -116,7 +142,7 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            const float *__restrict__ alpha_raw, int n,
                            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
                            float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
-                           int n_key_heads, int n_v_heads) {
+                           int n_key_heads, int n_v_heads, bool commit) {
     constexpr int R = S / 32;
     const int h = blockIdx.x, lane = threadIdx.x & 31;
     const int j = blockIdx.y * 4 + (threadIdx.x >> 5);
@@ -126,17 +152,31 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
 #pragma unroll
     for (int r = 0; r < R; ++r) s[r] = row[r * 32 + lane];
     const float bias = dt_bias[h], a = ssm_a[h];
+    StepIn<R> cur, nxt;
     if (n_replay > 0) {
-        for (int t = 0; t < n_replay; ++t)
-            delta_step<R>(s, replay_conv + (int64_t)t * C, kh, h, j, lane, key_dim, replay_beta[t * n_v_heads + h],
-                          replay_alpha[t * n_v_heads + h], bias, a, false);
+        load_step<R>(cur, replay_conv, replay_beta + h, replay_alpha + h, kh, h, j, lane, key_dim, false);
+        for (int t = 0; t < n_replay; ++t) {
+            if (t + 1 < n_replay)
+                load_step<R>(nxt, replay_conv + (int64_t)(t + 1) * C, replay_beta + (t + 1) * n_v_heads + h,
+                             replay_alpha + (t + 1) * n_v_heads + h, kh, h, j, lane, key_dim, false);
+            delta_step<R>(s, cur, bias, a, false);
+            cur = nxt;
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) row[r * 32 + lane] = s[r];
     }
+    if (n > 0) load_step<R>(cur, conv_out, beta_raw + h, alpha_raw + h, kh, h, j, lane, key_dim, true);
     for (int t = 0; t < n; ++t) {
-        const float o = delta_step<R>(s, conv_out + (int64_t)t * C, kh, h, j, lane, key_dim,
-                                      beta_raw[t * n_v_heads + h], alpha_raw[t * n_v_heads + h], bias, a, true);
+        if (t + 1 < n)
+            load_step<R>(nxt, conv_out + (int64_t)(t + 1) * C, beta_raw + (t + 1) * n_v_heads + h,
+                         alpha_raw + (t + 1) * n_v_heads + h, kh, h, j, lane, key_dim, true);
+        const float o = delta_step<R>(s, cur, bias, a, true);
         if (lane == 0) out[(int64_t)t * n_v_heads * S + h * S + j] = o;
+        cur = nxt;
+    }
+    if (commit && n > 0) {   // prefill: the new positions are final
+#pragma unroll
+        for (int r = 0; r < R; ++r) row[r * 32 + lane] = s[r];
     }
 }
 
@@ -152,14 +192,14 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
 
 // Conv and recurrence for n_replay positions of ring slot `replay` and n new ones of slot `cur`.
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
-                         const RingSlot &cur, int n, float *dn_out, cudaStream_t st) {
+                         const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = 128, blocks = (C + threads - 1) / threads;
     switch (d.hp.ssm_conv_kernel) {
-        case 2: deltanet_conv_kernel<2><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C); break;
-        case 3: deltanet_conv_kernel<3><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C); break;
-        case 4: deltanet_conv_kernel<4><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C); break;
+        case 2: deltanet_conv_kernel<2><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
+        case 3: deltanet_conv_kernel<3><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
+        case 4: deltanet_conv_kernel<4><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
     }
     check_launch("deltanet_conv");
@@ -171,7 +211,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 #define OJ_RECURRENCE(SS)                                                                                       \
     deltanet_recurrence_kernel<SS><<<grid, 128, 0, st>>>(replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, \
                                                          cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a, L.ssm_state,  \
-                                                         dn_out, C, key_dim, Hk, Hv)
+                                                         dn_out, C, key_dim, Hk, Hv, commit)
     switch (S) {
         case 32: OJ_RECURRENCE(32); break;
         case 64: OJ_RECURRENCE(64); break;
@@ -186,14 +226,26 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st) {
-    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, st);
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st);
     deltanet_gated_norm_kernel<<<dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st>>>(s.dn_out, s.z, L.ssm_norm,
                                                                                        d.hp.rms_eps);
     check_launch("deltanet_gated_norm");
 }
 
+void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,
+                      const float *alpha, const float *z, float *out, int n, cudaStream_t st) {
+    RingSlot cur;   // the prefill buffers in the shape of a ring slot; nothing to replay
+    cur.qkv = const_cast<float *>(qkv);
+    cur.conv = conv;
+    cur.beta = const_cast<float *>(beta);
+    cur.alpha = const_cast<float *>(alpha);
+    conv_and_recurrence(d, L, cur, 0, cur, n, out, true, st);
+    deltanet_gated_norm_kernel<<<dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st>>>(out, z, L.ssm_norm, d.hp.rms_eps);
+    check_launch("deltanet_gated_norm");
+}
+
 void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay, cudaStream_t st) {
-    if (n_replay > 0) conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[replay_slot], 0, nullptr, st);
+    if (n_replay > 0) conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[replay_slot], 0, nullptr, false, st);
 }
 
 }  // namespace oj

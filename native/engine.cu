@@ -409,6 +409,7 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
         m.head = m.own_head.present() ? &m.own_head : (e.output.present() ? &e.output : &e.tok_embd);
     }
     alloc_scratch(e);
+    alloc_prefill(e, desc.prefill_chunk);
     if (desc.n_checkpoints < 0 || desc.n_checkpoints > 64)
         fail(OJ_ERR_INVALID_ARGUMENT, "n_checkpoints is " + std::to_string(desc.n_checkpoints) + "; allowed 0..64");
     e.checkpoints.resize(desc.n_checkpoints);

@@ -98,6 +98,25 @@ struct Scratch {
     int32_t *fault_probe = nullptr;
 };
 
+// Activation buffers of the batched prefill path (prefill.cu), sized for `chunk` positions;
+// absent (chunk 0) unless oj_model_desc.prefill_chunk asked for them.
+struct PrefillScratch {
+    int chunk = 0;
+    int32_t *tokens = nullptr;                         // [chunk]
+    float *x = nullptr, *xn = nullptr;                 // [chunk][E]
+    float *ffn_gate = nullptr, *ffn_up = nullptr;      // [chunk][n_ff]
+    float *z = nullptr, *dn_out = nullptr;             // [chunk][value_dim]
+    float *qkv = nullptr, *conv = nullptr;             // [chunk][conv_dim]: raw conv inputs, conv output
+    float *beta = nullptr, *alpha = nullptr;           // [chunk][n_v_heads]
+    float *qg = nullptr;                               // [chunk][2 * q_dim]
+    float *k = nullptr, *v = nullptr;                  // [chunk][kv_dim]
+    float *q_rot = nullptr, *attn_out = nullptr;       // [chunk][q_dim]
+    float *cat = nullptr;                              // [chunk][2E]: the MTP block's input
+    float *hidden = nullptr;                           // [chunk + 1][E]: row r = h of position pos0 + r - 1
+    void *workspace = nullptr;                         // int8 X of the GEMM (gemm_prefill.cuh)
+    size_t workspace_bytes = 0;
+};
+
 // A copy of the recurrent state and the hidden state at n_past (oj_checkpoint_save).
 struct Checkpoint {
     int n_past = -1;          // -1: never saved
@@ -116,7 +135,8 @@ struct Engine {
     std::vector<Layer> layers;
     bool has_mtp = false;
     Mtp mtp;
-    Scratch s;
+ Scratch s;
+    PrefillScratch pf;
 
     int n_past = 0;                   // committed positions
     int last_start = 0, last_n = 0;   // the last evaluation's first position and length
@@ -149,6 +169,9 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
 void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
+// prefill.cu: oj_prefill (openjet.h), and its buffers (engine_load calls alloc_prefill).
+void engine_prefill(Engine &e, const int32_t *tokens, int n);
+void alloc_prefill(Engine &e, int chunk);
 
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
@@ -177,6 +200,11 @@ void fault_probe(int32_t *out, cudaStream_t st);
 // alpha already projected there) to s.dn_out (gated-normed, before ssm_out), committing nothing.
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st);
+// deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
+// beta / alpha, ADVANCING the state by all of them (no ring slot, nothing pending), gated-normed
+// outputs to out (z: the gate projection). The same kernels and arithmetic as deltanet_mix.
+void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,
+                      const float *alpha, const float *z, float *out, int n, cudaStream_t st);
 // deltanet.cu: only the replay (before reading the state back).
 void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay, cudaStream_t st);
 
@@ -184,6 +212,18 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
                    cudaStream_t st);
+// attention.cu: the first step alone for n positions of a prefill pass: q/k norms and RoPE to q_rot,
+// K/V appended at pos0...
+void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v,
+                       float *q_rot, int n, int pos0, int n_ctx, cudaStream_t st);
+// attention.cu: the decode kernels over any n positions, OJ_MAX_POSITIONS at a time through the
+// split-K buffers of s (the reference the prefill kernel is checked against; OPENJET_PREFILL_ATTN=decode).
+void attention_by_decode(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg,
+                         float *out, int n, int pos0, int n_ctx, cudaStream_t st);
+// attention_prefill.cu: causal flash attention for n positions pos0.. whose K/V are in the cache,
+// on the tensor cores: out[i][h] = softmax(q k^T / sqrt(D)) v * sigmoid(gate).
+void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, const float *qg, float *out,
+                       int n, int pos0, int n_ctx, cudaStream_t st);
 // attention.cu: split-K blocks needed per (head, position) at a context of n_ctx positions.
 int attention_splits_for(int n_ctx);
 

@@ -1,5 +1,5 @@
 // int8_mma.cuh: the integer tensor-core primitives the int8-activation matvec (matvec.cu) and
-// the prefill GEMM (tools/gemm_prefill.cuh) share: one definition, so both round and multiply alike.
+// the prefill GEMM (gemm_prefill.cuh) share: one definition, so both round and multiply alike.
 #pragma once
 
 #include <cstdint>

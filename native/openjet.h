@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 2, OJ_MAX_POSITIONS = 8 };
+enum { OJ_ABI_VERSION = 3, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -114,6 +114,8 @@ typedef struct oj_model_desc {
     int32_t kv_type;          /* oj_kv_type */
     int32_t device;           /* CUDA device ordinal */
     int32_t n_checkpoints;    /* recurrent-state checkpoint slots (oj_checkpoint_save), 0..64 */
+    int32_t prefill_chunk;    /* positions per oj_prefill pass, 0 (no oj_prefill) or 64..OJ_MAX_PREFILL_CHUNK:
+                                 the prefill buffers (memory report `prefill`) scale with it */
 } oj_model_desc;
 
 /* Device memory the engine holds, by purpose (bytes). */
@@ -123,6 +125,7 @@ typedef struct oj_memory_report {
     uint64_t recurrent_state;
     uint64_t activations;
     uint64_t checkpoints;
+    uint64_t prefill;         /* activations of the batched prefill path (prefill_chunk positions) */
     uint64_t total;
 } oj_memory_report;
 
@@ -150,6 +153,21 @@ int32_t oj_n_past(const oj_engine *engine, int32_t *out);
 
 /* Main model: append tokens[0..n_tokens) at n_past (1 <= n_tokens <= OJ_MAX_POSITIONS). */
 int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
+/* Prefill: append tokens[0..n_tokens) at n_past (any n_tokens >= 1 that fits n_ctx) and commit
+   them, in passes of up to prefill_chunk positions through the batched kernels (quantised weights
+   x many positions on the tensor cores, the DeltaNet recurrence over the pass, causal attention
+   over the cache plus the pass). A pending verify counts as oj_commit(0) first. Afterwards:
+   - the results read as after an oj_eval of the LAST token alone: oj_get_argmax(.., 1),
+     oj_get_logits(0), oj_get_hidden(0) are the last position's; OJ_H_MAIN reaches the hidden
+     states of the last two positions (as oj_mtp_eval's window after a one-token oj_eval);
+   - when the model has an MTP block and its cache length was n_past on entry, the MTP cache holds
+     every new position too (MTP position p from token p and the main hidden state of p - 1), so
+     oj_mtp_n_past = the new n_past; otherwise the MTP cache is left as it was.
+   Recurrent state, conv state and K/V equal those of evaluating the tokens one at a time up to
+   the projections' arithmetic: the prefill projections round activations to int8 per 32 values
+   (as OPENJET_MATVEC=int8 and llama.cpp's q8_1 do). OJ_ERR_INVALID_ARGUMENT when the engine was
+   created with prefill_chunk 0. */
+int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
 /* Evaluate tokens at n_past..n_past+n_tokens-1 provisionally (the results are read as after
    oj_eval); a verify not committed before the next evaluation counts as oj_commit(0). */
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);

@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -109,15 +110,24 @@ def is_current(out_dir: Path = OUT_DIR) -> bool:
     return (out_dir / LIB_NAME).is_file() and stamp.is_file() and stamp.read_text().strip() == sources_digest()
 
 
-def nvcc_command(nvcc: str, archs: list[str], output: Path) -> list[str]:
-    cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-lineinfo",
-           "--threads", "0", "-I", str(NATIVE_SRC), "-o", str(output)]
+def nvcc_flags(archs: list[str]) -> list[str]:
+    flags = ["-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-lineinfo", "--threads", "0", "-I", str(NATIVE_SRC)]
     for a in archs:
-        cmd += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
     # PTX of the newest architecture too, so a newer GPU can still JIT the kernels
-    cmd += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
-    cmd += [str(s) for s in sources()]
-    return cmd
+    flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+    return flags
+
+
+def compile_commands(nvcc: str, archs: list[str], obj_dir: Path) -> list[tuple[Path, list[str]]]:
+    """One `nvcc -c` per source (run side by side: the files take minutes each for four
+    architectures), then build() links the objects."""
+    return [(obj_dir / (src.stem + ".o"), [nvcc, "-c", *nvcc_flags(archs), "-o", str(obj_dir / (src.stem + ".o")), str(src)])
+            for src in sources()]
+
+
+def link_command(nvcc: str, archs: list[str], objects: list[Path], output: Path) -> list[str]:
+    return [nvcc, "-shared", *nvcc_flags(archs), "-o", str(output), *[str(o) for o in objects]]
 
 
 def build(out_dir: Path = OUT_DIR, archs: list[str] | None = None, verbose: bool = True) -> Path | None:
@@ -138,14 +148,29 @@ def build(out_dir: Path = OUT_DIR, archs: list[str] | None = None, verbose: bool
     out_dir.mkdir(parents=True, exist_ok=True)
     output = out_dir / LIB_NAME
     tmp = out_dir / (LIB_NAME + ".tmp")
-    cmd = nvcc_command(nvcc, archs, tmp)
+    obj_dir = out_dir / (LIB_NAME + ".objects")
+    shutil.rmtree(obj_dir, ignore_errors=True)
+    obj_dir.mkdir(parents=True)
+    jobs = compile_commands(nvcc, archs, obj_dir)
     if verbose:
-        print(f"openjet build_native: sm_{', sm_'.join(archs)} ({how})", file=sys.stderr)
-        print(" ".join(cmd), file=sys.stderr)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
+        print(f"openjet build_native: sm_{', sm_'.join(archs)} ({how}), {len(jobs)} sources side by side", file=sys.stderr)
+        for _, cmd in jobs:
+            print(" ".join(cmd), file=sys.stderr)
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        procs = list(pool.map(lambda job: subprocess.run(job[1], capture_output=True, text=True), jobs))
+    failed = [(job, p) for job, p in zip(jobs, procs) if p.returncode != 0]
+    if not failed:
+        link = link_command(nvcc, archs, [o for o, _ in jobs], tmp)
+        proc = subprocess.run(link, capture_output=True, text=True)
+        if proc.returncode != 0:
+            failed = [((tmp, link), proc)]
+    if failed:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"nvcc failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        shutil.rmtree(obj_dir, ignore_errors=True)
+        text = "\n".join(f"{Path(job[1][-1]).name}: exit {p.returncode}\n{p.stdout}\n{p.stderr}" for job, p in failed)
+        raise RuntimeError(f"nvcc failed:\n{text}")
+    shutil.rmtree(obj_dir, ignore_errors=True)
     os.replace(tmp, output)
     shutil.copyfile(NATIVE_SRC / "openjet.h", out_dir / "openjet.h")
     stamp_path(out_dir).write_text(sources_digest() + "\n")

@@ -37,6 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-depth", type=int, default=4,
                    help="MTP drafts per speculative cycle on the native backend, 0 = off (default 4)")
     p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="native KV cache type (default f16)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="positions per batched prefill pass on the native backend, 64..4096; "
+                        "0 = off, 8 positions per call (default 2048)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -166,7 +169,8 @@ def _load(args):
             model = default_model_path()
     with _progress(f"loading {model or 'the default model'}"):
         eng = load(model, backend=args.backend, n_ctx=args.n_ctx, n_threads=args.threads,
-                   draft_depth=getattr(args, "draft_depth", 4), kv_type=getattr(args, "kv_type", "f16"))
+                   draft_depth=getattr(args, "draft_depth", 4), kv_type=getattr(args, "kv_type", "f16"),
+                   prefill_chunk=getattr(args, "prefill_chunk", None))
     print(f"model {eng.model_path}, backend {eng.backend_name} ({eng.backend_reason})",
           file=sys.stderr, flush=True)
     return eng

@@ -536,7 +536,8 @@ def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tup
 
 def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "auto", n_ctx: int = 4096,
          draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None, verbose: bool = False,
-         n_threads: int | None = None, checkpoint_interval: int = 0, n_checkpoints: int | None = None) -> Engine:
+         n_threads: int | None = None, checkpoint_interval: int = 0, n_checkpoints: int | None = None,
+         prefill_chunk: int | None = None) -> Engine:
     """Open a qwen35 GGUF and start a backend for it.
 
     model_path None: the embedded default model (defaults.default_model_path()).
@@ -547,6 +548,9 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     prompt tokens, in a ring of K device slots (each one DeltaNet state: ~157 MB for the 27B,
     `engine.memory()`-style figures in the backend's memory report), so an edit earlier in a long
     conversation re-evaluates from the nearest copy before it instead of from the start.
+    prefill_chunk (native): positions per batched prefill pass (oj_prefill), 64..4096, or 0 for
+    none (prompts then go 8 positions per call); None: the backend's default (2048). Its buffers
+    grow with it (the backend's memory report, `prefill`).
     """
     from .backends.select import create_backend
     from .defaults import default_model_path
@@ -567,6 +571,11 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     if n_checkpoints is not None and (isinstance(n_checkpoints, bool) or not isinstance(n_checkpoints, int)
                                       or not 1 <= n_checkpoints <= 64):
         raise ValueError(f"n_checkpoints must be an integer in [1, 64], got {n_checkpoints!r}")
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or not (prefill_chunk == 0 or 64 <= prefill_chunk <= 4096)):
+        # the native engine's range (backends/native.py check_prefill_chunk, openjet.h)
+        raise ValueError(f"prefill_chunk must be 0 (no batched prefill) or an integer in [64, 4096], "
+                         f"got {prefill_chunk!r}")
     if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int)
                                   or n_threads < 1):
         raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
@@ -594,6 +603,8 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
             ckpt["checkpoint_interval"] = checkpoint_interval
         if n_checkpoints is not None:
             ckpt["n_checkpoints"] = n_checkpoints
+        if prefill_chunk is not None:       # native only, like the checkpoint options
+            ckpt["prefill_chunk"] = prefill_chunk
         be, reason = create_backend(backend, path, mf, n_ctx=n_ctx, draft_depth=draft_depth, checkpoints=ckpt,
                                     kv_type=kv_type, seed=seed, n_threads=n_threads)
     except BaseException:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds native/tools/gemm_bench.cu (tools/gemm_prefill.cuh, the prefill GEMM: quantised W x
+# Builds native/tools/gemm_bench.cu (gemm_prefill.cuh, the prefill GEMM: quantised W x
 # P positions on the integer tensor cores, with native/matvec.cu for its int8 path and device
 # layouts) for sm_${OPENJET_CUDA_ARCHS:-90} and runs it: every output checked against matvec's
 # int8 path (8 positions per call, same X rounding) and a float64 host reference, then timed at

@@ -268,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--text", type=Path, help="tokenise this file instead of random ids")
     ap.add_argument("--engine", choices=("native", "reference"), default="native")
+    ap.add_argument("--matvec", choices=("default", "int8"), default="default",
+                    help="native projections: the default bf16-split kernels, or int8 activations "
+                         "(OPENJET_MATVEC=int8: x rounded per 32 values as llama.cpp's q8_1)")
     ap.add_argument("--llama-logits", help="a built llama_logits (default: built from the peer sdist)")
     ap.add_argument("--llama-logits-src", default=str(LLAMA_LOGITS_SRC), help=argparse.SUPPRESS)
     ap.add_argument("--allow-cpu-llama", action="store_true",
@@ -284,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.positions < 1 or not 1 <= args.batch <= 8:
         ap.error("--positions must be >= 1 and --batch 1..8")
     deadline = time.time() + args.budget_s
-    res: dict = {"positions": args.positions, "batch": args.batch, "kv": "f16", "flash_attn": True,
+    if args.matvec == "int8":   # read by the engine at its first quantised matvec, in this process
+        os.environ["OPENJET_MATVEC"] = "int8"
+    res: dict = {"matvec": args.matvec, "positions": args.positions, "batch": args.batch, "kv": "f16", "flash_attn": True,
                  "timing": "load: model onto the device; eval: all positions incl. copying every logits row "
                            "to the host (ours after one warm-up call, llama.cpp's includes its first call)"}
     try:
@@ -343,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({res['disagreements']} disagreements{nt}); KL(llama.cpp || ours) mean {res['kl_mean']:.2e}, "
           f"max {res['kl_max']:.2e}; rel L2 {res['rel_l2'] or 0:.2e}; "
           f"llama.cpp load {ll['load_s']:.1f} s, eval {ll['decode_s']:.2f} s; "
-          f"ours ({o['engine']}) load {o['load_s']} s, eval {o['eval_s']} s -> "
+          f"ours ({o['engine']}, matvec {args.matvec}) load {o['load_s']} s, eval {o['eval_s']} s -> "
           f"{'PASS' if res['pass'] else 'FAIL'} (top-1 >= {args.min_top1}, >= {args.min_positions} positions)",
           flush=True)
     return 0 if res["pass"] else EXIT_BELOW

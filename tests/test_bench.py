@@ -550,7 +550,29 @@ class _ToyEngine:
         self.n_past, self.last, self.pending, self.slots = 0, [], 0, {}
         self.mtp_n_past, self.draft = 0, []
         self.evals = self.mtp_calls = 0
+        self.prefill_chunk = 0
+        self.prefills: list[tuple[int, int, bool]] = []     # (n_past, tokens, MTP followed)
         self.error = ffi.new("char[]", b"ok")
+
+    def oj_abi_version(self):
+        return 3
+
+    def oj_prefill(self, h, buf, n):
+        if self.prefill_chunk == 0:
+            return self._fail("oj_prefill needs prefill_chunk > 0")
+        toks = [buf[i] for i in range(n)]
+        follows = self.mtp_n_past == self.n_past
+        self.prefills.append((self.n_past, n, follows))
+        self.last = [self.g(toks[-1], self.n_past + n - 1)]     # the last position's results only
+        self.n_past += n
+        self.pending = 0
+        if follows:
+            self.mtp_n_past = self.n_past
+        return 0
+
+    def oj_mtp_n_past(self, h, out):
+        out[0] = self.mtp_n_past
+        return 0
 
     def g(self, t, p):
         return (31 * t + 7 * p + 3) % self.V
@@ -646,6 +668,7 @@ def toy_native(monkeypatch):
     from openjet_plugin import _native
     from openjet_plugin.backends import native
 
+    monkeypatch.setattr(_native, "header_path", lambda: _native.SOURCE_HEADER)   # ABI 3, not a stale copy
     ffi = _native.make_ffi()
     engines: list[_ToyEngine] = []
 
@@ -656,6 +679,7 @@ def toy_native(monkeypatch):
 
     def create(self, model_file, kv_type, device):
         self._nl.lib.V = self.n_vocab
+        self._nl.lib.prefill_chunk = self.prefill_chunk if self.batched_prefill else 0
         return ffi.new("int32_t *")
 
     monkeypatch.setattr(_native, "load", load)
@@ -952,7 +976,10 @@ def test_plan_measures_speculative_rows_and_groups_cover_the_plan(tmp_path):
     assert [r[2]["drafts"] for r in planned if r[0] == "spec_mtp_tps"] == [1, 2, 3, 4]
     accept = [r for r in planned if r[0] == "accepted_per_cycle"]
     assert {(r[2]["temperature"], r[2]["drafts"]) for r in accept} == {(t, d) for t in (0.0, 0.7) for d in (1, 2, 3, 4)}
-    assert {p["metric"] for p in pending} == {"prefill_tps"}            # only batched prefill still waits
+    assert pending == []                                                # batched prefill is measured now
+    pre = [r for r in planned if r[0] == "prefill_tps"]
+    assert sorted((r[1], r[2]["new_tokens"], r[2]["depth"]) for r in pre) == \
+        sorted((e, n, d) for e in ("openjet", "llama.cpp") for n, d in ((2700, 1800), (12000, 29500)))
     run = runner.Run(settings=s, store=Store(tmp_path / "r", {"x": 1}), model=tmp_path / "m.gguf", cache=tmp_path,
                      deadline=None, session="t", arch="90")
     covered = {report.row_key(*r) for _, _, rows, _ in runner.groups(run) for r in rows}
@@ -1048,3 +1075,113 @@ def test_markdown_of_the_v1_report_still_renders():
     md = report.markdown(rep)
     assert "- spec_tps (acceptance 0.5/0.7/0.8/0.9, drafts 1/2/3/4, depth 8192): pending: issue 6" in md
     assert "| decode_tps | depth 8192 |" in md
+
+
+# --- prefill (issue 9): the rows, their FLOPs and the tensor-core share -------------------------------
+
+def test_prefill_flops_of_the_27b_shapes_by_hand():
+    from openjet_plugin.bench import prefill
+    from openjet_plugin.config import PRESETS
+
+    c = PRESETS["q27b"]
+    E, F = 5120, 17408
+    attn = E * 2 * 6144 + 2 * E * 1024 + 6144 * E                 # wq+gate, wk, wv, wo
+    dn = E * 10240 + E * 6144 + 2 * E * 48 + 6144 * E             # qkv, gate, beta, alpha, ssm_out
+    params = 64 * 3 * E * F + 16 * attn + 48 * dn
+    assert prefill.projection_params(c) == params
+    assert 24e9 < params < 25e9                                   # ~24.4B of the 27B multiply per token
+    n, d = 12000, 29500
+    attention = 4 * n * (d + (n + 1) / 2) * 256 * 24 * 16
+    assert prefill.prefill_flops(c, n, d) == pytest.approx(2 * params * n + 2 * E * 248320 + attention, rel=1e-12)
+    assert 0.15 < attention / prefill.prefill_flops(c, n, d) < 0.3     # attention matters at depth 29.5K
+    # 2,000 tokens/s on 2,700 new tokens at depth 1,800: 2 * 24.4 GFLOP per token is ~10% of 989 TFLOP/s
+    f = prefill.tensor_core_fraction(2000.0, prefill.prefill_flops(c, 2700, 1800), 2700, prefill.H200_BF16_DENSE_TFLOPS)
+    assert f == pytest.approx(2000.0 / 2700 * prefill.prefill_flops(c, 2700, 1800) / 989e12) and 0.09 < f < 0.11
+    assert prefill.peak_bf16_tflops("NVIDIA H200") == 989.0 and prefill.peak_bf16_tflops("Tesla T4") is None
+    with pytest.raises(ValueError, match="new_tokens"):
+        prefill.prefill_flops(c, 0, 10)
+
+
+@pytest.mark.parametrize("text,needle", [("2700", "NEW_TOKENS:DEPTH"), ("a:1", "'a:1'"), ("0:5", "'0:5'"),
+                                         ("10:-1", "'10:-1'")])
+def test_prefill_rows_parse_errors_name_the_item(text, needle):
+    from openjet_plugin.bench import prefill
+
+    assert prefill.parse_rows("2700:1800, 12000:29500") == [(2700, 1800), (12000, 29500)]
+    assert prefill.parse_rows("") == []
+    with pytest.raises(ValueError, match=needle):
+        prefill.parse_rows(text)
+
+
+def test_our_engine_child_measures_prefill_rows(tmp_path, tiny_model, toy_native):
+    """--prefill on the real NativeBackend over the toy engine: every timed append is one oj_prefill
+    of N tokens from exactly the depth, with no MTP rows (the main model alone, as llama.cpp)."""
+    from openjet_plugin.bench import ours, prefill
+
+    out = tmp_path / "p.jsonl"
+    rc = ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "", "--decode-depths", "",
+                    "--prefill", "300:100,120:40,50:4", "--reps", "4"])
+    assert rc == 0
+    res, skips, lines = _child_lines(out)
+    key = lambda n, d: report.row_key("prefill_tps", "openjet", {"new_tokens": n, "depth": d})  # noqa: E731
+    assert list(skips) == [key(50, 4)] and "at least 8" in skips[key(50, 4)]
+    assert set(res) == {key(300, 100), key(120, 40)}
+    assert all(len(x["samples"]) == 4 and all(s > 0 for s in x["samples"]) for x in res.values())
+    eng = toy_native[-1]
+    timed = [(p, n) for p, n, _ in eng.prefills if n in (300, 120)]
+    reps = 4 + prefill.PREFILL_WARMUP
+    assert timed == [(40, 120)] * reps + [(100, 300)] * reps          # by depth, each from its checkpoint
+    assert not any(follows for _, _, follows in eng.prefills) and eng.mtp_n_past == 0
+    info = {k: v for x in lines if "info" in x for k, v in x["info"].items()}
+    assert info["openjet_prefill_chunk"] == 2048 and "oj_prefill" in info["openjet_prefill_note"]
+
+
+def test_prefill_group_runs_its_own_child_and_marks_what_it_missed(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_child(run, tag, cmd, rows):
+        calls.append((tag, cmd, rows))
+        run.add(*rows[0], [100.0, 110.0, 105.0])
+        return {report.row_key(*rows[0])}
+
+    monkeypatch.setattr(runner, "_run_child", fake_child)
+    s = runner.Settings.quick_run(prefill=((2700, 1800), (500, 100)))
+    st = Store(tmp_path / "r", {"x": 1})
+    run = runner.Run(settings=s, store=st, model=tmp_path / "m.gguf", cache=tmp_path, deadline=None, session="t",
+                     arch="90")
+    runner.group_ours_prefill(run)
+    (tag, cmd, rows), = calls
+    assert tag == "ours-prefill" and cmd[cmd.index("--prefill") + 1] == "2700:1800,500:100"
+    assert cmd[cmd.index("--decode-depths") + 1] == "" and cmd[cmd.index("--verify") + 1] == ""
+    assert rows == [("prefill_tps", "openjet", {"new_tokens": 2700, "depth": 1800}),
+                    ("prefill_tps", "openjet", {"new_tokens": 500, "depth": 100})]
+    runner.group_ours_prefill(run)                       # resumed: only the row still missing
+    assert calls[-1][1][calls[-1][1].index("--prefill") + 1] == "500:100"
+
+
+def test_markdown_prefill_table_has_ratio_and_tensor_core_share():
+    from openjet_plugin.bench import prefill
+    from openjet_plugin.config import PRESETS
+
+    rng = np.random.default_rng(5)
+    p = {"new_tokens": 2700, "depth": 1800}
+    results = [report.result("prefill_tps", "openjet", p, rng.normal(6000, 50, 6)),
+               report.result("prefill_tps", "llama.cpp", p, rng.normal(2400, 20, 6))]
+    s = runner.Settings(prefill=((2700, 1800), (12000, 29500)))
+    man = {"gpu": {"name": "NVIDIA H200"}, "pending": [], "not_measured": [],
+           "prefill": runner.prefill_manifest(PRESETS["q27b"], s, "NVIDIA H200")}
+    rep = json.loads(json.dumps({"manifest": man, "results": results}))
+    report.validate_report(rep)
+    md = report.markdown(rep)
+    assert "## Prefill" in md and "989 TFLOP/s" in md
+    med = {r["engine"]: r["median"] for r in rep["results"]}
+    flops = prefill.prefill_flops(PRESETS["q27b"], 2700, 1800)
+    row = next(line for line in md.splitlines() if line.startswith("| 2,700 | 1,800 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4] == f"{med['openjet'] / med['llama.cpp']:.2f}×" and cells[5] == f"{flops / 1e12:.2f}"
+    assert cells[6] == f"{med['openjet'] / 2700 * flops / 989e12:.1%}"
+    assert cells[7] == f"{med['llama.cpp'] / 2700 * flops / 989e12:.1%}"
+    other = next(line for line in md.splitlines() if line.startswith("| 12,000 | 29,500 |"))
+    assert "—" in other                                  # not measured: no share invented
+    unknown = runner.prefill_manifest(PRESETS["q27b"], s, "Tesla T4")
+    assert unknown["bf16_dense_tflops"] is None and "Tesla T4" in unknown["peak_source"]

@@ -46,7 +46,7 @@ def test_header_parses_with_cffi():
     declared = set(re.findall(r"\b(oj_[a-z_]+)\s*\(", _native.cdef_source(HEADER.read_text())))
     for name in ("oj_engine_create", "oj_engine_free", "oj_last_error", "oj_reset", "oj_eval", "oj_get_argmax",
                  "oj_get_logits", "oj_mtp_eval", "oj_get_draft_logits", "oj_read_ssm_state", "oj_read_kv",
-                 "oj_debug_fault", "oj_device_info"):
+                 "oj_debug_fault", "oj_device_info", "oj_prefill"):
         assert name in declared, name
 
 
@@ -60,9 +60,9 @@ def test_header_type_ids_are_ggml_ids_and_cover_supported_types():
 def test_struct_layout_equals_the_c_compilers(tmp_path):
     ffi = _native.make_ffi()
     fields = {"oj_tensor": ["name", "type", "n_dims", "ne", "data", "n_bytes"],
-              "oj_model_desc": ["hparams", "tensors", "n_tensors", "n_ctx", "kv_type", "device"],
+              "oj_model_desc": ["hparams", "tensors", "n_tensors", "n_ctx", "kv_type", "device", "n_checkpoints", "prefill_chunk"],
               "oj_hparams": ["rope_sections", "rope_freq_base", "rms_eps", "n_layer_nextn"],
-              "oj_memory_report": ["weights", "total"]}
+              "oj_memory_report": ["weights", "checkpoints", "prefill", "total"]}
     lines = ['#include <stdio.h>', '#include <stddef.h>', f'#include "{HEADER}"', "int main(void) {"]
     expect = []
     for struct, names in fields.items():

@@ -207,7 +207,10 @@ def test_state_after_rejections_equals_one_at_a_time(native, workdir):
     mf = open_model(path)
     be = NativeBackend(mf, n_ctx=1024, draft_depth=4)
     try:
-        for t in held:
+        # the engine prefilled all but the prompt's last token (oj_prefill's int8 projections);
+        # the reference does the same, then steps every later token alone
+        be.eval(held[:len(p) - 1])
+        for t in held[len(p) - 1:]:
             be.eval([t])
         want = be.state()
     finally:
@@ -464,21 +467,21 @@ def test_native_boundary_errors_leave_the_engine_usable(native, workdir):
 
 def test_an_edit_resumes_from_the_nearest_interval_checkpoint(native, workdir):
     """Issue 9's edit rule on the GPU: a checkpoint every N prompt tokens; changing a token in the
-    middle of a 3,000-token history re-evaluates at most N + the tokens from the edit on, and the
-    answer equals a fresh engine's."""
+    middle of a 30,000-token history re-evaluates at most N + the tokens from the edit on, and the
+    answer equals a fresh engine's (which prefills all of it)."""
     import openjet_plugin
 
-    N = 256
+    N, T = 2048, 30000
     path = _model("small-Q4_K_M", workdir)
-    eng = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=4096, draft_depth=4,
+    eng = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=32768, draft_depth=4,
                               checkpoint_interval=N, n_checkpoints=16)
-    fresh = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=4096, draft_depth=4)
+    fresh = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=32768, draft_depth=4)
     rows = []
     try:
         rng = np.random.default_rng(11)
-        history = rng.integers(0, eng.n_vocab, 3000).tolist()
+        history = rng.integers(0, eng.n_vocab, T).tolist()
         eng.generate(history, max_tokens=8, temperature=0)
-        for edit_at in (1500, 2222, 2990):
+        for edit_at in (15000, 22222, 29900):
             history = history[:edit_at] + [(history[edit_at] + 1) % eng.n_vocab] + history[edit_at + 1:]
             got = eng.generate(history, max_tokens=16, temperature=0)
             fresh._forget_state()
@@ -492,4 +495,4 @@ def test_an_edit_resumes_from_the_nearest_interval_checkpoint(native, workdir):
     finally:
         eng.close()
         fresh.close()
-    report({"test": "edit_checkpoints", "interval": N, "slots": 16, "checkpoint_bytes": mem["checkpoints"], "rows": rows})
+    report({"test": "edit_checkpoints", "interval": N, "history": T, "slots": 16, "checkpoint_bytes": mem["checkpoints"], "rows": rows})

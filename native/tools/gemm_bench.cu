@@ -1,4 +1,4 @@
-// gemm_bench.cu: correctness and speed of tools/gemm_prefill.cuh (quantised W x P positions on
+// gemm_bench.cu: correctness and speed of gemm_prefill.cuh (quantised W x P positions on
 // the integer tensor cores) on the 27B shapes.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xcompiler -fopenmp -Inative native/tools/gemm_bench.cu \
@@ -39,7 +39,7 @@
 #include <vector>
 
 #include "engine.cuh"
-#include "tools/gemm_prefill.cuh"
+#include "gemm_prefill.cuh"
 
 namespace oj {
 // engine.cu normally provides these two.

@@ -11,6 +11,11 @@ native/deltanet.cu). With an MTP block and draft_depth > 0 the backend keeps the
 with the main model: every committed position p has its MTP row from (x_p, h_{p-1}) with the main
 hidden state, made during prefill chunk by chunk and, in decoding, batched with the next cycle's
 first draft step (`_uncaught` holds the committed tokens still waiting for their row).
+
+Batched prefill (issue 9): spans of more than PREFILL_MIN_SPAN prompt tokens go through
+oj_prefill (passes of `prefill_chunk` positions on the tensor cores); shorter ones, and everything
+when prefill_chunk is 0, through oj_eval, 8 positions a call. The engine makes the MTP rows of a
+prefill itself when its MTP cache ends at n_past on entry; a speculating backend arranges that.
 """
 
 from __future__ import annotations
@@ -32,7 +37,13 @@ KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 b
 MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "int8" = int8 activations; else bf16-split
 MATVEC_PATHS = ("", "bf16", "int8")
 N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
-MEMORY_FIELDS = ("weights", "kv_cache", "recurrent_state", "activations", "checkpoints", "total")
+MEMORY_FIELDS = ("weights", "kv_cache", "recurrent_state", "activations", "checkpoints", "prefill", "total")
+PREFILL_CHUNK = 2048         # positions per oj_prefill pass (oj_model_desc.prefill_chunk); 0 = no oj_prefill
+MIN_PREFILL_CHUNK = 64       # the header's allowed range: 0 or 64..OJ_MAX_PREFILL_CHUNK
+MAX_PREFILL_CHUNK = 4096     # OJ_MAX_PREFILL_CHUNK
+PREFILL_ABI = 3              # the first oj_abi_version() with oj_prefill
+PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
+GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _H_SOURCES = {"main": 0, "draft": 1}
 _MEMORY_MARGIN = 256 << 20   # bytes kept free beyond the engine's own estimate
@@ -52,8 +63,52 @@ def kv_cache_bytes(config: ModelConfig, n_ctx: int, kv_type: str = "f16") -> int
     return values * 2 if kv_type == "f16" else values // 32 * 34
 
 
+def check_prefill_chunk(prefill_chunk) -> int:
+    """prefill_chunk as the engine takes it (0, or MIN..MAX_PREFILL_CHUNK), else ValueError naming it."""
+    if (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer))
+            or not (prefill_chunk == 0 or MIN_PREFILL_CHUNK <= prefill_chunk <= MAX_PREFILL_CHUNK)):
+        raise ValueError(f"prefill_chunk must be 0 (no batched prefill) or an integer in "
+                         f"[{MIN_PREFILL_CHUNK}, {MAX_PREFILL_CHUNK}], got {prefill_chunk!r}")
+    return int(prefill_chunk)
+
+
+def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
+    """Device bytes of the batched prefill path's buffers for passes of P = prefill_chunk positions,
+    as native/prefill.cu's alloc_prefill makes them (0 when P is 0):
+
+        4 * P                      token ids (int32)
+      + 4 * P * (2E                x, xn
+                 + 2F              ffn_gate, ffn_up
+                 + 2Vd             z, dn_out
+                 + 2C              qkv, conv
+                 + 2Hv             beta, alpha
+                 + 2Q + Q + Q      qg (query and gate), q_rot, attn_out
+                 + 2KV             k, v
+                 + 2E)             cat (the MTP block's [embedding, hidden] input)
+      + 4 * (P + 1) * E            hidden rows (row 0: h of the position before the pass)
+      + P_pad * K                  the GEMM's int8 X
+      + (K / 32) * P_pad * 8       its (d, sum) float2 per 32 values
+
+    with E = n_embd, F = n_ff, Vd = ssm_value_dim, C = ssm_conv_dim (2 key_dim + value_dim),
+    Hv = ssm_dt_rank, Q = n_head * head_dim, KV = n_head_kv * head_dim, P_pad = P rounded up to
+    the GEMM's 64-position tile, and K the widest input of any projection of a pass:
+    max(E, 2E (the MTP eh_proj), F (ffn_down), Vd (ssm_out), Q (attn_output)). The MTP cat buffer
+    is allocated whether or not the model has an MTP block."""
+    P = check_prefill_chunk(prefill_chunk)
+    if P == 0:
+        return 0
+    c = config
+    E, F, Vd, C, Hv = c.n_embd, c.n_ff, c.ssm_value_dim, c.ssm_conv_dim, c.ssm_dt_rank
+    Q, KV = c.q_dim, c.kv_dim
+    floats = P * (2 * E + 2 * F + 2 * Vd + 2 * C + 2 * Hv + 2 * Q + Q + Q + 2 * KV + 2 * E) + (P + 1) * E
+    K = max(E, 2 * E, F, Vd, Q)
+    p_pad = -(-P // GEMM_POSITION_TILE) * GEMM_POSITION_TILE
+    workspace = p_pad * K + (K // 32) * p_pad * 8
+    return 4 * P + 4 * floats + workspace
+
+
 def estimate_device_bytes(model_file, n_ctx: int, n_checkpoints: int = N_CHECKPOINTS,
-                          kv_type: str = "f16") -> dict[str, int]:
+                          kv_type: str = "f16", prefill_chunk: int = PREFILL_CHUNK) -> dict[str, int]:
     """What the engine will allocate, by purpose (mirrors engine.cu's allocations)."""
     c = model_file.config
     weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
@@ -71,8 +126,10 @@ def estimate_device_bytes(model_file, n_ctx: int, n_checkpoints: int = N_CHECKPO
     act = 4 * n * (2 * c.n_embd + 2 * c.n_ff + 2 * c.ssm_value_dim + 2 * c.q_dim + 2 * c.kv_dim + c.q_dim
                    + c.n_head * splits * (c.head_dim + 2) + 3 * c.n_embd + 2 * c.n_vocab + 2 * c.n_embd)
     act += 4 * c.n_vocab if c.n_layer_nextn else 0
+    prefill = prefill_bytes(c, prefill_chunk)
     return {"weights": weights, "kv_cache": kv, "recurrent_state": recurrent, "activations": act,
-            "checkpoints": checkpoints, "total": weights + kv + recurrent + act + checkpoints}
+            "checkpoints": checkpoints, "prefill": prefill,
+            "total": weights + kv + recurrent + act + checkpoints + prefill}
 
 
 def model_problems(model_file) -> list[str]:
@@ -97,7 +154,8 @@ def model_problems(model_file) -> list[str]:
     return problems
 
 
-def native_status(model_file, n_ctx: int, kv_type: str = "f16") -> tuple[bool, str]:
+def native_status(model_file, n_ctx: int, kv_type: str = "f16",
+                  prefill_chunk: int = PREFILL_CHUNK) -> tuple[bool, str]:
     """(True, what will run) or (False, why not): library, GPU, memory, model shape/types."""
     path = os.environ.get(MATVEC_ENV, "")
     if path not in MATVEC_PATHS:
@@ -122,7 +180,7 @@ def native_status(model_file, n_ctx: int, kv_type: str = "f16") -> tuple[bool, s
     problems = model_problems(model_file)
     if problems:
         return False, "the model does not fit the native kernels: " + "; ".join(problems[:5])
-    need = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type)["total"] + _MEMORY_MARGIN
+    need = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type, prefill_chunk=prefill_chunk)["total"] + _MEMORY_MARGIN
     if need > int(free[0]):
         return False, (f"GPU {gpu} has {int(free[0]) / 2**30:.1f} GiB free, the model at n_ctx {n_ctx} "
                        f"needs about {need / 2**30:.1f} GiB")
@@ -136,7 +194,7 @@ class NativeBackend:
 
     def __init__(self, model_file, n_ctx: int, draft_depth: int = 4, kv_type: str = "f16",
                  seed: int | None = None, device: int = 0, n_checkpoints: int = N_CHECKPOINTS,
-                 checkpoint_interval: int = 0):
+                 checkpoint_interval: int = 0, prefill_chunk: int = PREFILL_CHUNK):
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {kv_type!r} is not supported by the native engine "
                              f"(supported: {', '.join(KV_TYPES)})")
@@ -146,6 +204,7 @@ class NativeBackend:
             raise ValueError(f"n_checkpoints must be an integer in [0, 64], got {n_checkpoints!r}")
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 0:
             raise ValueError(f"checkpoint_interval must be an integer >= 0 (0: off), got {checkpoint_interval!r}")
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self._nl = _native.load()
         self._model_file = model_file
         self.config: ModelConfig = model_file.config
@@ -160,6 +219,11 @@ class NativeBackend:
         self.checkpoint_interval = int(checkpoint_interval)
         self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
         self.kv_type = kv_type
+        # oj_prefill where the library has it (load() already insists on the header's ABI) and
+        # the engine was given its buffers
+        self.batched_prefill = (self.prefill_chunk > 0
+                                and int(self._nl.lib.oj_abi_version()) >= PREFILL_ABI)
+        self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
         self._engine = self._create(model_file, kv_type, device)
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
@@ -208,6 +272,8 @@ class NativeBackend:
         desc.kv_type = KV_TYPES[kv_type]
         desc.device = int(device)
         desc.n_checkpoints = self.n_checkpoints
+        if self.batched_prefill:     # an ABI 2 header has no such field (0 = no buffers otherwise)
+            desc.prefill_chunk = self.prefill_chunk
         out = ffi.new("oj_engine **")
         rc = lib.oj_engine_create(desc, out)
         del keep
@@ -267,18 +333,59 @@ class NativeBackend:
             self._mtp_upto = start + len(chunk)
 
     def _eval_chunks(self, tokens: list[int]) -> None:
+        """Append `tokens`: spans longer than PREFILL_MIN_SPAN through oj_prefill (when the engine
+        has it), the rest 8 positions per oj_eval. With checkpoint_interval N a span ends at every
+        multiple of N, where a checkpoint is saved (not after the last token: the engine saves
+        its own before the prompt's last one)."""
         every = self.checkpoint_interval
         toks = [int(t) for t in tokens]
         self._chunks(toks)            # validation: ids, context
         i = 0
         while i < len(toks):
-            n = min(MAX_POSITIONS, len(toks) - i)
-            if every:                 # chunks end on the interval's multiples
+            n = len(toks) - i
+            if every:                 # spans end on the interval's multiples
                 n = min(n, every - self.n_past % every)
-            self._eval_chunk(toks[i:i + n])
+            if self.batched_prefill and n > PREFILL_MIN_SPAN:
+                self._prefill_span(toks[i:i + n])
+            else:
+                n = min(n, MAX_POSITIONS)
+                self._eval_chunk(toks[i:i + n])
             i += n
             if every and self.n_past % every == 0 and i < len(toks):
                 self.save_checkpoint()
+
+    def _mtp_n_past(self) -> int:
+        out = self._nl.ffi.new("int32_t *")
+        self._check(self._nl.lib.oj_mtp_n_past(self._handle(), out), "mtp n_past")
+        return int(out[0])
+
+    def _prefill_span(self, span: list[int]) -> None:
+        """One oj_prefill of `span` at n_past. The engine makes the span's MTP rows itself when its
+        MTP cache ends exactly at n_past on entry, and leaves the cache alone otherwise. So first
+        the rows still owed are made (_flush_mtp, from the last verify's window); then a
+        speculating backend whose MTP cache is not at n_past (draft rows beyond it: the last cycle
+        had all its drafts rejected) evaluates the first positions with oj_eval, which cuts the
+        cache there and makes their rows. A backend that does not speculate takes whatever the
+        engine does: its prompts then go through the same arithmetic as a speculating one's (the
+        same state, so greedy output is the same), at the cost of the MTP block's rows (one layer
+        of 65 on the 27B) when a conversation starts."""
+        self._flush_mtp()
+        if self.supports_speculative:
+            if self._mtp_n_past() != self.n_past:
+                head, span = span[:MAX_POSITIONS], span[MAX_POSITIONS:]
+                self._eval_chunk(head)
+                if len(span) <= PREFILL_MIN_SPAN:
+                    if span:
+                        self._eval_chunk(span)
+                    return
+        buf = self._nl.ffi.new("int32_t[]", span)
+        self._check(self._nl.lib.oj_prefill(self._handle(), buf, len(span)), "prefill")
+        self.prefilled_positions += len(span)
+        # results read as after a one-position oj_eval of the last token; a pending verify is gone
+        self._last_n = 1
+        self._verify_tokens = []
+        if self.supports_speculative:
+            self._mtp_upto = self.n_past     # the engine made every row of the span
 
     def eval(self, tokens: list[int]) -> np.ndarray:
         self._eval_chunks(tokens)
@@ -533,7 +640,8 @@ class NativeBackend:
     def memory(self) -> dict[str, int]:
         rep = self._nl.ffi.new("oj_memory_report *")
         self._check(self._nl.lib.oj_memory(self._handle(), rep), "memory")
-        return {k: int(getattr(rep, k)) for k in MEMORY_FIELDS}
+        # `prefill` is ABI 3's: a library of an older header reports none
+        return {k: int(getattr(rep, k, 0)) for k in MEMORY_FIELDS}
 
     def debug_fault(self, kind: int) -> None:
         """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""

@@ -4,7 +4,7 @@ memory is its own and a fault cannot take the benchmark down):
     python -m openjet_plugin.bench.ours --model M --out RECORDS.jsonl [--verify 1,2,3,4,5]
         [--verify-depth 1024] [--decode-depths 0,8192,30720] [--decode-tokens 128] [--reps 6]
         [--spec 0.5:1,0.5:2,...] [--spec-mtp 1,2,3,4] [--spec-depth 8192] [--spec-tokens 128]
-        [--deadline EPOCH_SECONDS]
+        [--prefill 2700:1800,12000:29500] [--deadline EPOCH_SECONDS]
     python -m openjet_plugin.bench.ours --model default.gguf --out RECORDS.jsonl --verify '' \
         --decode-depths '' --accept 0.0:1,...,0.7:4 [--accept-prompts 12] [--accept-prompt-tokens 64]
         [--accept-tokens 64]
@@ -22,6 +22,8 @@ host — the same boundary llama-bench times for llama.cpp (llama_decode + synch
   for every P.
 - Both are passes of the main model alone (llama.cpp runs no MTP block): a backend made to
   speculate adds MTP rows to every evaluation, which `spec.main_model_only` switches off for them.
+- prefill_tps for N new tokens at depth M: bench/prefill.py (oj_prefill from a checkpoint at M,
+  main model only); measured first, from their own fill, so that no MTP row is in their state.
 - spec_tps / spec_mtp_tps at the spec depth: bench/spec.py (speculative cycles from a checkpoint,
   oracle drafts at a forced acceptance, or the model's MTP head).
 - accepted_per_cycle (--accept, on the trained default model): bench/acceptance.py.
@@ -69,10 +71,13 @@ class Emitter:
         self.emit({"info": {DETAILS_KEY: {row_key(metric, ENGINE, params): details}}})
 
 
+FILL_TOKENS_PER_CALL = 8192   # one eval call: oj_prefill passes (or 8 positions per oj_eval without it)
+
+
 class Filler:
-    """Appends random tokens (as llama-bench does) in the largest chunks the engine takes, and keeps
-    the rate so the caller can tell whether a fill fits the time left, and the tokens appended since
-    the last reset (the history a speculative request starts from)."""
+    """Appends random tokens (as llama-bench does) in large calls, and keeps the rate so the caller
+    can tell whether a fill fits the time left, and the tokens appended since the last reset (the
+    history a speculative request starts from)."""
 
     def __init__(self, backend, rng: np.random.Generator):
         self.be = backend
@@ -94,11 +99,9 @@ class Filler:
         self.appended = []
 
     def fill_to(self, depth: int) -> None:
-        from ..backends.native import MAX_POSITIONS
-
         del self.appended[self.be.n_past:]          # a checkpoint restored the state to here
         while self.be.n_past < depth:
-            n = min(MAX_POSITIONS * 64, depth - self.be.n_past)
+            n = min(FILL_TOKENS_PER_CALL, depth - self.be.n_past)
             toks = self.rng.integers(0, self.be.n_vocab, size=n).tolist()
             t0 = time.perf_counter()
             self.be.eval_argmax(toks)
@@ -213,6 +216,64 @@ def spec_phase(be, args, out: Emitter, history: list[int], rng: np.random.Genera
         out.details(metric, params, details)
 
 
+def fill_note(be) -> str:
+    from ..backends.native import MAX_POSITIONS
+
+    if getattr(be, "batched_prefill", False):
+        return f"state filled by oj_prefill, passes of {be.prefill_chunk} positions"
+    return f"state filled {MAX_POSITIONS} positions per call (no oj_prefill)"
+
+
+def _main_model_start(be, fill: Filler) -> None:
+    """A fresh state whose MTP cache stays behind: the first positions through oj_eval with no MTP
+    row (main_model_only), so the engine's prefill never makes MTP rows after it (it follows the
+    MTP cache only when that ends at n_past). llama.cpp runs no MTP block either."""
+    from ..backends.native import MAX_POSITIONS
+
+    fill.reset()
+    toks = fill.rng.integers(0, be.n_vocab, size=MAX_POSITIONS).tolist()
+    be.eval_argmax(toks)
+    fill.appended += toks
+
+
+def prefill_phase(be, rows: list[tuple[int, int]], args, out: Emitter, fill: Filler, rng, time_left) -> None:
+    """prefill_tps rows, by increasing depth: one fill from a reset (main model only, the MTP cache
+    left behind: _main_model_start), a checkpoint at each depth, and the timed appends from it
+    (bench/prefill.py). Each row is a result or a skip with its reason."""
+    from ..backends.native import MAX_POSITIONS
+    from . import prefill
+    from .spec import main_model_only, restore_to
+
+    with main_model_only(be):
+        _main_model_start(be, fill)
+        for i, (n, d) in enumerate(sorted(rows, key=lambda r: (r[1], r[0]))):
+            params = {"new_tokens": n, "depth": d}
+            if d < MAX_POSITIONS:
+                out.skip("prefill_tps", params, f"depth {d}: the first {MAX_POSITIONS} positions go through oj_eval "
+                                               "(to keep the MTP block out of the timed prefill); use a depth of at "
+                                               f"least {MAX_POSITIONS}")
+                continue
+            est_fill = fill.estimate(max(0, d - be.n_past)) or 0.0
+            est_rows = fill.estimate(n * (args.reps + prefill.PREFILL_WARMUP)) or 0.0
+            if est_fill + est_rows + 10 > time_left():
+                out.skip("prefill_tps", params, f"out of time: the fill to depth {d} and {args.reps} appends of "
+                                               f"{n} tokens take ~{est_fill + est_rows:.0f} s")
+                continue
+            try:
+                if be.n_past > d:
+                    _main_model_start(be, fill)
+                fill.fill_to(d)
+                be.save_checkpoint()
+                samples = prefill.prefill_samples(be, n, args.reps, rng, lambda d=d: restore_to(be, d))
+                restore_to(be, d)
+            except Exception as exc:  # noqa: BLE001 - the row says why, the rest goes on
+                out.skip("prefill_tps", params, f"{type(exc).__name__}: {exc}")
+                continue
+            out.result("prefill_tps", params, "tokens/s", samples)
+    out.emit({"info": {"openjet_prefill_chunk": getattr(be, "prefill_chunk", 0),
+                       "openjet_prefill_note": fill_note(be) + "; main model only (no MTP rows)"}})
+
+
 def run(args, out: Emitter) -> int:
     from ..backends.native import MAX_POSITIONS, NativeBackend, native_status
     from ..model_file import open_model
@@ -233,8 +294,11 @@ def run(args, out: Emitter) -> int:
     if depths != sorted(set(depths)):
         raise ValueError(f"--decode-depths must be increasing, got {depths}")
     spec_todo = spec_rows(_pairs(args.spec, "--spec"), _ints(args.spec_mtp), args.spec_depth)
+    from .prefill import parse_rows
+    prefill_todo = parse_rows(args.prefill)
     planned = ([("verify_ms", {"positions": p, "depth": args.verify_depth}) for p in verify]
-               + [("decode_tps", {"depth": d}) for d in depths] + spec_todo)
+               + [("decode_tps", {"depth": d}) for d in depths] + spec_todo
+               + [("prefill_tps", {"new_tokens": n, "depth": d}) for n, d in prefill_todo])
     if not planned:
         return 0
 
@@ -248,7 +312,8 @@ def run(args, out: Emitter) -> int:
     max_drafts = max([p["drafts"] for _, p in spec_todo], default=0)
     need_ctx = max([args.verify_depth + MAX_POSITIONS * (args.reps + 2)]
                    + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths]
-                   + ([args.spec_depth + args.spec_tokens + max_drafts + 16] if spec_todo else []))
+                   + ([args.spec_depth + args.spec_tokens + max_drafts + 16] if spec_todo else [])
+                   + [d + n + 16 for n, d in prefill_todo])
     n_ctx = max(args.n_ctx, need_ctx)
     mf = open_model(args.model)
     ok, why = native_status(mf, n_ctx)
@@ -263,6 +328,8 @@ def run(args, out: Emitter) -> int:
                        "openjet_memory_bytes": be.memory(), "openjet_backend": why}})
     rng = np.random.default_rng(0)
     fill = Filler(be, rng)
+    if prefill_todo:
+        prefill_phase(be, prefill_todo, args, out, fill, rng, time_left)
 
     with main_model_only(be):
         for p in verify:
@@ -289,8 +356,8 @@ def run(args, out: Emitter) -> int:
         if est + 30 > time_left():
             rate = fill.rate
             skip_all(f"out of time: filling the state to depth {d} would take "
-                     f"(~{est:.0f} s at {rate or 0:.0f} tokens/s with {MAX_POSITIONS} positions per call; "
-                     f"batched prefill is issue 9)", [r for x in targets[i:] for r in rows_at(x)])
+                     f"~{est:.0f} s at {rate or 0:.0f} tokens/s ({fill_note(be)})",
+                     [r for x in targets[i:] for r in rows_at(x)])
             break
         if spec_todo and d <= args.spec_depth:
             fill.fill_to(d)                        # with MTP rows: the speculative rows need them
@@ -309,8 +376,7 @@ def run(args, out: Emitter) -> int:
             spec_phase(be, args, out, fill.appended[:d], rng, time_left)
             restore_to(be, d)
     if fill.rate:
-        out.emit({"info": {"openjet_fill_tps": round(fill.rate, 1),
-                           "openjet_fill_note": f"state filled {MAX_POSITIONS} positions per call"}})
+        out.emit({"info": {"openjet_fill_tps": round(fill.rate, 1), "openjet_fill_note": fill_note(be)}})
     be.close()
     mf.close()
     return 0
@@ -329,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-mtp", default="", help="draft depths of the MTP-head rows, e.g. 1,2,3,4")
     ap.add_argument("--spec-depth", type=int, default=8192)
     ap.add_argument("--spec-tokens", type=int, default=128)
+    ap.add_argument("--prefill", default="", help="prefill_tps rows as NEW_TOKENS:DEPTH items, e.g. 2700:1800")
     ap.add_argument("--accept", default="", help="accepted_per_cycle rows as TEMPERATURE:DRAFTS items (--model: "
                                                  "the trained default model); nothing else runs")
     ap.add_argument("--accept-prompts", type=int, default=12)

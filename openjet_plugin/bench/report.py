@@ -208,6 +208,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {metric} | {params_text} | {reason} | | {METRICS[metric][0]} | | | |")
     details = man.get("info", {}).get(DETAILS_KEY, {})
     pending = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in side]
+    lines += _prefill_section(man.get("prefill"), median_of)
     lines += _spec_section(side, by_key, status, details, pending, median_of)
     lines += _accept_section(side, by_key, status, details, pending)
     if notes:
@@ -228,6 +229,34 @@ def _slots(d: dict) -> str:
 def _pending_lines(pending: list[dict], metrics: tuple[str, ...]) -> list[str]:
     return [f"- {metric} ({params_text}): {reason}"
             for metric, params_text, reason in _collapse([p for p in pending if p["metric"] in metrics])]
+
+
+def _prefill_section(info: dict | None, median_of) -> list[str]:
+    """Prefill scenarios: tokens/s of both engines and the share of the card's dense bf16
+    tensor-core rate each achieves (manifest.prefill: FLOPs per scenario, the card's rate)."""
+    from .prefill import tensor_core_fraction
+
+    if not info or not info.get("rows"):
+        return []
+    peak = info.get("bf16_dense_tflops")
+    out = ["", "## Prefill (tokens appended at a depth, one call)", "",
+           f"FLOPs per run: {info.get('flops_formula', '?')} (projection_params "
+           f"{info.get('projection_params', '?'):,}). Of bf16 peak: achieved FLOP/s over the card's dense "
+           f"bf16 tensor-core rate ({f'{peak:g} TFLOP/s' if peak else 'unknown for this card'}; "
+           f"{info.get('peak_source', '')}).", "",
+           "| new tokens | depth | openjet tokens/s | llama.cpp tokens/s | openjet/llama.cpp | TFLOP per run "
+           "| openjet of bf16 peak | llama.cpp of bf16 peak |",
+           "|---|---|---|---|---|---|---|---|"]
+    for row in info["rows"]:
+        n, d, flops = row["new_tokens"], row["depth"], row["flops"]
+        params = {"new_tokens": n, "depth": d}
+        mo, mp = median_of("prefill_tps", "openjet", params), median_of("prefill_tps", "llama.cpp", params)
+
+        def share(tps):
+            return f"{tensor_core_fraction(tps, flops, n, peak):.1%}" if tps and peak else ""
+        out.append(f"| {n:,} | {d:,} | {_fmt(mo) if mo else '—'} | {_fmt(mp) if mp else '—'} | {_ratio(mo, mp)} "
+                   f"| {flops / 1e12:.2f} | {share(mo)} | {share(mp)} |")
+    return out
 
 
 def _spec_section(side, by_key, status, details, pending, median_of) -> list[str]:

@@ -8,7 +8,9 @@ The run, in order (each step's finished measurements go to the resume folder at 
   4. the card: streaming read and copy rates (the roofline probe);
   5. our engine, in a child process: verification passes at depth 1K, decode at each depth, and
      speculative decoding at depth 8K (oracle drafts at forced acceptance rates, and the model's
-     own MTP head); then, in a second child, real MTP acceptance on the trained default model;
+     own MTP head); in a second child, real MTP acceptance on the trained default model; in a
+     third, the two prefill scenarios (oj_prefill; its own child so that the longer context they
+     need does not count in the decode run's peak memory);
   6. llama.cpp (waiting for its build): decode at each depth, batches of 1..D+1 at depth 1K,
      the two prefill scenarios;
   7. the manifest's end state; JSON and markdown out.
@@ -74,10 +76,8 @@ class Settings:
         return cls(**base)
 
 
-# Rows that wait for later issues: (metric, reason).
-PENDING_REASONS = {
-    "prefill_tps": "pending: issue 9 (batched prefill)",
-}
+# Rows that wait for later issues: (metric, reason). None now: batched prefill (issue 9) is measured.
+PENDING_REASONS: dict[str, str] = {}
 ACCEPT_MODEL = "trained default"
 
 
@@ -104,18 +104,24 @@ def accept_rows(s: Settings) -> list[tuple[str, str, dict]]:
     return [("accepted_per_cycle", OURS, accept_params(d, t)) for t in s.accept_temperatures for d in s.drafts]
 
 
+def prefill_params(new_tokens: int, depth: int) -> dict:
+    return {"new_tokens": int(new_tokens), "depth": int(depth)}
+
+
+def prefill_rows(s: Settings, engine: str) -> list[tuple[str, str, dict]]:
+    return [("prefill_tps", engine, prefill_params(n, d)) for n, d in s.prefill]
+
+
 def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     """(rows to measure, pending rows). roofline_tps rows are derived, not measured."""
     rows: list[tuple[str, str, dict]] = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
     for eng in (OURS, PEER):
         rows += [("decode_tps", eng, {"depth": d}) for d in s.depths]
         rows += [("verify_ms", eng, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
-    rows += [("prefill_tps", PEER, {"new_tokens": n, "depth": d}) for n, d in s.prefill]
+        rows += prefill_rows(s, eng)
     rows += [("peak_mem_gb", eng, {"max_depth": max(s.depths)}) for eng in (OURS, PEER)]
     rows += spec_rows(s) + accept_rows(s)
-    pending = [{"metric": "prefill_tps", "engine": OURS, "params": {"new_tokens": n, "depth": d},
-                "reason": PENDING_REASONS["prefill_tps"]} for n, d in s.prefill]
-    return rows, pending
+    return rows, []
 
 
 # --- the run's shared state ----------------------------------------------------------------------------
@@ -261,6 +267,21 @@ def group_ours(run: Run) -> None:
     run.log(f"openjet: {len(made)} of {len(rows)} measurements made")
 
 
+def group_ours_prefill(run: Run) -> None:
+    """prefill_tps of our engine (bench/prefill.py), in its own child process."""
+    s = run.settings
+    todo = [(n, d) for n, d in s.prefill if not run.store.has("prefill_tps", OURS, prefill_params(n, d))]
+    if not todo:
+        return
+    rows = [("prefill_tps", OURS, prefill_params(n, d)) for n, d in todo]
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model),
+           "--verify", "", "--decode-depths", "",
+           "--prefill", ",".join(f"{n}:{d}" for n, d in todo), "--reps", str(s.reps)]
+    run.log(f"openjet: prefill {todo} (new tokens, depth) in a child process")
+    made = _run_child(run, "ours-prefill", cmd, rows)
+    run.log(f"openjet: {len(made)} of {len(rows)} prefill measurements made")
+
+
 def accept_model() -> Path:
     """The trained default model shipped with the package (what accepted_per_cycle measures)."""
     from ..defaults import SHIPPED_DEFAULT
@@ -367,6 +388,9 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         # the default model is 22 MB: loading and 12 prompts x 64 tokens per row take seconds, so it
         # goes before the group that can take all the time left
         out.append(("openjet acceptance", 30.0, accept_rows(s), group_acceptance))
+        # prefill: loading plus fills and appends at a few thousand tokens/s
+        pre = load + sum(d / (2 * pp) + (s.reps + 1) * n / (2 * pp) for n, d in s.prefill)
+        out.append(("openjet prefill", pre, prefill_rows(s, OURS), group_ours_prefill))
         out.append(("openjet", 60.0, ours, group_ours))
     if not run.no_peer:
         dec = load + sum(d / pp + (s.reps + 1) * s.decode_tokens / tg for d in s.depths)
@@ -444,6 +468,21 @@ def derived_roofline(store: Store, weight_bytes: int, config, depths) -> list[di
         out.append(report.result("roofline_tps", OURS, {"depth": d},
                                  [g * 1e9 / b for g in reads[0]["samples"]]))
     return out
+
+
+def prefill_manifest(config, s: Settings, gpu_name: str | None) -> dict:
+    """What the prefill table divides by: each scenario's FLOPs (bench/prefill.py) and the card's
+    dense bf16 tensor-core rate (None for a card we have no figure for)."""
+    from . import prefill
+
+    peak = prefill.peak_bf16_tflops(gpu_name)
+    return {"bf16_dense_tflops": peak,
+            "peak_source": ("NVIDIA H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity, 989 dense"
+                            if peak else f"no dense bf16 figure for {gpu_name!r}"),
+            "projection_params": prefill.projection_params(config),
+            "flops_formula": ("2 * projection_params * N + 2 * n_embd * n_vocab + 4 * N * (depth + (N + 1) / 2) "
+                              "* head_dim * n_head * n_attention_layers"),
+            "rows": [{"new_tokens": n, "depth": d, "flops": prefill.prefill_flops(config, n, d)} for n, d in s.prefill]}
 
 
 def build_report(run: Run, man: dict, pending: list[dict], planned, weight: dict, config) -> dict:
@@ -604,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
                     "tied_output": weight["tied_output"], "config": config.to_dict(),
                     "bytes_per_position_by_depth": {str(d): roofline.bytes_per_position(weight["weight_bytes"], config, d)
                                                     for d in settings.depths}}
+    man["prefill"] = prefill_manifest(config, settings, man["gpu"].get("name"))
     man["llama_cpp"] = dict(peer.sdist_version(sdist) if sdist else {"sdist": f"unavailable: {peer_problem}"})
     if pb is not None:
         man["llama_cpp"]["build"] = str(pb.root)

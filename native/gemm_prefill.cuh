@@ -2,8 +2,8 @@
 //
 // Y[p][m] (+)= sum_k W[m][k] * X[p][k] for P positions (any P >= 1), W in the engine's device
 // layouts (quant_blocks.cuh: Q4_K / Q5_K as stored, Q6_K regrouped planes, Q8_0 planar; what
-// matvec.cu's to_device_layout produces). Not wired into the engine yet: tools/gemm_bench.cu
-// (scripts/gpu_gemm.sh) checks and times it.
+// matvec.cu's to_device_layout produces). prefill.cu runs every projection of a prefill pass
+// through it; tools/gemm_bench.cu (scripts/gpu_gemm.sh) checks and times it alone.
 //
 // Arithmetic = matvec.cu's int8-activation path (OPENJET_MATVEC=int8), so the two agree up to
 // fp32 summation order:

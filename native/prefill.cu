@@ -1,0 +1,219 @@
+// prefill.cu: oj_prefill, the batched path for prompts and appended turns (issue 9).
+//
+// A prompt of n tokens goes through the model in passes of up to prefill_chunk positions; every
+// kernel of a pass sees all of its positions at once:
+//   - projections: gemm_prefill.cuh (quantised weights x P positions on the integer tensor
+//     cores, activations rounded to int8 per 32 values as OPENJET_MATVEC=int8 and llama.cpp's
+//     q8_1 do); float weights and Q8_0 matrices whose K is not a multiple of 256 take matvec,
+//     OJ_MAX_POSITIONS positions at a time;
+//   - Gated DeltaNet: deltanet.cu's conv and recurrence kernels over the pass with `commit` set
+//     (the state is advanced by every position and written back once at the end of the pass);
+//   - attention: K/V of the pass appended first, then causal flash attention over the cache
+//     (attention_prefill.cu); OPENJET_PREFILL_ATTN=decode runs the decode kernels instead,
+//     OJ_MAX_POSITIONS queries at a time (the reference the flash kernel is checked against);
+//   - the MTP block follows the main model over the same pass when its cache was in step on entry:
+//     MTP position p from token p and the main model's final hidden state of p - 1.
+// Only the last position's logits are computed (the decode cycle starts from them). The state
+// left behind (K/V, conv and recurrent state, the hidden window, the MTP cache) is what evaluating
+// the tokens one at a time leaves, up to the projections' int8 rounding.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "engine.cuh"
+#include "gemm_prefill.cuh"
+
+namespace oj {
+
+namespace {
+
+bool gemm_fits(const Matrix &w) {
+    const bool quant = w.type == TYPE_Q4_K || w.type == TYPE_Q5_K || w.type == TYPE_Q6_K || w.type == TYPE_Q8_0;
+    return quant && w.K % gemm::KSTEP == 0;
+}
+
+// y[p][:] (+)= W x[p] for p < P.
+void project(Engine &e, const Matrix &w, const float *x, float *y, int P, bool accumulate) {
+    if (gemm_fits(w)) {
+        gemm::gemm_prefill(w, x, P, y, accumulate, e.pf.workspace, e.pf.workspace_bytes, e.stream);
+        return;
+    }
+    for (int i = 0; i < P; i += OJ_MAX_POSITIONS) {
+        const int m = P - i < OJ_MAX_POSITIONS ? P - i : OJ_MAX_POSITIONS;
+        matvec(w, x + (size_t)i * w.K, y + (size_t)i * w.M, m, accumulate, e.stream);
+    }
+}
+
+// OPENJET_PREFILL_ATTN=decode: the decode kernels (read once per process, like OPENJET_MATVEC).
+bool attention_by_decode_kernels() {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *v = std::getenv("OPENJET_PREFILL_ATTN");
+        mode = v && std::strcmp(v, "decode") == 0 ? 1 : 0;
+    }
+    return mode == 1;
+}
+
+void attention_pass(Engine &e, Layer &L, int P, int pos0) {
+    PrefillScratch &pf = e.pf;
+    const ModelDims &d = e.dims;
+    project(e, L.wq, pf.xn, pf.qg, P, false);
+    project(e, L.wk, pf.xn, pf.k, P, false);
+    project(e, L.wv, pf.xn, pf.v, P, false);
+    attention_prepare(d, L, pf.qg, pf.k, pf.v, pf.q_rot, P, pos0, e.n_ctx, e.stream);
+    if (attention_by_decode_kernels())
+        attention_by_decode(d, L, e.s, pf.q_rot, pf.qg, pf.attn_out, P, pos0, e.n_ctx, e.stream);
+    else
+        attention_prefill(d, L, pf.q_rot, pf.qg, pf.attn_out, P, pos0, e.n_ctx, e.stream);
+    project(e, L.wo, pf.attn_out, pf.x, P, true);
+}
+
+void deltanet_pass(Engine &e, Layer &L, int P) {
+    PrefillScratch &pf = e.pf;
+    project(e, L.wqkv, pf.xn, pf.qkv, P, false);
+    project(e, L.wgate, pf.xn, pf.z, P, false);
+    project(e, L.wbeta, pf.xn, pf.beta, P, false);
+    project(e, L.walpha, pf.xn, pf.alpha, P, false);
+    deltanet_prefill(e.dims, L, pf.qkv, pf.conv, pf.beta, pf.alpha, pf.z, pf.dn_out, P, e.stream);
+    project(e, L.wssm_out, pf.dn_out, pf.x, P, true);
+}
+
+void ffn_pass(Engine &e, Layer &L, int P) {
+    PrefillScratch &pf = e.pf;
+    const ModelDims &d = e.dims;
+    rms_norm(pf.x, L.post_norm, pf.xn, P, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
+    project(e, L.ffn_gate, pf.xn, pf.ffn_gate, P, false);
+    project(e, L.ffn_up, pf.xn, pf.ffn_up, P, false);
+    swiglu(pf.ffn_gate, pf.ffn_up, (int64_t)P * d.hp.n_ff, e.stream);
+    project(e, L.ffn_down, pf.ffn_gate, pf.x, P, true);
+}
+
+// One pass of P tokens (already in pf.tokens) at positions pos0..; pf.hidden row 0 holds the
+// main hidden state of pos0 - 1 on entry, rows 1..P those of the pass on return.
+void main_pass(Engine &e, int P, int pos0) {
+    PrefillScratch &pf = e.pf;
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    embed_rows(e.tok_embd, pf.tokens, pf.x, P, e.stream);
+    for (int il = 0; il < d.hp.n_layer; ++il) {
+        Layer &L = e.layers[il];
+        rms_norm(pf.x, L.attn_norm, pf.xn, P, E, d.hp.rms_eps, E, e.stream);
+        if (L.recurrent) deltanet_pass(e, L, P);
+        else attention_pass(e, L, P, pos0);
+        ffn_pass(e, L, P);
+    }
+    rms_norm(pf.x, e.output_norm, pf.hidden + E, P, E, d.hp.rms_eps, E, e.stream);
+}
+
+// The MTP block over the same pass: its cache gets positions pos0.. (engine_mtp_eval's math).
+void mtp_pass(Engine &e, int P, int pos0) {
+    PrefillScratch &pf = e.pf;
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    Mtp &m = e.mtp;
+    embed_rows(*m.embed, pf.tokens, pf.x, P, e.stream);
+    rms_norm(pf.x, m.enorm, pf.cat, P, E, d.hp.rms_eps, 2 * E, e.stream);
+    rms_norm(pf.hidden, m.hnorm, pf.cat + E, P, E, d.hp.rms_eps, 2 * E, e.stream);
+    project(e, m.eh_proj, pf.cat, pf.x, P, false);
+    rms_norm(pf.x, m.block.attn_norm, pf.xn, P, E, d.hp.rms_eps, E, e.stream);
+    attention_pass(e, m.block, P, pos0);
+    ffn_pass(e, m.block, P);
+}
+
+}  // namespace
+
+void alloc_prefill(Engine &e, int chunk) {
+    if (chunk == 0) return;
+    if (chunk < 64 || chunk > OJ_MAX_PREFILL_CHUNK)
+        fail(OJ_ERR_INVALID_ARGUMENT, "prefill_chunk is " + std::to_string(chunk) + "; allowed 0 (no oj_prefill) or 64.." +
+                                          std::to_string(OJ_MAX_PREFILL_CHUNK));
+    const ModelDims &d = e.dims;
+    PrefillScratch &pf = e.pf;
+    uint64_t &c = e.memory.prefill;
+    const int64_t P = chunk, E = d.hp.n_embd;
+    auto f = [&](int64_t count) { return static_cast<float *>(e.alloc(count * sizeof(float), c)); };
+    pf.tokens = static_cast<int32_t *>(e.alloc(P * sizeof(int32_t), c));
+    pf.x = f(P * E);
+    pf.xn = f(P * E);
+    pf.ffn_gate = f(P * d.hp.n_ff);
+    pf.ffn_up = f(P * d.hp.n_ff);
+    pf.z = f(P * d.ssm_value_dim());
+    pf.dn_out = f(P * d.ssm_value_dim());
+    pf.qkv = f(P * d.ssm_conv_dim());
+    pf.conv = f(P * d.ssm_conv_dim());
+    pf.beta = f(P * d.hp.ssm_dt_rank);
+    pf.alpha = f(P * d.hp.ssm_dt_rank);
+    pf.qg = f(P * 2 * d.q_dim());
+    pf.k = f(P * d.kv_dim());
+    pf.v = f(P * d.kv_dim());
+    pf.q_rot = f(P * d.q_dim());
+    pf.attn_out = f(P * d.q_dim());
+    pf.cat = f(P * 2 * E);
+    pf.hidden = f((P + 1) * E);
+    // the int8 X of the widest input any projection of a pass takes
+    const int64_t widest = std::max<int64_t>({E, 2 * E, d.hp.n_ff, d.ssm_value_dim(), d.q_dim()});
+    pf.workspace_bytes = gemm::workspace_bytes(widest, P);
+    pf.workspace = e.alloc(pf.workspace_bytes, c);
+    pf.chunk = chunk;
+}
+
+void engine_prefill(Engine &e, const int32_t *tokens, int n) {
+    if (e.pf.chunk == 0)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill needs prefill buffers: create the engine with prefill_chunk > 0 (it was 0)");
+    if (!tokens) fail(OJ_ERR_INVALID_ARGUMENT, "tokens is NULL");
+    if (n < 1) fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill of " + std::to_string(n) + " tokens; it takes 1 or more");
+    const ModelDims &d = e.dims;
+    for (int i = 0; i < n; ++i)
+        if (tokens[i] < 0 || tokens[i] >= d.hp.n_vocab)
+            fail(OJ_ERR_INVALID_ARGUMENT, "token id " + std::to_string(tokens[i]) + " (prompt position " + std::to_string(i) +
+                                              ") is outside the vocabulary [0, " + std::to_string(d.hp.n_vocab) + ")");
+    if ((int64_t)e.n_past + n > e.n_ctx)
+        fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
+    PrefillScratch &pf = e.pf;
+    const int E = d.hp.n_embd;
+    // A pending verify counts as oj_commit(0); accepted positions still owed to the state go in now.
+    e.uncommitted = 0;
+    engine_flush(e);
+    const bool mtp_follows = e.has_mtp && e.mtp_n_past == e.n_past;
+    // h of n_past - 1: the hidden window's row prev_row (zeros at position 0)
+    if (e.n_past == 0) check_cuda(cudaMemsetAsync(pf.hidden, 0, (size_t)E * 4, e.stream), "prefill hidden");
+    else
+        check_cuda(cudaMemcpyAsync(pf.hidden, e.s.hidden + (size_t)e.prev_row * E, (size_t)E * 4, cudaMemcpyDeviceToDevice,
+                                   e.stream), "prefill hidden");
+    const int start = e.n_past;
+    int done = 0, last_P = 0;
+    while (done < n) {
+        const int P = n - done < pf.chunk ? n - done : pf.chunk;
+        const int pos0 = start + done;
+        check_cuda(cudaMemcpyAsync(pf.tokens, tokens + done, (size_t)P * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream),
+                   "copy tokens");
+        main_pass(e, P, pos0);
+        if (mtp_follows) mtp_pass(e, P, pos0);
+        done += P;
+        last_P = P;
+        if (done < n)   // the next pass's row 0: h of its pos0 - 1
+            check_cuda(cudaMemcpyAsync(pf.hidden, pf.hidden + (size_t)P * E, (size_t)E * 4, cudaMemcpyDeviceToDevice, e.stream),
+                       "prefill hidden");
+    }
+    // The hidden window as after a one-token oj_eval of the last position L: row 0 = h_{L-1},
+    // row 1 = h_L; the logits and argmax of L.
+    Scratch &s = e.s;
+    check_cuda(cudaMemcpyAsync(s.hidden, pf.hidden + (size_t)(last_P - 1) * E, (size_t)2 * E * 4, cudaMemcpyDeviceToDevice,
+                               e.stream), "hidden window");
+    matvec(e.output.present() ? e.output : e.tok_embd, s.hidden + E, s.logits, 1, false, e.stream);
+    argmax_rows(s.logits, s.argmax, 1, d.hp.n_vocab, e.stream);
+    check_cuda(cudaStreamSynchronize(e.stream), "prefill");
+    e.n_past = start + n;
+    e.last_start = e.n_past - 1;
+    e.last_n = 1;
+    e.prev_row = 1;
+    e.replay_n = 0;
+    e.uncommitted = 0;
+    if (mtp_follows) {
+        e.mtp_n_past = e.n_past;
+        e.last_mtp_n = 0;   // no draft results: the next oj_mtp_eval makes them
+    }
+}
+
+}  // namespace oj

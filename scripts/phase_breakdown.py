@@ -1,0 +1,630 @@
+"""Per-phase time of one native-engine pass from Nsight Compute's raw CSV (issue 8).
+
+Input: `ncu --csv --page raw --metrics gpu__time_duration.sum,dram__bytes_read.sum,
+dram__bytes_write.sum,launch__grid_size,launch__block_size` over scripts/phase_probe.py (one CSV
+per group, or one CSV holding several), the model file, and optionally the probe's timing JSON
+(wall time per pass without ncu).
+
+How kernels become phases: the rows are cut into passes at each `embed_kernel` (every verify and
+every MTP step starts with the embedding lookup). A pass whose first kernels are
+embed, rms_norm, matvec is a verify of the main model; embed, rms_norm, rms_norm is an MTP step
+(enorm, hnorm). The pass's positions n are the embedding's grid (one block a position). Each
+pass is then aligned with the launch order of native/engine.cu (`engine_verify`,
+`engine_mtp_eval`), built here from the model's config, so every matvec gets its matrix
+(blk.N.attn_qkv.weight, ...) and the int8 path's quantize_x kernel is charged to the matvec it
+feeds. When a pass does not follow that order (the engine changed), the kernels are classified
+by name alone and the table says so.
+
+Per phase and pass: kernels, time, DRAM bytes (read + written, as ncu counted them) and the
+achieved rate; the phase's own floor: the fewest bytes it must move (weights of its matrices,
+the recurrent state read and written, the KV cache read, activations) over the streaming rate,
+or its multiply-adds over the matrix rate when that is larger; % of floor = floor / time. Last
+rows: the sum of kernel times against the wall time of a pass measured without ncu (the rest is
+launch and host time) and the tokens per second that wall time implies.
+
+    python scripts/phase_breakdown.py --model q27b.gguf --csv decode1.csv --csv verify5.csv \
+        --csv mtp.csv [--timing timing.json] [--depth 512] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STREAM_GBPS = 4470.0        # H200 streaming read rate measured in this project (bytes read / s)
+MATRIX_TFLOPS = 790.0       # bf16 matrix rate measured on the H200 (KINDS.md: 769..798 TFLOP/s)
+
+TIME = "gpu__time_duration.sum"
+READ = "dram__bytes_read.sum"
+WRITE = "dram__bytes_write.sum"
+GRID = "launch__grid_size"
+REQUIRED = ("Kernel Name", TIME, READ, WRITE)
+
+_SCALE = {
+    "byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
+    "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0,
+    "": 1.0, "block": 1.0, "thread": 1.0,
+}
+
+# kernel kind by a substring of its name (mangled or demangled); first match wins
+KINDS = (
+    ("quantize_x", "quantize_x_kernel"),
+    ("matvec", "matvec_kernel"),            # mma_ / i8_ / float_matvec_kernel
+    ("embed", "embed_kernel"),
+    ("conv", "deltanet_conv_kernel"),
+    ("qk_norm", "deltanet_qk_norm_kernel"),
+    ("recurrence", "deltanet_recurrence_kernel"),
+    ("gated_norm", "deltanet_gated_norm_kernel"),
+    ("attn_prepare", "attention_prepare_kernel"),
+    ("attn_partial", "attention_partial_kernel"),
+    ("attn_combine", "attention_combine_kernel"),
+    ("rms_norm", "rms_norm_kernel"),
+    ("swiglu", "swiglu_kernel"),
+    ("argmax", "argmax_kernel"),
+    ("map_ids", "map_ids_kernel"),
+)
+DELTANET = "deltanet recurrence+conv+norms"
+ATTENTION = "attention (prepare, partial, combine)"
+ELEMENTWISE = "norms/elementwise"
+PHASE_OF_KIND = {
+    "embed": "embedding", "conv": DELTANET, "qk_norm": DELTANET, "recurrence": DELTANET,
+    "gated_norm": DELTANET, "attn_prepare": ATTENTION, "attn_partial": ATTENTION,
+    "attn_combine": ATTENTION, "rms_norm": ELEMENTWISE, "swiglu": ELEMENTWISE,
+    "argmax": "argmax", "map_ids": "argmax", "matvec": "projections (role unknown)",
+    "quantize_x": "projections (role unknown)",
+}
+
+
+class BreakdownError(ValueError):
+    """Bad input; the message names the file and column or the model tensor."""
+
+
+# --- the CSV ----------------------------------------------------------------------------------
+
+@dataclass
+class Kernel:
+    index: int            # ncu's ID (launch order within the profiled process)
+    name: str
+    time_s: float
+    dram_bytes: float
+    grid: int | None
+    kind: str
+
+
+def kernel_kind(name: str) -> str:
+    for kind, sub in KINDS:
+        if sub in name:
+            return kind
+    return "other"
+
+
+def _number(text: str, where: str) -> float:
+    t = text.strip().replace(",", "")        # ncu groups thousands: "10,240,000"
+    try:
+        return float(t)
+    except ValueError:
+        raise BreakdownError(f"{where}: {text!r} is not a number") from None
+
+
+def _grid_of(row: dict, where: str) -> int | None:
+    if row.get(GRID, "").strip() not in ("", "n/a"):
+        return int(_number(row[GRID], where + f" column {GRID!r}"))
+    g = row.get("Grid Size", "").strip()          # "(5, 1, 1)"
+    nums = re.findall(r"\d+", g.replace(",", " "))
+    if nums:
+        return math.prod(int(x) for x in nums)
+    return None
+
+
+def parse_ncu_csv(text: str, source: str = "<csv>") -> list[Kernel]:
+    """Kernels of ncu's `--csv --page raw` output in launch order. Lines before the header
+    (==PROF== messages, the program's own output) are skipped; the units row scales values
+    to bytes and seconds; numbers may carry thousands separators."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        raise BreakdownError(f"{source}: no ncu raw CSV header (a line starting with \"ID\") found")
+    rows = [r for r in csv.reader(io.StringIO("\n".join(l for l in lines[start:] if not l.startswith("==")))) if r]
+    header = rows[0]
+    missing = [c for c in REQUIRED if c not in header]
+    if missing:
+        raise BreakdownError(f"{source}: column {missing[0]!r} is missing from the ncu CSV "
+                             f"(columns: {', '.join(header)}); run ncu with --page raw --metrics "
+                             f"{TIME},{READ},{WRITE},{GRID}")
+    body = rows[1:]
+    units = {c: "" for c in header}
+    if body and body[0] and body[0][0].strip() == "":       # the units row: "", ..., "byte", "nsecond"
+        units = dict(zip(header, body[0]))
+        body = body[1:]
+
+    def scale(col: str) -> float:
+        u = units.get(col, "").strip()
+        if u.lower() not in _SCALE:
+            raise BreakdownError(f"{source}: column {col!r} has unit {u!r} (expected bytes or seconds; "
+                                 f"run ncu with --print-units base)")
+        return _SCALE[u.lower()]
+
+    s_time, s_read, s_write = scale(TIME), scale(READ), scale(WRITE)
+    out = []
+    for n, r in enumerate(body):
+        if len(r) != len(header):
+            raise BreakdownError(f"{source}: row {n + 1} has {len(r)} fields, the header {len(header)}")
+        row = dict(zip(header, r))
+        where = f"{source} row {n + 1}"
+        if row[TIME].strip().lower() in ("", "n/a"):
+            raise BreakdownError(f"{where}: no value in column {TIME!r}")
+        idx = int(_number(row["ID"], where + " column 'ID'")) if "ID" in row else n
+        name = row["Kernel Name"]
+        out.append(Kernel(idx, name, _number(row[TIME], f"{where} column {TIME!r}") * s_time,
+                          (_number(row[READ], f"{where} column {READ!r}") * s_read
+                           + _number(row[WRITE], f"{where} column {WRITE!r}") * s_write),
+                          _grid_of(row, where), kernel_kind(name)))
+    out.sort(key=lambda k: k.index)
+    return out
+
+
+# --- the engine's launch order ------------------------------------------------------------------
+
+@dataclass
+class Slot:
+    """One launch of engine.cu's order: its kind, phase, the matrices it reads, its floor terms."""
+    kind: str
+    phase: str
+    tensors: tuple[str, ...] = ()
+    min_bytes: float = 0.0
+    flops: float = 0.0
+    optional: bool = False
+
+
+class Model:
+    """What the floors need from the model file: config and tensor bytes/shapes."""
+
+    def __init__(self, config, tensors: dict[str, tuple[int, tuple[int, ...]]]):
+        self.config = config
+        self.tensors = tensors      # name -> (n_bytes, ne)
+
+    @classmethod
+    def open(cls, path: Path) -> "Model":
+        from openjet_plugin.model_file import open_model
+
+        mf = open_model(path)
+        try:
+            return cls(mf.config, {n: (int(t.n_bytes), tuple(int(x) for x in t.ne)) for n, t in mf.tensors.items()})
+        finally:
+            mf.close()
+
+    def bytes_of(self, name: str) -> int:
+        if name not in self.tensors:
+            raise BreakdownError(f"model tensor {name!r} not found (the engine reads it in this pass)")
+        return self.tensors[name][0]
+
+    def matvec(self, kind_phase: str, name: str, n: int) -> Slot:
+        nb, ne = self.bytes_of(name), self.tensors[name][1]
+        k_in, m_out = ne[0], (ne[1] if len(ne) > 1 else 1)
+        return Slot("matvec", kind_phase, (name,), nb + 4.0 * n * (k_in + m_out), 2.0 * n * k_in * m_out)
+
+    def head_name(self, mtp: bool) -> str:
+        if mtp:
+            own = f"blk.{self.config.mtp_layer}.nextn.shared_head_head.weight"
+            if own in self.tensors:
+                return own
+        return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+
+
+def _norm(c, n: int, width: int) -> Slot:
+    return Slot("rms_norm", ELEMENTWISE, min_bytes=4.0 * (2 * n * width + width))
+
+
+def _ffn(m: Model, il: int, n: int) -> list[Slot]:
+    c = m.config
+    p = f"blk.{il}."
+    return [_norm(c, n, c.n_embd),
+            m.matvec("projections: ffn_gate", p + "ffn_gate.weight", n),
+            m.matvec("projections: ffn_up", p + "ffn_up.weight", n),
+            Slot("swiglu", ELEMENTWISE, min_bytes=4.0 * 3 * n * c.n_ff),
+            m.matvec("projections: ffn_down", p + "ffn_down.weight", n)]
+
+
+def _attention(m: Model, il: int, n: int, depth: int, kv_bytes: float) -> list[Slot]:
+    c = m.config
+    p = f"blk.{il}."
+    kv = kv_bytes * c.kv_dim * 2 * (depth + n)          # K and V of every position so far
+    qk_flops = 4.0 * n * c.n_head * c.head_dim * (depth + n)
+    return [m.matvec("projections: attn_q", p + "attn_q.weight", n),
+            m.matvec("projections: attn_k", p + "attn_k.weight", n),
+            m.matvec("projections: attn_v", p + "attn_v.weight", n),
+            Slot("attn_prepare", ATTENTION, min_bytes=4.0 * n * (2 * c.q_dim + 2 * c.kv_dim) + kv_bytes * 2 * n * c.kv_dim),
+            Slot("attn_partial", ATTENTION, min_bytes=kv, flops=qk_flops),
+            Slot("attn_combine", ATTENTION, min_bytes=4.0 * n * 2 * c.q_dim),
+            m.matvec("projections: attn_output", p + "attn_output.weight", n)]
+
+
+def _deltanet(m: Model, il: int, n: int) -> list[Slot]:
+    c = m.config
+    p = f"blk.{il}."
+    state = 4.0 * c.ssm_dt_rank * c.ssm_d_state ** 2          # read, and written back after the replay
+    conv_state = 4.0 * c.ssm_conv_dim * (c.ssm_conv_kernel - 1)
+    return [m.matvec("projections: attn_qkv", p + "attn_qkv.weight", n),
+            m.matvec("projections: attn_gate", p + "attn_gate.weight", n),
+            m.matvec("projections: ssm_beta", p + "ssm_beta.weight", n),
+            m.matvec("projections: ssm_alpha", p + "ssm_alpha.weight", n),
+            Slot("conv", DELTANET, min_bytes=2 * conv_state + 4.0 * 2 * n * c.ssm_conv_dim),
+            Slot("qk_norm", DELTANET, min_bytes=4.0 * 2 * n * 2 * c.ssm_key_dim),
+            Slot("recurrence", DELTANET, min_bytes=2 * state + 4.0 * n * (c.ssm_conv_dim + c.ssm_value_dim),
+                 flops=6.0 * n * c.ssm_dt_rank * c.ssm_d_state ** 2),
+            Slot("gated_norm", DELTANET, min_bytes=4.0 * 3 * n * c.ssm_value_dim),
+            m.matvec("projections: ssm_out", p + "ssm_out.weight", n)]
+
+
+def _embed(m: Model, name: str, n: int) -> Slot:
+    nb, ne = m.bytes_of(name), m.tensors[name][1]
+    rows = ne[1] if len(ne) > 1 else 1
+    return Slot("embed", "embedding", (), n * nb / rows + 4.0 * n * m.config.n_embd)
+
+
+def verify_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0) -> list[Slot]:
+    """engine_verify's launches for n positions at n_past = depth."""
+    c = m.config
+    prog = [_embed(m, "token_embd.weight", n)]
+    for il in range(c.n_layer):
+        prog.append(_norm(c, n, c.n_embd))
+        prog += _deltanet(m, il, n) if c.is_recurrent(il) else _attention(m, il, n, depth, kv_bytes)
+        prog += _ffn(m, il, n)
+    prog.append(_norm(c, n, c.n_embd))
+    head = m.matvec("output head", m.head_name(False), n)
+    prog += [head, Slot("argmax", "argmax", min_bytes=4.0 * n * c.n_vocab)]
+    return prog
+
+
+def mtp_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0) -> list[Slot]:
+    """engine_mtp_eval's launches for n positions at MTP position depth."""
+    c = m.config
+    il = c.mtp_layer
+    if il is None:
+        raise BreakdownError("the model has no MTP block (nextn_predict_layers = 0), but the CSV has MTP passes")
+    p = f"blk.{il}."
+    own_embed = p + "nextn.embed_tokens.weight"
+    prog = [_embed(m, own_embed if own_embed in m.tensors else "token_embd.weight", n),
+            _norm(c, n, c.n_embd), _norm(c, n, c.n_embd),
+            m.matvec("projections: nextn.eh_proj", p + "nextn.eh_proj.weight", n),
+            _norm(c, n, c.n_embd)]
+    prog += _attention(m, il, n, depth, kv_bytes)
+    prog += _ffn(m, il, n)
+    prog.append(_norm(c, n, c.n_embd))
+    prog += [m.matvec("output head (MTP shared head)", m.head_name(True), n),
+             Slot("argmax", "argmax", min_bytes=4.0 * n * c.n_vocab),
+             Slot("map_ids", "argmax", optional=True)]
+    return prog
+
+
+# --- passes -------------------------------------------------------------------------------------
+
+def split_passes(kernels: list[Kernel], source: str) -> list[list[Kernel]]:
+    if not kernels:
+        raise BreakdownError(f"{source}: the CSV has no kernel rows (was the profiling window empty?)")
+    if kernels[0].kind != "embed":
+        raise BreakdownError(f"{source}: the first kernel is {kernels[0].name!r}, not the embedding lookup "
+                             f"that starts every pass (was the window opened mid-pass?)")
+    passes: list[list[Kernel]] = []
+    for k in kernels:
+        if k.kind == "embed":
+            passes.append([])
+        passes[-1].append(k)
+    return passes
+
+
+def pass_signature(p: list[Kernel]) -> tuple[str, int]:
+    """('verify' | 'mtp', positions)."""
+    n = p[0].grid if p[0].grid else 0
+    kinds = [k.kind for k in p[:4] if k.kind != "quantize_x"]
+    mtp = len(kinds) >= 3 and kinds[1] == "rms_norm" and kinds[2] == "rms_norm"
+    return ("mtp" if mtp else "verify"), n
+
+
+def group_name(kind: str, n: int) -> str:
+    if kind == "mtp":
+        return "mtp" if n == 1 else f"mtp{n}"
+    return "decode1" if n == 1 else f"verify{n}"
+
+
+def align(p: list[Kernel], prog: list[Slot]) -> list[tuple[Kernel, Slot]]:
+    """Kernels of one pass matched to the launch order; raises BreakdownError where they part."""
+    out, j, pending = [], 0, []
+    for k in p:
+        if k.kind == "quantize_x":
+            pending.append(k)
+            continue
+        while j < len(prog) and prog[j].kind != k.kind and prog[j].optional:
+            j += 1
+        if j >= len(prog) or prog[j].kind != k.kind:
+            want = prog[j].kind if j < len(prog) else "the end of the pass"
+            raise BreakdownError(f"kernel {k.index} ({k.kind}: {k.name[:60]}) where engine.cu's order has {want} "
+                                 f"(launch {j} of the pass)")
+        if pending and k.kind != "matvec":
+            raise BreakdownError(f"kernel {pending[0].index} quantize_x is not followed by a matvec")
+        out += [(q, prog[j]) for q in pending] + [(k, prog[j])]
+        pending = []
+        j += 1
+    rest = [s.kind for s in prog[j:] if not s.optional]
+    if rest:
+        raise BreakdownError(f"the pass ends {len(rest)} launches early (next expected: {rest[0]})")
+    return out
+
+
+@dataclass
+class PhaseRow:
+    phase: str
+    kernels: float = 0.0
+    time_s: float = 0.0
+    dram_bytes: float = 0.0
+    min_bytes: float = 0.0
+    weight_bytes: float = 0.0
+    flops: float = 0.0
+
+
+@dataclass
+class GroupResult:
+    name: str
+    kind: str
+    positions: int
+    passes: int
+    mapped: bool
+    note: str
+    rows: dict[str, PhaseRow] = field(default_factory=dict)
+    wall_s: float | None = None
+
+    @property
+    def kernel_time_s(self) -> float:
+        return sum(r.time_s for r in self.rows.values())
+
+
+def summarize_group(name: str, kind: str, n: int, passes: list[list[Kernel]], model: Model | None,
+                    depth: int, kv_bytes: float) -> GroupResult:
+    prog = None
+    note = ""
+    if model is not None:
+        prog = (mtp_program if kind == "mtp" else verify_program)(model, n, depth, kv_bytes)
+    pairs_per_pass = []
+    if prog is not None:
+        try:
+            pairs_per_pass = [align(p, prog) for p in passes]
+        except BreakdownError as e:
+            note = f"roles by kernel name only: launch order differs from engine.cu ({e})"
+            pairs_per_pass = []
+    else:
+        note = "roles by kernel name only: no model file given"
+    mapped = bool(pairs_per_pass)
+    g = GroupResult(name, kind, n, len(passes), mapped, note)
+
+    def row(phase: str) -> PhaseRow:
+        return g.rows.setdefault(phase, PhaseRow(phase))
+
+    if mapped:
+        for pairs in pairs_per_pass:
+            for k, s in pairs:
+                r = row(s.phase)
+                r.kernels += 1
+                r.time_s += k.time_s
+                r.dram_bytes += k.dram_bytes
+        for s in prog:       # floors once per pass (a slot's bytes do not depend on its kernels)
+            if s.phase in g.rows:
+                r = g.rows[s.phase]
+                r.min_bytes += s.min_bytes * len(passes)
+                r.flops += s.flops * len(passes)
+                r.weight_bytes += sum(model.bytes_of(t) for t in s.tensors) * len(passes)
+    else:
+        for p in passes:
+            for k in p:
+                r = row(PHASE_OF_KIND.get(k.kind, f"other: {k.name[:40]}"))
+                r.kernels += 1
+                r.time_s += k.time_s
+                r.dram_bytes += k.dram_bytes
+    for r in g.rows.values():      # per pass
+        for f in ("kernels", "time_s", "dram_bytes", "min_bytes", "weight_bytes", "flops"):
+            setattr(r, f, getattr(r, f) / len(passes))
+    return g
+
+
+def analyse(kernels_by_source: list[tuple[str, list[Kernel]]], model: Model | None, depth: int,
+            kv_bytes: float = 2.0) -> dict[str, GroupResult]:
+    """Every pass of every CSV, grouped by signature (decode1, verify5, mtp, ...)."""
+    groups: dict[str, tuple[str, int, list]] = {}
+    for source, kernels in kernels_by_source:
+        for p in split_passes(kernels, source):
+            kind, n = pass_signature(p)
+            if n < 1:
+                raise BreakdownError(f"{source}: pass at kernel {p[0].index} has no grid size for its embedding "
+                                     f"launch (add {GRID} to ncu's --metrics)")
+            gname = group_name(kind, n)
+            groups.setdefault(gname, (kind, n, []))[2].append(p)
+    return {name: summarize_group(name, kind, n, ps, model, depth, kv_bytes)
+            for name, (kind, n, ps) in groups.items()}
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+def floor_s(r: PhaseRow, gbps: float, tflops: float) -> float:
+    return max(r.min_bytes / (gbps * 1e9), r.flops / (tflops * 1e12))
+
+
+def _is_projection(name: str) -> bool:
+    return name.startswith("projections") or name.startswith("output head")
+
+
+def group_json(g: GroupResult, gbps: float, tflops: float) -> dict:
+    rows = []
+    first = {name: i for i, name in enumerate(g.rows)}     # launch order of the phases' first kernels
+    for r in sorted(g.rows.values(), key=lambda r: (not _is_projection(r.phase), first[r.phase])):
+        fl = floor_s(r, gbps, tflops) if g.mapped else None
+        rows.append({
+            "phase": r.phase, "kernels": r.kernels, "time_us": r.time_s * 1e6,
+            "share": r.time_s / g.kernel_time_s if g.kernel_time_s else None,
+            "dram_bytes": r.dram_bytes, "achieved_gbps": r.dram_bytes / r.time_s / 1e9 if r.time_s else None,
+            "dram_floor_us": r.dram_bytes / (gbps * 1e9) * 1e6,
+            "weight_bytes": r.weight_bytes if g.mapped else None,
+            "min_bytes": r.min_bytes if g.mapped else None, "flops": r.flops if g.mapped else None,
+            "floor_us": fl * 1e6 if fl is not None else None,
+            "bound": (("flops" if r.flops / (tflops * 1e12) > r.min_bytes / (gbps * 1e9) else "bytes")
+                      if g.mapped else None),
+            "pct_of_floor": fl / r.time_s * 100 if fl is not None and r.time_s else None,
+        })
+    kt = g.kernel_time_s
+    proj = [r for r in rows if _is_projection(r["phase"])]
+    pt = sum(r["time_us"] for r in proj)
+    projections = {"kernels": sum(r["kernels"] for r in proj), "time_us": pt,
+                   "share": pt / (kt * 1e6) if kt else None,
+                   "dram_bytes": sum(r["dram_bytes"] for r in proj),
+                   "weight_bytes": sum(r["weight_bytes"] for r in proj) if g.mapped else None,
+                   "floor_us": sum(r["floor_us"] for r in proj) if g.mapped else None}
+    projections["achieved_gbps"] = projections["dram_bytes"] / pt / 1e3 if pt else None
+    projections["pct_of_floor"] = (projections["floor_us"] / pt * 100
+                                   if projections["floor_us"] is not None and pt else None)
+    out = {"projections_total": projections, "group": g.name, "kind": g.kind, "positions": g.positions, "passes": g.passes,
+           "roles_mapped": g.mapped, "note": g.note, "rows": rows, "kernel_time_us": kt * 1e6,
+           "kernels_per_pass": sum(r.kernels for r in g.rows.values()),
+           "floor_us": sum(r["floor_us"] or 0 for r in rows) if g.mapped else None}
+    if g.wall_s:
+        out["wall_us"] = g.wall_s * 1e6
+        out["host_and_launch_us"] = (g.wall_s - kt) * 1e6
+        out["kernel_share_of_wall"] = kt / g.wall_s
+        if g.kind == "verify":
+            out["tokens_per_s_all_accepted"] = g.positions / g.wall_s
+    return out
+
+
+def cycle_json(groups: dict[str, dict], draft_depth: int) -> dict | None:
+    """One speculative cycle at draft depth D: the verify of D + 1 positions and D MTP steps."""
+    v, m = groups.get(f"verify{draft_depth + 1}"), groups.get("mtp")
+    if not v or not m:
+        return None
+    rows = [dict(r) for r in v["rows"]]
+    mt = {"phase": f"MTP block ({draft_depth} draft steps)", "kernels": draft_depth * m["kernels_per_pass"],
+          "time_us": draft_depth * m["kernel_time_us"],
+          "dram_bytes": draft_depth * sum(r["dram_bytes"] for r in m["rows"]),
+          "floor_us": draft_depth * m["floor_us"] if m["floor_us"] is not None else None}
+    mt["achieved_gbps"] = mt["dram_bytes"] / mt["time_us"] / 1e3 if mt["time_us"] else None
+    mt["pct_of_floor"] = mt["floor_us"] / mt["time_us"] * 100 if mt["floor_us"] is not None and mt["time_us"] else None
+    mt["dram_floor_us"] = draft_depth * sum(r["dram_floor_us"] for r in m["rows"])
+    rows.append(mt)
+    kt = v["kernel_time_us"] + mt["time_us"]
+    for r in rows:
+        r["share"] = r["time_us"] / kt if kt else None
+    out = {"group": f"cycle D={draft_depth}", "kind": "cycle", "positions": draft_depth + 1, "rows": rows,
+           "kernel_time_us": kt, "roles_mapped": v["roles_mapped"] and m["roles_mapped"], "note": "",
+           "floor_us": (v["floor_us"] + mt["floor_us"]) if v["floor_us"] is not None and mt["floor_us"] is not None else None}
+    if "wall_us" in v and "wall_us" in m:
+        wall = v["wall_us"] + draft_depth * m["wall_us"]
+        out["wall_us"] = wall
+        out["host_and_launch_us"] = wall - kt
+        out["kernel_share_of_wall"] = kt / wall
+        out["tokens_per_s_by_accepted"] = {a: a / wall * 1e6 for a in range(1, draft_depth + 2)}
+    return out
+
+
+def _f(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def markdown(g: dict, gbps: float) -> str:
+    lines = [f"### {g['group']} ({g['positions']} position{'s' if g['positions'] != 1 else ''} per pass"
+             + (f", mean of {g['passes']} passes" if g.get("passes") else "") + ")", ""]
+    if g.get("note"):
+        lines += [f"_{g['note']}_", ""]
+    lines += ["| phase | kernels | time µs | share | DRAM MB | GB/s | weights MB | floor µs | bound | % of floor |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for r in g["rows"]:
+        lines.append(f"| {r['phase']} | {r['kernels']:.0f} | {r['time_us']:.1f} | {_f(r.get('share') and r['share'] * 100, '.1f')}% "
+                     f"| {r['dram_bytes'] / 1e6:.2f} | {_f(r.get('achieved_gbps'), '.0f')} "
+                     f"| {_f(r.get('weight_bytes') and r['weight_bytes'] / 1e6, '.1f')} | {_f(r.get('floor_us'), '.1f')} "
+                     f"| {r.get('bound') or '–'} | {_f(r.get('pct_of_floor'), '.1f')} |")
+    kt = g["kernel_time_us"]
+    p = g.get("projections_total")
+    if p:
+        lines.append(f"| *all projections + head* | {p['kernels']:.0f} | *{p['time_us']:.1f}* | {_f(p['share'] and p['share'] * 100, '.1f')}% "
+                     f"| {p['dram_bytes'] / 1e6:.2f} | {_f(p['achieved_gbps'], '.0f')} "
+                     f"| {_f(p['weight_bytes'] and p['weight_bytes'] / 1e6, '.1f')} | {_f(p['floor_us'], '.1f')} | "
+                     f"| {_f(p['pct_of_floor'], '.1f')} |")
+    lines.append(f"| **sum of kernels** | {sum(r['kernels'] for r in g['rows']):.0f} | **{kt:.1f}** | 100% "
+                 f"| {sum(r['dram_bytes'] for r in g['rows']) / 1e6:.1f} | | | {_f(g.get('floor_us'), '.1f')} | "
+                 f"| {_f(g.get('floor_us') and g['floor_us'] / kt * 100, '.1f')} |")
+    if "wall_us" in g:
+        lines.append(f"| **wall per pass (no ncu)** | | **{g['wall_us']:.1f}** | kernels {g['kernel_share_of_wall'] * 100:.1f}% "
+                     f"| | | | | | host+launch {g['host_and_launch_us']:.1f} µs |")
+        if "tokens_per_s_all_accepted" in g:
+            lines.append(f"| implied tokens/s | | {g['tokens_per_s_all_accepted']:.1f} | "
+                         f"({g['positions']} accepted per pass) | | | | | | |")
+        if "tokens_per_s_by_accepted" in g:
+            tps = ", ".join(f"{a}: {t:.1f}" for a, t in g["tokens_per_s_by_accepted"].items())
+            lines.append(f"| implied tokens/s by accepted per cycle | | | {tps} | | | | | | |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def load_timing(path: Path) -> dict[str, float]:
+    """group -> median wall seconds per pass, from phase_probe.py --time's JSON."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise BreakdownError(f"{path}: cannot read the timing JSON ({e})") from None
+    out = {}
+    for name, g in d.get("groups", {}).items():
+        if "wall_us" not in g:
+            raise BreakdownError(f"{path}: group {name!r} has no 'wall_us'")
+        out[name] = statistics.median(g["wall_us"]) / 1e6
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", type=Path, action="append", required=True, help="ncu raw CSV (repeatable)")
+    ap.add_argument("--model", type=Path, help="the GGUF the probe ran (weight bytes, launch order)")
+    ap.add_argument("--timing", type=Path, help="phase_probe.py --time JSON (wall time per pass without ncu)")
+    ap.add_argument("--depth", type=int, default=512, help="n_past at the profiled passes (KV read floor)")
+    ap.add_argument("--kv-bytes", type=float, default=2.0, help="bytes per KV value (f16 2; q8_0 34/32)")
+    ap.add_argument("--draft-depth", type=int, default=4, help="D of the cycle table (verify D+1 + D MTP steps)")
+    ap.add_argument("--gbps", type=float, default=STREAM_GBPS, help=f"streaming rate (default {STREAM_GBPS})")
+    ap.add_argument("--tflops", type=float, default=MATRIX_TFLOPS, help=f"matrix rate (default {MATRIX_TFLOPS})")
+    ap.add_argument("--json", type=Path, help="write the result as JSON here")
+    args = ap.parse_args(argv)
+    try:
+        sources = []
+        for p in args.csv:
+            try:
+                text = p.read_text(errors="replace")
+            except OSError as e:
+                raise BreakdownError(f"{p}: cannot read ({e})") from None
+            sources.append((str(p), parse_ncu_csv(text, str(p))))
+        model = Model.open(args.model) if args.model else None
+        groups = analyse(sources, model, args.depth, args.kv_bytes)
+        if args.timing:
+            for name, wall in load_timing(args.timing).items():
+                if name in groups:
+                    groups[name].wall_s = wall
+    except BreakdownError as e:
+        print(f"phase_breakdown: {e}", file=sys.stderr)
+        return 1
+    order = sorted(groups, key=lambda n: (n != "decode1", groups[n].kind == "mtp", n))
+    js = {n: group_json(groups[n], args.gbps, args.tflops) for n in order}
+    cyc = cycle_json(js, args.draft_depth)
+    result = {"gbps": args.gbps, "tflops": args.tflops, "depth": args.depth, "groups": js, "cycle": cyc}
+    print(f"Floors: bytes / {args.gbps:.0f} GB/s or multiply-adds / {args.tflops:.0f} TFLOP/s, whichever is "
+          f"larger; DRAM bytes as ncu counted them (caches flushed per kernel unless --cache-control none).\n")
+    for n in order:
+        print(markdown(js[n], args.gbps))
+    if cyc:
+        print(markdown(cyc, args.gbps))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

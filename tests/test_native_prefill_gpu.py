@@ -1,0 +1,239 @@
+"""Batched prefill (oj_prefill, issue 9) against the 8-positions-per-oj_eval path it replaces.
+
+Needs an NVIDIA GPU and a library with oj_prefill (ABI 3); everything here skips with the reason
+otherwise. `scripts/gpu_check.sh` runs it (PYTEST_FILES) and collects the rows it reports into
+`$OPENJET_GPU_REPORT`, like tests/test_native_gpu.py's.
+
+- the state a 600-token prefill leaves (passes of 256: several, and a ragged last one) — every
+  DeltaNet conv/ssm state, the K/V of every attention layer, the MTP cache — equals the state the
+  same tokens leave through oj_eval 8 at a time with OPENJET_MATVEC=int8 (the prefill projections
+  round activations to int8 per 32 values as that path does), within 2e-3 relative;
+- 64 positions decoded one at a time after it, and the prefill's own last-position logits, agree
+  with plain one-token-at-a-time stepping (default matvec) on top-1 and KL;
+- memory().prefill is what backends/native.py's prefill_bytes() says;
+- an engine created with prefill_chunk 0 refuses oj_prefill naming prefill_chunk;
+- greedy speculative generation after a prefilled prompt equals greedy plain generation;
+- OPENJET_Q27B=1: 2,048 tokens prefilled on the 27B-shaped model, seconds and tokens/s.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_native_gpu import (_native_or_skip, _teacher_forced_in_subprocess, agreement,  # noqa: E402
+                             model_path, rel_err, report)
+
+pytestmark = pytest.mark.gpu
+
+PREFILL_MODELS = [("tiny", "F32"), ("tiny", "Q4_K_M"), ("small", "Q4_K_M"), ("small", "Q6_K"), ("w256", "Q4_K_M")]
+N_PROMPT = 600
+N_CONTINUE = 64
+CHUNK = 256                  # 600 = 256 + 256 + 88: several passes and a ragged last one
+STATE_REL_MAX = 2e-3
+TOP1_MIN = 0.995
+KL_MAX = 1e-3
+MEMORY_TOL = 0.05
+SPEC_PROMPTS = int(os.environ.get("OPENJET_PREFILL_SPEC_PROMPTS", "12"))
+SPEC_TOKENS = 64
+Q27B_TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def native():
+    nl = _native_or_skip()
+    abi = int(nl.lib.oj_abi_version())
+    if abi < 3:
+        pytest.skip(f"the native library has ABI {abi}, before oj_prefill (3): rebuild it")
+    return nl
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("prefill_models")
+
+
+def _backend(path: Path, n_ctx: int, **kw):
+    from openjet_plugin.backends.native import NativeBackend
+    from openjet_plugin.model_file import open_model
+
+    mf = open_model(path)
+    try:
+        return mf, NativeBackend(mf, n_ctx=n_ctx, **kw)
+    except BaseException:
+        mf.close()
+        raise
+
+
+def _close(mf, be) -> None:
+    be.close()
+    mf.close()
+
+
+@pytest.mark.parametrize("preset,quant", PREFILL_MODELS, ids=[f"{p}-{q}" for p, q in PREFILL_MODELS])
+def test_prefill_matches_the_eval_path(native, workdir, tmp_path, preset, quant):
+    from openjet_plugin.backends.native import prefill_bytes
+
+    path, origin = model_path(preset, quant, workdir)
+    n_ctx = N_PROMPT + N_CONTINUE + 16
+    mf, be = _backend(path, n_ctx, prefill_chunk=CHUNK)        # draft_depth 4: the MTP cache follows
+    try:
+        rng = np.random.default_rng(2024)
+        tokens = rng.integers(0, be.n_vocab, N_PROMPT).tolist()
+        cont = rng.integers(0, be.n_vocab, N_CONTINUE).tolist()
+        t0 = time.perf_counter()
+        last = be.eval(tokens)
+        prefill_s = time.perf_counter() - t0
+        assert be.prefilled_positions == N_PROMPT, "the prompt did not go through oj_prefill"
+        state = be.state()
+        mem = be.memory()
+        want_bytes = prefill_bytes(mf.config, CHUNK)
+        after = be.eval_all_logits(cont, positions_per_call=1)
+    finally:
+        _close(mf, be)
+
+    # (a) the same tokens through oj_eval, 8 per call, int8 activations (a child: the engine reads
+    # OPENJET_MATVEC once per process)
+    int8_logits, _, want_state, info = _teacher_forced_in_subprocess(path, tokens, tmp_path / "int8.npz",
+                                                                     {"OPENJET_MATVEC": "int8"})
+    assert info["matvec"] == "int8", info
+    # (b), (c) plain one-token-at-a-time stepping in the default matvec mode
+    mf, ref = _backend(path, n_ctx, prefill_chunk=0, draft_depth=0)
+    try:
+        plain = ref.eval_all_logits(tokens + cont, positions_per_call=1)
+    finally:
+        _close(mf, ref)
+
+    assert np.isfinite(last).all() and np.isfinite(after).all(), "prefill logits contain NaN/inf"
+    assert set(state) == set(want_state), (sorted(set(state) ^ set(want_state)))
+    assert any(k.startswith("mtp.") for k in state), "no MTP cache rows after the prefill"
+    assert all(state[k].shape == want_state[k].shape for k in state), \
+        {k: (state[k].shape, want_state[k].shape) for k in state if state[k].shape != want_state[k].shape}
+    errs = {k: rel_err(state[k], v) for k, v in want_state.items()}
+    worst = max(errs, key=errs.get)
+    top1, kl, kl_max = agreement(plain[N_PROMPT:], after)
+    l_top1, l_kl, _ = agreement(plain[N_PROMPT - 1:N_PROMPT], last[None])
+    i_top1, i_kl, _ = agreement(int8_logits[N_PROMPT - 1:N_PROMPT], last[None])
+    report({"test": "prefill_vs_eval", "model": f"{preset}-{quant}", "origin": origin, "positions": N_PROMPT,
+            "prefill_chunk": CHUNK, "state_worst": worst, "state_rel_err": errs[worst],
+            "mtp_rel_err": max(v for k, v in errs.items() if k.startswith("mtp.")),
+            "continue_top1": top1, "continue_kl_mean": kl, "continue_kl_max": kl_max,
+            "last_top1": l_top1, "last_kl": l_kl, "last_vs_int8_eval_kl": i_kl,
+            "memory_prefill": mem["prefill"], "prefill_bytes": want_bytes, "prefill_s": round(prefill_s, 3)})
+    bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
+    assert not bad, f"state after oj_prefill vs oj_eval (int8): relative errors above {STATE_REL_MAX}: {bad}"
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, \
+        f"decoding after the prefill vs plain stepping: top-1 {top1:.4f}, mean KL {kl:.2e}"
+    assert l_kl <= KL_MAX, f"the prefill's last logits vs plain stepping: KL {l_kl:.2e}"
+    # (d) the memory report's prefill buffers are what prefill_bytes() says
+    assert mem["prefill"] > 0 and abs(mem["prefill"] - want_bytes) <= MEMORY_TOL * want_bytes, \
+        (mem["prefill"], want_bytes)
+
+
+def test_prefill_chunk_0_refuses_oj_prefill_by_name(native, workdir):
+    from openjet_plugin.errors import NativeEngineError
+
+    path, _ = model_path("tiny", "Q4_K_M", workdir)
+    mf, be = _backend(path, 256, prefill_chunk=0)
+    try:
+        assert not be.batched_prefill and be.memory()["prefill"] == 0
+        buf = be._nl.ffi.new("int32_t[]", [1, 2, 3])
+        with pytest.raises(NativeEngineError, match="prefill_chunk") as ei:
+            be._check(be._nl.lib.oj_prefill(be._handle(), buf, 3), "prefill")
+        assert ei.value.code == 1
+        be.eval(list(range(40)))                       # the old path still runs the prompt
+        assert be.prefilled_positions == 0 and be.n_past == 40
+        # the engine's own check of the range, past the Python one
+        be.prefill_chunk, be.batched_prefill = 32, True
+        with pytest.raises(NativeEngineError, match="prefill_chunk"):
+            be._create(mf, "f16", 0)
+        report({"test": "prefill_chunk_0", "message": str(ei.value)[:200]})
+    finally:
+        _close(mf, be)
+
+
+def test_greedy_speculative_after_a_prefilled_prompt_equals_plain(native, workdir):
+    """Prompts of 300-400 tokens prefilled (oj_prefill, MTP rows made by the engine), then greedy
+    speculative decoding at D = 1..4 against the plain engine (D = 0, whose prompts go through the
+    same oj_prefill call); a divergence only at a near-tie."""
+    import openjet_plugin
+    from test_native_spec_gpu import _compare
+
+    path, _ = model_path("tiny", "Q4_K_M", workdir)
+    rng = np.random.default_rng(77)
+
+    def engine(depth: int):
+        eng = openjet_plugin.load(model_path=str(path), backend="native", n_ctx=1024, draft_depth=depth)
+        assert eng.backend_name == "native", eng.backend_reason
+        return eng
+
+    eng = engine(0)
+    try:
+        prompts = [rng.integers(0, eng.n_vocab, int(rng.integers(301, 400))).tolist() for _ in range(SPEC_PROMPTS)]
+        plain = [list(eng.generate(p, max_tokens=SPEC_TOKENS, temperature=0).tokens) for p in prompts]
+    finally:
+        eng.close()
+    rows = []
+    for depth in (1, 2, 3, 4):
+        eng = engine(depth)
+        try:
+            outs, cycles, acc = [], 0, 0
+            for p in prompts:
+                r = eng.generate(p, max_tokens=SPEC_TOKENS, temperature=0)
+                outs.append(list(r.tokens))
+                cycles += r.stats.cycles
+                acc += r.stats.drafts_accepted
+            prefilled = eng._backend.prefilled_positions
+        finally:
+            eng.close()
+        assert prefilled >= sum(len(p) - 1 for p in prompts), "the prompts did not go through oj_prefill"
+        ties = _compare(f"prefilled D={depth}", path, prompts, outs, plain)
+        rows.append({"depth": depth, "cycles": cycles, "accepted": acc, "near_ties": ties,
+                     "tokens_per_cycle": round(sum(len(o) for o in outs) / max(cycles, 1), 3)})
+    report({"test": "prefill_spec_greedy_equals_plain", "model": "tiny-Q4_K_M", "prompts": len(prompts),
+            "by_depth": rows})
+
+
+def test_q27b_prefill_rate(native):
+    """OPENJET_Q27B=1 only: 2,048 tokens appended at depth 8 on the 27B-shaped model (generated once
+    into $OPENJET_Q27B_PATH, default /tmp/q27b.gguf, as scripts/native_q27b.py does)."""
+    if os.environ.get("OPENJET_Q27B") != "1":
+        pytest.skip("the 27B-shaped model (16.8 GB) runs only with OPENJET_Q27B=1")
+    from openjet_plugin.backends.native import prefill_bytes
+    from openjet_plugin.bench import prefill as bench_prefill
+    from openjet_plugin.testing.synth import synth_model
+
+    path = Path(os.environ.get("OPENJET_Q27B_PATH", "/tmp/q27b.gguf"))
+    if not path.is_file():
+        synth_model(path, preset="q27b", quant="Q4_K_M")
+    mf, be = _backend(path, 4096, draft_depth=0)
+    try:
+        rng = np.random.default_rng(0)
+        be.eval(rng.integers(0, be.n_vocab, 8).tolist())        # depth 8 through oj_eval: no MTP rows follow
+        be.save_checkpoint()
+        toks = rng.integers(0, be.n_vocab, Q27B_TOKENS).tolist()
+        be.eval_argmax(toks[:512])                                 # warm-up
+        assert be.restore_checkpoint(8) == 8
+        t0 = time.perf_counter()
+        top = be.eval_argmax(toks)
+        seconds = time.perf_counter() - t0
+        logits = be.logits(0)
+        mem = be.memory()
+        config = mf.config
+    finally:
+        _close(mf, be)
+    tps = Q27B_TOKENS / seconds
+    flops = bench_prefill.prefill_flops(config, Q27B_TOKENS, 8)
+    share = bench_prefill.tensor_core_fraction(tps, flops, Q27B_TOKENS, bench_prefill.H200_BF16_DENSE_TFLOPS)
+    want_bytes = prefill_bytes(config, be.prefill_chunk)
+    report({"test": "q27b_prefill", "tokens": Q27B_TOKENS, "seconds": round(seconds, 3), "tokens_per_s": round(tps, 1),
+            "of_h200_bf16_peak": round(share, 4), "prefill_chunk": be.prefill_chunk,
+            "memory_prefill": mem["prefill"], "prefill_bytes": want_bytes, "argmax": int(top)})
+    assert np.isfinite(logits).all() and 0 <= top < config.n_vocab
+    assert abs(mem["prefill"] - want_bytes) <= MEMORY_TOL * want_bytes, (mem["prefill"], want_bytes)
