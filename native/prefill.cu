@@ -2,9 +2,11 @@
 //
 // A prompt of n tokens goes through the model in passes of up to prefill_chunk positions; every
 // kernel of a pass sees all of its positions at once:
-//   - projections: gemm_prefill.cuh (quantised weights x P positions on the integer tensor
-//     cores, activations rounded to int8 per 32 values as OPENJET_MATVEC=int8 and llama.cpp's
-//     q8_1 do); float weights and Q8_0 matrices whose K is not a multiple of 256 take matvec,
+//   - projections: gemm_f16.cuh (quantised weights x P positions on the fp16 tensor cores,
+//     activations rounded to fp16 under one power-of-two scale per position) where it has a
+//     kernel, else gemm_prefill.cuh (the integer tensor cores, activations rounded to int8 per 32
+//     values as OPENJET_MATVEC=int8 and llama.cpp's q8_1 do; OPENJET_PREFILL_GEMM=int8 forces it
+//     everywhere); float weights and Q8_0 matrices whose K is not a multiple of 256 take matvec,
 //     OJ_MAX_POSITIONS positions at a time;
 //   - Gated DeltaNet: deltanet.cu's conv and recurrence kernels over the pass with `commit` set
 //     (the state is advanced by every position and written back once at the end of the pass);
@@ -15,27 +17,46 @@
 //     MTP position p from token p and the main model's final hidden state of p - 1.
 // Only the last position's logits are computed (the decode cycle starts from them). The state
 // left behind (K/V, conv and recurrent state, the hidden window, the MTP cache) is what evaluating
-// the tokens one at a time leaves, up to the projections' int8 rounding.
+// the tokens one at a time leaves, up to the rounding of the projections' activations.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 
 #include "engine.cuh"
+#include "gemm_f16.cuh"
 #include "gemm_prefill.cuh"
 
 namespace oj {
 
 namespace {
 
-bool gemm_fits(const Matrix &w) {
+bool int8_gemm_fits(const Matrix &w) {
     const bool quant = w.type == TYPE_Q4_K || w.type == TYPE_Q5_K || w.type == TYPE_Q6_K || w.type == TYPE_Q8_0;
     return quant && w.K % gemm::KSTEP == 0;
 }
 
-// y[p][:] (+)= W x[p] for p < P.
+bool f16_gemm_fits(const Matrix &w) { return w.type == TYPE_Q4_K && w.K % QK_K == 0; }
+
+// OPENJET_PREFILL_GEMM=int8: every quantised projection on the int8 GEMM (read once per process).
+bool int8_gemm_only() {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *v = std::getenv("OPENJET_PREFILL_GEMM");
+        mode = v && std::strcmp(v, "int8") == 0 ? 1 : 0;
+    }
+    return mode == 1;
+}
+
+// y[p][:] (+)= W x[p] for p < P: the fp16 GEMM where it has a kernel (activations rounded to
+// fp16 under one power-of-two scale per position), else the int8 GEMM (int8 per 32 values), else
+// matvec (float weights; Q8_0 with K % 256 != 0) OJ_MAX_POSITIONS positions at a time.
 void project(Engine &e, const Matrix &w, const float *x, float *y, int P, bool accumulate) {
-    if (gemm_fits(w)) {
+    if (f16_gemm_fits(w) && !int8_gemm_only()) {
+        gemm_f16_q4k(w, x, P, y, accumulate, e.pf.workspace, e.pf.workspace_bytes, e.stream);
+        return;
+    }
+    if (int8_gemm_fits(w)) {
         gemm::gemm_prefill(w, x, P, y, accumulate, e.pf.workspace, e.pf.workspace_bytes, e.stream);
         return;
     }
@@ -153,7 +174,7 @@ void alloc_prefill(Engine &e, int chunk) {
     pf.hidden = f((P + 1) * E);
     // the int8 X of the widest input any projection of a pass takes
     const int64_t widest = std::max<int64_t>({E, 2 * E, d.hp.n_ff, d.ssm_value_dim(), d.q_dim()});
-    pf.workspace_bytes = gemm::workspace_bytes(widest, P);
+    pf.workspace_bytes = std::max(gemm::workspace_bytes(widest, P), gemm_f16_workspace_bytes(widest, P));
     pf.workspace = e.alloc(pf.workspace_bytes, c);
     pf.chunk = chunk;
 }

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds native/tools/gemm_f16_bench.cu (tools/gemm_f16.cuh: Q4_K x P positions on the fp16 tensor
+# Builds native/tools/gemm_f16_bench.cu (gemm_f16.cuh: Q4_K x P positions on the fp16 tensor
 # cores, beside gemm_prefill.cuh's int8 GEMM on the same data; native/matvec.cu for the device
 # layout and the all-output reference) for sm_${OPENJET_CUDA_ARCHS:-90}, runs the CPU unit check
 # of the dequant tricks (tools/gemm_f16_unit.cu) and the bench: every output checked (float64 on

@@ -595,11 +595,15 @@ def test_prefill_bytes_formula():
     c = PRESETS["q27b"]
     P = 2048
     floats = P * (2 * 5120 + 2 * 17408 + 2 * 6144 + 2 * 10240 + 2 * 48 + 4 * 6144 + 2 * 1024 + 2 * 5120) + (P + 1) * 5120
-    assert native.prefill_bytes(c, P) == 4 * P + 4 * floats + P * 17408 + 17408 // 32 * P * 8
+    # the workspace: the larger of the int8 GEMM's (X, (d, sum) per 32) and the fp16 GEMM's (X,
+    # xsum hi/lo per 256, one scale per position)
+    int8_ws, f16_ws = P * 17408 + 17408 // 32 * P * 8, 2 * P * 17408 + 17408 // 256 * P * 32 + 4 * P
+    assert f16_ws > int8_ws
+    assert native.prefill_bytes(c, P) == 4 * P + 4 * floats + f16_ws
     assert native.prefill_bytes(c, 0) == 0
     t = PRESETS["tiny"]                      # widest input there: ssm_out's value_dim 768 > n_ff 512
     assert native.prefill_bytes(t, 100) - native.prefill_bytes(t, 64) > 36 * 4 * 2 * t.n_embd
-    assert (native.prefill_bytes(t, 65) - 4 * 65 - 4 * (65 * 7448 + 66 * 256)) == 128 * 768 + 24 * 128 * 8
+    assert (native.prefill_bytes(t, 65) - 4 * 65 - 4 * (65 * 7448 + 66 * 256)) == 2 * 128 * 768 + 3 * 128 * 32 + 4 * 128
     with pytest.raises(ValueError, match="prefill_chunk"):
         native.prefill_bytes(c, 32)
 

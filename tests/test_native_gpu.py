@@ -149,6 +149,15 @@ def agreement(ref: np.ndarray, got: np.ndarray) -> tuple[float, float, float]:
     return top1, float(kl.mean()), float(kl.max())
 
 
+def real_disagreements(ref: np.ndarray, got: np.ndarray, tie: float) -> list[tuple[int, float]]:
+    """Positions where `got`'s top-1 is not `ref`'s AND trails it in `ref` by more than `tie`
+    (logits): (position, gap). Disagreements on near-ties are what any change of rounding makes."""
+    a, b = ref.argmax(-1), got.argmax(-1)
+    rows = np.arange(len(ref))
+    gaps = ref[rows, a] - ref[rows, b]
+    return [(int(i), float(gaps[i])) for i in np.nonzero((a != b) & (gaps > tie))[0]]
+
+
 def rel_err(got: np.ndarray, ref: np.ndarray) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     den = np.linalg.norm(ref)
@@ -323,6 +332,7 @@ def test_kv_q8_0_matches_q8_0_reference(native, workdir, preset, quant):
 
 INT8_MODELS = [("tiny", "Q4_K_M"), ("small", "Q6_K"), ("small", "Q8_0"), ("w256", "Q4_K_M")]
 INT8_POSITIONS = int(os.environ.get("OPENJET_GPU_INT8_POSITIONS", "256"))
+INT8_TIE = 0.05   # logits: a top-1 disagreement where the reference's own gap is smaller is a near-tie
 
 
 @pytest.mark.parametrize("preset,quant", INT8_MODELS, ids=[f"{p}-{q}-int8" for p, q in INT8_MODELS])
@@ -376,8 +386,13 @@ def test_int8_activations_match_the_int8_reference(native, workdir, tmp_path, pr
             "float32_reference_state_rel_err": floor_err, "native_s": round(info["native_s"], 2),
             "reference_s": round(ref_s, 2)})
     assert not missing, f"native state lacks {missing}"
-    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"main logits vs int8 reference: top-1 {top1:.4f}, mean KL {kl:.2e}"
-    assert mtop1 >= TOP1_MIN and mkl <= KL_MAX, f"draft logits vs int8 reference: top-1 {mtop1:.4f}, mean KL {mkl:.2e}"
+    # Rounding to 8 bits is chaotic (below): the same int8 reference in float32 has this run's KL
+    # from float64 (float32_reference_kl_mean, reported). So the float path's KL bar holds, and
+    # top-1 may differ only on near-ties (the reference's top-2 gap < INT8_TIE logits).
+    assert kl <= KL_MAX and mkl <= KL_MAX, f"int8 engine vs int8 reference: mean KL {kl:.2e} (draft {mkl:.2e})"
+    real, mreal = real_disagreements(want, got, INT8_TIE), real_disagreements(want_mtp, got_mtp, INT8_TIE)
+    assert not real and not mreal, \
+        f"top-1 disagreements beyond near-ties (position, gap): main {real[:5]}, draft {mreal[:5]} (top-1 {top1:.4f} / {mtop1:.4f})"
     # Rounding to 8 bits is discontinuous: float32-level differences flip quants and the flips
     # compound over layers, so no fp32 engine can meet 1e-3 on the state here. The bar is the
     # float path's 1e-3 or twice the floor measured in this run (the same int8 reference computed

@@ -34,7 +34,7 @@
 
 #include "engine.cuh"
 #include "gemm_prefill.cuh"
-#include "tools/gemm_f16.cuh"
+#include "gemm_f16.cuh"
 
 namespace oj {
 [[noreturn]] void fail(int code, const std::string &message) {

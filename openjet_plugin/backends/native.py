@@ -86,8 +86,8 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
                  + 2KV             k, v
                  + 2E)             cat (the MTP block's [embedding, hidden] input)
       + 4 * (P + 1) * E            hidden rows (row 0: h of the position before the pass)
-      + P_pad * K                  the GEMM's int8 X
-      + (K / 32) * P_pad * 8       its (d, sum) float2 per 32 values
+      + max(P_pad * K + (K / 32) * P_pad * 8,            the int8 GEMM's X and (d, sum) per 32,
+            2 P_pad * K + (K / 256) * P_pad * 32 + 4 P_pad)  the fp16 GEMM's X, xsum hi/lo, scale
 
     with E = n_embd, F = n_ff, Vd = ssm_value_dim, C = ssm_conv_dim (2 key_dim + value_dim),
     Hv = ssm_dt_rank, Q = n_head * head_dim, KV = n_head_kv * head_dim, P_pad = P rounded up to
@@ -103,7 +103,7 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
     floats = P * (2 * E + 2 * F + 2 * Vd + 2 * C + 2 * Hv + 2 * Q + Q + Q + 2 * KV + 2 * E) + (P + 1) * E
     K = max(E, 2 * E, F, Vd, Q)
     p_pad = -(-P // GEMM_POSITION_TILE) * GEMM_POSITION_TILE
-    workspace = p_pad * K + (K // 32) * p_pad * 8
+    workspace = max(p_pad * K + (K // 32) * p_pad * 8, 2 * p_pad * K + (K // 256) * p_pad * 32 + 4 * p_pad)
     return 4 * P + 4 * floats + workspace
 
 
