@@ -2,9 +2,9 @@
 //
 // A prompt of n tokens goes through the model in passes of up to prefill_chunk positions; every
 // kernel of a pass sees all of its positions at once:
-//   - projections: gemm_f16.cuh (quantised weights x P positions on the fp16 tensor cores,
-//     activations rounded to fp16 under one power-of-two scale per position) where it has a
-//     kernel, else gemm_prefill.cuh (the integer tensor cores, activations rounded to int8 per 32
+//   - projections: gemm_f16.cuh (Q4_K / Q5_K / Q6_K / Q8_0 weights x P positions on the fp16
+//     tensor cores, activations rounded to fp16 under one power-of-two scale per position, prepared
+//     once per input for all the projections that read it) where it has a kernel, else gemm_prefill.cuh (the integer tensor cores, activations rounded to int8 per 32
 //     values as OPENJET_MATVEC=int8 and llama.cpp's q8_1 do; OPENJET_PREFILL_GEMM=int8 forces it
 //     everywhere); float weights and Q8_0 matrices whose K is not a multiple of 256 take matvec,
 //     OJ_MAX_POSITIONS positions at a time;
@@ -36,8 +36,6 @@ bool int8_gemm_fits(const Matrix &w) {
     return quant && w.K % gemm::KSTEP == 0;
 }
 
-bool f16_gemm_fits(const Matrix &w) { return w.type == TYPE_Q4_K && w.K % QK_K == 0; }
-
 // OPENJET_PREFILL_GEMM=int8: every quantised projection on the int8 GEMM (read once per process).
 bool int8_gemm_only() {
     static int mode = -1;
@@ -48,22 +46,42 @@ bool int8_gemm_only() {
     return mode == 1;
 }
 
+// The input of one or more projections: P rows of K floats. The fp16 GEMM's prepared copy of it
+// (gemmf16::prep_x into the workspace) serves every projection of that input in a row (the
+// DeltaNet layer's qkv, gate, beta, alpha; attention's q, k, v; the FFN's gate and up).
+struct Input {
+    const float *x;
+    int64_t K;
+    int P;
+    bool prepared = false;
+};
+
 // y[p][:] (+)= W x[p] for p < P: the fp16 GEMM where it has a kernel (activations rounded to
 // fp16 under one power-of-two scale per position), else the int8 GEMM (int8 per 32 values), else
 // matvec (float weights; Q8_0 with K % 256 != 0) OJ_MAX_POSITIONS positions at a time.
-void project(Engine &e, const Matrix &w, const float *x, float *y, int P, bool accumulate) {
-    if (f16_gemm_fits(w) && !int8_gemm_only()) {
-        gemm_f16_q4k(w, x, P, y, accumulate, e.pf.workspace, e.pf.workspace_bytes, e.stream);
+void project(Engine &e, const Matrix &w, Input &in, float *y, bool accumulate) {
+    if (w.K != in.K) fail(OJ_ERR_INVALID_ARGUMENT, "prefill: a projection's K does not match its input");
+    PrefillScratch &pf = e.pf;
+    if (gemm_f16_supports(w) && !int8_gemm_only()) {
+        if (!in.prepared) gemmf16::prep_x(in.x, in.K, in.P, pf.workspace, e.stream);
+        in.prepared = true;
+        gemmf16::run(w, pf.workspace, in.P, y, accumulate, e.stream);
         return;
     }
     if (int8_gemm_fits(w)) {
-        gemm::gemm_prefill(w, x, P, y, accumulate, e.pf.workspace, e.pf.workspace_bytes, e.stream);
+        in.prepared = false;   // the int8 X overwrites the workspace
+        gemm::gemm_prefill(w, in.x, in.P, y, accumulate, pf.workspace, pf.workspace_bytes, e.stream);
         return;
     }
-    for (int i = 0; i < P; i += OJ_MAX_POSITIONS) {
-        const int m = P - i < OJ_MAX_POSITIONS ? P - i : OJ_MAX_POSITIONS;
-        matvec(w, x + (size_t)i * w.K, y + (size_t)i * w.M, m, accumulate, e.stream);
+    for (int i = 0; i < in.P; i += OJ_MAX_POSITIONS) {
+        const int m = in.P - i < OJ_MAX_POSITIONS ? in.P - i : OJ_MAX_POSITIONS;
+        matvec(w, in.x + (size_t)i * w.K, y + (size_t)i * w.M, m, accumulate, e.stream);
     }
+}
+
+void project(Engine &e, const Matrix &w, const float *x, float *y, int P, bool accumulate) {
+    Input in{x, w.K, P};
+    project(e, w, in, y, accumulate);
 }
 
 // OPENJET_PREFILL_ATTN=decode: the decode kernels (read once per process, like OPENJET_MATVEC).
@@ -79,9 +97,10 @@ bool attention_by_decode_kernels() {
 void attention_pass(Engine &e, Layer &L, int P, int pos0) {
     PrefillScratch &pf = e.pf;
     const ModelDims &d = e.dims;
-    project(e, L.wq, pf.xn, pf.qg, P, false);
-    project(e, L.wk, pf.xn, pf.k, P, false);
-    project(e, L.wv, pf.xn, pf.v, P, false);
+    Input xn{pf.xn, e.dims.hp.n_embd, P};
+    project(e, L.wq, xn, pf.qg, false);
+    project(e, L.wk, xn, pf.k, false);
+    project(e, L.wv, xn, pf.v, false);
     attention_prepare(d, L, pf.qg, pf.k, pf.v, pf.q_rot, P, pos0, e.n_ctx, e.stream);
     if (attention_by_decode_kernels())
         attention_by_decode(d, L, e.s, pf.q_rot, pf.qg, pf.attn_out, P, pos0, e.n_ctx, e.stream);
@@ -92,10 +111,11 @@ void attention_pass(Engine &e, Layer &L, int P, int pos0) {
 
 void deltanet_pass(Engine &e, Layer &L, int P) {
     PrefillScratch &pf = e.pf;
-    project(e, L.wqkv, pf.xn, pf.qkv, P, false);
-    project(e, L.wgate, pf.xn, pf.z, P, false);
-    project(e, L.wbeta, pf.xn, pf.beta, P, false);
-    project(e, L.walpha, pf.xn, pf.alpha, P, false);
+    Input xn{pf.xn, e.dims.hp.n_embd, P};
+    project(e, L.wqkv, xn, pf.qkv, false);
+    project(e, L.wgate, xn, pf.z, false);
+    project(e, L.wbeta, xn, pf.beta, false);
+    project(e, L.walpha, xn, pf.alpha, false);
     deltanet_prefill(e.dims, L, pf.qkv, pf.conv, pf.beta, pf.alpha, pf.z, pf.dn_out, P, e.stream);
     project(e, L.wssm_out, pf.dn_out, pf.x, P, true);
 }
@@ -104,8 +124,9 @@ void ffn_pass(Engine &e, Layer &L, int P) {
     PrefillScratch &pf = e.pf;
     const ModelDims &d = e.dims;
     rms_norm(pf.x, L.post_norm, pf.xn, P, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
-    project(e, L.ffn_gate, pf.xn, pf.ffn_gate, P, false);
-    project(e, L.ffn_up, pf.xn, pf.ffn_up, P, false);
+    Input xn{pf.xn, d.hp.n_embd, P};
+    project(e, L.ffn_gate, xn, pf.ffn_gate, false);
+    project(e, L.ffn_up, xn, pf.ffn_up, false);
     swiglu(pf.ffn_gate, pf.ffn_up, (int64_t)P * d.hp.n_ff, e.stream);
     project(e, L.ffn_down, pf.ffn_gate, pf.x, P, true);
 }

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Builds native/tools/gemm_f16_bench.cu (gemm_f16.cuh: Q4_K x P positions on the fp16 tensor
-# cores, beside gemm_prefill.cuh's int8 GEMM on the same data; native/matvec.cu for the device
+# Builds native/tools/gemm_f16_bench.cu (gemm_f16.cuh: Q4_K / Q5_K / Q6_K / Q8_0 x P positions on
+# the fp16 tensor cores, beside gemm_prefill.cuh's int8 GEMM on the same data; native/matvec.cu for the device
 # layout and the all-output reference) for sm_${OPENJET_CUDA_ARCHS:-90}, runs the CPU unit check
 # of the dequant tricks (tools/gemm_f16_unit.cu) and the bench: every output checked (float64 on
 # sampled pairs, matvec's bf16-split path on all), then both kernels timed at P = 64 .. 2048.
-# Log, table, resource report and SASS go to $OUT (or /tmp/openjet-gemm-f16-out). ~1-2 minutes.
+# Log, table, resource report and SASS go to $OUT (or /tmp/openjet-gemm-f16-out). ~2-3 minutes
+# (8 cases; GB_RUNS=10 timing runs each).
 #
 #   bash scripts/gpu_gemm_f16.sh
-#   OJ_GEMMF16_CFG=4,2 bash scripts/gpu_gemm_f16.sh    # force 128 rows x 2 stages (8,3 / 4,2 / 2,2)
+#   OJ_GEMMF16_CFG=4,2 bash scripts/gpu_gemm_f16.sh    # force 128 rows x 2 stages (Q4_K 8,3 / others
+#                                                      # 8,2; 4,2; 2,2; Q8_0 also 1,2)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-gemm-f16-out}
@@ -20,9 +22,10 @@ nvcc -std=c++17 -O2 -Inative native/tools/gemm_f16_unit.cu -o "$OUT/gemm_f16_uni
 nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
     native/tools/gemm_f16_bench.cu native/matvec.cu -o "$OUT/gemm_f16_bench" -lgomp >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
-# registers / spills: the fp16 kernels (warps along M / stages), the X preparation, the int8 Q4_K kernels
+# registers / spills: the fp16 kernels (type id / warps along M / stages: 12 Q4_K, 13 Q5_K, 14 Q6_K,
+# 8 Q8_0), the X preparation, the int8 Q4_K kernels
 awk '/Compiling entry function/ { k = "";
-         if (match($0, /gemm_f16_kernelILi[0-9]+ELi[0-9]+/)) { k = "f16 " substr($0, RSTART + 18, RLENGTH - 18); gsub(/ELi/, "/", k) }
+         if (match($0, /gemm_f16_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+/)) { k = "f16 " substr($0, RSTART + 18, RLENGTH - 18); gsub(/ELi/, "/", k) }
          else if (match($0, /prep_x_kernel/)) k = "f16 prep_x"
          else if (match($0, /gemm_kernelILi12ELi[0-9]+ELi[0-9]+/)) { k = "int8 Q4_K " substr($0, RSTART + 19, RLENGTH - 19); gsub(/ELi/, "/", k) } }
      k != "" && /spill/ { sp = $0; sub(/.*info *: */, "", sp); sub(/^ */, "", sp) }
@@ -35,8 +38,8 @@ OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} timeout "${GB_TIMEOUT:-170}" "$OUT/gemm_f
     >"$OUT/run.log" 2>&1
 rc=$?
 grep -E "^(FAIL|oj::fail)" "$OUT/run.log" | head -20
-grep -E "^device|  -> |^  Q4_K" "$OUT/run.log"
-grep -E "^Q4_K " "$OUT/run.log"
+grep -E "^device|  -> |^  Q[4568]_[K0] " "$OUT/run.log"
+grep -E "^Q[4568]_[K0] " "$OUT/run.log"
 sed -n '/^case /,$p' "$OUT/run.log"
 echo "exit $rc (full log $OUT/run.log, table $OUT/table.txt)"
 exit $rc

@@ -1185,3 +1185,16 @@ def test_markdown_prefill_table_has_ratio_and_tensor_core_share():
     assert "—" in other                                  # not measured: no share invented
     unknown = runner.prefill_manifest(PRESETS["q27b"], s, "Tesla T4")
     assert unknown["bf16_dense_tflops"] is None and "Tesla T4" in unknown["peak_source"]
+
+
+def test_only_and_prefill_options_parse_and_refuse_bad_values():
+    from openjet_plugin.bench import runner
+
+    args = runner.parser().parse_args(["--only", "openjet prefill, llama.cpp prefill", "--prefill", "2700:1800,12000:29500"])
+    assert args.only == ("openjet prefill", "llama.cpp prefill")
+    assert args.prefill == ((2700, 1800), (12000, 29500))
+    for bad in ("12000", "a:b", "0:5", "5:-1", ","):
+        with pytest.raises(SystemExit):
+            runner.parser().parse_args(["--prefill", bad])
+    with pytest.raises(SystemExit):
+        runner.parser().parse_args(["--only", " , "])

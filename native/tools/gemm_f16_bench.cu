@@ -1,12 +1,13 @@
-// gemm_f16_bench.cu: correctness and speed of gemm_f16.cuh (Q4_K x P positions on the fp16 tensor
-// cores) beside gemm_prefill.cuh's int8 GEMM, on the same data.
+// gemm_f16_bench.cu: correctness and speed of gemm_f16.cuh (Q4_K / Q5_K / Q6_K / Q8_0 x P positions
+// on the fp16 tensor cores) beside gemm_prefill.cuh's int8 GEMM, on the same data.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xcompiler -fopenmp -Inative native/tools/gemm_f16_bench.cu \
 //        native/matvec.cu -o gfb -lgomp
 //   ./gfb [--table FILE]          (scripts/gpu_gemm_f16.sh builds and runs it)
 //
-// Shapes (K -> M): 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),
-// 6144 -> 5120 (ssm_out). Random valid Q4_K blocks (bench_blocks.cuh), the engine's
+// Cases (type, K -> M): Q4_K 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240
+// (attn_qkv), 6144 -> 5120 (ssm_out); Q6_K 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv); Q5_K
+// 5120 -> 1024 (attn_kv); Q8_0 5120 -> 10240. Random valid blocks (bench_blocks.cuh), the engine's
 // to_device_layout, random X with a different scale per position (every 13th 300x larger,
 // position 5 all zero). Per P in {64, 256, 512, 2048, 77} plus an accumulate run at P = 77, the
 // output NaN-poisoned before each run, then:
@@ -18,7 +19,7 @@
 //       accurate): |err| <= 3e-2 of the position's rms output (catches any unwritten / misplaced
 //       tile; the fp16 error is ~1e-3 of rms);
 //   every output finite, nothing past P written (a NaN guard row stays NaN).
-// Timing: median of RUNS (15) after 3 warm-ups, L2 flushed (256 MB memset) before each; the X
+// Timing: median of RUNS (10; GB_RUNS) after 3 warm-ups, L2 flushed (256 MB memset) before each; the X
 // preparation and the GEMM timed separately for both kernels; TFLOP/s = 2 M K P / GEMM time.
 // Exit status 1 on any failed check.
 #include <cuda_fp16.h>
@@ -52,14 +53,15 @@ using namespace oj;
 #define CK(call) check_cuda((call), #call)
 
 static int g_failures = 0;
-static int RUNS = 15;
+static int RUNS = 10;
 
 #include "bench_blocks.cuh"
 
 struct Shape {
+    int type;
     const char *name;
     int64_t K, M;
-    int count;   // uses in the 27B Q4_K_M map (64 layers + MTP), Q4_K only
+    int count;   // uses of this type and shape in the 27B Q4_K_M map (64 layers + MTP), gemm_bench's
 };
 
 static const int PS[4] = {64, 256, 512, 2048};
@@ -77,7 +79,8 @@ static FILE *g_table = nullptr;
 static Result run_case(const Shape &s, uint64_t seed) {
     Result res;
     const int64_t K = s.K, M = s.M;
-    const int type = TYPE_Q4_K;
+    const int type = s.type;
+    const char *tn = type_name(type);
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
     std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
     Matrix w;
@@ -149,7 +152,7 @@ static Result run_case(const Shape &s, uint64_t seed) {
     }
 
     auto fail_msg = [&](const char *what, int P, const char *detail) {
-        std::printf("FAIL Q4_K %s P=%d %s: %s\n", s.name, P, what, detail);
+        std::printf("FAIL %s %s P=%d %s: %s\n", tn, s.name, P, what, detail);
         res.ok = false;
     };
     auto fetch = [&](int P) {
@@ -193,13 +196,13 @@ static Result run_case(const Shape &s, uint64_t seed) {
         if (!(ea <= 3e-2)) { std::snprintf(buf, sizeof buf, "vs matvec bf16 %.3e of rms on some output (bar 3e-2)", ea); fail_msg("all-outputs", P, buf); }
         res.err_f = std::max(res.err_f, es);
         res.err_all = std::max(res.err_all, ea);
-        std::printf("  Q4_K %-9s P=%-5d%s f16 vs float64 %.3e of sum|wx|, all outputs vs matvec bf16 %.3e of rms\n", s.name, P,
-                    prev ? " (accumulate)" : "", es, ea);
+        std::printf("  %s %-9s P=%-5d%s f16 vs float64 %.3e of sum|wx|, all outputs vs matvec bf16 %.3e of rms\n", tn, s.name,
+                    P, prev ? " (accumulate)" : "", es, ea);
     };
 
     for (int P : {PS[0], PS[1], PS[2], PS[3], P_ODD}) {
         CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
-        gemm_f16_q4k(w, dx, P, dy, false, wsf, wsf_bytes, 0);
+        gemm_f16(w, dx, P, dy, false, wsf, wsf_bytes, 0);
         check_f16(P, nullptr);
         // the int8 kernel on the same data, for comparison (its own harness checks it)
         CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
@@ -213,7 +216,7 @@ static Result run_case(const Shape &s, uint64_t seed) {
         for (auto &v : prev) v = g.normalish();
         for (int64_t m = 0; m < M; ++m) prev[(size_t)P * M + m] = NAN;
         CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
-        gemm_f16_q4k(w, dx, P, dy, true, wsf, wsf_bytes, 0);
+        gemm_f16(w, dx, P, dy, true, wsf, wsf_bytes, 0);
         check_f16(P, &prev);
     }
 
@@ -226,12 +229,12 @@ static Result run_case(const Shape &s, uint64_t seed) {
         gemm::quantize_x(dx, K, P, type, wsi, 0);
         res.i_ms[pi] = median_ms([&] { gemm::gemm_run(w, wsi, P, dy, false, 0); });
         const double fl = 2.0 * M * K * P;
-        const char *fmt = "Q4_K %-9s %6lld %6lld P=%-5d f16 %8.4f ms (+prep %7.4f) %6.1f TFLOP/s | int8 %8.4f ms (+quant %7.4f) "
+        const char *fmt = "%s %-9s %6lld %6lld P=%-5d f16 %8.4f ms (+prep %7.4f) %6.1f TFLOP/s | int8 %8.4f ms (+quant %7.4f) "
                           "%6.1f TOPS | speedup %.2fx\n";
-        std::printf(fmt, s.name, (long long)K, (long long)M, P, res.f_ms[pi], res.f_prep[pi], fl / (res.f_ms[pi] * 1e-3) / 1e12,
+        std::printf(fmt, tn, s.name, (long long)K, (long long)M, P, res.f_ms[pi], res.f_prep[pi], fl / (res.f_ms[pi] * 1e-3) / 1e12,
                     res.i_ms[pi], res.i_prep[pi], fl / (res.i_ms[pi] * 1e-3) / 1e12, res.i_ms[pi] / res.f_ms[pi]);
         if (g_table)
-            std::fprintf(g_table, fmt, s.name, (long long)K, (long long)M, P, res.f_ms[pi], res.f_prep[pi],
+            std::fprintf(g_table, fmt, tn, s.name, (long long)K, (long long)M, P, res.f_ms[pi], res.f_prep[pi],
                          fl / (res.f_ms[pi] * 1e-3) / 1e12, res.i_ms[pi], res.i_prep[pi], fl / (res.i_ms[pi] * 1e-3) / 1e12,
                          res.i_ms[pi] / res.f_ms[pi]);
         std::fflush(stdout);
@@ -241,13 +244,16 @@ static Result run_case(const Shape &s, uint64_t seed) {
         const char *prev_cfg = std::getenv("OJ_GEMMF16_CFG");
         const std::string keep = prev_cfg ? prev_cfg : "";
         gemmf16::prep_x(dx, K, P, wsf, 0);
-        for (const char *cfg : {"8,3", "4,2", "2,2"}) {
-            setenv("OJ_GEMMF16_CFG", cfg, 1);
-            const gemmf16::Config c = gemmf16::pick_config(M, gemmf16::padded_positions(P));
-            if (std::to_string(c.wm) + "," + std::to_string(c.stages) != cfg) continue;   // does not fit this device
+        gemmf16::Config cands[4];
+        const int nc = gemmf16::configs_of(type, cands);
+        for (int ci = 0; ci < nc && ci < 3; ++ci) {
+            const std::string cfg = std::to_string(cands[ci].wm) + "," + std::to_string(cands[ci].stages);
+            setenv("OJ_GEMMF16_CFG", cfg.c_str(), 1);
+            const gemmf16::Config c = gemmf16::pick_config(type, M, gemmf16::padded_positions(P));
+            if (c.wm != cands[ci].wm || c.stages != cands[ci].stages) continue;   // does not fit this device
             const double ms = median_ms([&] { gemmf16::run(w, wsf, P, dy, false, 0); });
-            std::printf("Q4_K %-9s P=%-5d f16 config %s (rows x stages %d x %d): %8.4f ms %6.1f TFLOP/s\n", s.name, P, cfg,
-                        32 * c.wm, c.stages, ms, 2.0 * M * K * P / (ms * 1e-3) / 1e12);
+            std::printf("%s %-9s P=%-5d f16 config %s (rows x stages %d x %d): %8.4f ms %6.1f TFLOP/s\n", tn, s.name, P,
+                        cfg.c_str(), 32 * c.wm, c.stages, ms, 2.0 * M * K * P / (ms * 1e-3) / 1e12);
         }
         if (prev_cfg) setenv("OJ_GEMMF16_CFG", keep.c_str(), 1);
         else unsetenv("OJ_GEMMF16_CFG");
@@ -278,16 +284,19 @@ int main(int argc, char **argv) {
                 prop.multiProcessorCount, prop.l2CacheSize >> 20, optin >> 10);
     CK(cudaMalloc(&g_flush, FLUSH_BYTES));
 
-    // counts: gemm_bench's Q4_K_M map (Q4_K uses of these shapes, 64 layers + MTP)
+    // counts: gemm_bench's Q4_K_M map (uses of each type and shape, 64 layers + MTP; Q5_K / Q8_0 are not in it)
     const std::vector<Shape> shapes = {
-        {"ffn_gate", 5120, 17408, 130}, {"ffn_down", 17408, 5120, 32}, {"attn_qkv", 5120, 10240, 24}, {"ssm_out", 6144, 5120, 65}};
+        {TYPE_Q4_K, "ffn_gate", 5120, 17408, 130}, {TYPE_Q4_K, "ffn_down", 17408, 5120, 32},
+        {TYPE_Q4_K, "attn_qkv", 5120, 10240, 24},  {TYPE_Q4_K, "ssm_out", 6144, 5120, 65},
+        {TYPE_Q6_K, "ffn_down", 17408, 5120, 33},  {TYPE_Q6_K, "attn_qkv", 5120, 10240, 24},
+        {TYPE_Q5_K, "attn_kv", 5120, 1024, 0},     {TYPE_Q8_0, "attn_qkv", 5120, 10240, 0}};
     std::vector<Result> results;
     uint64_t seed = 1;
     for (const Shape &s : shapes) {
         const Result r = run_case(s, seed++);
         results.push_back(r);
-        std::printf("  -> Q4_K %s: f16 vs float64 %.2e of sum|wx| (int8 %.2e), all outputs vs matvec bf16 %.2e of rms %s\n",
-                    s.name, r.err_f, r.err_i, r.err_all, r.ok ? "ok" : "FAILED");
+        std::printf("  -> %s %s: f16 vs float64 %.2e of sum|wx| (int8 %.2e), all outputs vs matvec bf16 %.2e of rms %s\n",
+                    type_name(s.type), s.name, r.err_f, r.err_i, r.err_all, r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
     std::printf("\n%-14s | %-34s | %-34s | %s\n", "case", "f16 TFLOP/s at P = 64 256 512 2048", "int8 TOPS at P = 64 256 512 2048",
@@ -301,7 +310,8 @@ int main(int argc, char **argv) {
             ft[i] = fl / (r.f_ms[i] * 1e-3) / 1e12;
             it[i] = fl / (r.i_ms[i] * 1e-3) / 1e12;
         }
-        std::printf("%-14s | %7.1f %7.1f %7.1f %8.1f | %7.1f %7.1f %7.1f %8.1f | %.2fx%s\n", s.name, ft[0], ft[1], ft[2], ft[3], it[0],
+        const std::string cname = std::string(type_name(s.type)) + " " + s.name;
+        std::printf("%-14s | %7.1f %7.1f %7.1f %8.1f | %7.1f %7.1f %7.1f %8.1f | %.2fx%s\n", cname.c_str(), ft[0], ft[1], ft[2], ft[3], it[0],
                     it[1], it[2], it[3], r.i_ms[3] / r.f_ms[3], r.ok ? "" : " FAIL");
     }
     for (int i = 0; i < 4; ++i) {
@@ -310,8 +320,8 @@ int main(int argc, char **argv) {
             f += shapes[c].count * (results[c].f_ms[i] + results[c].f_prep[i]);
             fi += shapes[c].count * (results[c].i_ms[i] + results[c].i_prep[i]);
         }
-        std::printf("Q4_K uses of these shapes in the 27B map, P=%-5d: f16 %8.2f ms, int8 %8.2f ms (with X prep/quantise)\n", PS[i],
-                    f, fi);
+        std::printf("27B Q4_K_M map uses of these cases (Q4_K + Q6_K), P=%-5d: f16 %8.2f ms, int8 %8.2f ms (with X prep/quantise)\n",
+                    PS[i], f, fi);
     }
     std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
     if (g_table) std::fclose(g_table);

@@ -137,6 +137,7 @@ class Run:
     arch: str
     no_ours: bool = False
     no_peer: bool = False
+    only: tuple[str, ...] = ()      # group-name prefixes to run (--only); empty: every group
     sdist: Path | None = None
     peer_build: peer.PeerBuild | None = None
     peer_proc: subprocess.Popen | None = None
@@ -414,6 +415,9 @@ def run_groups(run: Run) -> None:
         todo = run.missing(rows)
         if not todo:
             continue
+        if run.only and not name.startswith(run.only):
+            run.mark(todo, "not selected (--only)")
+            continue
         try:
             if name.startswith("llama.cpp"):
                 _peer_binary(run)          # waits for the build: check the time after it
@@ -513,6 +517,28 @@ def _int_list(text: str) -> tuple[int, ...]:
     return vals
 
 
+def _name_list(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated group names, got {text!r}")
+    return names
+
+
+def _prefill_list(text: str) -> tuple[tuple[int, int], ...]:
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            n, d = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected NEW_TOKENS:DEPTH items, got {item!r}") from None
+        if n < 1 or d < 0:
+            raise argparse.ArgumentTypeError(f"{item!r}: NEW_TOKENS must be >= 1 and DEPTH >= 0")
+        out.append((n, d))
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected NEW_TOKENS:DEPTH items, got {text!r}")
+    return tuple(out)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="openjet bench", description=(
         "Benchmark the native engine against llama.cpp (llama-bench, CUDA) and the card's bandwidth "
@@ -531,6 +557,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-ubatch", type=int, default=512, help="llama.cpp ubatch size for prefill (default 512, its default)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 4, help="parallel jobs for the llama.cpp build")
     ap.add_argument("--no-peer", action="store_true", help="do not build or run llama.cpp")
+    ap.add_argument("--only", type=_name_list, default=(),
+                    help="run only the measurement groups whose names start with these, comma-separated "
+                         "(groups: card, openjet acceptance, openjet prefill, openjet, llama.cpp decode, "
+                         "llama.cpp verify, llama.cpp prefill); e.g. --only 'openjet prefill,llama.cpp prefill'")
+    ap.add_argument("--prefill", type=_prefill_list,
+                    help="prefill scenarios as NEW_TOKENS:DEPTH items (default 2700:1800,12000:29500; --quick 2700:1800)")
     ap.add_argument("--no-ours", action="store_true", help="do not run our engine")
     return ap
 
@@ -559,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.depths is not None:
         kw["depths"] = tuple(sorted(set(args.depths)))
     kw["peer_ubatch"] = args.peer_ubatch
+    if args.prefill is not None:
+        kw["prefill"] = args.prefill
     settings = Settings.quick_run(**kw) if args.quick else Settings(**kw)
 
     from ..defaults import cache_dir
@@ -617,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     hasher.start()
 
     run = Run(settings=settings, store=store, model=model, cache=cache, deadline=deadline, session=session,
-              arch=arch, no_ours=args.no_ours, no_peer=args.no_peer, sdist=sdist, peer_build=pb,
+              arch=arch, no_ours=args.no_ours, no_peer=args.no_peer, only=args.only, sdist=sdist, peer_build=pb,
               peer_proc=proc, peer_problem=peer_problem, t0=t_start)
     planned, pending = plan(settings)
     if args.no_ours:
