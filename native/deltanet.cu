@@ -26,6 +26,10 @@
 // Prefill (deltanet_prefill) runs the same kernels over a whole pass (up to prefill_chunk
 // positions, the recurrence looping over them with the state in registers) with `commit` set:
 // the state after the last position is written back at the end, nothing is kept for a replay.
+#include <cstdlib>
+#include <cstring>
+
+#include "deltanet_chunked.cuh"
 #include "engine.cuh"
 #include "reduce.cuh"
 
@@ -192,7 +196,8 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
 
 // Conv and recurrence for n_replay positions of ring slot `replay` and n new ones of slot `cur`.
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
-                         const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st) {
+                         const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st,
+                         bool recurrence = true) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = 128, blocks = (C + threads - 1) / threads;
@@ -207,6 +212,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
         deltanet_qk_norm_kernel<<<dim3(n, 2 * Hk), S, 0, st>>>(cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S));
         check_launch("deltanet_qk_norm");
     }
+    if (!recurrence) return;
     const dim3 grid(Hv, S / 4);
 #define OJ_RECURRENCE(SS)                                                                                       \
     deltanet_recurrence_kernel<SS><<<grid, 128, 0, st>>>(replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, \
@@ -232,14 +238,27 @@ void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int
     check_launch("deltanet_gated_norm");
 }
 
+// OPENJET_PREFILL_DELTANET=chunked (read once per process).
+bool chunked_prefill() {
+    static int mode = -1;
+    if (mode < 0) {
+        const char *v = std::getenv("OPENJET_PREFILL_DELTANET");
+        mode = v && std::strcmp(v, "chunked") == 0 ? 1 : 0;
+    }
+    return mode == 1;
+}
+
 void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,
-                      const float *alpha, const float *z, float *out, int n, cudaStream_t st) {
+                      const float *alpha, const float *z, float *out, int n, void *coef, size_t coef_bytes,
+                      cudaStream_t st) {
     RingSlot cur;   // the prefill buffers in the shape of a ring slot; nothing to replay
     cur.qkv = const_cast<float *>(qkv);
     cur.conv = conv;
     cur.beta = const_cast<float *>(beta);
     cur.alpha = const_cast<float *>(alpha);
-    conv_and_recurrence(d, L, cur, 0, cur, n, out, true, st);
+    const bool chunked = chunked_prefill();
+    conv_and_recurrence(d, L, cur, 0, cur, n, out, true, st, !chunked);
+    if (chunked) deltanet_chunked(d, L, conv, beta, alpha, out, n, coef, coef_bytes, st);
     deltanet_gated_norm_kernel<<<dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st>>>(out, z, L.ssm_norm, d.hp.rms_eps);
     check_launch("deltanet_gated_norm");
 }

@@ -113,8 +113,10 @@ struct PrefillScratch {
     float *q_rot = nullptr, *attn_out = nullptr;       // [chunk][q_dim]
     float *cat = nullptr;                              // [chunk][2E]: the MTP block's input
     float *hidden = nullptr;                           // [chunk + 1][E]: row r = h of position pos0 + r - 1
-    void *workspace = nullptr;                         // int8 X of the GEMM (gemm_prefill.cuh)
+    void *workspace = nullptr;                         // X of the GEMMs (gemm_f16.cuh, gemm_prefill.cuh)
     size_t workspace_bytes = 0;
+    void *dn_coef = nullptr;                           // per-chunk coefficients of deltanet_chunked.cuh
+    size_t dn_coef_bytes = 0;
 };
 
 // A copy of the recurrent state and the hidden state at n_past (oj_checkpoint_save).
@@ -203,8 +205,11 @@ void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
 // beta / alpha, ADVANCING the state by all of them (no ring slot, nothing pending), gated-normed
 // outputs to out (z: the gate projection). The same kernels and arithmetic as deltanet_mix.
+// OPENJET_PREFILL_DELTANET=chunked: the recurrence in chunks of 64 on the tensor cores
+// (deltanet_chunked.cuh, `coef` its buffer); otherwise the sequential recurrence kernel.
 void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,
-                      const float *alpha, const float *z, float *out, int n, cudaStream_t st);
+                      const float *alpha, const float *z, float *out, int n, void *coef, size_t coef_bytes,
+                      cudaStream_t st);
 // deltanet.cu: only the replay (before reading the state back).
 void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay, cudaStream_t st);
 

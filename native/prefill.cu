@@ -10,6 +10,8 @@
 //     OJ_MAX_POSITIONS positions at a time;
 //   - Gated DeltaNet: deltanet.cu's conv and recurrence kernels over the pass with `commit` set
 //     (the state is advanced by every position and written back once at the end of the pass);
+//     OPENJET_PREFILL_DELTANET=chunked runs the recurrence in chunks of 64 on the tensor cores
+//     instead (deltanet_chunked.cuh; not yet measured on a GPU, so not the default);
 //   - attention: K/V of the pass appended first, then causal flash attention over the cache
 //     (attention_prefill.cu); OPENJET_PREFILL_ATTN=decode runs the decode kernels instead,
 //     OJ_MAX_POSITIONS queries at a time (the reference the flash kernel is checked against);
@@ -23,6 +25,7 @@
 #include <cstring>
 #include <string>
 
+#include "deltanet_chunked.cuh"
 #include "engine.cuh"
 #include "gemm_f16.cuh"
 #include "gemm_prefill.cuh"
@@ -116,7 +119,8 @@ void deltanet_pass(Engine &e, Layer &L, int P) {
     project(e, L.wgate, xn, pf.z, false);
     project(e, L.wbeta, xn, pf.beta, false);
     project(e, L.walpha, xn, pf.alpha, false);
-    deltanet_prefill(e.dims, L, pf.qkv, pf.conv, pf.beta, pf.alpha, pf.z, pf.dn_out, P, e.stream);
+    deltanet_prefill(e.dims, L, pf.qkv, pf.conv, pf.beta, pf.alpha, pf.z, pf.dn_out, P, pf.dn_coef, pf.dn_coef_bytes,
+                     e.stream);
     project(e, L.wssm_out, pf.dn_out, pf.x, P, true);
 }
 
@@ -197,6 +201,9 @@ void alloc_prefill(Engine &e, int chunk) {
     const int64_t widest = std::max<int64_t>({E, 2 * E, d.hp.n_ff, d.ssm_value_dim(), d.q_dim()});
     pf.workspace_bytes = std::max(gemm::workspace_bytes(widest, P), gemm_f16_workspace_bytes(widest, P));
     pf.workspace = e.alloc(pf.workspace_bytes, c);
+    // the chunked DeltaNet's per-chunk coefficients (used under OPENJET_PREFILL_DELTANET=chunked)
+    pf.dn_coef_bytes = deltanet_chunked_coef_bytes(d, chunk);
+    pf.dn_coef = e.alloc(pf.dn_coef_bytes, c);
     pf.chunk = chunk;
 }
 

@@ -599,11 +599,13 @@ def test_prefill_bytes_formula():
     # xsum hi/lo per 256, one scale per position)
     int8_ws, f16_ws = P * 17408 + 17408 // 32 * P * 8, 2 * P * 17408 + 17408 // 256 * P * 32 + 4 * P
     assert f16_ws > int8_ws
-    assert native.prefill_bytes(c, P) == 4 * P + 4 * floats + f16_ws
+    dn_coef = P // 64 * 48 * (2 * 64 * 64 * 2 + 3 * 64 * 4)   # the chunked DeltaNet's coefficients
+    assert native.prefill_bytes(c, P) == 4 * P + 4 * floats + f16_ws + dn_coef
     assert native.prefill_bytes(c, 0) == 0
     t = PRESETS["tiny"]                      # widest input there: ssm_out's value_dim 768 > n_ff 512
     assert native.prefill_bytes(t, 100) - native.prefill_bytes(t, 64) > 36 * 4 * 2 * t.n_embd
-    assert (native.prefill_bytes(t, 65) - 4 * 65 - 4 * (65 * 7448 + 66 * 256)) == 2 * 128 * 768 + 3 * 128 * 32 + 4 * 128
+    assert (native.prefill_bytes(t, 65) - 4 * 65 - 4 * (65 * 7448 + 66 * 256)
+            == 2 * 128 * 768 + 3 * 128 * 32 + 4 * 128 + 2 * t.ssm_dt_rank * 17152)
     with pytest.raises(ValueError, match="prefill_chunk"):
         native.prefill_bytes(c, 32)
 

@@ -53,3 +53,20 @@ def test_a_known_matvec_path_is_not_refused_for_it(model_file, monkeypatch, valu
     monkeypatch.setenv(native.MATVEC_ENV, value)
     ok, reason = native.native_status(model_file, 64)
     assert native.MATVEC_ENV not in reason       # whatever else this machine lacks, not this
+
+
+@pytest.mark.parametrize("env,value", [("OPENJET_PREFILL_GEMM", "fp8"), ("OPENJET_PREFILL_ATTN", "flash2"),
+                                       ("OPENJET_PREFILL_DELTANET", "Chunked")])
+def test_an_unknown_prefill_switch_is_a_reason_not_a_silent_default(model_file, monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    ok, reason = native.native_status(model_file, 64)
+    assert not ok and env in reason and repr(value) in reason
+    assert all(repr(v) in reason for v in native.SWITCHES[env] if v)
+
+
+@pytest.mark.parametrize("env,value", [("OPENJET_PREFILL_GEMM", "int8"), ("OPENJET_PREFILL_ATTN", "decode"),
+                                       ("OPENJET_PREFILL_DELTANET", "chunked")])
+def test_a_known_prefill_switch_is_not_refused_for_it(model_file, monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    ok, reason = native.native_status(model_file, 64)
+    assert env not in reason

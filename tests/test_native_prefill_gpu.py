@@ -277,3 +277,69 @@ def test_q27b_prefill_then_decode_matches_stepping(native):
     assert top1 >= TOP1_MIN and kl <= KL_MAX, f"q27b decoding after the prefill: top-1 {top1:.4f}, mean KL {kl:.2e}"
     bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
     assert not bad, f"q27b state after oj_prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
+
+
+def _prefill_to_file(path: str, tokens: list[int], cont: list[int], out: str) -> dict:
+    """In a child process (the engine reads OPENJET_PREFILL_DELTANET once per process): prefill
+    `tokens` (passes of CHUNK), save the state, then the logits of `cont` one position at a time."""
+    mf, be = _backend(Path(path), len(tokens) + len(cont) + 16, prefill_chunk=CHUNK)
+    try:
+        be.eval(tokens)
+        state = be.state()
+        prefilled = be.prefilled_positions
+        after = be.eval_all_logits(cont, positions_per_call=1)
+    finally:
+        _close(mf, be)
+    np.savez(out, after=after, **{f"state__{k}": v for k, v in state.items()})
+    return {"prefilled": prefilled, "deltanet": os.environ.get("OPENJET_PREFILL_DELTANET", "")}
+
+
+CHUNKED_MODELS = [("small", "Q4_K_M"), ("w256", "Q4_K_M")]
+
+
+@pytest.mark.parametrize("preset,quant", CHUNKED_MODELS, ids=[f"{p}-{q}" for p, q in CHUNKED_MODELS])
+def test_chunked_deltanet_prefill_matches_stepping(native, workdir, tmp_path, preset, quant):
+    """OPENJET_PREFILL_DELTANET=chunked (deltanet_chunked.cuh: the recurrence in chunks of 64 on the
+    tensor cores, fp16 products with fp32 accumulation): the same bars as the sequential
+    recurrence's prefill against one-token-at-a-time stepping."""
+    import json
+    import subprocess
+    import textwrap
+
+    path, origin = model_path(preset, quant, workdir)
+    rng = np.random.default_rng(4096)
+    mf, ref = _backend(path, N_PROMPT + N_CONTINUE + 16, prefill_chunk=0)
+    try:
+        tokens = rng.integers(0, ref.n_vocab, N_PROMPT).tolist()
+        cont = rng.integers(0, ref.n_vocab, N_CONTINUE).tolist()
+        ref.eval_all_logits(tokens, positions_per_call=1)
+        want_state = ref.state()
+        plain = ref.eval_all_logits(cont, positions_per_call=1)
+    finally:
+        _close(mf, ref)
+    out = tmp_path / "chunked.npz"
+    script = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        import test_native_prefill_gpu as t
+        args = json.loads(sys.argv[1])
+        print("RESULT " + json.dumps(t._prefill_to_file({str(path)!r}, args[0], args[1], {str(out)!r})))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([tokens, cont])], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OPENJET_PREFILL_DELTANET": "chunked"})
+    assert proc.returncode == 0, f"child failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    info = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
+    assert info == {"prefilled": N_PROMPT, "deltanet": "chunked"}, info
+    with np.load(out) as z:
+        after = z["after"]
+        state = {k[len("state__"):]: z[k] for k in z.files if k.startswith("state__")}
+    errs = {k: rel_err(state[k], v) for k, v in want_state.items()}
+    worst = max(errs, key=errs.get)
+    top1, kl, kl_max = agreement(plain, after)
+    report({"test": "prefill_chunked_deltanet", "model": f"{preset}-{quant}", "origin": origin, "positions": N_PROMPT,
+            "state_worst": worst, "state_rel_err": errs[worst], "continue_top1": top1, "continue_kl_mean": kl,
+            "continue_kl_max": kl_max, "continued": N_CONTINUE})
+    assert np.isfinite(after).all()
+    bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
+    assert not bad, f"chunked DeltaNet prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"decoding after the chunked prefill: top-1 {top1:.4f}, mean KL {kl:.2e}"

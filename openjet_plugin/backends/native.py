@@ -36,11 +36,19 @@ MIN_COMPUTE_CAPABILITY = (8, 6)
 KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
 MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "int8" = int8 activations; else bf16-split
 MATVEC_PATHS = ("", "bf16", "int8")
+# The native engine's switches, read once per process, and the values each takes ("" = unset, the
+# default): matvec.cu's decode projections; prefill.cu's projections, attention and DeltaNet kernels.
+SWITCHES = {MATVEC_ENV: MATVEC_PATHS,
+            "OPENJET_PREFILL_GEMM": ("", "f16", "int8"),
+            "OPENJET_PREFILL_ATTN": ("", "flash", "decode"),
+            "OPENJET_PREFILL_DELTANET": ("", "sequential", "chunked")}
 N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
 MEMORY_FIELDS = ("weights", "kv_cache", "recurrent_state", "activations", "checkpoints", "prefill", "total")
 PREFILL_CHUNK = 2048         # positions per oj_prefill pass (oj_model_desc.prefill_chunk); 0 = no oj_prefill
 MIN_PREFILL_CHUNK = 64       # the header's allowed range: 0 or 64..OJ_MAX_PREFILL_CHUNK
 MAX_PREFILL_CHUNK = 4096     # OJ_MAX_PREFILL_CHUNK
+DELTANET_CHUNK = 64          # deltanet_chunked.cuh's chunk C
+DELTANET_CHUNK_COEF_BYTES = 2 * DELTANET_CHUNK * DELTANET_CHUNK * 2 + 3 * DELTANET_CHUNK * 4   # its ChunkCoef::bytes
 PREFILL_ABI = 3              # the first oj_abi_version() with oj_prefill
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
@@ -88,6 +96,8 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
       + 4 * (P + 1) * E            hidden rows (row 0: h of the position before the pass)
       + max(P_pad * K + (K / 32) * P_pad * 8,            the int8 GEMM's X and (d, sum) per 32,
             2 P_pad * K + (K / 256) * P_pad * 32 + 4 P_pad)  the fp16 GEMM's X, xsum hi/lo, scale
+      + ceil(P / 64) * Hv * 17152  the chunked DeltaNet's per-chunk coefficients (64 x 64 fp16 T and
+                                   M, 3 x 64 fp32; native/deltanet_chunked.cuh's ChunkCoef)
 
     with E = n_embd, F = n_ff, Vd = ssm_value_dim, C = ssm_conv_dim (2 key_dim + value_dim),
     Hv = ssm_dt_rank, Q = n_head * head_dim, KV = n_head_kv * head_dim, P_pad = P rounded up to
@@ -104,7 +114,8 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
     K = max(E, 2 * E, F, Vd, Q)
     p_pad = -(-P // GEMM_POSITION_TILE) * GEMM_POSITION_TILE
     workspace = max(p_pad * K + (K // 32) * p_pad * 8, 2 * p_pad * K + (K // 256) * p_pad * 32 + 4 * p_pad)
-    return 4 * P + 4 * floats + workspace
+    dn_coef = -(-P // DELTANET_CHUNK) * Hv * DELTANET_CHUNK_COEF_BYTES
+    return 4 * P + 4 * floats + workspace + dn_coef
 
 
 def estimate_device_bytes(model_file, n_ctx: int, n_checkpoints: int = N_CHECKPOINTS,
@@ -157,11 +168,12 @@ def model_problems(model_file) -> list[str]:
 def native_status(model_file, n_ctx: int, kv_type: str = "f16",
                   prefill_chunk: int = PREFILL_CHUNK) -> tuple[bool, str]:
     """(True, what will run) or (False, why not): library, GPU, memory, model shape/types."""
-    path = os.environ.get(MATVEC_ENV, "")
-    if path not in MATVEC_PATHS:
-        # matvec.cu reads the variable itself and would take any other value as the default path
-        return False, (f"${MATVEC_ENV}={path!r} is not one of {', '.join(repr(p) for p in MATVEC_PATHS if p)} "
-                       f"(or unset)")
+    for env, allowed in SWITCHES.items():
+        value = os.environ.get(env, "")
+        if value not in allowed:
+            # the native code reads these itself and would take any other value as the default
+            return False, (f"${env}={value!r} is not one of {', '.join(repr(p) for p in allowed if p)} "
+                           f"(or unset)")
     try:
         nl = _native.load()
     except BackendUnavailableError as e:
