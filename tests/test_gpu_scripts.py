@@ -431,3 +431,18 @@ def test_agreement_script_exits_3_while_the_llama_build_is_still_running(synth_p
                              "--budget-s", str(agreement.AFTER_BUILD_S + 2)])
     assert rc == agreement.EXIT_OUT_OF_TIME
     assert "out of time" in capsys.readouterr().out
+
+
+def test_every_device_script_parses():
+    """A syntax error in a scripts/*.sh costs a device call; `bash -n` finds it here."""
+    scripts = sorted((REPO / "scripts").glob("*.sh"))
+    assert len(scripts) >= 10
+    for s in scripts:
+        r = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{s.name}: {r.stderr}"
+
+
+def test_first_runs_refuses_an_unknown_group(tmp_path):
+    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_first_runs.sh"), "everything"], capture_output=True,
+                       text=True, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 2 and "unknown group 'everything'" in r.stdout

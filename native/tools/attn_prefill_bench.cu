@@ -37,23 +37,9 @@
 #include "engine.cuh"
 #include "reduce.cuh"
 
-namespace oj {
-// engine.cu normally provides these two.
-[[noreturn]] void fail(int code, const std::string &message) {
-    std::fprintf(stderr, "oj::fail(%d): %s\n", code, message.c_str());
-    std::exit(2);
-}
-void check_cuda(cudaError_t err, const char *what) {
-    if (err != cudaSuccess) fail(1, std::string(what) + ": " + cudaGetErrorString(err));
-}
-// attention_prefill.cu (engine.cuh will declare it)
-void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, const float *qg, float *out, int n,
-                       int pos0, int n_ctx, cudaStream_t st);
-}  // namespace oj
+#include "tools/harness.cuh"
 
 using namespace oj;
-
-#define CK(call) check_cuda((call), #call)
 
 static int g_failures = 0;
 static const double BAR = 2e-3;        // prefill vs fp32 paths, of max |out|

@@ -26,21 +26,11 @@
 #include "engine.cuh"
 #include "reduce.cuh"
 
-namespace oj {
-// engine.cu normally provides these two.
-[[noreturn]] void fail(int code, const std::string &message) {
-    std::fprintf(stderr, "oj::fail(%d): %s\n", code, message.c_str());
-    std::exit(2);
-}
-void check_cuda(cudaError_t err, const char *what) {
-    if (err != cudaSuccess) fail(OJ_ERR_CUDA, std::string(what) + ": " + cudaGetErrorString(err));
-}
-}  // namespace oj
+#include "tools/harness.cuh"
 
 #include "deltanet_chunked.cuh"
 
 using namespace oj;
-#define CK(call) check_cuda((call), #call)
 
 // ---- COPY of native/deltanet.cu's prefill recurrence (deltanet_recurrence_kernel with
 // n_replay = 0, commit = true), for comparison only: the engine's copy lives in an anonymous

@@ -41,22 +41,10 @@
 #include "engine.cuh"
 #include "gemm_prefill.cuh"
 
-namespace oj {
-// engine.cu normally provides these two.
-[[noreturn]] void fail(int code, const std::string &message) {
-    std::fprintf(stderr, "oj::fail(%d): %s\n", code, message.c_str());
-    std::exit(2);
-}
-void check_cuda(cudaError_t err, const char *what) {
-    if (err != cudaSuccess) fail(1, std::string(what) + ": " + cudaGetErrorString(err));
-}
-// matvec.cu: 0 the bf16-split path, 1 int8 activations (OPENJET_MATVEC=int8), -1 the variable's
-void matvec_force_path(int path);
-}  // namespace oj
+#include "tools/harness.cuh"
 
 using namespace oj;
 
-#define CK(call) check_cuda((call), #call)
 
 static int g_failures = 0;
 static int RUNS = 15;

@@ -37,20 +37,10 @@
 #include "gemm_prefill.cuh"
 #include "gemm_f16.cuh"
 
-namespace oj {
-[[noreturn]] void fail(int code, const std::string &message) {
-    std::fprintf(stderr, "oj::fail(%d): %s\n", code, message.c_str());
-    std::exit(2);
-}
-void check_cuda(cudaError_t err, const char *what) {
-    if (err != cudaSuccess) fail(1, std::string(what) + ": " + cudaGetErrorString(err));
-}
-void matvec_force_path(int path);
-}  // namespace oj
+#include "tools/harness.cuh"
 
 using namespace oj;
 
-#define CK(call) check_cuda((call), #call)
 
 static int g_failures = 0;
 static int RUNS = 10;

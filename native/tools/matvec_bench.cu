@@ -34,26 +34,9 @@
 #include "engine.cuh"
 #include "tools/matvec_old.cuh"
 
-namespace oj {
-// engine.cu normally provides these two.
-[[noreturn]] void fail(int code, const std::string &message) {
-    std::fprintf(stderr, "oj::fail(%d): %s\n", code, message.c_str());
-    std::exit(2);
-}
-void check_cuda(cudaError_t err, const char *what) {
-    if (err != cudaSuccess) fail(1, std::string(what) + ": " + cudaGetErrorString(err));
-}
-// declared by engine.cuh in the engine (added with this kernel); repeated here so the harness
-// builds against either version of the header.
-void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
-                 cudaStream_t st);
-// matvec.cu: 0 the bf16-split path, 1 int8 activations (OPENJET_MATVEC=int8), -1 the variable's
-void matvec_force_path(int path);
-}  // namespace oj
+#include "tools/harness.cuh"
 
 using namespace oj;
-
-#define CK(call) check_cuda((call), #call)
 
 static int g_failures = 0;
 static int RUNS = 25;

@@ -1,0 +1,347 @@
+// gemm_wgmma_bench.cu: correctness and speed of tools/gemm_wgmma.cuh (Q4_K x P positions on Hopper's
+// wgmma, A = dequantised weights from registers) beside gemm_f16.cuh's Q4_K kernel, on the same
+// prepared X (gemmf16::prep_x: one workspace for both).
+//
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -Inative \
+//        native/tools/gemm_wgmma_bench.cu native/matvec.cu -o gwb -lgomp
+//   ./gwb [--table FILE]          (scripts/gpu_gemm_wgmma.sh builds and runs it)
+//
+// Cases (K -> M): 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),
+// 6144 -> 5120 (ssm_out), and 512 -> 200 (a partial row tile for every configuration). Random valid
+// blocks (bench_blocks.cuh), the engine's to_device_layout, random X with a different scale per
+// position (every 13th 300x larger, position 5 all zero). For EVERY wgmma configuration, per P in
+// {77, 64, 256, 512, 2048} plus an accumulate run at P = 77, the output NaN-poisoned before each
+// run (the accumulate run starts from random values, a NaN guard row past P), then, as
+// gemm_f16_bench:
+//   (a) against a float64 host dequant times the UNROUNDED X on sampled (row, position) pairs
+//       (rows 0..191: every fragment slot of up to 3 consumer warpgroups, plus spread and random
+//       rows; positions 0..15, tile edges, random): |err| <= 2e-3 of sum_k |w_k x_k|;
+//   (b) every output against matvec.cu's bf16-split path: |err| <= 3e-2 of the position's rms;
+//   every output finite, nothing past P written. gemm_f16 gets the same checks at P = 77, 2048.
+// A kernel still running after 20 s is reported as a hang (exit 3).
+// Timing: median of RUNS (10; GB_RUNS) after 3 warm-ups, L2 flushed (256 MB memset) before each;
+// both GEMMs from the same prepared X (prep_x timed once); TFLOP/s = 2 M K P / GEMM time; then
+// every wgmma configuration at P = 2048. Exit status 1 on any failed check.
+#include <unistd.h>
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "engine.cuh"
+#include "gemm_f16.cuh"
+#include "tools/gemm_wgmma.cuh"
+
+#include "tools/harness.cuh"
+
+using namespace oj;
+
+
+static int g_failures = 0;
+static int RUNS = 10;
+
+#include "bench_blocks.cuh"
+
+static FILE *g_table = nullptr;
+
+struct Shape {
+    const char *name;
+    int64_t K, M;
+    int count;   // uses in the 27B Q4_K_M map (64 layers + MTP), as gemm_f16_bench
+};
+
+static const int PS[4] = {64, 256, 512, 2048};
+static const int P_ODD = 77;
+static const int P_MAX = 2048;
+
+// Waits for the stream; a kernel still running after 20 s is a hang (an mbarrier phase that
+// never completes): report it and leave at once (exit status 3).
+static void sync_or_die(const char *what) {
+    for (int i = 0; i < 20000; ++i) {
+        const cudaError_t e = cudaStreamQuery(0);
+        if (e == cudaSuccess) return;
+        if (e != cudaErrorNotReady) check_cuda(e, what);
+        usleep(1000);
+    }
+    std::printf("FAIL %s: still running after 20 s (hang)\n", what);
+    std::fflush(stdout);
+    std::_Exit(3);
+}
+
+struct Result {
+    double f_ms[4] = {0}, w_ms[4] = {0}, prep[4] = {0}, cfg_ms[gemmwg::N_CONFIGS] = {0};
+    double err_w = 0, err_f = 0;
+    bool ok = true;
+};
+
+static std::string cfg_name(const gemmwg::Config &c) {
+    return std::to_string(c.nwg) + "," + std::to_string(c.bn) + "," + std::to_string(c.stages);
+}
+
+static Result run_case(const Shape &s, uint64_t seed) {
+    Result res;
+    const int64_t K = s.K, M = s.M;
+    const int type = TYPE_Q4_K;
+    std::vector<uint8_t> file = make_matrix(type, K, M, seed);
+    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
+    Matrix w;
+    w.type = type; w.K = K; w.M = M;
+    CK(cudaMalloc(&w.data, dev.size()));
+    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
+    std::vector<uint8_t>().swap(dev);
+
+    Rng g(seed ^ 0xABCDEFull);
+    std::vector<float> x((size_t)P_MAX * K);
+    for (int p = 0; p < P_MAX; ++p) {
+        const float scale = p == 5 ? 0.0f : (p % 13 == 7 ? 300.0f : 0.5f + (p % 8));
+        for (int64_t k = 0; k < K; ++k) x[(size_t)p * K + k] = g.normalish() * scale;
+    }
+    float *dx, *dy, *dref;
+    void *ws;
+    const size_t ws_bytes = gemm_f16_workspace_bytes(K, P_MAX);
+    CK(cudaMalloc(&dx, x.size() * 4));
+    CK(cudaMalloc(&dy, ((size_t)P_MAX + 1) * M * 4));
+    CK(cudaMalloc(&dref, (size_t)P_MAX * M * 4));
+    CK(cudaMalloc(&ws, ws_bytes));
+    CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+
+    // float64 reference on sampled pairs: rows 0..191 (every fragment slot of 3 warpgroups), spread
+    // and random rows, the last row; positions 0..15, tile edges, random, the last
+    std::vector<int64_t> srows;
+    for (int64_t r = 0; r < std::min<int64_t>(192, M); ++r) srows.push_back(r);
+    for (int i = 0; i < 12; ++i) srows.push_back((int64_t)((double)i / 11 * (M - 1)));
+    for (int i = 0; i < 8; ++i) srows.push_back((int64_t)(g.next() % (uint64_t)M));
+    std::vector<int> spos;
+    for (int p = 0; p < 16; ++p) spos.push_back(p);
+    for (int p : {63, 64, 65, 76, 127, 128, 129, 191, 255}) spos.push_back(p);
+    for (int i = 0; i < 9; ++i) spos.push_back((int)(g.next() % (uint64_t)P_MAX));
+    spos.push_back(P_MAX - 1);
+    const size_t row_bytes = file_bytes(type, K, 1);
+    const size_t NR = srows.size(), NP = spos.size();
+    std::vector<double> ref(NR * NP), mag(NR * NP);
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t ri = 0; ri < (int64_t)NR; ++ri) {
+        std::vector<double> wrow;
+        ref_row(type, K, file.data() + (size_t)srows[ri] * row_bytes, wrow);
+        for (size_t pi = 0; pi < NP; ++pi) {
+            double acc = 0, a = 0;
+            const float *xp = x.data() + (size_t)spos[pi] * K;
+            for (int64_t k = 0; k < K; ++k) {
+                const double pr = wrow[k] * (double)xp[k];
+                acc += pr;
+                a += std::fabs(pr);
+            }
+            ref[ri * NP + pi] = acc;
+            mag[ri * NP + pi] = a + 1e-30;
+        }
+    }
+    std::vector<float>().swap(x);
+    std::vector<uint8_t>().swap(file);
+
+    // matvec's bf16-split path on all positions: the all-output reference
+    matvec_force_path(0);
+    CK(cudaMemset(dref, 0xFF, (size_t)P_MAX * M * 4));
+    for (int p0 = 0; p0 < P_MAX; p0 += 8) matvec(w, dx + (size_t)p0 * K, dref + (size_t)p0 * M, 8, false, 0);
+    CK(cudaDeviceSynchronize());
+    std::vector<float> yref((size_t)P_MAX * M), y((size_t)(P_MAX + 1) * M);
+    CK(cudaMemcpy(yref.data(), dref, yref.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<double> rms(P_MAX);
+    for (int p = 0; p < P_MAX; ++p) {
+        double ss = 0;
+        for (int64_t m = 0; m < M; ++m) ss += (double)yref[(size_t)p * M + m] * yref[(size_t)p * M + m];
+        rms[p] = std::sqrt(ss / M) + 1e-30;
+    }
+
+    auto fail_msg = [&](const std::string &who, const char *what, int P, const char *detail) {
+        std::printf("FAIL Q4_K %s %s P=%d %s: %s\n", s.name, who.c_str(), P, what, detail);
+        res.ok = false;
+    };
+    auto fetch = [&](int P, const char *what) {
+        sync_or_die(what);
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(y.data(), dy, ((size_t)P + 1) * M * 4, cudaMemcpyDeviceToHost));
+    };
+    auto sampled_err = [&](int P, const std::vector<float> *prev) {
+        double worst = 0;
+        for (size_t ri = 0; ri < NR; ++ri)
+            for (size_t pi = 0; pi < NP; ++pi) {
+                const int p = spos[pi];
+                if (p >= P) continue;
+                const size_t i = (size_t)p * M + srows[ri];
+                const double base = prev ? (*prev)[i] : 0.0;
+                const double e = std::fabs(((double)y[i] - base) - ref[ri * NP + pi]) / (mag[ri * NP + pi] + std::fabs(base));
+                worst = std::isnan(e) ? INFINITY : std::max(worst, e);
+            }
+        return worst;
+    };
+    // every check on the fetched y of kernel `who`
+    auto check = [&](const std::string &who, int P, const std::vector<float> *prev) {
+        char buf[256];
+        int64_t unwritten = 0, guard = 0;
+        for (size_t i = 0; i < (size_t)P * M; ++i) unwritten += !std::isfinite(y[i]);
+        for (int64_t m = 0; m < M; ++m) guard += !std::isnan(y[(size_t)P * M + m]);
+        if (unwritten || guard) {
+            std::snprintf(buf, sizeof buf, "%lld outputs not finite, %lld written past P", (long long)unwritten, (long long)guard);
+            fail_msg(who, "coverage", P, buf);
+        }
+        const double es = sampled_err(P, prev);
+        double ea = 0;
+        for (int p = 0; p < P; ++p)
+            for (int64_t m = 0; m < M; ++m) {
+                const size_t i = (size_t)p * M + m;
+                const double base = prev ? (*prev)[i] : 0.0;
+                const double d = std::fabs(((double)y[i] - base) - yref[i]) / (rms[p] + std::fabs(base));
+                ea = std::isnan(d) ? INFINITY : std::max(ea, d);
+            }
+        if (!(es <= 2e-3)) { std::snprintf(buf, sizeof buf, "vs float64 %.3e of sum|w x| (bar 2e-3)", es); fail_msg(who, "float64", P, buf); }
+        if (!(ea <= 3e-2)) { std::snprintf(buf, sizeof buf, "vs matvec bf16 %.3e of rms on some output (bar 3e-2)", ea); fail_msg(who, "all-outputs", P, buf); }
+        std::printf("  Q4_K %-9s %-12s P=%-5d%s vs float64 %.3e of sum|wx|, all outputs vs matvec bf16 %.3e of rms\n", s.name,
+                    who.c_str(), P, prev ? " (accumulate)" : "", es, ea);
+        return es;
+    };
+
+    // every wgmma configuration (the default first) on every P, plus the accumulate run; gemm_f16 beside
+    for (int ci = 0; ci < gemmwg::N_CONFIGS; ++ci) {
+        const gemmwg::Config c = gemmwg::CONFIGS[ci];
+        const std::string who = "wgmma " + cfg_name(c);
+        for (int P : {P_ODD, PS[0], PS[1], PS[2], PS[3]}) {
+            gemmf16::prep_x(dx, K, P, ws, 0);
+            CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
+            gemmwg::run(w, ws, P, dy, false, 0, c);
+            fetch(P, who.c_str());
+            const double es = check(who, P, nullptr);
+            res.err_w = std::max(res.err_w, es);
+        }
+        {
+            const int P = P_ODD;
+            std::vector<float> prev((size_t)(P + 1) * M);
+            for (auto &v : prev) v = g.normalish();
+            for (int64_t m = 0; m < M; ++m) prev[(size_t)P * M + m] = NAN;
+            gemmf16::prep_x(dx, K, P, ws, 0);
+            CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
+            gemmwg::run(w, ws, P, dy, true, 0, c);
+            fetch(P, who.c_str());
+            res.err_w = std::max(res.err_w, check(who, P, &prev));
+        }
+    }
+    for (int P : {P_ODD, PS[3]}) {   // gemm_f16 on the same data, for its error beside ours
+        gemmf16::prep_x(dx, K, P, ws, 0);
+        CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
+        gemmf16::run(w, ws, P, dy, false, 0);
+        fetch(P, "gemm_f16");
+        res.err_f = std::max(res.err_f, check("gemm_f16", P, nullptr));
+    }
+
+    for (int pi = 0; pi < 4; ++pi) {
+        const int P = PS[pi];
+        res.prep[pi] = median_ms([&] { gemmf16::prep_x(dx, K, P, ws, 0); });
+        gemmf16::prep_x(dx, K, P, ws, 0);
+        res.f_ms[pi] = median_ms([&] { gemmf16::run(w, ws, P, dy, false, 0); });
+        res.w_ms[pi] = median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0); });
+        const double fl = 2.0 * M * K * P;
+        const char *fmt = "Q4_K %-9s %6lld %6lld P=%-5d wgmma %8.4f ms %6.1f TFLOP/s | f16 %8.4f ms %6.1f TFLOP/s | prep_x %7.4f ms | "
+                          "speedup %.2fx\n";
+        std::printf(fmt, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12, res.f_ms[pi],
+                    fl / (res.f_ms[pi] * 1e-3) / 1e12, res.prep[pi], res.f_ms[pi] / res.w_ms[pi]);
+        if (g_table)
+            std::fprintf(g_table, fmt, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12,
+                         res.f_ms[pi], fl / (res.f_ms[pi] * 1e-3) / 1e12, res.prep[pi], res.f_ms[pi] / res.w_ms[pi]);
+        std::fflush(stdout);
+    }
+    {   // every configuration at P = 2048
+        const int P = PS[3];
+        gemmf16::prep_x(dx, K, P, ws, 0);
+        for (int ci = 0; ci < gemmwg::N_CONFIGS; ++ci) {
+            const gemmwg::Config c = gemmwg::CONFIGS[ci];
+            res.cfg_ms[ci] = median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0, c); });
+            std::printf("Q4_K %-9s P=%-5d wgmma config %s (rows x positions x stages %d x %d x %d): %8.4f ms %6.1f TFLOP/s\n", s.name,
+                        P, cfg_name(c).c_str(), 64 * c.nwg, c.bn, c.stages, res.cfg_ms[ci],
+                        2.0 * M * K * P / (res.cfg_ms[ci] * 1e-3) / 1e12);
+        }
+    }
+    CK(cudaFree(w.data));
+    CK(cudaFree(dx));
+    CK(cudaFree(dy));
+    CK(cudaFree(dref));
+    CK(cudaFree(ws));
+    if (!res.ok) ++g_failures;
+    return res;
+}
+
+int main(int argc, char **argv) {
+    const char *table_path = nullptr;
+    for (int i = 1; i < argc; ++i) {
+        if (!std::strcmp(argv[i], "--table") && i + 1 < argc) table_path = argv[++i];
+        else { std::fprintf(stderr, "gemm_wgmma_bench: unknown argument %s\n", argv[i]); return 2; }
+    }
+    if (const char *r = std::getenv("GB_RUNS")) RUNS = std::max(10, std::atoi(r));
+    if (table_path) g_table = std::fopen(table_path, "w");
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    int optin = 0;
+    CK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    std::printf("device %s sm_%d%d, %d SMs, L2 %d MB, %d KB shared per block\n", prop.name, prop.major, prop.minor,
+                prop.multiProcessorCount, prop.l2CacheSize >> 20, optin >> 10);
+    if (!gemmwg::wgmma_available()) {
+        std::printf("FAIL: no wgmma here (needs cc 9.0 and an sm_90a build)\n");
+        return 1;
+    }
+    for (int ci = 0; ci < gemmwg::N_CONFIGS; ++ci) {
+        const gemmwg::Config c = gemmwg::CONFIGS[ci];
+        std::printf("wgmma config %s: %d threads, %d B dynamic shared memory, consumer registers %d (producer %d)\n",
+                    cfg_name(c).c_str(), 128 * (c.nwg + 1), gemmwg::smem_bytes(c.nwg, c.bn, c.stages),
+                    gemmwg::consumer_regs(c.nwg), gemmwg::PRODUCER_REGS);
+        if (gemmwg::smem_bytes(c.nwg, c.bn, c.stages) > optin) {
+            std::printf("FAIL: config %s needs more shared memory than the device allows\n", cfg_name(c).c_str());
+            return 1;
+        }
+    }
+    CK(cudaMalloc(&g_flush, FLUSH_BYTES));
+
+    const std::vector<Shape> shapes = {{"ffn_gate", 5120, 17408, 130},
+                                       {"ffn_down", 17408, 5120, 32},
+                                       {"attn_qkv", 5120, 10240, 24},
+                                       {"ssm_out", 6144, 5120, 65},
+                                       {"ragged_m", 512, 200, 0}};   // M = 200: a partial row tile for every config
+    std::vector<Result> results;
+    uint64_t seed = 1;
+    for (const Shape &s : shapes) {
+        const Result r = run_case(s, seed++);
+        results.push_back(r);
+        std::printf("  -> Q4_K %s: wgmma vs float64 %.2e of sum|wx| (gemm_f16 %.2e) %s\n", s.name, r.err_w, r.err_f,
+                    r.ok ? "ok" : "FAILED");
+        std::fflush(stdout);
+    }
+    std::printf("\n%-14s | %-36s | %-36s | %s\n", "case", "wgmma TFLOP/s at P = 64 256 512 2048", "f16 TFLOP/s at P = 64 256 512 2048",
+                "speedup at 2048");
+    for (size_t c = 0; c < shapes.size(); ++c) {
+        const Shape &s = shapes[c];
+        const Result &r = results[c];
+        double wt[4], ft[4];
+        for (int i = 0; i < 4; ++i) {
+            const double fl = 2.0 * s.M * s.K * PS[i];
+            wt[i] = fl / (r.w_ms[i] * 1e-3) / 1e12;
+            ft[i] = fl / (r.f_ms[i] * 1e-3) / 1e12;
+        }
+        std::printf("Q4_K %-9s | %7.1f %7.1f %7.1f %10.1f | %7.1f %7.1f %7.1f %10.1f | %.2fx%s\n", s.name, wt[0], wt[1], wt[2], wt[3],
+                    ft[0], ft[1], ft[2], ft[3], r.f_ms[3] / r.w_ms[3], r.ok ? "" : " FAIL");
+    }
+    for (int i = 0; i < 4; ++i) {
+        double wsum = 0, fsum = 0;
+        for (size_t c = 0; c < shapes.size(); ++c) {
+            wsum += shapes[c].count * results[c].w_ms[i];
+            fsum += shapes[c].count * results[c].f_ms[i];
+        }
+        std::printf("27B Q4_K uses of these cases, P=%-5d: wgmma %8.2f ms, f16 %8.2f ms (GEMM only, X prep excluded)\n", PS[i], wsum, fsum);
+    }
+    std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
+    if (g_table) std::fclose(g_table);
+    return g_failures ? 1 : 0;
+}

@@ -1,0 +1,595 @@
+// matvec_f16.cuh: decode matvec (quantised W x 1..8 activation vectors, every weight byte read once
+// per call) with fp16 activations on the fp16 tensor cores. Candidate for issue 8 (decode speed):
+// the int8 path's instruction budget with near-bf16-split accuracy. Q4_K and Q6_K (the 27B
+// Q4_K_M map's types) in the engine's device layouts (quant_blocks.cuh). Checked and timed by
+// tools/matvec_f16_bench.cu (scripts/gpu_matvec_f16.sh); not yet called by the engine.
+//
+// Numerics (gemm_f16.cuh's, which passed every prefill check):
+//   - x: one power-of-two scale per (vector, 256-value super-block) so that max |x| lands in
+//     [2^14, 2^15) (no global reduction: the prep kernel is one pass, one warp per (super-block,
+//     vector); undone exactly per super-block). fp16 rounding of x is the only rounding before
+//     fp32 accumulation. Each vector's prep and columns are independent of the others, and every
+//     reduction is in a fixed order, so 1..8 vectors per call give bit-identical results.
+//   - Q4_K: A = q * sc exactly in fp16 by one HFMA2 on the magic (1024 + q) / (1024 + 16 q)
+//     (gemm_f16.cuh's nibble_pair_magic); 16 k16 steps of a super-block accumulate into a
+//     temporary tile; the mins are one more mma (A' = m_s, B' = per-sub-block sum of the scaled,
+//     unrounded x split into fp16 hi + lo, times 2^-6); then acc += inv_x * (d * tmp - 64 dmin * tmp').
+//   - Q6_K: A = q - 32 exactly (magic 1024 + q6, minus 1056); each 16-value scale group is one mma
+//     into a fresh temporary, s += sc * tmp; acc += (inv_x * d) * s per super-block.
+//
+// Work split: a block holds 32 weight rows (two m16 tiles, so each B fragment serves two mma) and
+// WARPS warps; warp w walks super-blocks u = w, w + WARPS, ... (split-K), and the warps' partial
+// sums meet in shared memory in warp order. Streaming: each warp has a private ring of STAGES
+// shared-memory stages filled by cp.async (its 32 rows' bytes of one super-block + the prepared x
+// of the call's vectors), STAGES - 1 super-blocks in flight while it computes one; no block barrier
+// inside the loop. Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 =
+// sub-blocks 2t, 2t+1) of rows g, g+8 of each tile, so its scales are fixed for the super-block;
+// Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
+// as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
+//
+// Prepared x, per super-block u a record of REC bytes: for vector v (8 slots) 576 bytes = 512 of
+// fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps 2c, 2c+1 of lane t), 32 of
+// Q4_K min sums [t][hi_2t, hi_2t+1, lo_2t, lo_2t+1], 32 pad (a vector stride of 144 words keeps
+// the quads' 16-byte shared loads conflict-free); then 8 fp32 inverse scales 2^-e (1 for vectors
+// past n_vec). Vectors past n_vec are neither written nor read (their lanes feed B = 0).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <string>
+
+#include "engine.cuh"
+#include "gemm_f16.cuh"   // nibble_pair_magic, q6_bytes, SEL_LO/HI, splat_byte_sel, mma_f16, h2u/u2h, cp.async
+
+namespace oj {
+namespace mvf16 {
+
+constexpr int VEC_BYTES = 576;                  // one vector's part of a super-block record
+constexpr int XS_OFF = 512;                     // min sums inside it
+constexpr int INV_OFF = 8 * VEC_BYTES;          // the 8 inverse scales
+constexpr int REC = INV_OFF + 32;               // bytes per super-block of prepared x
+constexpr int ROWS = 32;                        // weight rows per block (two m16 tiles)
+
+inline size_t workspace_bytes(int64_t K) { return (size_t)(K / QK_K) * REC; }
+
+// Weight bytes per stage (32 rows of one super-block): Q4_K as stored; Q6_K q plane + scales.
+// Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
+__host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
+__host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
+__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return w_bytes(type) + x_bytes(n_vec); }
+
+// k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
+// column col of the super-block. Both types take bytes (0, 2) of a word for slots (0, 1) and
+// bytes (1, 3) for (2, 3): J below. Inverse: where column c goes in the vector's 256 halfs.
+__host__ __device__ inline int jmap(int j) { return j == 1 ? 2 : j == 2 ? 1 : j; }   // self-inverse
+__host__ __device__ inline int x_dest(int type, int c) {
+    if (type == TYPE_Q4_K) {   // c = 64 t + 32 nib + 4 wi + J(e), ks = 2 wi + nib
+        const int t = c >> 6, nib = (c >> 5) & 1, wi = (c >> 2) & 7;
+        return wi * 32 + t * 8 + 4 * nib + jmap(c & 3);
+    }
+    // Q6_K: c = 128 H + 32 QQ + 16 c1 + 4 t + J(e), group C = 2 H + c1, ks = 4 C + QQ
+    const int H = c >> 7, QQ = (c >> 5) & 3, c1 = (c >> 4) & 1, t = (c >> 2) & 3, C = 2 * H + c1;
+    return (2 * C + (QQ >> 1)) * 32 + t * 8 + 4 * (QQ & 1) + jmap(c & 3);
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
+template <int TYPE>
+__global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, int64_t K, int n_vec,
+                                                   uint8_t *__restrict__ ws) {
+    pdl_launch_dependents();
+    const int64_t u = blockIdx.x;
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t *rec = ws + u * REC;
+    if (v >= n_vec) {
+        if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
+        return;
+    }
+    const float4 *src = reinterpret_cast<const float4 *>(x + (int64_t)v * K + u * QK_K + 8 * lane);
+    const float4 a = src[0], b = src[1];
+    float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    float amax = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(xv[j]));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    int e = 0;   // amax * 2^e in [2^14, 2^15); |e| <= 126 keeps 2^-e normal
+    if (amax > 0.0f && amax <= 3.0e38f) {
+        int ex;
+        frexpf(amax, &ex);
+        e = max(min(15 - ex, 126), -126);
+    }
+    const float scale = ldexpf(1.0f, e);
+    __half *xh = reinterpret_cast<__half *>(rec + v * VEC_BYTES);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        const float vs = xv[j] * scale;   // exact (power of two)
+        s += vs;
+        xh[x_dest(TYPE, 8 * lane + j)] = __float2half_rn(vs);
+    }
+    if (TYPE == TYPE_Q4_K) {   // sub-block sb = lane / 4: the 4 lanes' sums, fixed order
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        if ((lane & 3) == 0) {
+            const int sb = lane >> 2, t = sb >> 1;
+            const float vs = s * (1.0f / 64.0f);
+            const __half hi = __float2half_rn(vs);
+            const __half lo = __float2half_rn(vs - __half2float(hi));
+            __half *xs = reinterpret_cast<__half *>(rec + v * VEC_BYTES + XS_OFF) + 4 * t;
+            xs[sb & 1] = hi;
+            xs[2 + (sb & 1)] = lo;
+        }
+    }
+    if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = ldexpf(1.0f, -e);
+}
+
+__device__ __forceinline__ void cp8(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(gemm::smem_addr(dst)), "l"(src));
+#endif
+}
+__device__ __forceinline__ void cp4(void *dst, const void *src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(gemm::smem_addr(dst)), "l"(src));
+#endif
+}
+__device__ __forceinline__ uint4 lds16(const uint8_t *p) { return *reinterpret_cast<const uint4 *>(p); }
+__device__ __forceinline__ uint2 lds8(const uint8_t *p) { return *reinterpret_cast<const uint2 *>(p); }
+
+template <int C>
+__device__ __forceinline__ uint32_t wd(const uint4 &v) {
+    if constexpr (C == 0) return v.x;
+    else if constexpr (C == 1) return v.y;
+    else if constexpr (C == 2) return v.z;
+    else return v.w;
+}
+
+struct Args {
+    Matrix w;
+    const uint8_t *xp;           // prepared x (workspace_bytes(K))
+    float *y;
+    const int32_t *rows;         // nullptr: output row o reads weight row o
+    int64_t n_out;
+    int n_vec;
+    bool accumulate;
+};
+
+// Copies super-block u's weight bytes of the block's 32 rows into a stage. Lane l copies for rows
+// l/2 (tile 0) and 16 + l/2 (tile 1), the lane pair taking alternate 16-byte chunks (each
+// instruction reads 32 contiguous bytes of 16 rows).
+template <int TYPE>
+__device__ __forceinline__ void issue_w(const Args &a, uint8_t *st, const int64_t (&blk)[2], int64_t u, int lane) {
+    const int half = lane & 1, rr = lane >> 1;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = 16 * r + rr;
+        if constexpr (TYPE == TYPE_Q4_K) {
+            const uint8_t *src = a.w.data + (blk[r] + u) * 144;
+#pragma unroll
+            for (int i = 0; i < 5; ++i) {
+                const int j = half + 2 * i;
+                if (j < 9) gemm::cp16(st + row * 144 + 16 * j, src + 16 * j);
+            }
+        } else {
+            const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
+            const uint8_t *src = a.w.data + p.q + (blk[r] + u) * 192;
+#pragma unroll
+            for (int i = 0; i < 6; ++i) {
+                const int j = half + 2 * i;
+                gemm::cp16(st + row * 192 + 16 * j, src + 16 * j);
+            }
+            if (half == r) {   // even lanes: tile 0's row, odd lanes: tile 1's
+                const int64_t bi = blk[r] + u, nblk = a.w.M * (a.w.K / QK_K);
+                gemm::cp16(st + ROWS * 192 + row * 16, a.w.data + p.sc + bi * 16);
+                uint8_t *dd = st + ROWS * 208 + row * 4;
+                if ((bi | 1) < nblk) cp4(dd, a.w.data + p.d + (bi & ~int64_t(1)) * 2);
+                else   // the plane's last entry at an even index: its word would reach past the plane
+                    *reinterpret_cast<uint32_t *>(dd) = __ldg(reinterpret_cast<const unsigned short *>(a.w.data + p.d + bi * 2));
+            }
+        }
+    }
+}
+
+// The prepared x of super-block u for the call's vectors: lane (g, t), g < n_vec, copies vector
+// g's chunks t, t + 4, ...; lanes 0, 1 the inverse scales.
+template <int TYPE>
+__device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, int64_t u, int g, int t, int lane) {
+    const uint8_t *rec = a.xp + u * REC;
+    if (g < a.n_vec) {
+        constexpr int NCH = TYPE == TYPE_Q4_K ? 9 : 8;   // Q4_K: + the min sums chunk (and pad)
+#pragma unroll
+        for (int j = 0; j < NCH; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
+    }
+    if (lane < 2) gemm::cp16(xs + a.n_vec * VEC_BYTES + 16 * lane, rec + INV_OFF + 16 * lane);
+}
+
+// Q4_K, one super-block for the warp's two tiles.
+__device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
+                                        float (&acc)[2][4]) {
+    const bool hx = g < n_vec;
+    const uint8_t *xg = xs + g * VEC_BYTES;
+    __half2 scL[2][2], biL[2][2], scH[2][2], biH[2][2];
+    uint32_t mA[2][2];
+    float d[2][2], dm[2][2];
+    uint4 qlo[2][2], qhi[2][2];
+    const int b = (2 * t) & 3;
+    const __half2 c1024 = __float2half2_rn(1024.0f), cm1024 = __float2half2_rn(-1024.0f);
+    const __half2 c16th = __float2half2_rn(0.0625f), cm64 = __float2half2_rn(-64.0f);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint8_t *row = ws + (16 * i + g + 8 * r) * 144;
+            const uint4 h = lds16(row);
+            qlo[i][r] = lds16(row + 16 + 32 * t);
+            qhi[i][r] = lds16(row + 32 + 32 * t);
+            d[i][r] = gemm::half_bits(h.x & 0xFFFFu);
+            dm[i][r] = -64.0f * gemm::half_bits(h.x >> 16);   // the min sums carry 2^-6
+            // scales and mins of sub-blocks 2t, 2t+1 (get_scale_min_k4): bytes b, b+1 of one word
+            const uint32_t scw = t < 2 ? (h.y & 0x3F3F3F3Fu) : ((h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u));
+            const uint32_t mnw = t < 2 ? (h.z & 0x3F3F3F3Fu) : (((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u));
+            const __half2 pl = gemmf16::u2h(__byte_perm(scw, 0x64646464u, gemmf16::splat_byte_sel(b)));
+            const __half2 ph = gemmf16::u2h(__byte_perm(scw, 0x64646464u, gemmf16::splat_byte_sel(b + 1)));
+            scL[i][r] = __hsub2(pl, c1024);                  // sc (low nibbles: 1024 + q)
+            biL[i][r] = __hmul2(scL[i][r], cm1024);          // -1024 sc
+            scH[i][r] = __hfma2(ph, c16th, cm64);            // sc / 16 (high nibbles: 1024 + 16 q)
+            biH[i][r] = __hmul2(scH[i][r], cm1024);          // -64 sc
+            const uint32_t mp = __byte_perm(mnw, 0x64646464u, 0x4040u | b | ((b + 1) << 8));
+            mA[i][r] = gemmf16::h2u(__hsub2(gemmf16::u2h(mp), c1024));
+        }
+    float tmp[2][4];
+#pragma unroll
+    for (int wi = 0; wi < 8; ++wi) {
+        const uint4 bx = hx ? lds16(xg + 64 * wi + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const uint32_t w0 = wi < 4 ? (wi == 0 ? qlo[i][0].x : wi == 1 ? qlo[i][0].y : wi == 2 ? qlo[i][0].z : qlo[i][0].w)
+                                       : (wi == 4 ? qhi[i][0].x : wi == 5 ? qhi[i][0].y : wi == 6 ? qhi[i][0].z : qhi[i][0].w);
+            const uint32_t w1 = wi < 4 ? (wi == 0 ? qlo[i][1].x : wi == 1 ? qlo[i][1].y : wi == 2 ? qlo[i][1].z : qlo[i][1].w)
+                                       : (wi == 4 ? qhi[i][1].x : wi == 5 ? qhi[i][1].y : wi == 6 ? qhi[i][1].z : qhi[i][1].w);
+            const uint32_t s0 = w0 >> 8, s1 = w1 >> 8;
+            {   // low nibbles: sub-block 2t, B = step 2 wi
+                const uint32_t A0 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(w0)), scL[i][0], biL[i][0]));
+                const uint32_t A1 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(w1)), scL[i][1], biL[i][1]));
+                const uint32_t A2 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(s0)), scL[i][0], biL[i][0]));
+                const uint32_t A3 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(s1)), scL[i][1], biL[i][1]));
+                if (wi == 0) gemmf16::mma_f16<true>(tmp[i], A0, A1, A2, A3, bx.x, bx.y);
+                else gemmf16::mma_f16<false>(tmp[i], A0, A1, A2, A3, bx.x, bx.y);
+            }
+            {   // high nibbles: sub-block 2t + 1, B = step 2 wi + 1
+                const uint32_t A0 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(w0)), scH[i][0], biH[i][0]));
+                const uint32_t A1 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(w1)), scH[i][1], biH[i][1]));
+                const uint32_t A2 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(s0)), scH[i][0], biH[i][0]));
+                const uint32_t A3 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(s1)), scH[i][1], biH[i][1]));
+                gemmf16::mma_f16<false>(tmp[i], A0, A1, A2, A3, bx.z, bx.w);
+            }
+        }
+    }
+    const uint2 bs = hx ? lds8(xg + XS_OFF + 8 * t) : make_uint2(0u, 0u);
+    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * VEC_BYTES + 8 * t);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        float t2[4];
+        gemmf16::mma_f16<true>(t2, mA[i][0], mA[i][1], mA[i][0], mA[i][1], bs.x, bs.y);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const float v = fmaf(d[i][e >> 1], tmp[i][e], dm[i][e >> 1] * t2[e]);
+            acc[i][e] = fmaf((e & 1) ? inv.y : inv.x, v, acc[i][e]);
+        }
+    }
+}
+
+// Q6_K, one scale group (half C >> 1, quarter QQ, 16-value half C & 1): k16 step 4 C + QQ.
+template <int C, int QQ>
+__device__ __forceinline__ void q6_group(const uint4 (&qa)[2][2], const uint4 (&qb)[2][2], const uint4 (&qh)[2][2],
+                                         const uint4 (&scw)[2][2], uint32_t b0, uint32_t b1, float (&s)[2][4]) {
+    constexpr int S = 8 * (C >> 1) + 2 * QQ + (C & 1);   // ggml's scale index
+    const __half2 c1056 = __float2half2_rn(1056.0f);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        uint32_t a[4];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const uint32_t v = gemmf16::q6_bytes((QQ & 1) ? wd<C>(qb[i][r]) : wd<C>(qa[i][r]), wd<C>(qh[i][r]), QQ);
+            a[r] = gemmf16::h2u(__hsub2(gemmf16::u2h(__byte_perm(v, 0x64646464u, gemmf16::SEL_LO)), c1056));
+            a[2 + r] = gemmf16::h2u(__hsub2(gemmf16::u2h(__byte_perm(v, 0x64646464u, gemmf16::SEL_HI)), c1056));
+        }
+        float tq[4];
+        gemmf16::mma_f16<true>(tq, a[0], a[1], a[2], a[3], b0, b1);
+        // signed scale bytes, stored XOR 0x80: (2^23 + 128 + sc) - (2^23 + 128)
+        const float sg = __uint_as_float(__byte_perm(wd<(S >> 2)>(scw[i][0]), 0x4B000000u, 0x7440u | (S & 3))) - 8388736.0f;
+        const float s8 = __uint_as_float(__byte_perm(wd<(S >> 2)>(scw[i][1]), 0x4B000000u, 0x7440u | (S & 3))) - 8388736.0f;
+        s[i][0] = fmaf(sg, tq[0], s[i][0]);
+        s[i][1] = fmaf(sg, tq[1], s[i][1]);
+        s[i][2] = fmaf(s8, tq[2], s[i][2]);
+        s[i][3] = fmaf(s8, tq[3], s[i][3]);
+    }
+}
+
+template <int C>
+__device__ __forceinline__ void q6_groups(const uint4 (&qa)[2][2], const uint4 (&qb)[2][2], const uint4 (&qh)[2][2],
+                                          const uint4 (&scw)[2][2], const uint8_t *xg, bool hx, int t, float (&s)[2][4]) {
+    const uint4 b01 = hx ? lds16(xg + 64 * (2 * C) + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 b23 = hx ? lds16(xg + 64 * (2 * C + 1) + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+    q6_group<C, 0>(qa, qb, qh, scw, b01.x, b01.y, s);
+    q6_group<C, 1>(qa, qb, qh, scw, b01.z, b01.w, s);
+    q6_group<C, 2>(qa, qb, qh, scw, b23.x, b23.y, s);
+    q6_group<C, 3>(qa, qb, qh, scw, b23.z, b23.w, s);
+}
+
+__device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
+                                        const uint32_t (&par)[2][2], float (&acc)[2][4]) {
+    const bool hx = g < n_vec;
+    const uint8_t *xg = xs + g * VEC_BYTES;
+    uint4 qa[2][2], qb[2][2], qh[2][2], scw[2][2];
+    float dq[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = 16 * i + g + 8 * r;
+            const uint8_t *q = ws + row * 192 + 16 * t;
+            qa[i][r] = lds16(q);
+            qb[i][r] = lds16(q + 64);
+            qh[i][r] = lds16(q + 128);
+            uint4 sc = lds16(ws + ROWS * 192 + row * 16);
+            sc.x ^= 0x80808080u;
+            sc.y ^= 0x80808080u;
+            sc.z ^= 0x80808080u;
+            sc.w ^= 0x80808080u;
+            scw[i][r] = sc;
+            const uint32_t dw = *reinterpret_cast<const uint32_t *>(ws + ROWS * 208 + row * 4);
+            dq[i][r] = gemm::half_bits(par[i][r] ? dw >> 16 : dw & 0xFFFFu);
+        }
+    float s[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
+    q6_groups<0>(qa, qb, qh, scw, xg, hx, t, s);
+    q6_groups<1>(qa, qb, qh, scw, xg, hx, t, s);
+    q6_groups<2>(qa, qb, qh, scw, xg, hx, t, s);
+    q6_groups<3>(qa, qb, qh, scw, xg, hx, t, s);
+    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * VEC_BYTES + 8 * t);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(((e & 1) ? inv.y : inv.x) * dq[i][e >> 1], s[i][e], acc[i][e]);
+}
+
+template <int TYPE, int WARPS, int STAGES>
+__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int64_t m0 = (int64_t)blockIdx.x * ROWS;
+    const int64_t nb = a.w.K / QK_K;
+    const int SB = stage_bytes(TYPE, a.n_vec);
+    uint8_t *ring = smem + (size_t)warp * STAGES * SB;
+    auto src_row = [&](int64_t o) -> int64_t {   // rows past the end compute a copy, never written
+        if (o >= a.n_out) o = a.n_out - 1;
+        return a.rows ? (int64_t)a.rows[o] : o;
+    };
+    int64_t blk[2];   // copy rows of this lane: (row) * nb, tiles 0 and 1
+#pragma unroll
+    for (int r = 0; r < 2; ++r) blk[r] = src_row(m0 + 16 * r + (lane >> 1)) * nb;
+    // Q6_K: parity of each compute row's block index base (which half of the d word is its d)
+    uint32_t par[2][2] = {{0u, 0u}, {0u, 0u}};
+    if constexpr (TYPE == TYPE_Q6_K)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) par[i][r] = (uint32_t)((src_row(m0 + 16 * i + g + 8 * r) * nb) & 1);
+    float acc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+
+    const int64_t J = warp < nb ? (nb - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
+    // prologue: weights of the first STAGES - 1 steps, then (after the prep grid) their x
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < J) {
+            const int64_t u = warp + (int64_t)s * WARPS;
+            issue_w<TYPE>(a, ring + s * SB, blk, u, lane);
+        }
+    pdl_wait();
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), warp + (int64_t)s * WARPS, g, t, lane);
+    gemm::cp_commit();
+#pragma unroll
+    for (int s = 1; s < STAGES - 1; ++s) gemm::cp_commit();   // empty groups keep the count
+
+    for (int64_t j = 0; j < J; ++j) {
+        gemm::cp_wait<STAGES - 2>();
+        __syncwarp();   // every lane's copies of step j landed; step j - 1's stage is free
+        {
+            const int64_t jn = j + STAGES - 1;
+            if (jn < J) {
+                uint8_t *st = ring + (jn % STAGES) * SB;
+                const int64_t un = warp + jn * WARPS;
+                issue_w<TYPE>(a, st, blk, un, lane);
+                issue_x<TYPE>(a, st + w_bytes(TYPE), un, g, t, lane);
+            }
+            gemm::cp_commit();
+        }
+        const uint8_t *st = ring + (j % STAGES) * SB;
+        if constexpr (TYPE == TYPE_Q4_K) {
+            step_q4(st, st + w_bytes(TYPE), a.n_vec, g, t, acc);
+        } else {
+            const uint32_t pu = (uint32_t)((warp + j * WARPS) & 1);
+            uint32_t pr[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;
+            step_q6(st, st + w_bytes(TYPE), a.n_vec, g, t, pr, acc);
+        }
+        __syncwarp();
+    }
+    gemm::cp_wait<0>();
+    __syncthreads();
+    // partial sums of the warps meet in shared memory; summed in warp order (deterministic)
+    float *red = reinterpret_cast<float *>(smem);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) red[(warp * 8 + s) * 32 + lane] = acc[s >> 2][s & 3];
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
+        const int s = idx >> 5, ln = idx & 31;
+        float v = 0.0f;
+#pragma unroll
+        for (int wi = 0; wi < WARPS; ++wi) v += red[(wi * 8 + s) * 32 + ln];
+        const int i = s >> 2, e = s & 3, gg = ln >> 2, tt = ln & 3;
+        const int64_t o = m0 + 16 * i + gg + 8 * (e >> 1);
+        const int vec = 2 * tt + (e & 1);
+        if (vec < a.n_vec && o < a.n_out) {
+            float *dst = a.y + (int64_t)vec * a.n_out + o;
+            *dst = a.accumulate ? *dst + v : v;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// host side
+
+inline bool supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
+
+// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ).
+inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+    if (!supports(type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(type));
+    if (K <= 0 || K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(K));
+    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
+    const unsigned grid = (unsigned)(K / QK_K);
+    if (type == TYPE_Q4_K) prep_kernel<TYPE_Q4_K><<<grid, 256, 0, st>>>(x, K, n_vec, static_cast<uint8_t *>(ws));
+    else prep_kernel<TYPE_Q6_K><<<grid, 256, 0, st>>>(x, K, n_vec, static_cast<uint8_t *>(ws));
+    check_launch("matvec_f16: prep");
+}
+
+struct Device {
+    int n_sm = 0, smem_sm = 0, optin = 0;
+    bool pdl = false;
+};
+inline const Device &device() {
+    static Device d = [] {
+        Device v;
+        int dev = 0, major = 0;
+        check_cuda(cudaGetDevice(&dev), "matvec_f16: cudaGetDevice");
+        check_cuda(cudaDeviceGetAttribute(&v.n_sm, cudaDevAttrMultiProcessorCount, dev), "matvec_f16: SM count");
+        check_cuda(cudaDeviceGetAttribute(&v.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "matvec_f16: smem/SM");
+        check_cuda(cudaDeviceGetAttribute(&v.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "matvec_f16: smem/block");
+        check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "matvec_f16: capability");
+        v.pdl = major >= 9;
+        return v;
+    }();
+    return d;
+}
+
+template <int TYPE, int WARPS, int STAGES>
+inline void launch_cfg(const Args &a, bool pdl, cudaStream_t st) {
+    static bool attr = false;
+    if (!attr) {
+        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        device().optin),
+                   "matvec_f16: shared-memory attribute");
+        attr = true;
+    }
+    const size_t smem = std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, a.n_vec), (size_t)WARPS * 8 * 32 * 4);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)((a.n_out + ROWS - 1) / ROWS));
+    cfg.blockDim = dim3(32 * WARPS);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl ? 1 : 0;
+    check_cuda(cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a), "matvec_f16: launch");
+}
+
+// Configuration: 8 warps (split-K deeper) when the grid alone leaves SMs idle; 3 stages when two
+// blocks still fit an SM's shared memory, else 2. OJ_MVF16_CFG="warps,stages" forces one.
+struct Config { int warps, stages; };
+inline Config pick(int type, int64_t n_out, int64_t K, int n_vec) {
+    const Device &d = device();
+    const int64_t blocks = (n_out + ROWS - 1) / ROWS, nb = K / QK_K;
+    Config c;
+    c.warps = (blocks < d.n_sm && nb >= 16) ? 8 : 4;
+    const size_t s3 = (size_t)c.warps * 3 * stage_bytes(type, n_vec);
+    c.stages = (s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm) ? 3 : 2;
+    if (const char *e = std::getenv("OJ_MVF16_CFG")) {
+        int w = 0, s = 0;
+        if (std::sscanf(e, "%d,%d", &w, &s) == 2 && (w == 4 || w == 8) && (s == 2 || s == 3)) c = {w, s};
+    }
+    if ((size_t)c.warps * c.stages * stage_bytes(type, n_vec) > (size_t)d.optin) c.stages = 2;
+    if ((size_t)c.warps * c.stages * stage_bytes(type, n_vec) > (size_t)d.optin) c.warps = 4;
+    if ((size_t)c.warps * c.stages * stage_bytes(type, n_vec) > (size_t)d.optin)
+        fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
+    return c;
+}
+
+template <int TYPE>
+inline void launch_type(const Args &a, const Config &c, bool pdl, cudaStream_t st) {
+    if (c.warps == 8) {
+        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, pdl, st);
+        else launch_cfg<TYPE, 8, 2>(a, pdl, st);
+    } else {
+        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, pdl, st);
+        else launch_cfg<TYPE, 4, 2>(a, pdl, st);
+    }
+}
+
+// y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
+// order, the same K and n_vec). pdl: the previous kernel on the stream is the prep (sm_90: the
+// weight loads start before it finishes).
+inline void run(const Matrix &w, const void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
+                int64_t n_out, bool pdl, cudaStream_t st) {
+    if (!supports(w.type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(w.type));
+    if (w.K <= 0 || w.K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(w.K));
+    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
+    if (n_out <= 0) return;
+    Args a;
+    a.w = w;
+    a.xp = static_cast<const uint8_t *>(ws);
+    a.y = y;
+    a.rows = rows;
+    a.n_out = n_out;
+    a.n_vec = n_vec;
+    a.accumulate = accumulate;
+    const Config c = pick(w.type, n_out, w.K, n_vec);
+    pdl = pdl && device().pdl;
+    if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, c, pdl, st);
+    else launch_type<TYPE_Q6_K>(a, c, pdl, st);
+}
+
+}  // namespace mvf16
+
+inline size_t matvec_f16_workspace_bytes(int64_t K) { return mvf16::workspace_bytes(K); }
+
+// y (+)= W x for 1..8 vectors, Q4_K / Q6_K: prep + matvec (the matvec overlapping the prep's tail
+// on sm_90). The workspace must hold matvec_f16_workspace_bytes(w.K).
+inline void matvec_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, void *ws,
+                       cudaStream_t st) {
+    mvf16::prep(w.type, x, w.K, n_vec, ws, st);
+    mvf16::run(w, ws, y, n_vec, accumulate, nullptr, w.M, true, st);
+}
+
+}  // namespace oj

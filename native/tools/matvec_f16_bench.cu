@@ -1,0 +1,276 @@
+// matvec_f16_bench.cu: checks and times tools/matvec_f16.cuh (fp16-activation decode matvec)
+// beside matvec.cu's bf16-split and int8 paths on the 27B Q4_K_M map's (type, shape) pairs.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 -Inative -Xcompiler -fopenmp native/tools/matvec_f16_bench.cu \
+//        native/matvec.cu -o mvf -lgomp        (scripts/gpu_matvec_f16.sh builds and runs it)
+//
+// Per case: random valid blocks (bench_blocks.cuh), 8 random activation vectors (per-vector scales,
+// one with a 300x range), the engine's to_device_layout. Checks (each failure prints FAIL, exit 1):
+//   - every output written: y NaN-poisoned before every run, no NaN left for n = 1..8;
+//   - against a float64 host dequant (ggml-common.h definitions) times the UNROUNDED x on 64
+//     sampled rows: |y - ref| <= 2e-3 * sum_k |w_k x_k| (the measured maximum is printed);
+//   - against the bf16-split path (matvec_force_path(0)) on every output of all 8 vectors:
+//     max |y - y_bf16| <= 3e-2 * rms(y_bf16) of that vector (printed: max and rms of the difference);
+//   - vector v of every n-vector call (n = 1..8) bit-identical to a 1-vector call on x[v];
+//   - accumulate adds (y = prev + W x).
+// Timing: CUDA events, median of RUNS after warm-up, L2 flushed (256 MB memset) before each run:
+// "f16" = prep + matvec (what one call costs, as the int8 path's quantise + matvec), "f16run" =
+// matvec alone on an already prepared x (the engine can prep once per x for several matrices),
+// "bf16" and "int8" = matvec.cu's paths. The 27B pass sums count x median over the map.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "engine.cuh"
+#include "tools/matvec_f16.cuh"
+
+#include "tools/harness.cuh"
+
+using namespace oj;
+
+
+static int g_failures = 0;
+static int RUNS = 15;
+
+#include "bench_blocks.cuh"
+
+static double copy_gbs() {
+    const size_t bytes = 2ull << 30;
+    void *s, *d;
+    CK(cudaMalloc(&s, bytes));
+    CK(cudaMalloc(&d, bytes));
+    CK(cudaMemset(s, 1, bytes));
+    const double ms = median_ms([&] { CK(cudaMemcpyAsync(d, s, bytes, cudaMemcpyDeviceToDevice, 0)); });
+    CK(cudaFree(s));
+    CK(cudaFree(d));
+    return 2.0 * bytes / (ms * 1e-3) / 1e9;
+}
+
+struct Shape { const char *name; int64_t K, M; };
+enum Path { F16 = 0, F16RUN, BF16, INT8, NPATH };
+static const char *path_name[NPATH] = {"f16", "f16run", "bf16", "int8"};
+static const int TIMED_N[] = {1, 2, 5, 8};
+
+struct Result {
+    double ms[NPATH][9] = {{0}};
+    size_t bytes = 0;
+    double ref_err = 0, bf_max = 0, bf_rms = 0;
+    bool ok = true;
+};
+
+static double g_copy = 0;
+
+static Result run_case(int type, const Shape &s, uint64_t seed) {
+    Result res;
+    const int64_t K = s.K, M = s.M;
+    std::vector<uint8_t> file = make_matrix(type, K, M, seed);
+    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
+    res.bytes = dev.size();
+    Matrix w;
+    w.type = type; w.K = K; w.M = M;
+    CK(cudaMalloc(&w.data, dev.size()));
+    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
+    std::vector<uint8_t>().swap(dev);
+
+    Rng g(seed ^ 0xABCDEFull);
+    std::vector<float> x(8 * K);
+    for (int n = 0; n < 8; ++n) {
+        const float scale = n == 7 ? 300.0f : 0.5f + n;
+        for (int64_t k = 0; k < K; ++k) x[n * K + k] = g.normalish() * scale;
+    }
+    float *dx, *dy, *dy1, *dyb;
+    void *ws;
+    CK(cudaMalloc(&dx, x.size() * 4));
+    CK(cudaMalloc(&dy, 8 * M * 4));
+    CK(cudaMalloc(&dy1, 8 * M * 4));
+    CK(cudaMalloc(&dyb, 8 * M * 4));
+    CK(cudaMalloc(&ws, matvec_f16_workspace_bytes(K)));
+    CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+
+    std::vector<int64_t> sample;
+    for (int i = 0; i < 48; ++i) sample.push_back((int64_t)((double)i / 47 * (M - 1)));
+    for (int i = 0; i < 16; ++i) sample.push_back((int64_t)(g.next() % (uint64_t)M));
+    const size_t row_bytes = file_bytes(type, K, 1);
+    std::vector<double> ref(sample.size() * 8), mag(sample.size() * 8), wrow;
+    for (size_t si = 0; si < sample.size(); ++si) {
+        ref_row(type, K, file.data() + (size_t)sample[si] * row_bytes, wrow);
+        for (int n = 0; n < 8; ++n) {
+            double acc = 0, a = 0;
+            for (int64_t k = 0; k < K; ++k) {
+                const double p = wrow[k] * (double)x[n * K + k];
+                acc += p;
+                a += std::fabs(p);
+            }
+            ref[si * 8 + n] = acc;
+            mag[si * 8 + n] = a + 1e-30;
+        }
+    }
+    std::vector<uint8_t>().swap(file);
+
+    auto fetch = [&](float *d, int n) {
+        std::vector<float> h((size_t)n * M);
+        CK(cudaDeviceSynchronize());
+        CK(cudaMemcpy(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost));
+        return h;
+    };
+    auto fail_case = [&](const char *what, int n, double v) {
+        std::printf("FAIL %s %s %s n=%d: %.3e\n", type_name(type), s.name, what, n, v);
+        res.ok = false;
+    };
+    // 1-vector results on each x[v]
+    CK(cudaMemset(dy1, 0xFF, 8 * M * 4));
+    for (int v = 0; v < 8; ++v) matvec_f16(w, dx + (size_t)v * K, dy1 + (size_t)v * M, 1, false, ws, 0);
+    CK(cudaGetLastError());
+    const std::vector<float> y1 = fetch(dy1, 8);
+    for (int n = 1; n <= 8; ++n) {
+        CK(cudaMemset(dy, 0xFF, 8 * M * 4));   // NaN
+        matvec_f16(w, dx, dy, n, false, ws, 0);
+        CK(cudaGetLastError());
+        const std::vector<float> y = fetch(dy, n);
+        int64_t unwritten = 0, differ = 0;
+        for (size_t i = 0; i < y.size(); ++i) {
+            unwritten += !std::isfinite(y[i]);
+            differ += std::memcmp(&y[i], &y1[i], 4) != 0;
+        }
+        if (unwritten) fail_case("outputs not finite (count)", n, (double)unwritten);
+        if (differ) fail_case("outputs differing from the 1-vector calls (count)", n, (double)differ);
+        double worst = 0;
+        for (size_t si = 0; si < sample.size(); ++si)
+            for (int v = 0; v < n; ++v)
+                worst = std::max(worst, std::fabs(y[(size_t)v * M + sample[si]] - ref[si * 8 + v]) / mag[si * 8 + v]);
+        res.ref_err = std::max(res.ref_err, worst);
+        if (!(worst <= 2e-3)) fail_case("error / sum|w x| vs float64 (tol 2e-3)", n, worst);
+    }
+    // against the bf16-split path, all outputs of 8 vectors
+    {
+        matvec_force_path(0);
+        CK(cudaMemset(dyb, 0xFF, 8 * M * 4));
+        matvec(w, dx, dyb, 8, false, 0);
+        const std::vector<float> yb = fetch(dyb, 8), y = y1;
+        for (int v = 0; v < 8; ++v) {
+            double ss = 0, dd = 0, mx = 0;
+            for (int64_t m = 0; m < M; ++m) {
+                const double b = yb[(size_t)v * M + m], d = y[(size_t)v * M + m] - b;
+                ss += b * b;
+                dd += d * d;
+                mx = std::max(mx, std::fabs(d));
+            }
+            const double rms = std::sqrt(ss / M) + 1e-30;
+            res.bf_max = std::max(res.bf_max, mx / rms);
+            res.bf_rms = std::max(res.bf_rms, std::sqrt(dd / M) / rms);
+        }
+        if (!(res.bf_max <= 3e-2)) fail_case("max |f16 - bf16| / rms(bf16) (tol 3e-2)", 8, res.bf_max);
+    }
+    // accumulate
+    {
+        std::vector<float> prev(3 * M);
+        for (auto &v : prev) v = g.normalish();
+        CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
+        matvec_f16(w, dx, dy, 3, true, ws, 0);
+        const std::vector<float> y = fetch(dy, 3);
+        double worst = 0;
+        for (int v = 0; v < 3; ++v)
+            for (int64_t m = 0; m < M; ++m) {
+                const size_t i = (size_t)v * M + m;
+                worst = std::max(worst, std::fabs(y[i] - prev[i] - y1[i]) / (std::fabs(y1[i]) + std::fabs(prev[i]) + 1e-3));
+            }
+        if (!(worst <= 1e-5)) fail_case("accumulate", 3, worst);
+    }
+    // timing
+    for (int n : TIMED_N) {
+        res.ms[F16][n] = median_ms([&] { matvec_f16(w, dx, dy, n, false, ws, 0); });
+        mvf16::prep(type, dx, K, n, ws, 0);
+        res.ms[F16RUN][n] = median_ms([&] { mvf16::run(w, ws, dy, n, false, nullptr, M, false, 0); });
+        if (n == 1 || n == 5) {
+            matvec_force_path(0);
+            res.ms[BF16][n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
+            matvec_force_path(1);
+            res.ms[INT8][n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
+            matvec_force_path(0);
+        }
+    }
+    for (int p = 0; p < NPATH; ++p)
+        for (int n : TIMED_N) {
+            const double ms = res.ms[p][n];
+            if (ms <= 0) continue;
+            const double gbs = res.bytes / (ms * 1e-3) / 1e9;
+            std::printf("%-5s %-10s %6lld %7lld %-6s n=%d %9.4f ms %7.0f GB/s %5.1f%% of copy\n", type_name(type), s.name,
+                        (long long)K, (long long)M, path_name[p], n, ms, gbs, 100 * gbs / g_copy);
+        }
+    CK(cudaFree(w.data));
+    CK(cudaFree(dx));
+    CK(cudaFree(dy));
+    CK(cudaFree(dy1));
+    CK(cudaFree(dyb));
+    CK(cudaFree(ws));
+    if (!res.ok) ++g_failures;
+    return res;
+}
+
+int main(int argc, char **argv) {
+    (void)argc;
+    (void)argv;
+    if (const char *r = std::getenv("MB_RUNS")) RUNS = std::max(5, std::atoi(r));
+    cudaDeviceProp prop;
+    CK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device %s sm_%d%d, %d SMs, L2 %d MB\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount,
+                prop.l2CacheSize >> 20);
+    CK(cudaMalloc(&g_flush, FLUSH_BYTES));
+    g_copy = copy_gbs();
+    std::printf("device-to-device copy: %.0f GB/s (read + write)\n", g_copy);
+
+    const Shape qkv{"attn_qkv", 5120, 10240}, gate{"attn_gate", 5120, 6144}, q{"attn_q", 5120, 12288},
+        kv{"attn_k/v", 5120, 1024}, out5{"ssm_out", 6144, 5120}, ffn_gu{"ffn_gate", 5120, 17408},
+        down{"ffn_down", 17408, 5120}, ab{"ssm_a/b", 5120, 48}, eh{"eh_proj", 10240, 5120},
+        head{"output", 5120, 248320};
+    struct Use { int type; Shape s; int count; };
+    // the 27B Q4_K_M map as tools/matvec_bench.cu has it (MTP block included)
+    const std::vector<Use> model = {
+        {TYPE_Q4_K, gate, 48}, {TYPE_Q4_K, kv, 17 + 8}, {TYPE_Q6_K, kv, 9}, {TYPE_Q4_K, out5, 17 + 48},
+        {TYPE_Q4_K, q, 17}, {TYPE_Q4_K, qkv, 24}, {TYPE_Q6_K, qkv, 24}, {TYPE_Q4_K, down, 32},
+        {TYPE_Q6_K, down, 33}, {TYPE_Q4_K, ffn_gu, 130}, {TYPE_Q4_K, eh, 1}, {TYPE_Q6_K, head, 1},
+        {TYPE_Q4_K, ab, 96},
+    };
+    std::map<std::string, Result> results;
+    uint64_t seed = 11;
+    for (const Use &u : model) {
+        const Result r = run_case(u.type, u.s, seed++);
+        results[std::string(type_name(u.type)) + " " + u.s.name] = r;
+        std::printf("  -> %s %s: err/sum|wx| vs float64 %.2e, vs bf16-split max %.2e rms %.2e of rms %s\n",
+                    type_name(u.type), u.s.name, r.ref_err, r.bf_max, r.bf_rms, r.ok ? "ok" : "FAILED");
+        std::fflush(stdout);
+    }
+    std::printf("\n%-16s %8s | %-29s | %-17s | %-17s | %-17s | %s\n", "case", "MB", "f16 (prep+mv) % copy n=1 2 5 8",
+                "f16run n=1 5", "bf16 n=1 5", "int8 n=1 5", "err f64  vs bf16");
+    for (const Use &u : model) {
+        const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
+        auto pct = [&](double ms) { return ms > 0 ? 100.0 * (r.bytes / (ms * 1e-3) / 1e9) / g_copy : 0.0; };
+        std::printf("%-5s %-10s %8.1f | %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
+                    type_name(u.type), u.s.name, r.bytes / 1e6, pct(r.ms[F16][1]), pct(r.ms[F16][2]), pct(r.ms[F16][5]),
+                    pct(r.ms[F16][8]), pct(r.ms[F16RUN][1]), pct(r.ms[F16RUN][5]), pct(r.ms[BF16][1]), pct(r.ms[BF16][5]),
+                    pct(r.ms[INT8][1]), pct(r.ms[INT8][5]), r.ref_err, r.bf_max, r.ok ? "" : " FAIL");
+    }
+    for (int p = 0; p < NPATH; ++p) {
+        double pass[9] = {0}, bytes = 0;
+        for (const Use &u : model) {
+            const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
+            for (int n : TIMED_N) pass[n] += u.count * r.ms[p][n];
+            bytes += (double)u.count * r.bytes;
+        }
+        std::printf("27B pass (%-6s, %.2f GB, kernel time, flushed L2): n=1 %6.2f ms (%5.0f GB/s, %4.1f%% of copy)  n=5 %6.2f ms",
+                    path_name[p], bytes / 1e9, pass[1], bytes / (pass[1] * 1e-3) / 1e9, 100 * bytes / (pass[1] * 1e-3) / 1e9 / g_copy,
+                    pass[5]);
+        if (pass[2] > 0) std::printf("  n=2 %6.2f  n=8 %6.2f", pass[2], pass[8]);
+        std::printf("\n");
+    }
+    std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
+    return g_failures ? 1 : 0;
+}
