@@ -165,6 +165,33 @@ static void ref_row(int type, int64_t K, const uint8_t *row, std::vector<double>
 }
 
 // ---- timing ---------------------------------------------------------------------------------
+// float64 W x on sampled (row, position) pairs: ref = sum_k w_k x_k and mag = sum_k |w_k x_k| for
+// rows srows x positions spos (row-major [row][position]); W in the file layout, x [P][K].
+static void sampled_reference(int type, int64_t K, const std::vector<uint8_t> &file, const std::vector<float> &x,
+                              const std::vector<int64_t> &srows, const std::vector<int> &spos,
+                              std::vector<double> &ref, std::vector<double> &mag) {
+    const size_t row_bytes = file_bytes(type, K, 1);
+    const size_t NR = srows.size(), NP = spos.size();
+    ref.assign(NR * NP, 0.0);
+    mag.assign(NR * NP, 0.0);
+#pragma omp parallel for schedule(dynamic)
+    for (int64_t ri = 0; ri < (int64_t)NR; ++ri) {
+        std::vector<double> wrow;
+        ref_row(type, K, file.data() + (size_t)srows[ri] * row_bytes, wrow);
+        for (size_t pi = 0; pi < NP; ++pi) {
+            double acc = 0, a = 0;
+            const float *xp = x.data() + (size_t)spos[pi] * K;
+            for (int64_t k = 0; k < K; ++k) {
+                const double pr = wrow[k] * (double)xp[k];
+                acc += pr;
+                a += std::fabs(pr);
+            }
+            ref[ri * NP + pi] = acc;
+            mag[ri * NP + pi] = a + 1e-30;
+        }
+    }
+}
+
 static uint8_t *g_flush = nullptr;
 static const size_t FLUSH_BYTES = 256ull << 20;
 

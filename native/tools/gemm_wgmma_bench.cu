@@ -123,25 +123,9 @@ static Result run_case(const Shape &s, uint64_t seed) {
     for (int p : {63, 64, 65, 76, 127, 128, 129, 191, 255}) spos.push_back(p);
     for (int i = 0; i < 9; ++i) spos.push_back((int)(g.next() % (uint64_t)P_MAX));
     spos.push_back(P_MAX - 1);
-    const size_t row_bytes = file_bytes(type, K, 1);
     const size_t NR = srows.size(), NP = spos.size();
-    std::vector<double> ref(NR * NP), mag(NR * NP);
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t ri = 0; ri < (int64_t)NR; ++ri) {
-        std::vector<double> wrow;
-        ref_row(type, K, file.data() + (size_t)srows[ri] * row_bytes, wrow);
-        for (size_t pi = 0; pi < NP; ++pi) {
-            double acc = 0, a = 0;
-            const float *xp = x.data() + (size_t)spos[pi] * K;
-            for (int64_t k = 0; k < K; ++k) {
-                const double pr = wrow[k] * (double)xp[k];
-                acc += pr;
-                a += std::fabs(pr);
-            }
-            ref[ri * NP + pi] = acc;
-            mag[ri * NP + pi] = a + 1e-30;
-        }
-    }
+    std::vector<double> ref, mag;
+    sampled_reference(type, K, file, x, srows, spos, ref, mag);
     std::vector<float>().swap(x);
     std::vector<uint8_t>().swap(file);
 
