@@ -154,7 +154,7 @@ __host__ __device__ constexpr uint32_t splat_byte_sel(int sb) { return 0x4040u |
 // ---------------------------------------------------------------------------------------------
 // X preparation: one block per position (P_pad blocks, zeros past P).
 
-__global__ void __launch_bounds__(256) prep_x_kernel(const float *__restrict__ x, int64_t K, int64_t P, int64_t P_pad,
+static __global__ void __launch_bounds__(256) prep_x_kernel(const float *__restrict__ x, int64_t K, int64_t P, int64_t P_pad,
                                                      __half *__restrict__ xh, __half *__restrict__ xs,
                                                      float *__restrict__ inv) {
     const int64_t p = blockIdx.x;

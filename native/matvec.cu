@@ -26,7 +26,10 @@
 //
 // OPENJET_MATVEC=int8 (read once, at the first quantised matvec) switches the quantised types to
 // the int8-activation kernels (section "Int8 activations" below): x rounded to int8 per 32
-// values as llama.cpp's q8_1, integer mma. Anything else, or unset: the bf16-split kernels.
+// values as llama.cpp's q8_1, integer mma. OPENJET_MATVEC=f16: Q4_K and Q6_K through
+// matvec_f16.cuh (fp16 activations, the weights dequantised exactly in fp16; written without a
+// GPU at hand, checked first by scripts/gpu_matvec_f16.sh), the other types bf16-split. Anything
+// else, or unset: the bf16-split kernels.
 //
 // Float weights (F32/F16/BF16) keep the fp32 CUDA-core kernel: one warp per row, 8 values per lane.
 // The numpy twin is `W.astype(float64) @ x` with W dequantised by gguf.quants
@@ -42,6 +45,7 @@
 
 #include "engine.cuh"
 #include "int8_mma.cuh"
+#include "matvec_f16.cuh"
 
 namespace oj {
 
@@ -1068,15 +1072,50 @@ void launch_i8(const Matrix &w, const float *x, float *y, int n_vec, bool accumu
                "matvec int8: launch");
 }
 
-// -1: not yet read; 0: bf16-split path; 1: int8 activations.
+// -1: not yet read; 0: bf16-split path; 1: int8 activations; 2: fp16 activations (matvec_f16.cuh).
 int g_path = -1;
 
-bool use_int8() {
+int path() {
     if (g_path < 0) {
         const char *e = std::getenv("OPENJET_MATVEC");
-        g_path = (e && std::strcmp(e, "int8") == 0) ? 1 : 0;
+        g_path = !e ? 0 : std::strcmp(e, "int8") == 0 ? 1 : std::strcmp(e, "f16") == 0 ? 2 : 0;
     }
-    return g_path == 1;
+    return g_path;
+}
+
+bool use_int8() { return path() == 1; }
+
+// OPENJET_MATVEC=f16: Q4_K and Q6_K through matvec_f16.cuh (x in fp16 under a power-of-two scale
+// per vector and super-block, the weights dequantised exactly in fp16); its workspace per
+// (device, stream), grown on demand like the int8 path's x buffer.
+void launch_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, const int32_t *rows,
+                int64_t n_out, cudaStream_t st) {
+    struct Buf {
+        void *p = nullptr;
+        size_t cap = 0;
+    };
+    static std::mutex mu;
+    static std::map<std::pair<int, cudaStream_t>, Buf> bufs;
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "matvec f16: cudaGetDevice");
+    void *ws = nullptr;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        Buf &b = bufs[{dev, st}];
+        const size_t need = matvec_f16_workspace_bytes(w.K);
+        if (need > b.cap) {
+            if (b.p) {   // the old buffer may still be in use on the stream
+                check_cuda(cudaStreamSynchronize(st), "matvec f16: sync before growing the workspace");
+                check_cuda(cudaFree(b.p), "matvec f16: cudaFree");
+            }
+            b.p = nullptr;
+            check_cuda(cudaMalloc(&b.p, std::max<size_t>(need, matvec_f16_workspace_bytes(32768))), "matvec f16: workspace");
+            b.cap = std::max<size_t>(need, matvec_f16_workspace_bytes(32768));
+        }
+        ws = b.p;
+    }
+    mvf16::prep(w.type, x, w.K, n_vec, ws, st);
+    mvf16::run(w, ws, y, n_vec, accumulate, rows, n_out, true, st);
 }
 
 void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
@@ -1092,6 +1131,11 @@ void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accum
         fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": Q8_0 needs K a multiple of 32, got " + std::to_string(w.K));
     if (!quant && w.K % 8 != 0)
         fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": K must be a multiple of 8, got " + std::to_string(w.K));
+    if (path() == 2 && mvf16::supports(w.type) && w.K % QK_K == 0) {
+        launch_f16(w, x, y, n_vec, accumulate, rows, n_out, st);
+        check_launch(what);
+        return;
+    }
     if (quant && use_int8()) {
         switch (w.type) {
             case TYPE_Q8_0: launch_i8<TYPE_Q8_0>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
@@ -1183,7 +1227,7 @@ void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *
 // The matvec path for quantised types: 0 the bf16-split kernels, 1 int8 activations, -1 back
 // to OPENJET_MATVEC (read at the next call). For the harness (tools/matvec_bench.cu), which
 // runs every case with both; the engine never calls it.
-void matvec_force_path(int path) { g_path = path < 0 ? -1 : (path == 1 ? 1 : 0); }
+void matvec_force_path(int p) { g_path = p < 0 ? -1 : (p == 1 || p == 2 ? p : 0); }
 
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st) {
     embed_kernel<<<n, 256, 0, st>>>(w, tokens, y);

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds native/tools/matvec_f16_bench.cu (tools/matvec_f16.cuh + native/matvec.cu for the bf16-split
+# Builds native/tools/matvec_f16_bench.cu (matvec_f16.cuh + native/matvec.cu for the bf16-split
 # and int8 paths beside it) for sm_90, prints registers / spills and per-kernel SASS instruction
 # counts by class, then checks and times on the 27B Q4_K_M map (< 3 minutes on an H200). Logs to
 # $OUT (or /tmp/openjet-mvf16-out). Exit status: the harness's (1 on any failed check).

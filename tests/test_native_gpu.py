@@ -410,6 +410,39 @@ def test_int8_activations_match_the_int8_reference(native, workdir, tmp_path, pr
     assert kl < f_kl, f"the int8 engine is no nearer the int8 reference (KL {kl:.2e}) than the float64 one ({f_kl:.2e})"
 
 
+F16_MODELS = [("tiny", "Q4_K_M"), ("small", "Q6_K"), ("w256", "Q4_K_M")]
+
+
+@pytest.mark.parametrize("preset,quant", F16_MODELS, ids=[f"{p}-{q}-f16" for p, q in F16_MODELS])
+def test_f16_activations_match_the_reference(native, workdir, tmp_path, preset, quant):
+    """OPENJET_MATVEC=f16 (native/matvec_f16.cuh: Q4_K and Q6_K with fp16 activations and the
+    weights dequantised exactly in fp16; the other types bf16-split), in a child process: logits,
+    draft logits and state against the float64 reference at the float path's bars, as the prefill's
+    fp16 projections meet them."""
+    from openjet_plugin.testing.reference import ReferenceModel
+
+    path, origin = model_path(preset, quant, workdir)
+    ref = ReferenceModel(path)
+    tokens = np.random.default_rng(8643).integers(0, ref.n_vocab, N_POSITIONS).tolist()
+    got, got_mtp, state, info = _teacher_forced_in_subprocess(path, tokens, tmp_path / "f16.npz", {"OPENJET_MATVEC": "f16"})
+    want = ref.logits(tokens)
+    want_mtp = ref.mtp_prefill()
+    want_state = ref.state()
+    assert info["matvec"] == "f16", info
+    assert np.isfinite(got).all() and np.isfinite(got_mtp).all(), "native logits contain NaN/inf"
+    top1, kl, kl_max = agreement(want, got)
+    mtop1, mkl, _ = agreement(want_mtp, got_mtp)
+    errs = {k: rel_err(state[k], v) for k, v in want_state.items() if k in state}
+    worst = max(errs, key=errs.get)
+    report({"test": "f16_activations", "model": f"{preset}-{quant}", "origin": origin, "positions": N_POSITIONS,
+            "top1": top1, "kl_mean": kl, "kl_max": kl_max, "mtp_top1": mtop1, "mtp_kl_mean": mkl,
+            "state_worst": worst, "state_rel_err": errs[worst], "native_s": round(info["native_s"], 2)})
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"main logits: top-1 {top1:.4f}, mean KL {kl:.2e}"
+    assert mtop1 >= TOP1_MIN and mkl <= KL_MAX, f"draft-head logits: top-1 {mtop1:.4f}, mean KL {mkl:.2e}"
+    bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
+    assert not bad, f"state relative errors above {STATE_REL_MAX}: {bad}"
+
+
 def test_kv_cache_bytes_equal_the_estimate(native, workdir):
     """memory().kv_cache is what estimate_device_bytes says, exactly, for f16 and q8_0 (34/32 bytes)."""
     from openjet_plugin.backends.native import estimate_device_bytes

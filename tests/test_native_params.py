@@ -48,7 +48,7 @@ def test_an_unknown_matvec_path_is_a_reason_not_a_silent_default(model_file, mon
     assert not ok and native.MATVEC_ENV in reason and repr(value) in reason and "'int8'" in reason
 
 
-@pytest.mark.parametrize("value", ["", "bf16", "int8"])
+@pytest.mark.parametrize("value", ["", "bf16", "int8", "f16"])
 def test_a_known_matvec_path_is_not_refused_for_it(model_file, monkeypatch, value):
     monkeypatch.setenv(native.MATVEC_ENV, value)
     ok, reason = native.native_status(model_file, 64)

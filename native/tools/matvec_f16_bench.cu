@@ -1,4 +1,4 @@
-// matvec_f16_bench.cu: checks and times tools/matvec_f16.cuh (fp16-activation decode matvec)
+// matvec_f16_bench.cu: checks and times matvec_f16.cuh (fp16-activation decode matvec)
 // beside matvec.cu's bf16-split and int8 paths on the 27B Q4_K_M map's (type, shape) pairs.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative -Xcompiler -fopenmp native/tools/matvec_f16_bench.cu \
@@ -30,7 +30,7 @@
 #include <vector>
 
 #include "engine.cuh"
-#include "tools/matvec_f16.cuh"
+#include "matvec_f16.cuh"
 
 #include "tools/harness.cuh"
 

@@ -34,8 +34,8 @@ from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngine
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
 MIN_COMPUTE_CAPABILITY = (8, 6)
 KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
-MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "int8" = int8 activations; else bf16-split
-MATVEC_PATHS = ("", "bf16", "int8")
+MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "int8" / "f16" activations; else bf16-split
+MATVEC_PATHS = ("", "bf16", "int8", "f16")
 # The native engine's switches, read once per process, and the values each takes ("" = unset, the
 # default): matvec.cu's decode projections; prefill.cu's projections, attention and DeltaNet kernels.
 SWITCHES = {MATVEC_ENV: MATVEC_PATHS,
