@@ -103,7 +103,9 @@ struct ChunkCoef {
 template <int D>
 struct PrepSmem {
     static constexpr int KLD = D + 8;   // halves; the 16-byte pad spreads rows over the banks
-    static constexpr int ALD = C + 1;   // floats; column walks of the solve hit distinct banks
+    // floats. The solve's lanes walk a diagonal (lane c reads a[c + 1 + o][c + i], t[c + i][c]: lane stride
+    // ALD + 1 = 66), so lanes c and c + 16 share a bank (2-way); an even ALD (C + 2) would make it conflict-free.
+    static constexpr int ALD = C + 1;
     __half k[C * KLD], q[C * KLD];
     float a[C * ALD], t[C * ALD];
     double G[C];

@@ -2,7 +2,8 @@
 // per call) with fp16 activations on the fp16 tensor cores. Candidate for issue 8 (decode speed):
 // the int8 path's instruction budget with near-bf16-split accuracy. Q4_K and Q6_K (the 27B
 // Q4_K_M map's types) in the engine's device layouts (quant_blocks.cuh). Checked and timed by
-// tools/matvec_f16_bench.cu (scripts/gpu_matvec_f16.sh); not yet called by the engine.
+// tools/matvec_f16_bench.cu (scripts/gpu_matvec_f16.sh); the engine calls it under
+// OPENJET_MATVEC=f16 (matvec.cu's launch_f16).
 //
 // Numerics (gemm_f16.cuh's, which passed every prefill check):
 //   - x: one power-of-two scale per (vector, 256-value super-block) so that max |x| lands in
@@ -42,6 +43,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "engine.cuh"
@@ -213,9 +216,10 @@ template <int TYPE>
 __device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, int64_t u, int g, int t, int lane) {
     const uint8_t *rec = a.xp + u * REC;
     if (g < a.n_vec) {
-        constexpr int NCH = TYPE == TYPE_Q4_K ? 9 : 8;   // Q4_K: + the min sums chunk (and pad)
 #pragma unroll
-        for (int j = 0; j < NCH; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
+        for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
+        // Q4_K: the 32 bytes of min sums (not the pad: the prep never writes it)
+        if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VEC_BYTES + XS_OFF + 16 * t, rec + g * VEC_BYTES + XS_OFF + 16 * t);
     }
     if (lane < 2) gemm::cp16(xs + a.n_vec * VEC_BYTES + 16 * lane, rec + INV_OFF + 16 * lane);
 }
@@ -483,33 +487,51 @@ inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaS
     check_launch("matvec_f16: prep");
 }
 
+// Per device (a process may drive several; cudaFuncSetAttribute acts on the current device only).
 struct Device {
-    int n_sm = 0, smem_sm = 0, optin = 0;
+    int id = 0, n_sm = 0, smem_sm = 0, optin = 0;
     bool pdl = false;
 };
-inline const Device &device() {
-    static Device d = [] {
-        Device v;
-        int dev = 0, major = 0;
-        check_cuda(cudaGetDevice(&dev), "matvec_f16: cudaGetDevice");
-        check_cuda(cudaDeviceGetAttribute(&v.n_sm, cudaDevAttrMultiProcessorCount, dev), "matvec_f16: SM count");
-        check_cuda(cudaDeviceGetAttribute(&v.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "matvec_f16: smem/SM");
-        check_cuda(cudaDeviceGetAttribute(&v.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "matvec_f16: smem/block");
-        check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "matvec_f16: capability");
-        v.pdl = major >= 9;
-        return v;
-    }();
-    return d;
+inline Device device() {
+    static std::mutex mu;
+    static std::map<int, Device> devs;
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "matvec_f16: cudaGetDevice");
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = devs.find(dev);
+    if (it != devs.end()) return it->second;
+    Device v;
+    int major = 0;
+    v.id = dev;
+    check_cuda(cudaDeviceGetAttribute(&v.n_sm, cudaDevAttrMultiProcessorCount, dev), "matvec_f16: SM count");
+    check_cuda(cudaDeviceGetAttribute(&v.smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev), "matvec_f16: smem/SM");
+    check_cuda(cudaDeviceGetAttribute(&v.optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev), "matvec_f16: smem/block");
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "matvec_f16: capability");
+    v.pdl = major >= 9;
+    devs[dev] = v;
+    return v;
 }
 
 template <int TYPE, int WARPS, int STAGES>
-inline void launch_cfg(const Args &a, bool pdl, cudaStream_t st) {
-    static bool attr = false;
-    if (!attr) {
-        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        device().optin),
-                   "matvec_f16: shared-memory attribute");
-        attr = true;
+inline void launch_cfg(const Args &a, const Device &d, bool pdl, cudaStream_t st) {
+    // Once per device: the shared-memory attribute, and whether the loaded code has the
+    // griddepcontrol.wait (compiled for compute_90+; code built for an older target and
+    // JIT-run on sm_90 has none, and an early start would read x before the prep wrote it).
+    static std::mutex mu;
+    static std::map<int, bool> waits_of;
+    bool waits;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        auto it = waits_of.find(d.id);
+        if (it == waits_of.end()) {
+            check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            d.optin),
+                       "matvec_f16: shared-memory attribute");
+            cudaFuncAttributes fa;
+            check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES>), "matvec_f16: kernel attributes");
+            it = waits_of.emplace(d.id, fa.ptxVersion >= 90).first;
+        }
+        waits = it->second;
     }
     const size_t smem = std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, a.n_vec), (size_t)WARPS * 8 * 32 * 4);
     cudaLaunchConfig_t cfg = {};
@@ -521,39 +543,41 @@ inline void launch_cfg(const Args &a, bool pdl, cudaStream_t st) {
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
-    cfg.numAttrs = pdl ? 1 : 0;
+    cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
     check_cuda(cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a), "matvec_f16: launch");
 }
 
 // Configuration: 8 warps (split-K deeper) when the grid alone leaves SMs idle; 3 stages when two
-// blocks still fit an SM's shared memory, else 2. OJ_MVF16_CFG="warps,stages" forces one.
+// blocks still fit an SM's shared memory, else 2. OJ_MVF16_CFG="warps,stages" forces one. The
+// warp count sets the split-K summation order, so it depends on the shape only, never on n_vec
+// (decided for 8 vectors' stages): 1..8 vectors stay bit-identical on every device.
 struct Config { int warps, stages; };
-inline Config pick(int type, int64_t n_out, int64_t K, int n_vec) {
-    const Device &d = device();
+inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_vec) {
     const int64_t blocks = (n_out + ROWS - 1) / ROWS, nb = K / QK_K;
-    Config c;
-    c.warps = (blocks < d.n_sm && nb >= 16) ? 8 : 4;
-    const size_t s3 = (size_t)c.warps * 3 * stage_bytes(type, n_vec);
-    c.stages = (s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm) ? 3 : 2;
+    const size_t sb = (size_t)stage_bytes(type, n_vec), sb8 = (size_t)stage_bytes(type, 8);
+    Config c = {0, 0}, forced = {0, 0};
     if (const char *e = std::getenv("OJ_MVF16_CFG")) {
         int w = 0, s = 0;
-        if (std::sscanf(e, "%d,%d", &w, &s) == 2 && (w == 4 || w == 8) && (s == 2 || s == 3)) c = {w, s};
+        if (std::sscanf(e, "%d,%d", &w, &s) == 2 && (w == 4 || w == 8) && (s == 2 || s == 3)) forced = {w, s};
     }
-    if ((size_t)c.warps * c.stages * stage_bytes(type, n_vec) > (size_t)d.optin) c.stages = 2;
-    if ((size_t)c.warps * c.stages * stage_bytes(type, n_vec) > (size_t)d.optin) c.warps = 4;
-    if ((size_t)c.warps * c.stages * stage_bytes(type, n_vec) > (size_t)d.optin)
+    c.warps = forced.warps ? forced.warps : (blocks < d.n_sm && nb >= 16) ? 8 : 4;
+    if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
+    const size_t s3 = (size_t)c.warps * 3 * sb;
+    c.stages = forced.stages ? forced.stages : (s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm) ? 3 : 2;
+    if ((size_t)c.warps * c.stages * sb > (size_t)d.optin) c.stages = 2;
+    if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
         fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
     return c;
 }
 
 template <int TYPE>
-inline void launch_type(const Args &a, const Config &c, bool pdl, cudaStream_t st) {
+inline void launch_type(const Args &a, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
     if (c.warps == 8) {
-        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, pdl, st);
-        else launch_cfg<TYPE, 8, 2>(a, pdl, st);
+        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, d, pdl, st);
+        else launch_cfg<TYPE, 8, 2>(a, d, pdl, st);
     } else {
-        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, pdl, st);
-        else launch_cfg<TYPE, 4, 2>(a, pdl, st);
+        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, d, pdl, st);
+        else launch_cfg<TYPE, 4, 2>(a, d, pdl, st);
     }
 }
 
@@ -574,10 +598,10 @@ inline void run(const Matrix &w, const void *ws, float *y, int n_vec, bool accum
     a.n_out = n_out;
     a.n_vec = n_vec;
     a.accumulate = accumulate;
-    const Config c = pick(w.type, n_out, w.K, n_vec);
-    pdl = pdl && device().pdl;
-    if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, c, pdl, st);
-    else launch_type<TYPE_Q6_K>(a, c, pdl, st);
+    const Device d = device();
+    const Config c = pick(d, w.type, n_out, w.K, n_vec);
+    if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, c, d, pdl, st);
+    else launch_type<TYPE_Q6_K>(a, c, d, pdl, st);
 }
 
 }  // namespace mvf16

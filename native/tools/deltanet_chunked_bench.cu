@@ -10,7 +10,9 @@
 // dt_bias and ssm_a spanning slow (decay ~0.999) to fast heads), a nonzero initial state; both
 // kernels from the same state, outputs poisoned with NaN before each run. Checks:
 //   output: max |chunked - sequential| / max |sequential| <= 2e-3 (every value finite);
-//   final state: relative L2 <= 1e-3, and <= 1e-2 on the worst head.
+//   final state: relative L2 <= 1e-3, and <= 1e-2 on the worst head;
+//   nothing written past the pass: output rows P .. P_MAX - 1 still hold the poison, and the
+//   coefficient buffer (given exactly deltanet_chunked_coef_bytes(P) bytes) untouched past that size.
 // Timing: CUDA events, median of 10 runs (state restored before each, outside the timed region),
 // positions/s and the time of the 48 DeltaNet layers of the 27B at that P. Exit 1 on a failed check.
 #include <cuda_runtime.h>
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -189,7 +192,11 @@ int main() {
     const size_t coef_bytes = deltanet_chunked_coef_bytes(dims, P_MAX);
     void *d_coef = nullptr;
     CK(cudaMalloc(&d_coef, coef_bytes));
-    auto run_chk = [&](int P) { deltanet_chunked(dims, L, d_conv, d_beta, d_alpha, d_out_chk, P, d_coef, coef_bytes, st); };
+    // exactly the bytes a pass of P needs (as the engine sizes PrefillScratch.dn_coef), so that a write past them shows
+    auto run_chk = [&](int P) {
+        deltanet_chunked(dims, L, d_conv, d_beta, d_alpha, d_out_chk, P, d_coef, deltanet_chunked_coef_bytes(dims, P), st);
+    };
+    std::vector<unsigned char> coef_host(coef_bytes);
     auto poison = [&](float *p) { CK(cudaMemsetAsync(p, 0xFF, out_n * 4, st)); };   // 0xFFFFFFFF is a NaN
     auto reset_state = [&]() { CK(cudaMemcpyAsync(d_state, d_state0, st_n * 4, cudaMemcpyDeviceToDevice, st)); };
     auto time_it = [&](auto &&fn, int P) {
@@ -218,10 +225,20 @@ int main() {
         CK(cudaMemcpyAsync(o_seq.data(), d_out_seq, (size_t)P * Hv * D * 4, cudaMemcpyDeviceToHost, st));
         reset_state();
         poison(d_out_chk);
+        CK(cudaMemsetAsync(d_coef, 0xA5, coef_bytes, st));   // a canary past the bytes this pass may use
         run_chk(P);
         CK(cudaMemcpyAsync(s_chk.data(), d_state, st_n * 4, cudaMemcpyDeviceToHost, st));
-        CK(cudaMemcpyAsync(o_chk.data(), d_out_chk, (size_t)P * Hv * D * 4, cudaMemcpyDeviceToHost, st));
+        CK(cudaMemcpyAsync(o_chk.data(), d_out_chk, out_n * 4, cudaMemcpyDeviceToHost, st));
+        CK(cudaMemcpyAsync(coef_host.data(), d_coef, coef_bytes, cudaMemcpyDeviceToHost, st));
         CK(cudaStreamSynchronize(st));
+        // positions past P write nothing: rows P.. keep the poison bit pattern, the coefficients stay in their bytes
+        size_t stray_out = 0, stray_coef = 0;
+        for (size_t i = (size_t)P * Hv * D; i < out_n; ++i) {
+            uint32_t bits;
+            std::memcpy(&bits, &o_chk[i], 4);
+            stray_out += bits != 0xFFFFFFFFu;
+        }
+        for (size_t i = deltanet_chunked_coef_bytes(dims, P); i < coef_bytes; ++i) stray_coef += coef_host[i] != 0xA5;
         double max_ref = 0, max_err = 0;
         bool finite = true;
         for (size_t i = 0; i < (size_t)P * Hv * D; ++i) {
@@ -243,13 +260,14 @@ int main() {
             worst = std::max(worst, std::sqrt(nh / std::max(dh, 1e-300)));
         }
         const double out_err = max_err / std::max(max_ref, 1e-30), st_err = std::sqrt(num / std::max(den, 1e-300));
-        const bool ok = finite && out_err <= 2e-3 && st_err <= 1e-3 && worst <= 1e-2;
+        const bool ok = finite && out_err <= 2e-3 && st_err <= 1e-3 && worst <= 1e-2 && !stray_out && !stray_coef;
         const float t_seq = time_it(run_seq, P), t_chk = time_it(run_chk, P);
         std::printf("%6d %12.3e %12.3e %12.3e %12.4f %10.4f %9.1fx %12.0f %12.0f %8.2f\n", P, out_err, st_err, worst, t_seq,
                     t_chk, t_seq / t_chk, P / (t_seq * 1e-3), P / (t_chk * 1e-3), LAYERS * t_chk);
         if (!ok) {
-            std::printf("FAIL P=%d: %s output %.3e (bar 2e-3), state %.3e (bar 1e-3), worst head %.3e (bar 1e-2)\n", P,
-                        finite ? "" : "NON-FINITE VALUES;", out_err, st_err, worst);
+            std::printf("FAIL P=%d: %s output %.3e (bar 2e-3), state %.3e (bar 1e-3), worst head %.3e (bar 1e-2); "
+                        "%zu output values written past row P, %zu coefficient bytes written past deltanet_chunked_coef_bytes(P)\n",
+                        P, finite ? "" : "NON-FINITE VALUES;", out_err, st_err, worst, stray_out, stray_coef);
             ++g_failures;
         }
     }

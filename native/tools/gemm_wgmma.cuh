@@ -345,7 +345,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 }
 
 // Writes 1 when this translation unit's device code was built for sm_90a (wgmma present).
-__global__ void wgmma_probe_kernel(int *out) {
+// Internal linkage: a plain __global__ defined in a header breaks the link once two files include it.
+static __global__ void wgmma_probe_kernel(int *out) {
 #ifdef OJ_WGMMA_DEVICE
     *out = 1;
 #else
@@ -483,6 +484,9 @@ inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, boo
     if (!wgmma_available())
         fail(OJ_ERR_UNSUPPORTED, "gemm_wgmma: needs a Hopper GPU (cc 9.0) and a build with -gencode arch=compute_90a,code=sm_90a");
     if (!c.nwg) c = pick_config();
+    // TMA reads X, xsum and the weights through tensor maps whose global addresses must be 16-byte
+    // aligned (the workspace offsets are multiples of 16; the base is the caller's)
+    if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: workspace not 16-byte aligned");
     const uint8_t *ws = static_cast<const uint8_t *>(workspace);
     switch (config_index(c)) {
         case 0: launch_cfg<2, 128, 2>(w, ws, P, y, accumulate, st); break;

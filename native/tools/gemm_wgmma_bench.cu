@@ -7,7 +7,8 @@
 //   ./gwb [--table FILE]          (scripts/gpu_gemm_wgmma.sh builds and runs it)
 //
 // Cases (K -> M): 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),
-// 6144 -> 5120 (ssm_out), and 512 -> 200 (a partial row tile for every configuration). Random valid
+// 6144 -> 5120 (ssm_out), 512 -> 200 (a partial row tile for every configuration) and 256 -> 72
+// (one super-block: a single pipeline step; fewer rows than one row tile). Random valid
 // blocks (bench_blocks.cuh), the engine's to_device_layout, random X with a different scale per
 // position (every 13th 300x larger, position 5 all zero). For EVERY wgmma configuration, per P in
 // {77, 64, 256, 512, 2048} plus an accumulate run at P = 77, the output NaN-poisoned before each
@@ -293,7 +294,8 @@ int main(int argc, char **argv) {
                                        {"ffn_down", 17408, 5120, 32},
                                        {"attn_qkv", 5120, 10240, 24},
                                        {"ssm_out", 6144, 5120, 65},
-                                       {"ragged_m", 512, 200, 0}};   // M = 200: a partial row tile for every config
+                                       {"ragged_m", 512, 200, 0},    // M = 200: a partial row tile for every config
+                                       {"one_sblk", 256, 72, 0}};    // K = 256: one step; M = 72 < every BM
     std::vector<Result> results;
     uint64_t seed = 1;
     for (const Shape &s : shapes) {

@@ -11,8 +11,13 @@
 //     sampled rows: |y - ref| <= 2e-3 * sum_k |w_k x_k| (the measured maximum is printed);
 //   - against the bf16-split path (matvec_force_path(0)) on every output of all 8 vectors:
 //     max |y - y_bf16| <= 3e-2 * rms(y_bf16) of that vector (printed: max and rms of the difference);
-//   - vector v of every n-vector call (n = 1..8) bit-identical to a 1-vector call on x[v];
-//   - accumulate adds (y = prev + W x).
+//   - vector v of every n-vector call (n = 1..8) bit-identical to a 1-vector call on x[v]; the
+//     outputs of vectors n..7 left untouched (still the poison);
+//   - accumulate adds: y == prev + W x exactly (one fp32 add onto the same W x);
+//   - the engine's entry points with the f16 path forced (matvec.cu's launch_any): matvec
+//     bit-identical to matvec_f16; matvec_rows (an odd row subset with repeats) within 1e-4 rms;
+//   - edge shapes (K = 256, 768, 4096 with 77 rows) under each forced configuration
+//     (OJ_MVF16_CFG = 4,2 4,3 8,2 8,3): the same checks, no timing.
 // Timing: CUDA events, median of RUNS after warm-up, L2 flushed (256 MB memset) before each run:
 // "f16" = prep + matvec (what one call costs, as the int8 path's quantise + matvec), "f16run" =
 // matvec alone on an already prepared x (the engine can prep once per x for several matrices),
@@ -68,7 +73,9 @@ struct Result {
 
 static double g_copy = 0;
 
-static Result run_case(int type, const Shape &s, uint64_t seed) {
+// timed: the model's shapes (checks under the picked configuration, then timing); else an edge
+// shape, checked under each forced configuration (OJ_MVF16_CFG), no timing.
+static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = true) {
     Result res;
     const int64_t K = s.K, M = s.M;
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
@@ -86,14 +93,25 @@ static Result run_case(int type, const Shape &s, uint64_t seed) {
         const float scale = n == 7 ? 300.0f : 0.5f + n;
         for (int64_t k = 0; k < K; ++k) x[n * K + k] = g.normalish() * scale;
     }
-    float *dx, *dy, *dy1, *dyb;
+    // matvec_rows (the draft head's subset): an odd count, both ends, a repeat, descending runs
+    const int64_t n_rows = M < 64 ? M + 5 : 333;
+    std::vector<int32_t> rows(n_rows);
+    for (int64_t o = 0; o < n_rows; ++o) rows[o] = (int32_t)(g.next() % (uint64_t)M);
+    rows[0] = (int32_t)(M - 1);
+    rows[n_rows - 1] = 0;
+    rows[n_rows / 2] = rows[1];
+    float *dx, *dy, *dy1, *dyb, *dyr;
+    int32_t *drows;
     void *ws;
     CK(cudaMalloc(&dx, x.size() * 4));
     CK(cudaMalloc(&dy, 8 * M * 4));
     CK(cudaMalloc(&dy1, 8 * M * 4));
     CK(cudaMalloc(&dyb, 8 * M * 4));
+    CK(cudaMalloc(&dyr, 8 * n_rows * 4));
+    CK(cudaMalloc(&drows, n_rows * 4));
     CK(cudaMalloc(&ws, matvec_f16_workspace_bytes(K)));
     CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(drows, rows.data(), n_rows * 4, cudaMemcpyHostToDevice));
 
     std::vector<int64_t> sample;
     for (int i = 0; i < 48; ++i) sample.push_back((int64_t)((double)i / 47 * (M - 1)));
@@ -115,46 +133,106 @@ static Result run_case(int type, const Shape &s, uint64_t seed) {
     }
     std::vector<uint8_t>().swap(file);
 
-    auto fetch = [&](float *d, int n) {
-        std::vector<float> h((size_t)n * M);
+    auto fetch = [&](float *d, int64_t count) {
+        std::vector<float> h((size_t)count);
         CK(cudaDeviceSynchronize());
         CK(cudaMemcpy(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost));
         return h;
     };
+    const char *cfg = nullptr;   // the forced configuration of the checks in progress (nullptr: picked)
     auto fail_case = [&](const char *what, int n, double v) {
-        std::printf("FAIL %s %s %s n=%d: %.3e\n", type_name(type), s.name, what, n, v);
+        std::printf("FAIL %s %s cfg %s %s n=%d: %.3e\n", type_name(type), s.name, cfg ? cfg : "picked", what, n, v);
         res.ok = false;
     };
-    // 1-vector results on each x[v]
-    CK(cudaMemset(dy1, 0xFF, 8 * M * 4));
-    for (int v = 0; v < 8; ++v) matvec_f16(w, dx + (size_t)v * K, dy1 + (size_t)v * M, 1, false, ws, 0);
-    CK(cudaGetLastError());
-    const std::vector<float> y1 = fetch(dy1, 8);
-    for (int n = 1; n <= 8; ++n) {
-        CK(cudaMemset(dy, 0xFF, 8 * M * 4));   // NaN
-        matvec_f16(w, dx, dy, n, false, ws, 0);
+    const uint32_t POISON = 0xFFFFFFFFu;   // a NaN
+    std::vector<float> y1;
+    auto checks = [&]() {
+        // 1-vector results on each x[v]
+        CK(cudaMemset(dy1, 0xFF, 8 * M * 4));
+        for (int v = 0; v < 8; ++v) matvec_f16(w, dx + (size_t)v * K, dy1 + (size_t)v * M, 1, false, ws, 0);
         CK(cudaGetLastError());
-        const std::vector<float> y = fetch(dy, n);
-        int64_t unwritten = 0, differ = 0;
-        for (size_t i = 0; i < y.size(); ++i) {
-            unwritten += !std::isfinite(y[i]);
-            differ += std::memcmp(&y[i], &y1[i], 4) != 0;
+        y1 = fetch(dy1, 8 * M);
+        for (int n = 1; n <= 8; ++n) {
+            CK(cudaMemset(dy, 0xFF, 8 * M * 4));   // NaN
+            matvec_f16(w, dx, dy, n, false, ws, 0);
+            CK(cudaGetLastError());
+            const std::vector<float> y = fetch(dy, 8 * M);
+            int64_t unwritten = 0, differ = 0, past = 0;
+            for (size_t i = 0; i < (size_t)n * M; ++i) {
+                unwritten += !std::isfinite(y[i]);
+                differ += std::memcmp(&y[i], &y1[i], 4) != 0;
+            }
+            for (size_t i = (size_t)n * M; i < y.size(); ++i) past += std::memcmp(&y[i], &POISON, 4) != 0;
+            if (unwritten) fail_case("outputs not finite (count)", n, (double)unwritten);
+            if (differ) fail_case("outputs differing from the 1-vector calls (count)", n, (double)differ);
+            if (past) fail_case("outputs of vectors past n written (count)", n, (double)past);
+            double worst = 0;
+            for (size_t si = 0; si < sample.size(); ++si)
+                for (int v = 0; v < n; ++v)
+                    worst = std::max(worst, std::fabs(y[(size_t)v * M + sample[si]] - ref[si * 8 + v]) / mag[si * 8 + v]);
+            res.ref_err = std::max(res.ref_err, worst);
+            if (!(worst <= 2e-3)) fail_case("error / sum|w x| vs float64 (tol 2e-3)", n, worst);
         }
-        if (unwritten) fail_case("outputs not finite (count)", n, (double)unwritten);
-        if (differ) fail_case("outputs differing from the 1-vector calls (count)", n, (double)differ);
-        double worst = 0;
-        for (size_t si = 0; si < sample.size(); ++si)
-            for (int v = 0; v < n; ++v)
-                worst = std::max(worst, std::fabs(y[(size_t)v * M + sample[si]] - ref[si * 8 + v]) / mag[si * 8 + v]);
-        res.ref_err = std::max(res.ref_err, worst);
-        if (!(worst <= 2e-3)) fail_case("error / sum|w x| vs float64 (tol 2e-3)", n, worst);
+        // accumulate: y = prev + (the same W x), one fp32 add, so exactly prev + y1
+        {
+            std::vector<float> prev(3 * M);
+            for (auto &v : prev) v = g.normalish();
+            CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
+            matvec_f16(w, dx, dy, 3, true, ws, 0);
+            const std::vector<float> y = fetch(dy, 3 * M);
+            int64_t differ = 0;
+            for (size_t i = 0; i < y.size(); ++i) {
+                const float e = prev[i] + y1[i];
+                differ += std::memcmp(&y[i], &e, 4) != 0;
+            }
+            if (differ) fail_case("accumulate: outputs differing from prev + W x (count)", 3, (double)differ);
+        }
+        // the engine's entry points under OPENJET_MATVEC=f16 (matvec.cu's launch_any -> launch_f16)
+        {
+            matvec_force_path(2);
+            CK(cudaMemset(dy, 0xFF, 8 * M * 4));
+            matvec(w, dx, dy, 8, false, 0);
+            const std::vector<float> y = fetch(dy, 8 * M);
+            int64_t differ = 0;
+            for (size_t i = 0; i < y.size(); ++i) differ += std::memcmp(&y[i], &y1[i], 4) != 0;
+            if (differ) fail_case("engine matvec (f16 path) differing from matvec_f16 (count)", 8, (double)differ);
+            // rows subset: another grid (maybe another split-K), so not bit-identical: 1e-4 of the
+            // vector's rms (a wrong row is off by ~1 rms)
+            CK(cudaMemset(dyr, 0xFF, 8 * n_rows * 4));
+            matvec_rows(w, drows, (int)n_rows, dx, dyr, 8, 0);
+            const std::vector<float> yr = fetch(dyr, 8 * n_rows);
+            double worst = 0;
+            for (int v = 0; v < 8; ++v) {
+                double ss = 0;
+                for (int64_t m = 0; m < M; ++m) ss += (double)y1[(size_t)v * M + m] * y1[(size_t)v * M + m];
+                const double rms = std::sqrt(ss / M) + 1e-30;
+                for (int64_t o = 0; o < n_rows; ++o) {
+                    const double d = std::fabs((double)yr[(size_t)v * n_rows + o] - y1[(size_t)v * M + rows[o]]) / rms;
+                    worst = std::max(worst, std::isfinite(d) ? d : 1e30);
+                }
+            }
+            if (!(worst <= 1e-4)) fail_case("engine matvec_rows (f16 path) vs matvec_f16 / rms (tol 1e-4)", 8, worst);
+            matvec_force_path(0);
+        }
+    };
+    if (timed) {
+        checks();
+    } else {
+        static const char *cfgs[] = {"4,2", "4,3", "8,2", "8,3"};
+        for (const char *c : cfgs) {
+            cfg = c;
+            setenv("OJ_MVF16_CFG", c, 1);
+            checks();
+        }
+        unsetenv("OJ_MVF16_CFG");
+        cfg = nullptr;
     }
-    // against the bf16-split path, all outputs of 8 vectors
+    // against the bf16-split path, all outputs of 8 vectors (y1: the last configuration's)
     {
         matvec_force_path(0);
         CK(cudaMemset(dyb, 0xFF, 8 * M * 4));
         matvec(w, dx, dyb, 8, false, 0);
-        const std::vector<float> yb = fetch(dyb, 8), y = y1;
+        const std::vector<float> yb = fetch(dyb, 8 * M), y = y1;
         for (int v = 0; v < 8; ++v) {
             double ss = 0, dd = 0, mx = 0;
             for (int64_t m = 0; m < M; ++m) {
@@ -169,20 +247,17 @@ static Result run_case(int type, const Shape &s, uint64_t seed) {
         }
         if (!(res.bf_max <= 3e-2)) fail_case("max |f16 - bf16| / rms(bf16) (tol 3e-2)", 8, res.bf_max);
     }
-    // accumulate
-    {
-        std::vector<float> prev(3 * M);
-        for (auto &v : prev) v = g.normalish();
-        CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
-        matvec_f16(w, dx, dy, 3, true, ws, 0);
-        const std::vector<float> y = fetch(dy, 3);
-        double worst = 0;
-        for (int v = 0; v < 3; ++v)
-            for (int64_t m = 0; m < M; ++m) {
-                const size_t i = (size_t)v * M + m;
-                worst = std::max(worst, std::fabs(y[i] - prev[i] - y1[i]) / (std::fabs(y1[i]) + std::fabs(prev[i]) + 1e-3));
-            }
-        if (!(worst <= 1e-5)) fail_case("accumulate", 3, worst);
+    if (!timed) {
+        CK(cudaFree(w.data));
+        CK(cudaFree(dx));
+        CK(cudaFree(dy));
+        CK(cudaFree(dy1));
+        CK(cudaFree(dyb));
+        CK(cudaFree(dyr));
+        CK(cudaFree(drows));
+        CK(cudaFree(ws));
+        if (!res.ok) ++g_failures;
+        return res;
     }
     // timing
     for (int n : TIMED_N) {
@@ -210,6 +285,8 @@ static Result run_case(int type, const Shape &s, uint64_t seed) {
     CK(cudaFree(dy));
     CK(cudaFree(dy1));
     CK(cudaFree(dyb));
+    CK(cudaFree(dyr));
+    CK(cudaFree(drows));
     CK(cudaFree(ws));
     if (!res.ok) ++g_failures;
     return res;
@@ -239,8 +316,19 @@ int main(int argc, char **argv) {
         {TYPE_Q6_K, down, 33}, {TYPE_Q4_K, ffn_gu, 130}, {TYPE_Q4_K, eh, 1}, {TYPE_Q6_K, head, 1},
         {TYPE_Q4_K, ab, 96},
     };
-    std::map<std::string, Result> results;
+    // edge shapes, every configuration: one super-block (warps with no work, a warp with fewer
+    // super-blocks than stages), 3 super-blocks, 16 (8 warps, 2 each); 77 rows (a partial
+    // row tile; Q6_K: an odd block count, so the d plane's last entry sits alone in its word)
+    const Shape e1{"edge_k256", 256, 77}, e3{"edge_k768", 768, 77}, e16{"edge_k4096", 4096, 77};
     uint64_t seed = 11;
+    for (int type : {TYPE_Q4_K, TYPE_Q6_K})
+        for (const Shape &sh : {e1, e3, e16}) {
+            const Result r = run_case(type, sh, seed++, false);
+            std::printf("  -> %s %s (configs 4,2 4,3 8,2 8,3): err/sum|wx| vs float64 %.2e, vs bf16-split max %.2e %s\n",
+                        type_name(type), sh.name, r.ref_err, r.bf_max, r.ok ? "ok" : "FAILED");
+            std::fflush(stdout);
+        }
+    std::map<std::string, Result> results;
     for (const Use &u : model) {
         const Result r = run_case(u.type, u.s, seed++);
         results[std::string(type_name(u.type)) + " " + u.s.name] = r;
