@@ -26,8 +26,6 @@
 // Prefill (deltanet_prefill) runs the same kernels over a whole pass (up to prefill_chunk
 // positions, the recurrence looping over them with the state in registers) with `commit` set:
 // the state after the last position is written back at the end, nothing is kept for a replay.
-#include <cstdlib>
-#include <cstring>
 
 #include "deltanet_chunked.cuh"
 #include "engine.cuh"
@@ -240,12 +238,8 @@ void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int
 
 // OPENJET_PREFILL_DELTANET=chunked (read once per process).
 bool chunked_prefill() {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *v = std::getenv("OPENJET_PREFILL_DELTANET");
-        mode = v && std::strcmp(v, "chunked") == 0 ? 1 : 0;
-    }
-    return mode == 1;
+    static const bool on = env_is("OPENJET_PREFILL_DELTANET", "chunked");
+    return on;
 }
 
 void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,

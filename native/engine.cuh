@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -24,6 +26,12 @@ struct Error {
 [[noreturn]] void fail(int code, const std::string &message);
 // Turns a CUDA error into an Error (out of memory -> OJ_ERR_OUT_OF_MEMORY) naming `what`.
 void check_cuda(cudaError_t err, const char *what);
+// True when the environment variable `name` is set to `value`. The engine's switches
+// (OPENJET_PREFILL_*) read it once per process: `static const bool on = env_is(...)`.
+inline bool env_is(const char *name, const char *value) {
+    const char *v = std::getenv(name);
+    return v && std::strcmp(v, value) == 0;
+}
 // After a kernel launch: a launch error becomes an Error naming the kernel.
 inline void check_launch(const char *kernel) { check_cuda(cudaGetLastError(), kernel); }
 

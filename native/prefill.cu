@@ -21,8 +21,6 @@
 // left behind (K/V, conv and recurrent state, the hidden window, the MTP cache) is what evaluating
 // the tokens one at a time leaves, up to the rounding of the projections' activations.
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 
 #include "deltanet_chunked.cuh"
@@ -41,12 +39,8 @@ bool int8_gemm_fits(const Matrix &w) {
 
 // OPENJET_PREFILL_GEMM=int8: every quantised projection on the int8 GEMM (read once per process).
 bool int8_gemm_only() {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *v = std::getenv("OPENJET_PREFILL_GEMM");
-        mode = v && std::strcmp(v, "int8") == 0 ? 1 : 0;
-    }
-    return mode == 1;
+    static const bool on = env_is("OPENJET_PREFILL_GEMM", "int8");
+    return on;
 }
 
 // The input of one or more projections: P rows of K floats. The fp16 GEMM's prepared copy of it
@@ -89,12 +83,8 @@ void project(Engine &e, const Matrix &w, const float *x, float *y, int P, bool a
 
 // OPENJET_PREFILL_ATTN=decode: the decode kernels (read once per process, like OPENJET_MATVEC).
 bool attention_by_decode_kernels() {
-    static int mode = -1;
-    if (mode < 0) {
-        const char *v = std::getenv("OPENJET_PREFILL_ATTN");
-        mode = v && std::strcmp(v, "decode") == 0 ? 1 : 0;
-    }
-    return mode == 1;
+    static const bool on = env_is("OPENJET_PREFILL_ATTN", "decode");
+    return on;
 }
 
 void attention_pass(Engine &e, Layer &L, int P, int pos0) {
