@@ -20,6 +20,7 @@ otherwise. `scripts/gpu_check.sh` runs it (PYTEST_FILES) and collects the rows i
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -152,6 +153,32 @@ def test_prefill_chunk_0_refuses_oj_prefill_by_name(native, workdir):
         with pytest.raises(NativeEngineError, match="prefill_chunk"):
             be._create(mf, "f16", 0)
         report({"test": "prefill_chunk_0", "message": str(ei.value)[:200]})
+    finally:
+        _close(mf, be)
+
+
+def test_oj_prefill_refuses_bad_input_by_name_and_stays_usable(native, workdir):
+    """The C entry point itself (past the backend's own checks): a token outside the vocabulary
+    (named with its prompt position), a count below 1, more tokens than the context holds; each
+    an error with its message, n_past unchanged, and the engine prefills correctly afterwards."""
+    from openjet_plugin.errors import NativeEngineError
+
+    path, _ = model_path("tiny", "Q4_K_M", workdir)
+    mf, be = _backend(path, 64, prefill_chunk=CHUNK)
+    try:
+        lib, ffi = be._nl.lib, be._nl.ffi
+        V = be.n_vocab
+        cases = {"token id %d (prompt position 2) is outside the vocabulary" % V: ([1, 2, V, 3], 4),
+                 "oj_prefill of 0 tokens": ([1], 0),
+                 "exceed n_ctx 64": (list(range(65)), 65)}
+        for needle, (toks, n) in cases.items():
+            buf = ffi.new("int32_t[]", toks)
+            with pytest.raises(NativeEngineError, match=re.escape(needle)):
+                be._check(lib.oj_prefill(be._handle(), buf, n), "prefill")
+            assert be.n_past == 0, needle
+        be.eval(list(range(1, 41)))
+        assert be.prefilled_positions == 40 and be.n_past == 40
+        assert np.isfinite(be.logits(0)).all()
     finally:
         _close(mf, be)
 
