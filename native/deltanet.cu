@@ -236,10 +236,14 @@ void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int
     check_launch("deltanet_gated_norm");
 }
 
-// OPENJET_PREFILL_DELTANET=chunked (read once per process).
-bool chunked_prefill() {
-    static const bool on = env_is("OPENJET_PREFILL_DELTANET", "chunked");
-    return on;
+// The chunked recurrence (deltanet_chunked.cuh) is the default since its first GPU run (7.2x the
+// sequential kernel at 2,048 positions on the 27B shapes, state within 4.7e-4); shapes it has no
+// kernel for, and OPENJET_PREFILL_DELTANET=sequential (read once per process), take the sequential one.
+bool chunked_prefill(const ModelDims &d) {
+    static const bool sequential = env_is("OPENJET_PREFILL_DELTANET", "sequential");
+    const int ds = d.hp.ssm_d_state;
+    return !sequential && (ds == 32 || ds == 64 || ds == 128) && d.hp.ssm_n_group > 0 &&
+           d.hp.ssm_dt_rank % d.hp.ssm_n_group == 0;
 }
 
 void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,
@@ -250,7 +254,7 @@ void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *con
     cur.conv = conv;
     cur.beta = const_cast<float *>(beta);
     cur.alpha = const_cast<float *>(alpha);
-    const bool chunked = chunked_prefill();
+    const bool chunked = chunked_prefill(d);
     conv_and_recurrence(d, L, cur, 0, cur, n, out, true, st, !chunked);
     if (chunked) deltanet_chunked(d, L, conv, beta, alpha, out, n, coef, coef_bytes, st);
     deltanet_gated_norm_kernel<<<dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st>>>(out, z, L.ssm_norm, d.hp.rms_eps);

@@ -213,8 +213,8 @@ void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
 // beta / alpha, ADVANCING the state by all of them (no ring slot, nothing pending), gated-normed
 // outputs to out (z: the gate projection). The same kernels and arithmetic as deltanet_mix.
-// OPENJET_PREFILL_DELTANET=chunked: the recurrence in chunks of 64 on the tensor cores
-// (deltanet_chunked.cuh, `coef` its buffer); otherwise the sequential recurrence kernel.
+// The recurrence in chunks of 64 on the tensor cores (deltanet_chunked.cuh, `coef` its buffer);
+// OPENJET_PREFILL_DELTANET=sequential, or a state size it has no kernel for: the sequential kernel.
 void deltanet_prefill(const ModelDims &d, Layer &L, const float *qkv, float *conv, const float *beta,
                       const float *alpha, const float *z, float *out, int n, void *coef, size_t coef_bytes,
                       cudaStream_t st);

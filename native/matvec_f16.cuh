@@ -51,6 +51,11 @@
 #include "gemm_f16.cuh"   // nibble_pair_magic, q6_bytes, SEL_LO/HI, splat_byte_sel, mma_f16, h2u/u2h, cp.async
 
 namespace oj {
+// Internal linkage (an unnamed namespace): a harness that includes this header AND links matvec.cu
+// would otherwise hold two instantiations of each kernel template under one host symbol, and the
+// shared-memory attribute set through one could miss the other at launch (first GPU run: "launch:
+// invalid argument" in tools/matvec_f16_bench.cu, while the engine, one TU, passed its tests).
+namespace {
 namespace mvf16 {
 
 constexpr int VEC_BYTES = 576;                  // one vector's part of a super-block record
@@ -544,7 +549,12 @@ inline void launch_cfg(const Args &a, const Device &d, bool pdl, cudaStream_t st
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
-    check_cuda(cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a), "matvec_f16: launch");
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a);
+    if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
+        check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
+                       std::to_string(STAGES) + " stages, " + std::to_string(a.n_vec) + " vectors, grid " +
+                       std::to_string(cfg.gridDim.x) + ", " + std::to_string(smem) + " bytes of shared memory of " +
+                       std::to_string(d.optin) + ", PDL " + std::to_string(cfg.numAttrs) + ")").c_str());
 }
 
 // Configuration: 8 warps (split-K deeper) when the grid alone leaves SMs idle; 3 stages when two
@@ -616,4 +626,5 @@ inline void matvec_f16(const Matrix &w, const float *x, float *y, int n_vec, boo
     mvf16::run(w, ws, y, n_vec, accumulate, nullptr, w.M, true, st);
 }
 
+}  // namespace
 }  // namespace oj

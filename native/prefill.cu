@@ -3,15 +3,16 @@
 // A prompt of n tokens goes through the model in passes of up to prefill_chunk positions; every
 // kernel of a pass sees all of its positions at once:
 //   - projections: gemm_f16.cuh (Q4_K / Q5_K / Q6_K / Q8_0 weights x P positions on the fp16
-//     tensor cores, activations rounded to fp16 under one power-of-two scale per position, prepared
+//     tensor cores; Q4_K on Hopper's wgmma, gemm_wgmma.cuh, where the device and build allow,
+//     OPENJET_PREFILL_GEMM=f16 keeping it on mma.sync; activations rounded to fp16 under one power-of-two scale per position, prepared
 //     once per input for all the projections that read it) where it has a kernel, else gemm_prefill.cuh (the integer tensor cores, activations rounded to int8 per 32
 //     values as OPENJET_MATVEC=int8 and llama.cpp's q8_1 do; OPENJET_PREFILL_GEMM=int8 forces it
 //     everywhere); float weights and Q8_0 matrices whose K is not a multiple of 256 take matvec,
 //     OJ_MAX_POSITIONS positions at a time;
-//   - Gated DeltaNet: deltanet.cu's conv and recurrence kernels over the pass with `commit` set
-//     (the state is advanced by every position and written back once at the end of the pass);
-//     OPENJET_PREFILL_DELTANET=chunked runs the recurrence in chunks of 64 on the tensor cores
-//     instead (deltanet_chunked.cuh; not yet measured on a GPU, so not the default);
+//   - Gated DeltaNet: deltanet.cu's conv kernel over the pass, then the recurrence in chunks of 64
+//     on the tensor cores (deltanet_chunked.cuh, the state advanced by every position and written
+//     back once at the end of the pass); OPENJET_PREFILL_DELTANET=sequential runs the decode path's
+//     recurrence kernel over the pass with `commit` set instead;
 //   - attention: K/V of the pass appended first, then causal flash attention over the cache
 //     (attention_prefill.cu); OPENJET_PREFILL_ATTN=decode runs the decode kernels instead,
 //     OJ_MAX_POSITIONS queries at a time (the reference the flash kernel is checked against);
@@ -26,6 +27,7 @@
 #include "deltanet_chunked.cuh"
 #include "engine.cuh"
 #include "gemm_f16.cuh"
+#include "gemm_wgmma.cuh"
 #include "gemm_prefill.cuh"
 
 namespace oj {
@@ -41,6 +43,15 @@ bool int8_gemm_fits(const Matrix &w) {
 bool int8_gemm_only() {
     static const bool on = env_is("OPENJET_PREFILL_GEMM", "int8");
     return on;
+}
+
+// Q4_K on Hopper's wgmma (gemm_wgmma.cuh: 520 TFLOP/s against gemm_f16's 228 at 2,048 positions on
+// the 27B shapes, the same arithmetic) where the device and the build allow it; OPENJET_PREFILL_GEMM=f16
+// keeps every type on gemm_f16's mma.sync (the reference the wgmma kernel was checked against).
+bool wgmma_fits(const Matrix &w) {
+    static const bool off = env_is("OPENJET_PREFILL_GEMM", "f16");
+    return !off && w.type == TYPE_Q4_K && w.K % QK_K == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
+           gemmwg::wgmma_available();
 }
 
 // The input of one or more projections: P rows of K floats. The fp16 GEMM's prepared copy of it
@@ -62,7 +73,10 @@ void project(Engine &e, const Matrix &w, Input &in, float *y, bool accumulate) {
     if (gemm_f16_supports(w) && !int8_gemm_only()) {
         if (!in.prepared) gemmf16::prep_x(in.x, in.K, in.P, pf.workspace, e.stream);
         in.prepared = true;
-        gemmf16::run(w, pf.workspace, in.P, y, accumulate, e.stream);
+        if (wgmma_fits(w))
+            gemmwg::run(w, pf.workspace, in.P, y, accumulate, e.stream);
+        else
+            gemmf16::run(w, pf.workspace, in.P, y, accumulate, e.stream);
         return;
     }
     if (int8_gemm_fits(w)) {
@@ -191,7 +205,7 @@ void alloc_prefill(Engine &e, int chunk) {
     const int64_t widest = std::max<int64_t>({E, 2 * E, d.hp.n_ff, d.ssm_value_dim(), d.q_dim()});
     pf.workspace_bytes = std::max(gemm::workspace_bytes(widest, P), gemm_f16_workspace_bytes(widest, P));
     pf.workspace = e.alloc(pf.workspace_bytes, c);
-    // the chunked DeltaNet's per-chunk coefficients (used under OPENJET_PREFILL_DELTANET=chunked)
+    // the chunked DeltaNet's per-chunk coefficients (unused under OPENJET_PREFILL_DELTANET=sequential)
     pf.dn_coef_bytes = deltanet_chunked_coef_bytes(d, chunk);
     pf.dn_coef = e.alloc(pf.dn_coef_bytes, c);
     pf.chunk = chunk;

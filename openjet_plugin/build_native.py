@@ -113,7 +113,10 @@ def is_current(out_dir: Path = OUT_DIR) -> bool:
 def nvcc_flags(archs: list[str]) -> list[str]:
     flags = ["-Xcompiler", "-fPIC", "-O3", "-std=c++17", "-lineinfo", "--threads", "0", "-I", str(NATIVE_SRC)]
     for a in archs:
-        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        # cc 9.0 (H100 / H200) gets the arch-specific sm_90a code: gemm_wgmma.cuh's wgmma / TMA
+        # kernels exist only there (sm_90a code runs on every cc 9.0 GPU, and nowhere else)
+        v = "90a" if a == "90" else a
+        flags += ["-gencode", f"arch=compute_{v},code=sm_{v}"]
     # PTX of the newest architecture too, so a newer GPU can still JIT the kernels
     flags += ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
     return flags

@@ -20,7 +20,8 @@ achieved rate; the phase's own floor: the fewest bytes it must move (weights of 
 the recurrent state read and written, the KV cache read, activations) over the streaming rate,
 or its multiply-adds over the matrix rate when that is larger; % of floor = floor / time. Last
 rows: the sum of kernel times against the wall time of a pass measured without ncu (the rest is
-launch and host time) and the tokens per second that wall time implies.
+launch and host time; when ncu's serialised kernels add up to more than the wall, the table says
+the gaps cannot be measured) and the tokens per second that wall time implies.
 
     python scripts/phase_breakdown.py --model q27b.gguf --csv decode1.csv --csv verify5.csv \
         --csv mtp.csv [--timing timing.json] [--depth 512] [--json out.json]
@@ -48,11 +49,65 @@ WRITE = "dram__bytes_write.sum"
 GRID = "launch__grid_size"
 REQUIRED = ("Kernel Name", TIME, READ, WRITE)
 
-_SCALE = {
-    "byte": 1.0, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12,
-    "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0,
-    "": 1.0, "block": 1.0, "thread": 1.0,
+# ncu's units, by name: (factor to the base unit, quantity). ncu writes them in the row under the
+# header: long names in older releases (nsecond, usecond, Kbyte, Gbyte/second), short ones in newer
+# ones (ns, us, KB, GB/s); 2025.3 with --print-units base still writes "ns" for durations. Names
+# are matched without case (ncu prints no bits, so "Mb" cannot mean megabits). Byte prefixes are
+# decimal (ncu's Kbyte is 1000 bytes); KiB/MiB/GiB are binary as written. A rate is two known
+# units around a "/" (Gbyte/second, cycle/nsecond).
+SECOND, BYTE, COUNT = "second", "byte", "count"
+_UNITS: dict[str, tuple[float, str]] = {
+    **{u: (f, SECOND) for u, f in {
+        "nsecond": 1e-9, "ns": 1e-9, "usecond": 1e-6, "us": 1e-6, "\u00b5s": 1e-6, "\u03bcs": 1e-6,
+        "msecond": 1e-3, "ms": 1e-3, "second": 1.0, "s": 1.0, "sec": 1.0}.items()},
+    **{u: (f, BYTE) for u, f in {
+        "byte": 1.0, "b": 1.0, "kbyte": 1e3, "kb": 1e3, "mbyte": 1e6, "mb": 1e6, "gbyte": 1e9, "gb": 1e9,
+        "tbyte": 1e12, "tb": 1e12, "kib": 1024.0, "mib": 1024.0 ** 2, "gib": 1024.0 ** 3,
+        "tib": 1024.0 ** 4}.items()},
+    # grid and block sizes: no unit in the base units row; auto scaling may prefix them (Kblock)
+    **{u: (f, COUNT) for u, f in {
+        "": 1.0, "block": 1.0, "kblock": 1e3, "mblock": 1e6, "thread": 1.0, "kthread": 1e3,
+        "mthread": 1e6}.items()},
+    # units of other metrics ncu prints: known, but never what a column here needs
+    **{u: (1.0, u) for u in ("cycle", "inst", "warp", "sector", "request", "pass", "register", "sm",
+                             "cluster", "%")},
 }
+
+
+def parse_unit(unit: str) -> tuple[float, str] | None:
+    """(factor to the base unit, quantity) of one of ncu's unit names; None when not known."""
+    key = unit.strip().lower()
+    if key in _UNITS:
+        return _UNITS[key]
+    parts = [x.strip() for x in key.split("/")]
+    if len(parts) == 2 and all(parts):
+        num, den = _UNITS.get(parts[0]), _UNITS.get(parts[1])
+        if num and den:
+            return num[0] / den[0], f"{num[1]}/{den[1]}"
+    return None
+
+
+def unit_scale(unit: str, want: str, where: str) -> float:
+    """The factor that turns a value in ncu's `unit` into the base unit of `want` (second, byte or
+    count). A unit of another quantity (cycle, byte/second) or one not known by name is refused;
+    `where` names the file and column. No unit means bytes or a count as it is, but a duration
+    without its unit could be ns or s, so that is refused too."""
+    u = unit.strip()
+    if not u and want == BYTE:
+        return 1.0
+    if not u and want == SECOND:
+        raise BreakdownError(f"{where} has no unit (ncu writes ns, usecond, ... in the row under the header); "
+                             f"cannot tell nanoseconds from seconds")
+    got = parse_unit(u)
+    if got is None:
+        known = ", ".join(sorted(k for k, (_, q) in _UNITS.items() if q == want and k))
+        raise BreakdownError(f"{where} has unit {u!r}, which phase_breakdown does not know by name "
+                             f"(a {want} column takes: {known}); run ncu with --print-units base")
+    if got[1] != want:
+        raise BreakdownError(f"{where} has unit {u!r}, which measures {got[1]}, not {want}; profile with "
+                             f"the metrics scripts/gpu_phases.sh names")
+    return got[0]
+
 
 # kernel kind by a substring of its name (mangled or demangled); first match wins
 KINDS = (
@@ -114,9 +169,9 @@ def _number(text: str, where: str) -> float:
         raise BreakdownError(f"{where}: {text!r} is not a number") from None
 
 
-def _grid_of(row: dict, where: str) -> int | None:
+def _grid_of(row: dict, where: str, scale: float = 1.0) -> int | None:
     if row.get(GRID, "").strip() not in ("", "n/a"):
-        return int(_number(row[GRID], where + f" column {GRID!r}"))
+        return round(_number(row[GRID], where + f" column {GRID!r}") * scale)
     g = row.get("Grid Size", "").strip()          # "(5, 1, 1)"
     nums = re.findall(r"\d+", g.replace(",", " "))
     if nums:
@@ -126,8 +181,9 @@ def _grid_of(row: dict, where: str) -> int | None:
 
 def parse_ncu_csv(text: str, source: str = "<csv>") -> list[Kernel]:
     """Kernels of ncu's `--csv --page raw` output in launch order. Lines before the header
-    (==PROF== messages, the program's own output) are skipped; the units row scales values
-    to bytes and seconds; numbers may carry thousands separators."""
+    (==PROF== messages, the program's own output) are skipped; the units row (ns, usecond,
+    Kbyte, MB, ...) scales values to bytes and seconds, and a unit not known by name is refused;
+    numbers may carry thousands separators."""
     lines = text.splitlines()
     start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
     if start is None:
@@ -145,14 +201,11 @@ def parse_ncu_csv(text: str, source: str = "<csv>") -> list[Kernel]:
         units = dict(zip(header, body[0]))
         body = body[1:]
 
-    def scale(col: str) -> float:
-        u = units.get(col, "").strip()
-        if u.lower() not in _SCALE:
-            raise BreakdownError(f"{source}: column {col!r} has unit {u!r} (expected bytes or seconds; "
-                                 f"run ncu with --print-units base)")
-        return _SCALE[u.lower()]
+    def scale(col: str, dim: str) -> float:
+        return unit_scale(units.get(col, ""), dim, f"{source}: column {col!r}")
 
-    s_time, s_read, s_write = scale(TIME), scale(READ), scale(WRITE)
+    s_time, s_read, s_write = scale(TIME, SECOND), scale(READ, BYTE), scale(WRITE, BYTE)
+    s_grid = scale(GRID, COUNT) if GRID in header else 1.0
     out = []
     for n, r in enumerate(body):
         if len(r) != len(header):
@@ -166,7 +219,7 @@ def parse_ncu_csv(text: str, source: str = "<csv>") -> list[Kernel]:
         out.append(Kernel(idx, name, _number(row[TIME], f"{where} column {TIME!r}") * s_time,
                           (_number(row[READ], f"{where} column {READ!r}") * s_read
                            + _number(row[WRITE], f"{where} column {WRITE!r}") * s_write),
-                          _grid_of(row, where), kernel_kind(name)))
+                          _grid_of(row, where, s_grid), kernel_kind(name)))
     out.sort(key=lambda k: k.index)
     return out
 
@@ -556,8 +609,13 @@ def markdown(g: dict, gbps: float) -> str:
                  f"| {sum(r['dram_bytes'] for r in g['rows']) / 1e6:.1f} | | | {_f(g.get('floor_us'), '.1f')} | "
                  f"| {_f(g.get('floor_us') and g['floor_us'] / kt * 100, '.1f')} |")
     if "wall_us" in g:
+        rest = g["host_and_launch_us"]
+        # under ncu each kernel runs alone (serialised, caches flushed, its own timing), so the sum can
+        # exceed the wall time of the same pass run freely; then no launch gap can be read off
+        rest_text = (f"host+launch {rest:.1f} µs" if rest >= 0 else
+                     f"kernels under ncu exceed the wall by {-rest:.1f} µs: gaps not measurable")
         lines.append(f"| **wall per pass (no ncu)** | | **{g['wall_us']:.1f}** | kernels {g['kernel_share_of_wall'] * 100:.1f}% "
-                     f"| | | | | | host+launch {g['host_and_launch_us']:.1f} µs |")
+                     f"| | | | | | {rest_text} |")
         if "tokens_per_s_all_accepted" in g:
             lines.append(f"| implied tokens/s | | {g['tokens_per_s_all_accepted']:.1f} | "
                          f"({g['positions']} accepted per pass) | | | | | | |")

@@ -88,6 +88,15 @@ def test_parse_archs():
         build_native.parse_archs("sm_9x")
 
 
+def test_hopper_gets_the_arch_specific_code():
+    """cc 9.0 builds sm_90a (gemm_wgmma.cuh's wgmma / TMA kernels exist only there); the others as
+    named; the PTX of the newest for a newer GPU's JIT."""
+    flags = " ".join(build_native.nvcc_flags(["86", "90", "120"]))
+    assert "arch=compute_90a,code=sm_90a" in flags and "code=sm_90 " not in flags + " "
+    assert "arch=compute_86,code=sm_86" in flags and "arch=compute_120,code=compute_120" in flags
+    assert "arch=compute_90,code=compute_90" in " ".join(build_native.nvcc_flags(["90"]))
+
+
 def test_arch_default_without_gpu(monkeypatch):
     monkeypatch.delenv(build_native.ARCH_ENV, raising=False)
     monkeypatch.setattr(build_native, "local_gpu_archs", lambda: [])

@@ -321,14 +321,14 @@ def _prefill_to_file(path: str, tokens: list[int], cont: list[int], out: str) ->
     return {"prefilled": prefilled, "deltanet": os.environ.get("OPENJET_PREFILL_DELTANET", "")}
 
 
-CHUNKED_MODELS = [("small", "Q4_K_M"), ("w256", "Q4_K_M")]
+SEQUENTIAL_MODELS = [("small", "Q4_K_M"), ("w256", "Q4_K_M")]
 
 
-@pytest.mark.parametrize("preset,quant", CHUNKED_MODELS, ids=[f"{p}-{q}" for p, q in CHUNKED_MODELS])
-def test_chunked_deltanet_prefill_matches_stepping(native, workdir, tmp_path, preset, quant):
-    """OPENJET_PREFILL_DELTANET=chunked (deltanet_chunked.cuh: the recurrence in chunks of 64 on the
-    tensor cores, fp16 products with fp32 accumulation): the same bars as the sequential
-    recurrence's prefill against one-token-at-a-time stepping."""
+@pytest.mark.parametrize("preset,quant", SEQUENTIAL_MODELS, ids=[f"{p}-{q}" for p, q in SEQUENTIAL_MODELS])
+def test_sequential_deltanet_prefill_matches_stepping(native, workdir, tmp_path, preset, quant):
+    """OPENJET_PREFILL_DELTANET=sequential (the fallback switch: the decode path's sequential
+    recurrence kernel over the pass, instead of the default chunked one of deltanet_chunked.cuh):
+    the same bars as the default prefill against one-token-at-a-time stepping."""
     import json
     import subprocess
     import textwrap
@@ -344,7 +344,7 @@ def test_chunked_deltanet_prefill_matches_stepping(native, workdir, tmp_path, pr
         plain = ref.eval_all_logits(cont, positions_per_call=1)
     finally:
         _close(mf, ref)
-    out = tmp_path / "chunked.npz"
+    out = tmp_path / "sequential.npz"
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
@@ -353,20 +353,20 @@ def test_chunked_deltanet_prefill_matches_stepping(native, workdir, tmp_path, pr
         print("RESULT " + json.dumps(t._prefill_to_file({str(path)!r}, args[0], args[1], {str(out)!r})))
     """)
     proc = subprocess.run([sys.executable, "-c", script, json.dumps([tokens, cont])], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OPENJET_PREFILL_DELTANET": "chunked"})
+                          timeout=600, env={**os.environ, "OPENJET_PREFILL_DELTANET": "sequential"})
     assert proc.returncode == 0, f"child failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     info = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
-    assert info == {"prefilled": N_PROMPT, "deltanet": "chunked"}, info
+    assert info == {"prefilled": N_PROMPT, "deltanet": "sequential"}, info
     with np.load(out) as z:
         after = z["after"]
         state = {k[len("state__"):]: z[k] for k in z.files if k.startswith("state__")}
     errs = {k: rel_err(state[k], v) for k, v in want_state.items()}
     worst = max(errs, key=errs.get)
     top1, kl, kl_max = agreement(plain, after)
-    report({"test": "prefill_chunked_deltanet", "model": f"{preset}-{quant}", "origin": origin, "positions": N_PROMPT,
+    report({"test": "prefill_sequential_deltanet", "model": f"{preset}-{quant}", "origin": origin, "positions": N_PROMPT,
             "state_worst": worst, "state_rel_err": errs[worst], "continue_top1": top1, "continue_kl_mean": kl,
             "continue_kl_max": kl_max, "continued": N_CONTINUE})
     assert np.isfinite(after).all()
     bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
-    assert not bad, f"chunked DeltaNet prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
-    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"decoding after the chunked prefill: top-1 {top1:.4f}, mean KL {kl:.2e}"
+    assert not bad, f"sequential DeltaNet prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"decoding after the sequential prefill: top-1 {top1:.4f}, mean KL {kl:.2e}"

@@ -38,7 +38,7 @@
 
 #include "engine.cuh"
 #include "gemm_f16.cuh"
-#include "tools/gemm_wgmma.cuh"
+#include "gemm_wgmma.cuh"
 
 #include "tools/harness.cuh"
 

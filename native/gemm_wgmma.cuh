@@ -55,6 +55,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
+#include <map>
+#include <mutex>
+#include <set>
 #include <string>
 
 #include "gemm_f16.cuh"
@@ -64,6 +67,9 @@
 #endif
 
 namespace oj {
+// Internal linkage (an unnamed namespace): prefill.cu and the harness both include this header, and
+// two instantiations of a kernel template under one host symbol can miss each other's attributes.
+namespace {
 namespace gemmwg {
 
 using gemmf16::h2u;
@@ -345,8 +351,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 }
 
 // Writes 1 when this translation unit's device code was built for sm_90a (wgmma present).
-// Internal linkage: a plain __global__ defined in a header breaks the link once two files include it.
-static __global__ void wgmma_probe_kernel(int *out) {
+__global__ void wgmma_probe_kernel(int *out) {
 #ifdef OJ_WGMMA_DEVICE
     *out = 1;
 #else
@@ -366,26 +371,28 @@ struct Config {
 constexpr int N_CONFIGS = 3;
 constexpr Config CONFIGS[N_CONFIGS] = {{2, 128, 2}, {2, 64, 4}, {3, 64, 3}};
 
-// Whether the device is a Hopper (cc 9.0) and this build carries sm_90a device code.
+// Whether the current device is a Hopper (cc 9.0) and this build carries sm_90a device code (a probe
+// kernel, once per device: code JIT-compiled from compute_90 PTX has a trap where wgmma would be).
 inline bool wgmma_available() {
-    static int avail = -1;
-    if (avail < 0) {
-        int dev = 0, major = 0, minor = 0;
-        check_cuda(cudaGetDevice(&dev), "gemm_wgmma: cudaGetDevice");
-        check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "gemm_wgmma: compute capability");
-        check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "gemm_wgmma: compute capability");
-        avail = 0;
-        if (major == 9 && minor == 0) {
-            int *d = nullptr, h = 0;
-            check_cuda(cudaMalloc(&d, sizeof(int)), "gemm_wgmma: probe alloc");
-            wgmma_probe_kernel<<<1, 1>>>(d);
-            check_launch("gemm_wgmma: probe");
-            check_cuda(cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost), "gemm_wgmma: probe copy");
-            check_cuda(cudaFree(d), "gemm_wgmma: probe free");
-            avail = h;
-        }
+    static std::mutex mu;
+    static std::map<int, bool> avail;
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "gemm_wgmma: cudaGetDevice");
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = avail.find(dev);
+    if (it != avail.end()) return it->second;
+    int major = 0, minor = 0, h = 0;
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "gemm_wgmma: compute capability");
+    check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "gemm_wgmma: compute capability");
+    if (major == 9 && minor == 0) {
+        int *d = nullptr;
+        check_cuda(cudaMalloc(&d, sizeof(int)), "gemm_wgmma: probe alloc");
+        wgmma_probe_kernel<<<1, 1>>>(d);
+        check_launch("gemm_wgmma: probe");
+        check_cuda(cudaMemcpy(&h, d, sizeof(int), cudaMemcpyDeviceToHost), "gemm_wgmma: probe copy");
+        check_cuda(cudaFree(d), "gemm_wgmma: probe free");
     }
-    return avail == 1;
+    return avail.emplace(dev, h == 1).first->second;
 }
 
 inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
@@ -414,11 +421,18 @@ inline void encode(CUtensorMap *m, CUtensorMapDataType type, int rank, const voi
 template <int NWG, int BN, int STAGES>
 inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, bool accumulate, cudaStream_t st) {
     constexpr int SMEM = smem_bytes(NWG, BN, STAGES);
-    static bool attr_set = false;
-    if (!attr_set) {
-        check_cuda(cudaFuncSetAttribute(gemm_wgmma_kernel<NWG, BN, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
-                   "gemm_wgmma: shared-memory attribute");
-        attr_set = true;
+    {   // once per device (cudaFuncSetAttribute acts on the current device only)
+        static std::mutex mu;
+        static std::set<int> done;
+        int dev = 0;
+        check_cuda(cudaGetDevice(&dev), "gemm_wgmma: cudaGetDevice");
+        std::lock_guard<std::mutex> lock(mu);
+        if (!done.count(dev)) {
+            check_cuda(cudaFuncSetAttribute(gemm_wgmma_kernel<NWG, BN, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            SMEM),
+                       "gemm_wgmma: shared-memory attribute");
+            done.insert(dev);
+        }
     }
     const int64_t K = w.K, M = w.M, pp = gemmf16::padded_positions(P), nb = K / QK_K;
     const gemmf16::WsLayout l = gemmf16::ws_layout(K, P);
@@ -510,4 +524,5 @@ inline void gemm_wgmma_q4k(const Matrix &w, const float *x, int64_t P, float *y,
     gemmwg::run(w, workspace, P, y, accumulate, st);
 }
 
+}  // namespace
 }  // namespace oj
