@@ -1187,6 +1187,40 @@ def test_markdown_prefill_table_has_ratio_and_tensor_core_share():
     assert unknown["bf16_dense_tflops"] is None and "Tesla T4" in unknown["peak_source"]
 
 
+def test_rows_left_out_by_only_are_listed_not_failed(tmp_path, monkeypatch, tiny_model):
+    """--only: the selected groups measured in full exit 0; the rows of the other groups are listed
+    as not selected (not as failures, which would exit EXIT_INCOMPLETE_FAILED); a selected group
+    that fails still fails the run."""
+    monkeypatch.setenv("PATH", f"{_fake_smi(tmp_path / 'bin')}{os.pathsep}{os.environ['PATH']}")
+    rng = np.random.default_rng(1)
+    real_groups = runner.groups
+    broken = {"on": False}
+
+    def fake_groups(run):
+        out = []
+        for name, need, rows, _ in real_groups(run):
+            def fn(run, rows=rows, name=name):
+                if broken["on"] and name == "openjet prefill":
+                    raise ValueError("measurement failed")
+                for metric, engine, params in run.missing(rows):
+                    run.add(metric, engine, params, rng.normal(100, 1, run.settings.reps))
+            out.append((name.replace("llama.cpp", "fake llama.cpp"), 0.0, rows, fn))
+        return out
+
+    monkeypatch.setattr(runner, "groups", fake_groups)
+    base = ["--model", str(tiny_model), "--quick", "--cache-dir", str(tmp_path / "cache"),
+            "--sdist", str(tmp_path / "missing.tar.gz"), "--only", "openjet prefill"]
+    rc = runner.main(base + ["--resume", str(tmp_path / "r1"), "--json", str(tmp_path / "1.json")])
+    assert rc == 0
+    got = json.loads((tmp_path / "1.json").read_text())
+    reasons = {m["reason"] for m in got["manifest"]["not_measured"]}
+    assert reasons == {runner.NOT_SELECTED}
+    assert {r["metric"] for r in got["results"]} == {"prefill_tps"}
+    broken["on"] = True
+    rc = runner.main(base + ["--resume", str(tmp_path / "r2"), "--json", str(tmp_path / "2.json")])
+    assert rc == runner.EXIT_INCOMPLETE_FAILED
+
+
 def test_only_and_prefill_options_parse_and_refuse_bad_values():
     from openjet_plugin.bench import runner
 
