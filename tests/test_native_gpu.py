@@ -278,6 +278,9 @@ def test_teacher_forced_matches_reference(native, workdir, preset, quant):
 KV_Q8_0_MODELS = [("tiny", "Q4_K_M"), ("w256", "Q4_K_M")]
 KV_Q8_0_POSITIONS = int(os.environ.get("OPENJET_GPU_KV_Q8_0_POSITIONS", "256"))
 KV_Q8_0_FP16_KL_MAX = 1e-2   # sanity bound on the q8_0 engine vs the unrounded reference (reported)
+# the reference's activation rounding for the engine's decode-matvec path (OPENJET_MATVEC, read once
+# per process, so this process's value is the engine's)
+KV_Q8_0_ACT = {"f16": {"act_f16": True}, "int8": {"act_int8": True}}
 
 
 @pytest.mark.parametrize("preset,quant", KV_Q8_0_MODELS, ids=[f"{p}-{q}-kv_q8_0" for p, q in KV_Q8_0_MODELS])
@@ -297,13 +300,23 @@ def test_kv_q8_0_matches_q8_0_reference(native, workdir, preset, quant):
     finally:
         be.close()
         mf.close()
-    ref = ReferenceModel(path, kv_q8_0=True)
+    # q8_0 K/V turn any rounding of the matvec inputs into quant-step flips: round them as the engine's path does
+    matvec = os.environ.get("OPENJET_MATVEC", "")
+    act = KV_Q8_0_ACT.get(matvec, {})
+    ref = ReferenceModel(path, kv_q8_0=True, **act)
     want = ref.logits(tokens)
     want_mtp = ref.mtp_prefill()
     want_state = ref.state()
-    plain = ReferenceModel(path)
+    plain = ReferenceModel(path, **act)
     want_f = plain.logits(tokens)
     want_f_mtp = plain.mtp_prefill()
+    floor_err = None   # rounded activations: the same reference in float32 (what any fp32 engine meets), reported
+    if act:
+        twin = ReferenceModel(path, kv_q8_0=True, dtype=np.float32, **act)
+        twin.logits(tokens)
+        twin.mtp_prefill()
+        twin_state = twin.state()
+        floor_err = max(rel_err(twin_state[k], v) for k, v in want_state.items() if k != "mtp.pos")
 
     assert np.isfinite(got).all() and np.isfinite(got_mtp).all(), "native logits contain NaN/inf"
     top1, kl, kl_max = agreement(want, got)
@@ -316,17 +329,23 @@ def test_kv_q8_0_matches_q8_0_reference(native, workdir, preset, quant):
     # a block maximum whose fp16 scale rounds the other way): a fraction, reported
     steps = {k: float(np.mean(np.abs(state[k] - want_state[k]) > 1e-6 * np.abs(want_state[k]).max())) for k in kv_keys}
     worst = max(errs, key=errs.get)
-    report({"test": "kv_q8_0", "model": f"{preset}-{quant}", "origin": origin, "positions": n,
+    report({"test": "kv_q8_0", "model": f"{preset}-{quant}", "origin": origin, "positions": n, "matvec": matvec,
             "top1": top1, "kl_mean": kl, "kl_max": kl_max, "mtp_top1": mtop1, "mtp_kl_mean": mkl,
             "vs_unrounded_top1": f_top1, "vs_unrounded_kl_mean": f_kl, "vs_unrounded_mtp_kl_mean": f_mkl,
             "state_worst": worst, "state_rel_err": errs[worst],
             "kv_rel_err_max": max(errs[k] for k in kv_keys), "kv_values_differing": max(steps.values()),
+            "float32_reference_state_rel_err": floor_err,
             "kv_cache_bytes": mem["kv_cache"], "native_s": round(native_s, 2)})
     assert kv_keys and any(k.startswith("mtp.") for k in kv_keys), sorted(errs)
     assert top1 >= TOP1_MIN and kl <= KL_MAX, f"main logits vs q8_0 reference: top-1 {top1:.4f}, mean KL {kl:.2e}"
     assert mtop1 >= TOP1_MIN and mkl <= KL_MAX, f"draft logits vs q8_0 reference: top-1 {mtop1:.4f}, mean KL {mkl:.2e}"
-    bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
-    assert not bad, f"state relative errors above {STATE_REL_MAX} (vs the q8_0 reference): {bad}"
+    # With rounded activations (OPENJET_MATVEC=f16 / int8) float32-level differences flip q8_0
+    # roundings of K/V and the flips compound (measured on CPU: the act_f16 q8_0 reference in float32
+    # is 1.7e-3..2.0e-3 from itself in float64), so as in the int8 test the bar is the float path's
+    # 1e-3 or twice that floor, measured in this run, whichever is larger; the default path keeps 1e-3.
+    state_bar = STATE_REL_MAX if floor_err is None else max(STATE_REL_MAX, 2.0 * floor_err)
+    bad = {k: e for k, e in errs.items() if not e <= state_bar}
+    assert not bad, f"state relative errors above {state_bar:.2e} (vs the q8_0 reference): {bad}"
     assert f_kl <= KV_Q8_0_FP16_KL_MAX, f"q8_0 KV moves the logits by mean KL {f_kl:.2e} from the unrounded reference"
 
 

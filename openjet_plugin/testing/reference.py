@@ -168,6 +168,45 @@ def round_act_int8(x: np.ndarray) -> np.ndarray:
     return dequantize_act_int8(q, d)
 
 
+# --- the native engine's fp16 activations (OPENJET_MATVEC=f16, native/matvec_f16.cuh) ---------
+
+ACT_F16_BLOCK = 256                  # activation values per power-of-two scale (a K-quant super-block)
+ACT_F16_TYPES = ("Q4_K", "Q6_K")     # weight types launch_any sends to matvec_f16 (mvf16::supports)
+ACT_F16_TOP_EXP = 15                 # max |x| * 2^e lands in [2^14, 2^15)
+ACT_F16_EXP_LIMIT = 126              # |e| <= 126 keeps 2^-e a normal float32
+ACT_F16_AMAX_LIMIT = np.float32(3.0e38)   # prep_kernel scales only 0 < amax <= 3.0e38f (else e = 0)
+
+
+def act_f16_exponents(x: np.ndarray) -> np.ndarray:
+    """The power-of-two exponents e (int64 `[..., K/256]`) that matvec_f16's prep_kernel picks
+    for activation rows `[..., K]` (float32, as the engine holds them), per 256-value super-block:
+    amax = max |x| (fmaxf: NaN lanes ignored); e = clamp(15 - frexp exponent of amax, -126, 126)
+    so that amax * 2^e lies in [2^14, 2^15); e = 0 where amax is 0, infinite or above 3.0e38f."""
+    a = np.asarray(x, dtype=np.float32)
+    if a.ndim == 0 or a.shape[-1] % ACT_F16_BLOCK:
+        raise ValueError(f"fp16 activations need a last axis that is a multiple of {ACT_F16_BLOCK}, "
+                         f"got shape {a.shape}")
+    b = a.reshape(*a.shape[:-1], a.shape[-1] // ACT_F16_BLOCK, ACT_F16_BLOCK)
+    amax = np.fmax.reduce(np.abs(b), axis=-1)
+    scaled = (amax > 0) & (amax <= ACT_F16_AMAX_LIMIT)
+    _, ex = np.frexp(np.where(scaled, amax, np.float32(1)))
+    e = np.clip(ACT_F16_TOP_EXP - ex.astype(np.int64), -ACT_F16_EXP_LIMIT, ACT_F16_EXP_LIMIT)
+    return np.where(scaled, e, 0)
+
+
+def round_act_f16(x: np.ndarray) -> np.ndarray:
+    """x through the engine's fp16 activation rounding and back, in float64: per super-block,
+    the float32 x times 2^e (float32), rounded to fp16 (nearest, ties to even, as
+    __float2half_rn), times 2^-e (exact in float64)."""
+    a = np.asarray(x, dtype=np.float32)
+    e = act_f16_exponents(a)
+    b = a.reshape(*a.shape[:-1], a.shape[-1] // ACT_F16_BLOCK, ACT_F16_BLOCK)
+    scale = np.ldexp(np.float32(1), e).astype(np.float32)[..., None]   # 2^e, a normal float32
+    with np.errstate(over="ignore", invalid="ignore"):                 # inf / NaN, as the GPU
+        h = (b * scale).astype(np.float16)
+    return np.ldexp(h.astype(np.float64), -e[..., None]).reshape(a.shape)
+
+
 def round_bf16(x: np.ndarray) -> np.ndarray:
     """x rounded to bfloat16 (nearest, ties to even, as ggml's fp32_to_bf16), back to float32."""
     u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
@@ -269,7 +308,7 @@ class ReferenceModel:
     """
 
     def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False,
-                 kv_q8_0: bool = False, act_int8: bool = False):
+                 kv_q8_0: bool = False, act_int8: bool = False, act_f16: bool = False):
         """`llama_cpu_rounding=True` adds the roundings of llama.cpp's CPU backend with its default
         context: every matrix product's input in the weight's `vec_dot_type` (Q8_0 blocks for
         Q8_0 weights, Q8_K for K-quants, F16 / BF16 for F16 / BF16; `CPU_MATMUL_INPUT`), and
@@ -290,13 +329,27 @@ class ReferenceModel:
         block's float32 sum of the unrounded x instead, as the engine's kernels do. F32 / F16 /
         BF16 weights and the embedding lookups are unchanged. Not combinable with
         llama_cpu_rounding (another engine's roundings).
+
+        `act_f16=True` models the native engine's OPENJET_MATVEC=f16 path (native/matvec_f16.cuh):
+        every product with a Q4_K / Q6_K weight (main layers, output head, MTP block; K a multiple
+        of 256) takes its input rows through `round_act_f16` (per 256-value super-block a
+        power-of-two scale, fp16 round-to-nearest-even, undone exactly) and multiplies the
+        dequantised weights in the reference's dtype; for Q4_K the mins multiply the sub-block sums
+        of the unrounded x, which the engine carries as an fp16 hi + lo pair (effectively exact).
+        Every other weight type keeps the engine's bf16-split path, ~float32: unchanged here. Not
+        combinable with act_int8 or llama_cpu_rounding (other engines' roundings).
         """
         self.path = Path(path)
         if llama_cpu_rounding and act_int8:
             raise ValueError("llama_cpu_rounding and act_int8 model different engines; choose one")
+        if act_f16 and act_int8:
+            raise ValueError("act_f16 and act_int8 model different OPENJET_MATVEC paths (f16, int8); choose one")
+        if act_f16 and llama_cpu_rounding:
+            raise ValueError("llama_cpu_rounding and act_f16 model different engines; choose one")
         self.llama_cpu_rounding = llama_cpu_rounding
         self.kv_q8_0 = kv_q8_0
         self.act_int8 = act_int8
+        self.act_f16 = act_f16
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF model file not found: {self.path}")
         self.dtype = np.dtype(dtype)
@@ -363,7 +416,26 @@ class ReferenceModel:
                 x = rounding(x).astype(self.dtype)
         elif self.act_int8 and self.tensor_type(name) in ACT_INT8_TYPES:
             return self._mm_act_int8(x, name)
+        elif self.act_f16 and self.tensor_type(name) in ACT_F16_TYPES:
+            return self._mm_act_f16(x, name)
         return x @ self.weight(name).T
+
+    def _mm_act_f16(self, x: np.ndarray, name: str) -> np.ndarray:
+        """x @ W.T as matvec_f16 computes it: W (= scale part - mins) times the fp16-rounded x,
+        and for Q4_K the mins times the exact sub-block sums instead of the rounded ones:
+        W @ xr + mins @ (sum_b xr - sum_b x)."""
+        w = self.weight(name)
+        if w.shape[1] % ACT_F16_BLOCK:   # launch_any refuses such a K-quant matrix outright
+            raise ValueError(f"{self.path}: tensor {name!r} has {w.shape[1]} input columns, not a multiple "
+                             f"of {ACT_F16_BLOCK} (the fp16 activation super-block)")
+        xr = round_act_f16(x)
+        y = xr.astype(self.dtype) @ w.T
+        mins = self._block_mins(name)
+        if mins is not None:
+            exact = np.asarray(x, dtype=np.float32).astype(np.float64)
+            diff = (xr - exact).reshape(*xr.shape[:-1], mins.shape[1], -1).sum(axis=-1)   # per 32-value sub-block
+            y = y + (diff.astype(self.dtype) @ mins.T)
+        return y
 
     def _mm_act_int8(self, x: np.ndarray, name: str) -> np.ndarray:
         """x @ W.T as the engine's int8 kernels compute it: W (= scale part - mins) times the
