@@ -19,8 +19,16 @@
 //     into a fresh temporary, s += sc * tmp; acc += (inv_x * d) * s per super-block.
 //
 // Work split: a block holds 32 weight rows (two m16 tiles, so each B fragment serves two mma) and
-// WARPS warps; warp w walks super-blocks u = w, w + WARPS, ... (split-K), and the warps' partial
-// sums meet in shared memory in warp order. Streaming: each warp has a private ring of STAGES
+// WARPS warps; warp w walks super-blocks u = u0 + w, u0 + w + WARPS, ... of its block's range
+// (split-K inside the block), and the warps' partial sums meet in shared memory in warp order.
+// Split-K across blocks (when the row tiles alone leave the GPU's block slots short): S blocks per
+// row tile, block b = tile * S + s taking the contiguous super-blocks [u0, u1) = [s nb / S,
+// (s + 1) nb / S). S depends on the shape and device only (pick()), never on n_vec. The S partials
+// meet in a fixed order, no float atomics: each block of the tile writes its partial [n_vec][32] to
+// its own workspace slot, fences, and bumps the tile's arrival counter; the block that arrives last
+// sums slots 0..S-1 in that order (the same sum whichever block is last), writes y (+)= it, and
+// resets the counter to 0 for the next call (see "Split-K workspace" below).
+// Streaming: each warp has a private ring of STAGES
 // shared-memory stages filled by cp.async (its 32 rows' bytes of one super-block + the prepared x
 // of the call's vectors), STAGES - 1 super-blocks in flight while it computes one; no block barrier
 // inside the loop. Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 =
@@ -33,6 +41,18 @@
 // Q4_K min sums [t][hi_2t, hi_2t+1, lo_2t, lo_2t+1], 32 pad (a vector stride of 144 words keeps
 // the quads' 16-byte shared loads conflict-free); then 8 fp32 inverse scales 2^-e (1 for vectors
 // past n_vec). Vectors past n_vec are neither written nor read (their lanes feed B = 0).
+//
+// Split-K workspace: the caller's workspace (matvec.cu keeps one per (device, stream); a call's two
+// kernels run on that stream, so calls sharing a workspace are serialised, and calls on other
+// streams have their own) starts with a fixed-size region, at a fixed offset so that a buffer
+// reused for matrices of another K keeps it in place: MAX_TILES uint32 arrival counters, then
+// MAX_SLOTS partial slots of [8 vectors][32 rows] fp32; the prepared x follows. The counters are 0
+// between calls: the prep kernel zeroes them (a fresh cudaMalloc holds garbage; the matvec touches
+// them only after griddepcontrol.wait, i.e. after the whole prep grid and its writes), and each
+// tile's last block resets its own (so a matvec run again on an already prepared x finds them 0
+// too: a kernel launched later on the stream starts its split epilogue after this grid has ended).
+// pick() keeps tiles x S <= MAX_SLOTS. A workspace must not be shared by two streams at once (it
+// never could: the prepared x would clash too).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -63,8 +83,14 @@ constexpr int XS_OFF = 512;                     // min sums inside it
 constexpr int INV_OFF = 8 * VEC_BYTES;          // the 8 inverse scales
 constexpr int REC = INV_OFF + 32;               // bytes per super-block of prepared x
 constexpr int ROWS = 32;                        // weight rows per block (two m16 tiles)
+constexpr int MAX_SLOTS = 4096;                 // split partial slots (row tiles x splits) per call
+constexpr int MAX_TILES = MAX_SLOTS / 2;        // a split call has S >= 2, so at most this many tiles
+constexpr size_t SLOT_FLOATS = 8 * ROWS;        // one partial: [8 vectors][32 rows] fp32
+constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;                          // counters first
+constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;   // then the prepared x
+static_assert(MAX_TILES % 1024 == 0 && XP_OFF % 256 == 0, "split region: whole uint4 per thread, aligned x");
 
-inline size_t workspace_bytes(int64_t K) { return (size_t)(K / QK_K) * REC; }
+inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * REC; }
 
 // Weight bytes per stage (32 rows of one super-block): Q4_K as stored; Q6_K q plane + scales.
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
@@ -98,13 +124,18 @@ __device__ __forceinline__ void pdl_wait() {
 }
 
 // One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
+// ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
 template <int TYPE>
 __global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, int64_t K, int n_vec,
                                                    uint8_t *__restrict__ ws) {
     pdl_launch_dependents();
+    if (blockIdx.x == 0)
+#pragma unroll
+        for (int i = 0; i < MAX_TILES / 1024; ++i)
+            reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
     const int64_t u = blockIdx.x;
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint8_t *rec = ws + u * REC;
+    uint8_t *rec = ws + XP_OFF + u * REC;
     if (v >= n_vec) {
         if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
         return;
@@ -171,11 +202,14 @@ __device__ __forceinline__ uint32_t wd(const uint4 &v) {
 
 struct Args {
     Matrix w;
-    const uint8_t *xp;           // prepared x (workspace_bytes(K))
+    const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
     float *y;
     const int32_t *rows;         // nullptr: output row o reads weight row o
+    float *part;                 // split partial slots [tile * split + s][8][32] (the workspace + PART_OFF)
+    uint32_t *count;             // per-tile arrival counters, 0 between calls (the workspace's start)
     int64_t n_out;
     int n_vec;
+    int split;                   // S: blocks per row tile (1: no split, y written directly)
     bool accumulate;
 };
 
@@ -387,8 +421,12 @@ template <int TYPE, int WARPS, int STAGES>
 __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
     extern __shared__ __align__(16) uint8_t smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t m0 = (int64_t)blockIdx.x * ROWS;
+    const int S = a.split;
+    const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);
+    const int sp = (int)(blockIdx.x - (unsigned)tile * (unsigned)S);   // this block's split, 0..S-1
+    const int64_t m0 = tile * ROWS;
     const int64_t nb = a.w.K / QK_K;
+    const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;   // super-blocks [u0, u0 + len)
     const int SB = stage_bytes(TYPE, a.n_vec);
     uint8_t *ring = smem + (size_t)warp * STAGES * SB;
     auto src_row = [&](int64_t o) -> int64_t {   // rows past the end compute a copy, never written
@@ -411,18 +449,19 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
 
-    const int64_t J = warp < nb ? (nb - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
+    const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
+    const int64_t uw = u0 + warp;                                          // its first
     // prologue: weights of the first STAGES - 1 steps, then (after the prep grid) their x
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < J) {
-            const int64_t u = warp + (int64_t)s * WARPS;
+            const int64_t u = uw + (int64_t)s * WARPS;
             issue_w<TYPE>(a, ring + s * SB, blk, u, lane);
         }
     pdl_wait();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-        if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), warp + (int64_t)s * WARPS, g, t, lane);
+        if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), uw + (int64_t)s * WARPS, g, t, lane);
     gemm::cp_commit();
 #pragma unroll
     for (int s = 1; s < STAGES - 1; ++s) gemm::cp_commit();   // empty groups keep the count
@@ -434,7 +473,7 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
             const int64_t jn = j + STAGES - 1;
             if (jn < J) {
                 uint8_t *st = ring + (jn % STAGES) * SB;
-                const int64_t un = warp + jn * WARPS;
+                const int64_t un = uw + jn * WARPS;
                 issue_w<TYPE>(a, st, blk, un, lane);
                 issue_x<TYPE>(a, st + w_bytes(TYPE), un, g, t, lane);
             }
@@ -444,7 +483,7 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
         if constexpr (TYPE == TYPE_Q4_K) {
             step_q4(st, st + w_bytes(TYPE), a.n_vec, g, t, acc);
         } else {
-            const uint32_t pu = (uint32_t)((warp + j * WARPS) & 1);
+            const uint32_t pu = (uint32_t)((uw + j * WARPS) & 1);
             uint32_t pr[2][2];
 #pragma unroll
             for (int i = 0; i < 2; ++i)
@@ -461,15 +500,46 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
 #pragma unroll
     for (int s = 0; s < 8; ++s) red[(warp * 8 + s) * 32 + lane] = acc[s >> 2][s & 3];
     __syncthreads();
+    float *slot = a.part + (size_t)blockIdx.x * SLOT_FLOATS;   // split: this block's partial [8][32]
     for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
         const int s = idx >> 5, ln = idx & 31;
         float v = 0.0f;
 #pragma unroll
         for (int wi = 0; wi < WARPS; ++wi) v += red[(wi * 8 + s) * 32 + ln];
         const int i = s >> 2, e = s & 3, gg = ln >> 2, tt = ln & 3;
-        const int64_t o = m0 + 16 * i + gg + 8 * (e >> 1);
+        const int r = 16 * i + gg + 8 * (e >> 1);   // row in the tile
+        const int64_t o = m0 + r;
         const int vec = 2 * tt + (e & 1);
         if (vec < a.n_vec && o < a.n_out) {
+            if (S == 1) {
+                float *dst = a.y + (int64_t)vec * a.n_out + o;
+                *dst = a.accumulate ? *dst + v : v;
+            } else {
+                __stcg(slot + vec * ROWS + r, v);
+            }
+        }
+    }
+    if (S == 1) return;   // uniform over the grid
+    // Split-K: the last of the tile's S blocks to arrive sums the S slots in split order. Release:
+    // every thread fences its slot stores (gpu scope) before the barrier, then one atomic; acquire:
+    // thread 0 fences after the atomic that saw the other S - 1 arrivals, and the barrier orders
+    // the block's slot loads after it. The loads go to L2 (ld.global.cg): L1 is not coherent.
+    __threadfence();
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(a.count + tile, 1u) == (uint32_t)(S - 1);
+        if (last) a.count[tile] = 0u;   // every arrival of this call is in; the next call starts from 0
+        __threadfence();
+    }
+    if (!__syncthreads_or(last)) return;
+    const float *slots = a.part + (size_t)tile * S * SLOT_FLOATS;
+    for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
+        const int vec = idx >> 5, r = idx & 31;   // consecutive threads: consecutive rows
+        const int64_t o = m0 + r;
+        if (vec < a.n_vec && o < a.n_out) {
+            float v = 0.0f;
+            for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);
             float *dst = a.y + (int64_t)vec * a.n_out + o;
             *dst = a.accumulate ? *dst + v : v;
         }
@@ -481,7 +551,8 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
 
 inline bool supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ).
+// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ);
+// also zeroes the workspace's split-K arrival counters.
 inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
     if (!supports(type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(type));
     if (K <= 0 || K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(K));
@@ -517,30 +588,39 @@ inline Device device() {
     return v;
 }
 
+// Once per (kernel, device): the shared-memory attribute (the launch and the occupancy query need
+// it), and whether the loaded code has the griddepcontrol.wait (compiled for compute_90+; code
+// built for an older target and JIT-run on sm_90 has none, and an early start would read x before
+// the prep wrote it).
 template <int TYPE, int WARPS, int STAGES>
-inline void launch_cfg(const Args &a, const Device &d, bool pdl, cudaStream_t st) {
-    // Once per device: the shared-memory attribute, and whether the loaded code has the
-    // griddepcontrol.wait (compiled for compute_90+; code built for an older target and
-    // JIT-run on sm_90 has none, and an early start would read x before the prep wrote it).
+inline bool setup(const Device &d) {
     static std::mutex mu;
     static std::map<int, bool> waits_of;
-    bool waits;
-    {
-        std::lock_guard<std::mutex> lock(mu);
-        auto it = waits_of.find(d.id);
-        if (it == waits_of.end()) {
-            check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            d.optin),
-                       "matvec_f16: shared-memory attribute");
-            cudaFuncAttributes fa;
-            check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES>), "matvec_f16: kernel attributes");
-            it = waits_of.emplace(d.id, fa.ptxVersion >= 90).first;
-        }
-        waits = it->second;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = waits_of.find(d.id);
+    if (it == waits_of.end()) {
+        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        d.optin),
+                   "matvec_f16: shared-memory attribute");
+        cudaFuncAttributes fa;
+        check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES>), "matvec_f16: kernel attributes");
+        it = waits_of.emplace(d.id, fa.ptxVersion >= 90).first;
     }
-    const size_t smem = std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, a.n_vec), (size_t)WARPS * 8 * 32 * 4);
+    return it->second;
+}
+
+template <int TYPE, int WARPS, int STAGES>
+inline size_t smem_bytes(int n_vec) {
+    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)WARPS * 8 * 32 * 4);
+}
+
+template <int TYPE, int WARPS, int STAGES>
+inline void launch_cfg(const Args &a, const Device &d, bool pdl, cudaStream_t st) {
+    const bool waits = setup<TYPE, WARPS, STAGES>(d);
+    const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
+    const int64_t blocks = (a.n_out + ROWS - 1) / ROWS * a.split;
     cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)((a.n_out + ROWS - 1) / ROWS));
+    cfg.gridDim = dim3((unsigned)blocks);
     cfg.blockDim = dim3(32 * WARPS);
     cfg.dynamicSmemBytes = smem;
     cfg.stream = st;
@@ -549,34 +629,118 @@ inline void launch_cfg(const Args &a, const Device &d, bool pdl, cudaStream_t st
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a);
+    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a);
     if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
         check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
-                       std::to_string(STAGES) + " stages, " + std::to_string(a.n_vec) + " vectors, grid " +
-                       std::to_string(cfg.gridDim.x) + ", " + std::to_string(smem) + " bytes of shared memory of " +
-                       std::to_string(d.optin) + ", PDL " + std::to_string(cfg.numAttrs) + ")").c_str());
+                       std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
+                       std::to_string(a.n_vec) + " vectors, grid " + std::to_string(blocks) + ", " + std::to_string(smem) +
+                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(cfg.numAttrs) + ")")
+                          .c_str());
 }
 
-// Configuration: 8 warps (split-K deeper) when the grid alone leaves SMs idle; 3 stages when two
-// blocks still fit an SM's shared memory, else 2. OJ_MVF16_CFG="warps,stages" forces one. The
-// warp count sets the split-K summation order, so it depends on the shape only, never on n_vec
-// (decided for 8 vectors' stages): 1..8 vectors stay bit-identical on every device.
-struct Config { int warps, stages; };
+// Resident blocks per SM of one configuration at n_vec vectors (the occupancy calculator:
+// registers, shared memory, its per-block reserve), cached per (device, configuration, n_vec).
+template <int TYPE, int WARPS, int STAGES>
+inline int resident_cfg(const Device &d, int n_vec) {
+    static std::mutex mu;
+    static std::map<std::pair<int, int>, int> cache;
+    setup<TYPE, WARPS, STAGES>(d);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find({d.id, n_vec});
+    if (it == cache.end()) {
+        int n = 0;
+        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_kernel<TYPE, WARPS, STAGES>, 32 * WARPS,
+                                                                 smem_bytes<TYPE, WARPS, STAGES>(n_vec)),
+                   "matvec_f16: occupancy");
+        it = cache.emplace(std::make_pair(d.id, n_vec), std::max(n, 1)).first;
+    }
+    return it->second;
+}
+template <int TYPE>
+inline int resident_type(const Device &d, int warps, int stages, int n_vec) {
+    if (warps == 8) return stages == 3 ? resident_cfg<TYPE, 8, 3>(d, n_vec) : resident_cfg<TYPE, 8, 2>(d, n_vec);
+    return stages == 3 ? resident_cfg<TYPE, 4, 3>(d, n_vec) : resident_cfg<TYPE, 4, 2>(d, n_vec);
+}
+inline int resident(const Device &d, int type, int warps, int stages, int n_vec) {
+    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K>(d, warps, stages, n_vec)
+                             : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
+}
+
+// Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair. Stages: 3 when two blocks
+// still fit an SM's shared memory, else 2. Split S (blocks per row tile): auto_split below;
+// OJ_MVF16_SPLIT=n forces n (clamped to 1..nb and to MAX_SLOTS slots); forced to 1 it also brings
+// back the unsplit rule for the warps (8 when the grid alone leaves SMs idle and K has >= 16
+// super-blocks), i.e. this kernel as it was before split-K, for comparisons.
+// The warp count and S set the summation order, so they depend on the shape and device only, never
+// on n_vec (decided on 8 vectors' stages and occupancy where it matters): 1..8 vectors stay
+// bit-identical on every device. The stage count may follow n_vec (it does not change the order).
+struct Config { int warps, stages, split; };
+
+inline int stages_for(const Device &d, int warps, size_t sb, int forced) {
+    const size_t s3 = (size_t)warps * 3 * sb;
+    int st = forced ? forced : (s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm) ? 3 : 2;
+    if ((size_t)warps * st * sb > (size_t)d.optin) st = 2;
+    return st;
+}
+
+// The split model: a row tile's S blocks stream nb / S super-blocks each, a warp ceil(nb / S /
+// warps) of them; what bounds a mid-size call is that chain per warp (each step is latency-bound
+// with few warps per SM), times the number of waves of `slots` resident blocks the grid needs (a
+// ragged last wave costs a whole block time). Per block a fixed cost of SPLIT_FILL steps (the first
+// loads, the block reduction) and, split, SPLIT_MEET more (fence, atomic, the last block's L2 reads).
+// The resident-block count depends on n_vec through the shared memory, so S minimises the sum of
+// the modelled times relative to their optimum at 8 vectors' and at 1 vector's occupancy.
+constexpr double SPLIT_FILL = 1.0, SPLIT_MEET = 0.5;
+inline double split_cost(int64_t tiles, int64_t nb, int warps, int S, int64_t slots) {
+    const int64_t waves = (tiles * S + slots - 1) / slots;
+    const int64_t per_warp = ((nb + S - 1) / S + warps - 1) / warps;
+    return (double)waves * ((double)per_warp + SPLIT_FILL + (S > 1 ? SPLIT_MEET : 0.0));
+}
+inline int auto_split(int64_t tiles, int64_t nb, int warps, int n_sm, int res_lo, int res_hi) {
+    const int64_t lo = (int64_t)n_sm * res_lo, hi = (int64_t)n_sm * std::max(res_lo, res_hi);
+    if (tiles >= 4 * lo) return 1;   // four waves or more: the tail is small already
+    // every warp at least one super-block; the partial slots; a sane bound on the loop
+    const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / warps), MAX_SLOTS / tiles, 64});
+    double best_lo = 1e300, best_hi = 1e300;
+    for (int S = 1; S <= smax; ++S) {
+        best_lo = std::min(best_lo, split_cost(tiles, nb, warps, S, lo));
+        best_hi = std::min(best_hi, split_cost(tiles, nb, warps, S, hi));
+    }
+    int pick_s = 1;
+    double pick_c = 1e300;
+    for (int S = 1; S <= smax; ++S) {
+        const double c = split_cost(tiles, nb, warps, S, lo) / best_lo + split_cost(tiles, nb, warps, S, hi) / best_hi;
+        if (c < pick_c - 1e-9) pick_c = c, pick_s = S;   // ties: the smaller S
+    }
+    return pick_s;
+}
+
 inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_vec) {
-    const int64_t blocks = (n_out + ROWS - 1) / ROWS, nb = K / QK_K;
-    const size_t sb = (size_t)stage_bytes(type, n_vec), sb8 = (size_t)stage_bytes(type, 8);
-    Config c = {0, 0}, forced = {0, 0};
+    const int64_t tiles = (n_out + ROWS - 1) / ROWS, nb = K / QK_K;
+    const size_t sb = (size_t)stage_bytes(type, n_vec), sb1 = (size_t)stage_bytes(type, 1), sb8 = (size_t)stage_bytes(type, 8);
+    Config c = {0, 0, 0}, forced = {0, 0, 0};
     if (const char *e = std::getenv("OJ_MVF16_CFG")) {
         int w = 0, s = 0;
-        if (std::sscanf(e, "%d,%d", &w, &s) == 2 && (w == 4 || w == 8) && (s == 2 || s == 3)) forced = {w, s};
+        if (std::sscanf(e, "%d,%d", &w, &s) == 2 && (w == 4 || w == 8) && (s == 2 || s == 3)) forced.warps = w, forced.stages = s;
     }
-    c.warps = forced.warps ? forced.warps : (blocks < d.n_sm && nb >= 16) ? 8 : 4;
+    if (const char *e = std::getenv("OJ_MVF16_SPLIT")) {
+        int n = 0;
+        if (std::sscanf(e, "%d", &n) == 1 && n >= 1) forced.split = n;
+    }
+    c.warps = forced.warps ? forced.warps : forced.split == 1 && tiles < d.n_sm && nb >= 16 ? 8 : 4;
     if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
-    const size_t s3 = (size_t)c.warps * 3 * sb;
-    c.stages = forced.stages ? forced.stages : (s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm) ? 3 : 2;
-    if ((size_t)c.warps * c.stages * sb > (size_t)d.optin) c.stages = 2;
+    c.stages = stages_for(d, c.warps, sb, forced.stages);
     if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
         fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
+    if (forced.split) {
+        c.split = forced.split;
+    } else {
+        const int res8 = resident(d, type, c.warps, stages_for(d, c.warps, sb8, forced.stages), 8);
+        const int res1 = resident(d, type, c.warps, stages_for(d, c.warps, sb1, forced.stages), 1);
+        c.split = auto_split(tiles, nb, c.warps, d.n_sm, res8, res1);
+    }
+    c.split = (int)std::min<int64_t>(c.split, nb);                                  // no empty split
+    if (c.split > 1 && tiles * c.split > MAX_SLOTS) c.split = (int)std::max<int64_t>(1, MAX_SLOTS / tiles);
     return c;
 }
 
@@ -591,35 +755,44 @@ inline void launch_type(const Args &a, const Config &c, const Device &d, bool pd
     }
 }
 
+// The configuration run() takes for this call (harnesses print it).
+inline Config config_for(int type, int64_t n_out, int64_t K, int n_vec) { return pick(device(), type, n_out, K, n_vec); }
+
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
-// order, the same K and n_vec). pdl: the previous kernel on the stream is the prep (sm_90: the
-// weight loads start before it finishes).
-inline void run(const Matrix &w, const void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
+// order, the same K and n_vec; run writes the workspace's split-K region). pdl: the previous kernel
+// on the stream is the prep (sm_90: the weight loads start before it finishes).
+inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
                 int64_t n_out, bool pdl, cudaStream_t st) {
     if (!supports(w.type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(w.type));
     if (w.K <= 0 || w.K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(w.K));
     if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
     if (n_out <= 0) return;
+    uint8_t *base = static_cast<uint8_t *>(ws);
     Args a;
     a.w = w;
-    a.xp = static_cast<const uint8_t *>(ws);
+    a.xp = base + XP_OFF;
     a.y = y;
     a.rows = rows;
+    a.part = reinterpret_cast<float *>(base + PART_OFF);
+    a.count = reinterpret_cast<uint32_t *>(base);
     a.n_out = n_out;
     a.n_vec = n_vec;
     a.accumulate = accumulate;
     const Device d = device();
     const Config c = pick(d, w.type, n_out, w.K, n_vec);
+    a.split = c.split;
     if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, c, d, pdl, st);
     else launch_type<TYPE_Q6_K>(a, c, d, pdl, st);
 }
 
 }  // namespace mvf16
 
+// Bytes of workspace for K (the split-K region, a fixed ~4 MB, then K / 256 records of prepared x).
 inline size_t matvec_f16_workspace_bytes(int64_t K) { return mvf16::workspace_bytes(K); }
 
 // y (+)= W x for 1..8 vectors, Q4_K / Q6_K: prep + matvec (the matvec overlapping the prep's tail
-// on sm_90). The workspace must hold matvec_f16_workspace_bytes(w.K).
+// on sm_90). The workspace must hold matvec_f16_workspace_bytes(w.K), belong to this stream while
+// the call runs, and need not be initialised (the prep zeroes what must start at 0).
 inline void matvec_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, void *ws,
                        cudaStream_t st) {
     mvf16::prep(w.type, x, w.K, n_vec, ws, st);

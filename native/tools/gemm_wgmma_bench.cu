@@ -1,14 +1,16 @@
-// gemm_wgmma_bench.cu: correctness and speed of tools/gemm_wgmma.cuh (Q4_K x P positions on Hopper's
-// wgmma, A = dequantised weights from registers) beside gemm_f16.cuh's Q4_K kernel, on the same
-// prepared X (gemmf16::prep_x: one workspace for both).
+// gemm_wgmma_bench.cu: correctness and speed of gemm_wgmma.cuh (Q4_K x P positions on Hopper's
+// wgmma, A = dequantised weights from registers) and gemm_wgmma_q6k.cuh (the same for Q6_K)
+// beside gemm_f16.cuh's kernel of the same type, on the same prepared X (gemmf16::prep_x: one
+// workspace for all).
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -Inative \
 //        native/tools/gemm_wgmma_bench.cu native/matvec.cu -o gwb -lgomp
-//   ./gwb [--table FILE]          (scripts/gpu_gemm_wgmma.sh builds and runs it)
+//   ./gwb [--table FILE] [--only Q4_K|Q6_K]     (scripts/gpu_gemm_wgmma.sh builds and runs it)
 //
-// Cases (K -> M): 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),
-// 6144 -> 5120 (ssm_out), 512 -> 200 (a partial row tile for every configuration) and 256 -> 72
-// (one super-block: a single pipeline step; fewer rows than one row tile). Random valid
+// Cases (K -> M): Q4_K 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240
+// (attn_qkv), 6144 -> 5120 (ssm_out); Q6_K 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),
+// 5120 -> 1024 (attn_v); per type 512 -> 200 (a partial row tile for every configuration) and
+// 256 -> 72 (one super-block: a single pipeline step; fewer rows than one row tile). Random valid
 // blocks (bench_blocks.cuh), the engine's to_device_layout, random X with a different scale per
 // position (every 13th 300x larger, position 5 all zero). For EVERY wgmma configuration, per P in
 // {77, 64, 256, 512, 2048} plus an accumulate run at P = 77, the output NaN-poisoned before each
@@ -18,11 +20,13 @@
 //       (rows 0..191: every fragment slot of up to 3 consumer warpgroups, plus spread and random
 //       rows; positions 0..15, tile edges, random): |err| <= 2e-3 of sum_k |w_k x_k|;
 //   (b) every output against matvec.cu's bf16-split path: |err| <= 3e-2 of the position's rms;
-//   every output finite, nothing past P written. gemm_f16 gets the same checks at P = 77, 2048.
+//   every output finite, nothing past P written. gemm_f16 (same type) gets the same checks at
+//   P = 77, 2048.
 // A kernel still running after 20 s is reported as a hang (exit 3).
 // Timing: median of RUNS (10; GB_RUNS) after 3 warm-ups, L2 flushed (256 MB memset) before each;
 // both GEMMs from the same prepared X (prep_x timed once); TFLOP/s = 2 M K P / GEMM time; then
-// every wgmma configuration at P = 2048. Exit status 1 on any failed check.
+// every wgmma configuration at P = 2048; per type the 27B map's uses of the cases summed. Exit
+// status 1 on any failed check.
 #include <unistd.h>
 
 #include <cuda_fp16.h>
@@ -39,6 +43,7 @@
 #include "engine.cuh"
 #include "gemm_f16.cuh"
 #include "gemm_wgmma.cuh"
+#include "gemm_wgmma_q6k.cuh"
 
 #include "tools/harness.cuh"
 
@@ -53,6 +58,7 @@ static int RUNS = 10;
 static FILE *g_table = nullptr;
 
 struct Shape {
+    int type;   // TYPE_Q4_K (gemm_wgmma.cuh) or TYPE_Q6_K (gemm_wgmma_q6k.cuh)
     const char *name;
     int64_t K, M;
     int count;   // uses in the 27B Q4_K_M map (64 layers + MTP), as gemm_f16_bench
@@ -76,8 +82,10 @@ static void sync_or_die(const char *what) {
     std::_Exit(3);
 }
 
+constexpr int MAX_CONFIGS = gemmwg::N_CONFIGS > gemmwg6::N_CONFIGS ? gemmwg::N_CONFIGS : gemmwg6::N_CONFIGS;
+
 struct Result {
-    double f_ms[4] = {0}, w_ms[4] = {0}, prep[4] = {0}, cfg_ms[gemmwg::N_CONFIGS] = {0};
+    double f_ms[4] = {0}, w_ms[4] = {0}, prep[4] = {0}, cfg_ms[MAX_CONFIGS] = {0};
     double err_w = 0, err_f = 0;
     bool ok = true;
 };
@@ -85,11 +93,42 @@ struct Result {
 static std::string cfg_name(const gemmwg::Config &c) {
     return std::to_string(c.nwg) + "," + std::to_string(c.bn) + "," + std::to_string(c.stages);
 }
+static std::string cfg_name(const gemmwg6::Config &c) {
+    return std::to_string(c.nwg) + "," + std::to_string(c.bn) + "," + std::to_string(c.stages) + "," + std::to_string(c.split);
+}
+
+// The wgmma kernel of each type: its configurations (ci = -1: the default) and its run.
+static int n_configs(int type) { return type == TYPE_Q6_K ? gemmwg6::N_CONFIGS : gemmwg::N_CONFIGS; }
+static std::string cfg_label(int type, int ci) {
+    return type == TYPE_Q6_K ? cfg_name(gemmwg6::CONFIGS[ci]) : cfg_name(gemmwg::CONFIGS[ci]);
+}
+static std::string cfg_shape(int type, int ci) {   // "(rows x positions x stages ...)"
+    char buf[96];
+    if (type == TYPE_Q6_K) {
+        const gemmwg6::Config &c = gemmwg6::CONFIGS[ci];
+        std::snprintf(buf, sizeof buf, "(rows x positions x stages %d x %d x %d, %s)", 64 * c.nwg, c.bn, c.stages,
+                      c.split ? "split sc" : "per-group");
+    } else {
+        const gemmwg::Config &c = gemmwg::CONFIGS[ci];
+        std::snprintf(buf, sizeof buf, "(rows x positions x stages %d x %d x %d)", 64 * c.nwg, c.bn, c.stages);
+    }
+    return buf;
+}
+static void wg_run(int type, const Matrix &w, const void *ws, int64_t P, float *y, bool accumulate, int ci) {
+    if (type == TYPE_Q6_K) {
+        if (ci < 0) gemm_wgmma_q6k_run(w, ws, P, y, accumulate, 0);
+        else gemmwg6::run(w, ws, P, y, accumulate, 0, gemmwg6::CONFIGS[ci]);
+    } else {
+        if (ci < 0) gemmwg::run(w, ws, P, y, accumulate, 0);
+        else gemmwg::run(w, ws, P, y, accumulate, 0, gemmwg::CONFIGS[ci]);
+    }
+}
 
 static Result run_case(const Shape &s, uint64_t seed) {
     Result res;
     const int64_t K = s.K, M = s.M;
-    const int type = TYPE_Q4_K;
+    const int type = s.type;
+    const char *tn = type_name(type);
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
     std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
     Matrix w;
@@ -113,10 +152,11 @@ static Result run_case(const Shape &s, uint64_t seed) {
     CK(cudaMalloc(&ws, ws_bytes));
     CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
 
-    // float64 reference on sampled pairs: rows 0..191 (every fragment slot of 3 warpgroups), spread
-    // and random rows, the last row; positions 0..15, tile edges, random, the last
+    // float64 reference on sampled pairs: rows 0..191 (every fragment slot of 3 warpgroups; Q6_K
+    // 0..255: its configurations go up to 4), spread and random rows, the last row; positions
+    // 0..15, tile edges, random, the last
     std::vector<int64_t> srows;
-    for (int64_t r = 0; r < std::min<int64_t>(192, M); ++r) srows.push_back(r);
+    for (int64_t r = 0; r < std::min<int64_t>(type == TYPE_Q6_K ? 256 : 192, M); ++r) srows.push_back(r);
     for (int i = 0; i < 12; ++i) srows.push_back((int64_t)((double)i / 11 * (M - 1)));
     for (int i = 0; i < 8; ++i) srows.push_back((int64_t)(g.next() % (uint64_t)M));
     std::vector<int> spos;
@@ -145,7 +185,7 @@ static Result run_case(const Shape &s, uint64_t seed) {
     }
 
     auto fail_msg = [&](const std::string &who, const char *what, int P, const char *detail) {
-        std::printf("FAIL Q4_K %s %s P=%d %s: %s\n", s.name, who.c_str(), P, what, detail);
+        std::printf("FAIL %s %s %s P=%d %s: %s\n", tn, s.name, who.c_str(), P, what, detail);
         res.ok = false;
     };
     auto fetch = [&](int P, const char *what) {
@@ -187,19 +227,18 @@ static Result run_case(const Shape &s, uint64_t seed) {
             }
         if (!(es <= 2e-3)) { std::snprintf(buf, sizeof buf, "vs float64 %.3e of sum|w x| (bar 2e-3)", es); fail_msg(who, "float64", P, buf); }
         if (!(ea <= 3e-2)) { std::snprintf(buf, sizeof buf, "vs matvec bf16 %.3e of rms on some output (bar 3e-2)", ea); fail_msg(who, "all-outputs", P, buf); }
-        std::printf("  Q4_K %-9s %-12s P=%-5d%s vs float64 %.3e of sum|wx|, all outputs vs matvec bf16 %.3e of rms\n", s.name,
+        std::printf("  %s %-9s %-12s P=%-5d%s vs float64 %.3e of sum|wx|, all outputs vs matvec bf16 %.3e of rms\n", tn, s.name,
                     who.c_str(), P, prev ? " (accumulate)" : "", es, ea);
         return es;
     };
 
     // every wgmma configuration (the default first) on every P, plus the accumulate run; gemm_f16 beside
-    for (int ci = 0; ci < gemmwg::N_CONFIGS; ++ci) {
-        const gemmwg::Config c = gemmwg::CONFIGS[ci];
-        const std::string who = "wgmma " + cfg_name(c);
+    for (int ci = 0; ci < n_configs(type); ++ci) {
+        const std::string who = "wgmma " + cfg_label(type, ci);
         for (int P : {P_ODD, PS[0], PS[1], PS[2], PS[3]}) {
             gemmf16::prep_x(dx, K, P, ws, 0);
             CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
-            gemmwg::run(w, ws, P, dy, false, 0, c);
+            wg_run(type, w, ws, P, dy, false, ci);
             fetch(P, who.c_str());
             const double es = check(who, P, nullptr);
             res.err_w = std::max(res.err_w, es);
@@ -211,7 +250,7 @@ static Result run_case(const Shape &s, uint64_t seed) {
             for (int64_t m = 0; m < M; ++m) prev[(size_t)P * M + m] = NAN;
             gemmf16::prep_x(dx, K, P, ws, 0);
             CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
-            gemmwg::run(w, ws, P, dy, true, 0, c);
+            wg_run(type, w, ws, P, dy, true, ci);
             fetch(P, who.c_str());
             res.err_w = std::max(res.err_w, check(who, P, &prev));
         }
@@ -229,26 +268,24 @@ static Result run_case(const Shape &s, uint64_t seed) {
         res.prep[pi] = median_ms([&] { gemmf16::prep_x(dx, K, P, ws, 0); });
         gemmf16::prep_x(dx, K, P, ws, 0);
         res.f_ms[pi] = median_ms([&] { gemmf16::run(w, ws, P, dy, false, 0); });
-        res.w_ms[pi] = median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0); });
+        res.w_ms[pi] = median_ms([&] { wg_run(type, w, ws, P, dy, false, -1); });
         const double fl = 2.0 * M * K * P;
-        const char *fmt = "Q4_K %-9s %6lld %6lld P=%-5d wgmma %8.4f ms %6.1f TFLOP/s | f16 %8.4f ms %6.1f TFLOP/s | prep_x %7.4f ms | "
+        const char *fmt = "%s %-9s %6lld %6lld P=%-5d wgmma %8.4f ms %6.1f TFLOP/s | f16 %8.4f ms %6.1f TFLOP/s | prep_x %7.4f ms | "
                           "speedup %.2fx\n";
-        std::printf(fmt, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12, res.f_ms[pi],
+        std::printf(fmt, tn, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12, res.f_ms[pi],
                     fl / (res.f_ms[pi] * 1e-3) / 1e12, res.prep[pi], res.f_ms[pi] / res.w_ms[pi]);
         if (g_table)
-            std::fprintf(g_table, fmt, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12,
+            std::fprintf(g_table, fmt, tn, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12,
                          res.f_ms[pi], fl / (res.f_ms[pi] * 1e-3) / 1e12, res.prep[pi], res.f_ms[pi] / res.w_ms[pi]);
         std::fflush(stdout);
     }
     {   // every configuration at P = 2048
         const int P = PS[3];
         gemmf16::prep_x(dx, K, P, ws, 0);
-        for (int ci = 0; ci < gemmwg::N_CONFIGS; ++ci) {
-            const gemmwg::Config c = gemmwg::CONFIGS[ci];
-            res.cfg_ms[ci] = median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0, c); });
-            std::printf("Q4_K %-9s P=%-5d wgmma config %s (rows x positions x stages %d x %d x %d): %8.4f ms %6.1f TFLOP/s\n", s.name,
-                        P, cfg_name(c).c_str(), 64 * c.nwg, c.bn, c.stages, res.cfg_ms[ci],
-                        2.0 * M * K * P / (res.cfg_ms[ci] * 1e-3) / 1e12);
+        for (int ci = 0; ci < n_configs(type); ++ci) {
+            res.cfg_ms[ci] = median_ms([&] { wg_run(type, w, ws, P, dy, false, ci); });
+            std::printf("%s %-9s P=%-5d wgmma config %s %s: %8.4f ms %6.1f TFLOP/s\n", tn, s.name, P, cfg_label(type, ci).c_str(),
+                        cfg_shape(type, ci).c_str(), res.cfg_ms[ci], 2.0 * M * K * P / (res.cfg_ms[ci] * 1e-3) / 1e12);
         }
     }
     CK(cudaFree(w.data));
@@ -262,9 +299,15 @@ static Result run_case(const Shape &s, uint64_t seed) {
 
 int main(int argc, char **argv) {
     const char *table_path = nullptr;
+    int only = -1;   // --only Q4_K | Q6_K: that type's cases alone
     for (int i = 1; i < argc; ++i) {
         if (!std::strcmp(argv[i], "--table") && i + 1 < argc) table_path = argv[++i];
-        else { std::fprintf(stderr, "gemm_wgmma_bench: unknown argument %s\n", argv[i]); return 2; }
+        else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
+            ++i;
+            if (!std::strcmp(argv[i], "Q4_K")) only = TYPE_Q4_K;
+            else if (!std::strcmp(argv[i], "Q6_K")) only = TYPE_Q6_K;
+            else { std::fprintf(stderr, "gemm_wgmma_bench: --only takes Q4_K or Q6_K, got %s\n", argv[i]); return 2; }
+        } else { std::fprintf(stderr, "gemm_wgmma_bench: unknown argument %s\n", argv[i]); return 2; }
     }
     if (const char *r = std::getenv("GB_RUNS")) RUNS = std::max(10, std::atoi(r));
     if (table_path) g_table = std::fopen(table_path, "w");
@@ -288,20 +331,39 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    for (int ci = 0; ci < gemmwg6::N_CONFIGS; ++ci) {
+        const gemmwg6::Config c = gemmwg6::CONFIGS[ci];
+        std::printf("wgmma Q6_K config %s %s: %d threads, %d B dynamic shared memory, consumer registers %d (producer %d)\n",
+                    cfg_name(c).c_str(), cfg_shape(TYPE_Q6_K, ci).c_str(), 128 * (c.nwg + 1),
+                    gemmwg6::smem_bytes(c.nwg, c.bn, c.stages), gemmwg::consumer_regs(c.nwg), gemmwg::PRODUCER_REGS);
+        if (gemmwg6::smem_bytes(c.nwg, c.bn, c.stages) > optin) {
+            std::printf("FAIL: Q6_K config %s needs more shared memory than the device allows\n", cfg_name(c).c_str());
+            return 1;
+        }
+    }
     CK(cudaMalloc(&g_flush, FLUSH_BYTES));
 
-    const std::vector<Shape> shapes = {{"ffn_gate", 5120, 17408, 130},
-                                       {"ffn_down", 17408, 5120, 32},
-                                       {"attn_qkv", 5120, 10240, 24},
-                                       {"ssm_out", 6144, 5120, 65},
-                                       {"ragged_m", 512, 200, 0},    // M = 200: a partial row tile for every config
-                                       {"one_sblk", 256, 72, 0}};    // K = 256: one step; M = 72 < every BM
+    // counts: uses in the 27B Q4_K_M map (Q6_K: ffn_down in 33 layers, attn_qkv in 24 of the 48
+    // DeltaNet layers, attn_v in 9 of the 16 attention layers)
+    std::vector<Shape> shapes;
+    for (const Shape &s : std::vector<Shape>{{TYPE_Q4_K, "ffn_gate", 5120, 17408, 130},
+                                             {TYPE_Q4_K, "ffn_down", 17408, 5120, 32},
+                                             {TYPE_Q4_K, "attn_qkv", 5120, 10240, 24},
+                                             {TYPE_Q4_K, "ssm_out", 6144, 5120, 65},
+                                             {TYPE_Q4_K, "ragged_m", 512, 200, 0},    // M = 200: a partial row tile for every config
+                                             {TYPE_Q4_K, "one_sblk", 256, 72, 0},     // K = 256: one step; M = 72 < every BM
+                                             {TYPE_Q6_K, "ffn_down", 17408, 5120, 33},
+                                             {TYPE_Q6_K, "attn_qkv", 5120, 10240, 24},
+                                             {TYPE_Q6_K, "attn_v", 5120, 1024, 9},
+                                             {TYPE_Q6_K, "ragged_m", 512, 200, 0},
+                                             {TYPE_Q6_K, "one_sblk", 256, 72, 0}})
+        if (only < 0 || s.type == only) shapes.push_back(s);
     std::vector<Result> results;
     uint64_t seed = 1;
     for (const Shape &s : shapes) {
         const Result r = run_case(s, seed++);
         results.push_back(r);
-        std::printf("  -> Q4_K %s: wgmma vs float64 %.2e of sum|wx| (gemm_f16 %.2e) %s\n", s.name, r.err_w, r.err_f,
+        std::printf("  -> %s %s: wgmma vs float64 %.2e of sum|wx| (gemm_f16 %.2e) %s\n", type_name(s.type), s.name, r.err_w, r.err_f,
                     r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
@@ -316,16 +378,21 @@ int main(int argc, char **argv) {
             wt[i] = fl / (r.w_ms[i] * 1e-3) / 1e12;
             ft[i] = fl / (r.f_ms[i] * 1e-3) / 1e12;
         }
-        std::printf("Q4_K %-9s | %7.1f %7.1f %7.1f %10.1f | %7.1f %7.1f %7.1f %10.1f | %.2fx%s\n", s.name, wt[0], wt[1], wt[2], wt[3],
-                    ft[0], ft[1], ft[2], ft[3], r.f_ms[3] / r.w_ms[3], r.ok ? "" : " FAIL");
+        std::printf("%s %-9s | %7.1f %7.1f %7.1f %10.1f | %7.1f %7.1f %7.1f %10.1f | %.2fx%s\n", type_name(s.type), s.name, wt[0], wt[1],
+                    wt[2], wt[3], ft[0], ft[1], ft[2], ft[3], r.f_ms[3] / r.w_ms[3], r.ok ? "" : " FAIL");
     }
-    for (int i = 0; i < 4; ++i) {
-        double wsum = 0, fsum = 0;
-        for (size_t c = 0; c < shapes.size(); ++c) {
-            wsum += shapes[c].count * results[c].w_ms[i];
-            fsum += shapes[c].count * results[c].f_ms[i];
+    for (int type : {TYPE_Q4_K, TYPE_Q6_K}) {
+        if (only >= 0 && type != only) continue;
+        for (int i = 0; i < 4; ++i) {
+            double wsum = 0, fsum = 0;
+            for (size_t c = 0; c < shapes.size(); ++c) {
+                if (shapes[c].type != type) continue;
+                wsum += shapes[c].count * results[c].w_ms[i];
+                fsum += shapes[c].count * results[c].f_ms[i];
+            }
+            std::printf("27B %s uses of these cases, P=%-5d: wgmma %8.2f ms, f16 %8.2f ms (GEMM only, X prep excluded)\n", type_name(type),
+                        PS[i], wsum, fsum);
         }
-        std::printf("27B Q4_K uses of these cases, P=%-5d: wgmma %8.2f ms, f16 %8.2f ms (GEMM only, X prep excluded)\n", PS[i], wsum, fsum);
     }
     std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
     if (g_table) std::fclose(g_table);

@@ -16,12 +16,19 @@
 //   - accumulate adds: y == prev + W x exactly (one fp32 add onto the same W x);
 //   - the engine's entry points with the f16 path forced (matvec.cu's launch_any): matvec
 //     bit-identical to matvec_f16; matvec_rows (an odd row subset with repeats) within 1e-4 rms;
-//   - edge shapes (K = 256, 768, 4096 with 77 rows) under each forced configuration
-//     (OJ_MVF16_CFG = 4,2 4,3 8,2 8,3): the same checks, no timing.
+//   - edge shapes (K = 256, 768, 4096 with 77 rows; K = 4608 with 1001 rows) under each forced
+//     configuration (OJ_MVF16_CFG = 4,2 4,3 8,2 8,3, and none) times each forced split-K
+//     (OJ_MVF16_SPLIT = 1, 2, 3, 7, clamped to the super-block count): the same checks, no timing;
+//   - the workspace is NaN-poisoned once when allocated (the split-K counters must be zeroed by the
+//     prep, and reset by each call's last blocks: every check runs many calls on one workspace);
+//   - split sweep (model shapes): the matvec alone under OJ_MVF16_SPLIT = 1..8 at n = 1 and 5,
+//     each forced split's 5-vector outputs within 1e-5 of the vector's rms of the picked split's.
 // Timing: CUDA events, median of RUNS after warm-up, L2 flushed (256 MB memset) before each run:
 // "f16" = prep + matvec (what one call costs, as the int8 path's quantise + matvec), "f16run" =
 // matvec alone on an already prepared x (the engine can prep once per x for several matrices),
-// "bf16" and "int8" = matvec.cu's paths. The 27B pass sums count x median over the map.
+// "bf16" and "int8" = matvec.cu's paths. The 27B pass sums count x median over the map; the split
+// sweep's pass lines: the matvec alone with the picked split, with split 1 forced (the kernel before
+// split-K) and with each shape's fastest split (what a perfect pick would give).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -63,13 +70,23 @@ struct Shape { const char *name; int64_t K, M; };
 enum Path { F16 = 0, F16RUN, BF16, INT8, NPATH };
 static const char *path_name[NPATH] = {"f16", "f16run", "bf16", "int8"};
 static const int TIMED_N[] = {1, 2, 5, 8};
+static const int SWEEP_S[] = {1, 2, 3, 4, 5, 6, 8};
+constexpr int NSWEEP = sizeof(SWEEP_S) / sizeof(SWEEP_S[0]);
 
 struct Result {
     double ms[NPATH][9] = {{0}};
     size_t bytes = 0;
     double ref_err = 0, bf_max = 0, bf_rms = 0;
     bool ok = true;
+    mvf16::Config cfg1 = {0, 0, 0}, cfg8 = {0, 0, 0};   // picked at n = 1 and 8
+    int sweep_s[NSWEEP] = {0}, sweep_w[NSWEEP] = {0};   // the split (and warps) each forced value ran
+    double sweep_ms[NSWEEP][2] = {{0}};                 // matvec alone, n = 1 and 5
 };
+
+static void set_env(const char *name, const char *value) {
+    if (value) setenv(name, value, 1);
+    else unsetenv(name);
+}
 
 static double g_copy = 0;
 
@@ -110,6 +127,7 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     CK(cudaMalloc(&dyr, 8 * n_rows * 4));
     CK(cudaMalloc(&drows, n_rows * 4));
     CK(cudaMalloc(&ws, matvec_f16_workspace_bytes(K)));
+    CK(cudaMemset(ws, 0xFF, matvec_f16_workspace_bytes(K)));   // garbage counters: the prep must zero them
     CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(drows, rows.data(), n_rows * 4, cudaMemcpyHostToDevice));
 
@@ -139,9 +157,11 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
         CK(cudaMemcpy(h.data(), d, h.size() * 4, cudaMemcpyDeviceToHost));
         return h;
     };
-    const char *cfg = nullptr;   // the forced configuration of the checks in progress (nullptr: picked)
+    const char *cfg = nullptr, *split = nullptr;   // the forced configuration / split of the checks in progress
     auto fail_case = [&](const char *what, int n, double v) {
-        std::printf("FAIL %s %s cfg %s %s n=%d: %.3e\n", type_name(type), s.name, cfg ? cfg : "picked", what, n, v);
+        const mvf16::Config c = mvf16::config_for(type, M, K, n);
+        std::printf("FAIL %s %s cfg %s split %s (ran %d warps, %d stages, split %d) %s n=%d: %.3e\n", type_name(type), s.name,
+                    cfg ? cfg : "picked", split ? split : "picked", c.warps, c.stages, c.split, what, n, v);
         res.ok = false;
     };
     const uint32_t POISON = 0xFFFFFFFFu;   // a NaN
@@ -218,15 +238,26 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     if (timed) {
         checks();
     } else {
-        static const char *cfgs[] = {"4,2", "4,3", "8,2", "8,3"};
-        for (const char *c : cfgs) {
-            cfg = c;
-            setenv("OJ_MVF16_CFG", c, 1);
-            checks();
-        }
-        unsetenv("OJ_MVF16_CFG");
-        cfg = nullptr;
+        static const char *cfgs[] = {"4,2", "4,3", "8,2", "8,3", nullptr};
+        static const char *splits[] = {"1", "2", "3", "7"};
+        for (const char *c : cfgs)
+            for (const char *sp : splits) {
+                cfg = c;
+                split = sp;
+                set_env("OJ_MVF16_CFG", c);
+                set_env("OJ_MVF16_SPLIT", sp);
+                checks();
+            }
+        // last: the picked configuration, so that y1 below is the picked one's
+        cfg = split = nullptr;
+        set_env("OJ_MVF16_CFG", nullptr);
+        set_env("OJ_MVF16_SPLIT", nullptr);
+        checks();
     }
+    res.cfg1 = mvf16::config_for(type, M, K, 1);
+    res.cfg8 = mvf16::config_for(type, M, K, 8);
+    if (res.cfg1.warps != res.cfg8.warps || res.cfg1.split != res.cfg8.split)   // the summation order must not follow n
+        fail_case("picked warps / split differ between 1 and 8 vectors (split at 8)", 8, res.cfg8.split);
     // against the bf16-split path, all outputs of 8 vectors (y1: the last configuration's)
     {
         matvec_force_path(0);
@@ -280,6 +311,35 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
             std::printf("%-5s %-10s %6lld %7lld %-6s n=%d %9.4f ms %7.0f GB/s %5.1f%% of copy\n", type_name(type), s.name,
                         (long long)K, (long long)M, path_name[p], n, ms, gbs, 100 * gbs / g_copy);
         }
+    // split sweep: the matvec alone, each forced split (clamped as run() clamps it), n = 1 and 5;
+    // the 5-vector outputs against the picked split's (y1: another summation grouping, so 1e-5 rms)
+    for (int i = 0; i < NSWEEP; ++i) {
+        char sv[8];
+        std::snprintf(sv, sizeof sv, "%d", SWEEP_S[i]);
+        split = sv;
+        set_env("OJ_MVF16_SPLIT", sv);
+        res.sweep_s[i] = mvf16::config_for(type, M, K, 1).split;
+        res.sweep_w[i] = mvf16::config_for(type, M, K, 1).warps;
+        for (int j = 0; j < 2; ++j) {
+            const int n = j ? 5 : 1;
+            mvf16::prep(type, dx, K, n, ws, 0);
+            res.sweep_ms[i][j] = median_ms([&] { mvf16::run(w, ws, dy, n, false, nullptr, M, false, 0); });
+        }
+        const std::vector<float> y = fetch(dy, 5 * M);
+        double worst = 0;
+        for (int v = 0; v < 5; ++v) {
+            double ss = 0;
+            for (int64_t m = 0; m < M; ++m) ss += (double)y1[(size_t)v * M + m] * y1[(size_t)v * M + m];
+            const double rms = std::sqrt(ss / M) + 1e-30;
+            for (int64_t m = 0; m < M; ++m) {
+                const double d = std::fabs((double)y[(size_t)v * M + m] - y1[(size_t)v * M + m]) / rms;
+                worst = std::max(worst, std::isfinite(d) ? d : 1e30);
+            }
+        }
+        if (!(worst <= 1e-5)) fail_case("split sweep: 5-vector outputs vs the picked split's / rms (tol 1e-5)", 5, worst);
+    }
+    split = nullptr;
+    set_env("OJ_MVF16_SPLIT", nullptr);
     CK(cudaFree(w.data));
     CK(cudaFree(dx));
     CK(cudaFree(dy));
@@ -318,34 +378,64 @@ int main(int argc, char **argv) {
     };
     // edge shapes, every configuration: one super-block (warps with no work, a warp with fewer
     // super-blocks than stages), 3 super-blocks, 16 (8 warps, 2 each); 77 rows (a partial
-    // row tile; Q6_K: an odd block count, so the d plane's last entry sits alone in its word)
-    const Shape e1{"edge_k256", 256, 77}, e3{"edge_k768", 768, 77}, e16{"edge_k4096", 4096, 77};
+    // row tile; Q6_K: an odd block count, so the d plane's last entry sits alone in its word);
+    // 1001 rows x 18 super-blocks: 32 row tiles (32 split counters), splits of 2..3 super-blocks
+    // under split 7 (warps with nothing to do inside a split)
+    const Shape e1{"edge_k256", 256, 77}, e3{"edge_k768", 768, 77}, e16{"edge_k4096", 4096, 77},
+        e18{"edge_k4608", 4608, 1001};
     uint64_t seed = 11;
     for (int type : {TYPE_Q4_K, TYPE_Q6_K})
-        for (const Shape &sh : {e1, e3, e16}) {
+        for (const Shape &sh : {e1, e3, e16, e18}) {
             const Result r = run_case(type, sh, seed++, false);
-            std::printf("  -> %s %s (configs 4,2 4,3 8,2 8,3): err/sum|wx| vs float64 %.2e, vs bf16-split max %.2e %s\n",
-                        type_name(type), sh.name, r.ref_err, r.bf_max, r.ok ? "ok" : "FAILED");
+            std::printf("  -> %s %s (configs 4,2 4,3 8,2 8,3 picked x splits 1 2 3 7, picked split %d): err/sum|wx| vs "
+                        "float64 %.2e, vs bf16-split max %.2e %s\n",
+                        type_name(type), sh.name, r.cfg1.split, r.ref_err, r.bf_max, r.ok ? "ok" : "FAILED");
             std::fflush(stdout);
         }
     std::map<std::string, Result> results;
     for (const Use &u : model) {
         const Result r = run_case(u.type, u.s, seed++);
         results[std::string(type_name(u.type)) + " " + u.s.name] = r;
-        std::printf("  -> %s %s: err/sum|wx| vs float64 %.2e, vs bf16-split max %.2e rms %.2e of rms %s\n",
-                    type_name(u.type), u.s.name, r.ref_err, r.bf_max, r.bf_rms, r.ok ? "ok" : "FAILED");
+        std::printf("  -> %s %s (picked: %d warps, split %d, stages %d at n=1 / %d at n=8): err/sum|wx| vs float64 %.2e, "
+                    "vs bf16-split max %.2e rms %.2e of rms %s\n",
+                    type_name(u.type), u.s.name, r.cfg1.warps, r.cfg1.split, r.cfg1.stages, r.cfg8.stages, r.ref_err, r.bf_max,
+                    r.bf_rms, r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
-    std::printf("\n%-16s %8s | %-29s | %-17s | %-17s | %-17s | %s\n", "case", "MB", "f16 (prep+mv) % copy n=1 2 5 8",
+    std::printf("\n%-16s %8s %5s | %-29s | %-17s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (prep+mv) % copy n=1 2 5 8",
                 "f16run n=1 5", "bf16 n=1 5", "int8 n=1 5", "err f64  vs bf16");
     for (const Use &u : model) {
         const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
         auto pct = [&](double ms) { return ms > 0 ? 100.0 * (r.bytes / (ms * 1e-3) / 1e9) / g_copy : 0.0; };
-        std::printf("%-5s %-10s %8.1f | %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
-                    type_name(u.type), u.s.name, r.bytes / 1e6, pct(r.ms[F16][1]), pct(r.ms[F16][2]), pct(r.ms[F16][5]),
-                    pct(r.ms[F16][8]), pct(r.ms[F16RUN][1]), pct(r.ms[F16RUN][5]), pct(r.ms[BF16][1]), pct(r.ms[BF16][5]),
-                    pct(r.ms[INT8][1]), pct(r.ms[INT8][5]), r.ref_err, r.bf_max, r.ok ? "" : " FAIL");
+        std::printf("%-5s %-10s %8.1f %2d/%-2d | %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
+                    type_name(u.type), u.s.name, r.bytes / 1e6, r.cfg1.warps, r.cfg1.split, pct(r.ms[F16][1]), pct(r.ms[F16][2]),
+                    pct(r.ms[F16][5]), pct(r.ms[F16][8]), pct(r.ms[F16RUN][1]), pct(r.ms[F16RUN][5]), pct(r.ms[BF16][1]),
+                    pct(r.ms[BF16][5]), pct(r.ms[INT8][1]), pct(r.ms[INT8][5]), r.ref_err, r.bf_max, r.ok ? "" : " FAIL");
     }
+    // split sweep: the matvec alone (f16run) in us per forced split; * marks the fastest, [] the picked
+    std::printf("\nsplit sweep (matvec alone, us, flushed L2; forced OJ_MVF16_SPLIT -> split run; * fastest, [] picked)\n");
+    double pass_pick[2] = {0}, pass_one[2] = {0}, pass_best[2] = {0};
+    for (const Use &u : model) {
+        const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
+        for (int j = 0; j < 2; ++j) {
+            int best = 0, pk = -1;
+            for (int i = 0; i < NSWEEP; ++i) {
+                if (r.sweep_ms[i][j] < r.sweep_ms[best][j]) best = i;
+                if (pk < 0 && r.sweep_s[i] == r.cfg1.split && r.sweep_w[i] == r.cfg1.warps) pk = i;
+            }
+            std::printf("%-5s %-10s n=%d |", type_name(u.type), u.s.name, j ? 5 : 1);
+            for (int i = 0; i < NSWEEP; ++i)
+                std::printf(" %c%d->%d%s %7.1f%c%c", i == pk ? '[' : ' ', SWEEP_S[i], r.sweep_s[i], r.sweep_w[i] == 8 ? "w8" : "",
+                            1e3 * r.sweep_ms[i][j], i == pk ? ']' : ' ', i == best ? '*' : ' ');
+            std::printf("\n");
+            pass_best[j] += u.count * r.sweep_ms[best][j];
+            pass_one[j] += u.count * r.sweep_ms[0][j];   // SWEEP_S[0] == 1: the unsplit kernel and warp rule
+            pass_pick[j] += u.count * (pk >= 0 ? r.sweep_ms[pk][j] : r.ms[F16RUN][j ? 5 : 1]);
+        }
+    }
+    std::printf("27B pass, matvec alone: picked split n=1 %6.2f ms n=5 %6.2f | split 1 (before split-K) n=1 %6.2f n=5 %6.2f | "
+                "fastest split per shape n=1 %6.2f n=5 %6.2f\n",
+                pass_pick[0], pass_pick[1], pass_one[0], pass_one[1], pass_best[0], pass_best[1]);
     for (int p = 0; p < NPATH; ++p) {
         double pass[9] = {0}, bytes = 0;
         for (const Use &u : model) {
