@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The harnesses written without a GPU at hand (2026-11-29, third session), in as few device calls
-# as their run times allow; each prints its own table and exits 1 on a failed check. Logs go to
-# $OUT/<name>/ (or /tmp/openjet-first-runs/<name>/); a summary line per harness is printed last.
+# The harnesses of kernels written without a GPU at hand, in as few device calls as their run times
+# allow; each prints its own table and exits 1 on a failed check. Logs go to $OUT/<name>/ (or
+# /tmp/openjet-first-runs/<name>/); a summary line per harness is printed last.
 #
-#   bash scripts/gpu_first_runs.sh kernels   # chunked DeltaNet, wgmma Q4_K GEMM, fp16 decode matvec (~6 minutes)
+#   bash scripts/gpu_first_runs.sh kernels   # Q6_K wgmma GEMM (+ Q4_K again), fp16 decode matvec with
+#                                            # split-K across blocks (written 2026-11-30; ~8 minutes)
+#   bash scripts/gpu_first_runs.sh f16       # the GPU suite under OPENJET_MATVEC=f16 (carry .whl; ~3
+#                                            # minutes): green -> make f16 the decode default
 #   bash scripts/gpu_first_runs.sh phases    # the per-phase ncu breakdown of decode (carry .whl; ~5 minutes)
-#   bash scripts/gpu_first_runs.sh agreement # q27b vs llama.cpp on tokenised text (carry .whl and .carry; ~5 minutes)
+#   bash scripts/gpu_first_runs.sh agreement # q27b vs llama.cpp on tokenised text (carry .whl and the sdist; ~5 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-first-runs}
@@ -25,9 +28,11 @@ run() {   # name, timeout seconds, command...
 }
 case "$what" in
     kernels)
-        run deltanet 150 bash scripts/gpu_deltanet.sh
-        run gemm_wgmma 200 bash scripts/gpu_gemm_wgmma.sh
-        run matvec_f16 200 bash scripts/gpu_matvec_f16.sh
+        run gemm_wgmma 300 env GB_TIMEOUT=230 bash scripts/gpu_gemm_wgmma.sh
+        run matvec_f16 260 env MB_TIMEOUT=200 bash scripts/gpu_matvec_f16.sh
+        ;;
+    f16)
+        run f16 300 env OPENJET_MATVEC=f16 PYTEST_TIMEOUT=240 OPENJET_GPU_POSITIONS=256 bash scripts/gpu_check.sh
         ;;
     phases)
         run phases 540 env PHASES_BUDGET=300 PHASES_REPS=2 bash scripts/gpu_phases.sh
@@ -36,6 +41,6 @@ case "$what" in
         run agreement 560 bash scripts/gpu_agreement.sh --text openjet_plugin/engine.py
         ;;
     *)
-        echo "gpu_first_runs: unknown group '$what' (kernels, phases, agreement)"; exit 2 ;;
+        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement)"; exit 2 ;;
 esac
 printf '%s\n' "${summary[@]}"
