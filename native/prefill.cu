@@ -28,6 +28,7 @@
 #include "engine.cuh"
 #include "gemm_f16.cuh"
 #include "gemm_wgmma.cuh"
+#include "gemm_wgmma_q6k.cuh"
 #include "gemm_prefill.cuh"
 
 namespace oj {
@@ -47,11 +48,20 @@ bool int8_gemm_only() {
 
 // Q4_K on Hopper's wgmma (gemm_wgmma.cuh: 520 TFLOP/s against gemm_f16's 228 at 2,048 positions on
 // the 27B shapes, the same arithmetic) where the device and the build allow it; OPENJET_PREFILL_GEMM=f16
-// keeps every type on gemm_f16's mma.sync (the reference the wgmma kernel was checked against).
+// keeps every type on gemm_f16's mma.sync (the reference the wgmma kernels were checked against).
+// OPENJET_PREFILL_GEMM=wgmma also takes Q6_K there (gemm_wgmma_q6k.cuh, written 2026-11-30 without a
+// GPU and not yet run: the default once its harness and the GPU suite have passed); asked for
+// explicitly, a GPU or build without wgmma is an error, not a silent fallback.
 bool wgmma_fits(const Matrix &w) {
     static const bool off = env_is("OPENJET_PREFILL_GEMM", "f16");
-    return !off && w.type == TYPE_Q4_K && w.K % QK_K == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0 &&
-           gemmwg::wgmma_available();
+    static const bool all = env_is("OPENJET_PREFILL_GEMM", "wgmma");
+    const bool typed = w.type == TYPE_Q4_K || (all && w.type == TYPE_Q6_K);
+    if (off || !typed || w.K % QK_K != 0 || reinterpret_cast<uintptr_t>(w.data) % 16 != 0) return false;
+    if (gemmwg::wgmma_available()) return true;
+    if (all)
+        fail(OJ_ERR_UNSUPPORTED, "OPENJET_PREFILL_GEMM=wgmma needs a cc 9.0 GPU (H100 / H200) and a build with sm_90a "
+                                 "code (OPENJET_CUDA_ARCHS including 90)");
+    return false;
 }
 
 // The input of one or more projections: P rows of K floats. The fp16 GEMM's prepared copy of it
@@ -73,9 +83,12 @@ void project(Engine &e, const Matrix &w, Input &in, float *y, bool accumulate) {
     if (gemm_f16_supports(w) && !int8_gemm_only()) {
         if (!in.prepared) gemmf16::prep_x(in.x, in.K, in.P, pf.workspace, e.stream);
         in.prepared = true;
-        if (wgmma_fits(w))
-            gemmwg::run(w, pf.workspace, in.P, y, accumulate, e.stream);
-        else
+        if (wgmma_fits(w)) {
+            if (w.type == TYPE_Q6_K)
+                gemm_wgmma_q6k_run(w, pf.workspace, in.P, y, accumulate, e.stream);
+            else
+                gemmwg::run(w, pf.workspace, in.P, y, accumulate, e.stream);
+        } else
             gemmf16::run(w, pf.workspace, in.P, y, accumulate, e.stream);
         return;
     }

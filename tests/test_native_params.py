@@ -64,8 +64,9 @@ def test_an_unknown_prefill_switch_is_a_reason_not_a_silent_default(model_file, 
     assert all(repr(v) in reason for v in native.SWITCHES[env] if v)
 
 
-@pytest.mark.parametrize("env,value", [("OPENJET_PREFILL_GEMM", "int8"), ("OPENJET_PREFILL_ATTN", "decode"),
-                                       ("OPENJET_PREFILL_DELTANET", "chunked")])
+@pytest.mark.parametrize("env,value", [("OPENJET_PREFILL_GEMM", "int8"), ("OPENJET_PREFILL_GEMM", "wgmma"),
+                                       ("OPENJET_PREFILL_ATTN", "decode"), ("OPENJET_PREFILL_DELTANET", "chunked"),
+                                       ("OPENJET_PREFILL_DELTANET", "sequential")])
 def test_a_known_prefill_switch_is_not_refused_for_it(model_file, monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     ok, reason = native.native_status(model_file, 64)

@@ -306,9 +306,9 @@ def test_q27b_prefill_then_decode_matches_stepping(native):
     assert not bad, f"q27b state after oj_prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
 
 
-def _prefill_to_file(path: str, tokens: list[int], cont: list[int], out: str) -> dict:
-    """In a child process (the engine reads OPENJET_PREFILL_DELTANET once per process): prefill
-    `tokens` (passes of CHUNK), save the state, then the logits of `cont` one position at a time."""
+def _prefill_to_file(path: str, tokens: list[int], cont: list[int], out: str, switch: str) -> dict:
+    """In a child process (the engine reads its switches once per process): prefill `tokens`
+    (passes of CHUNK), save the state, then the logits of `cont` one position at a time."""
     mf, be = _backend(Path(path), len(tokens) + len(cont) + 16, prefill_chunk=CHUNK)
     try:
         be.eval(tokens)
@@ -318,21 +318,37 @@ def _prefill_to_file(path: str, tokens: list[int], cont: list[int], out: str) ->
     finally:
         _close(mf, be)
     np.savez(out, after=after, **{f"state__{k}": v for k, v in state.items()})
-    return {"prefilled": prefilled, "deltanet": os.environ.get("OPENJET_PREFILL_DELTANET", "")}
+    return {"prefilled": prefilled, "switch": os.environ.get(switch, "")}
 
 
-SEQUENTIAL_MODELS = [("small", "Q4_K_M"), ("w256", "Q4_K_M")]
+def _gpu_is_hopper() -> bool:
+    from openjet_plugin.build_native import local_gpu_archs
+
+    return "90" in local_gpu_archs()
 
 
-@pytest.mark.parametrize("preset,quant", SEQUENTIAL_MODELS, ids=[f"{p}-{q}" for p, q in SEQUENTIAL_MODELS])
-def test_sequential_deltanet_prefill_matches_stepping(native, workdir, tmp_path, preset, quant):
-    """OPENJET_PREFILL_DELTANET=sequential (the fallback switch: the decode path's sequential
-    recurrence kernel over the pass, instead of the default chunked one of deltanet_chunked.cuh):
-    the same bars as the default prefill against one-token-at-a-time stepping."""
+# The prefill switches other than the defaults, each against one-token-at-a-time stepping with the
+# default prefill's bars: OPENJET_PREFILL_DELTANET=sequential (the decode path's recurrence kernel
+# over the pass instead of deltanet_chunked.cuh's), OPENJET_PREFILL_GEMM=wgmma (Q6_K on wgmma too,
+# gemm_wgmma_q6k.cuh; a cc 9.0 GPU only, where the engine refuses rather than falls back) on a model
+# whose every projection is Q6_K and one with the Q4_K_M map's mix.
+SWITCH_CASES = [("OPENJET_PREFILL_DELTANET", "sequential", "small", "Q4_K_M"),
+                ("OPENJET_PREFILL_DELTANET", "sequential", "w256", "Q4_K_M"),
+                ("OPENJET_PREFILL_GEMM", "wgmma", "small", "Q6_K"),
+                ("OPENJET_PREFILL_GEMM", "wgmma", "w256", "Q4_K_M")]
+
+
+@pytest.mark.parametrize("switch,value,preset,quant", SWITCH_CASES,
+                         ids=[f"{v}-{p}-{q}" for _, v, p, q in SWITCH_CASES])
+def test_prefill_switch_matches_stepping(native, workdir, tmp_path, switch, value, preset, quant):
+    """A prefill switch's kernels: the state after the prefill and the logits of the positions
+    decoded after it against an engine that stepped one token at a time (same bars as the default)."""
     import json
     import subprocess
     import textwrap
 
+    if value == "wgmma" and not _gpu_is_hopper():
+        pytest.skip("OPENJET_PREFILL_GEMM=wgmma needs a cc 9.0 GPU (H100 / H200)")
     path, origin = model_path(preset, quant, workdir)
     rng = np.random.default_rng(4096)
     mf, ref = _backend(path, N_PROMPT + N_CONTINUE + 16, prefill_chunk=0)
@@ -344,29 +360,29 @@ def test_sequential_deltanet_prefill_matches_stepping(native, workdir, tmp_path,
         plain = ref.eval_all_logits(cont, positions_per_call=1)
     finally:
         _close(mf, ref)
-    out = tmp_path / "sequential.npz"
+    out = tmp_path / "switch.npz"
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
         import test_native_prefill_gpu as t
         args = json.loads(sys.argv[1])
-        print("RESULT " + json.dumps(t._prefill_to_file({str(path)!r}, args[0], args[1], {str(out)!r})))
+        print("RESULT " + json.dumps(t._prefill_to_file({str(path)!r}, args[0], args[1], {str(out)!r}, {switch!r})))
     """)
     proc = subprocess.run([sys.executable, "-c", script, json.dumps([tokens, cont])], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OPENJET_PREFILL_DELTANET": "sequential"})
+                          timeout=600, env={**os.environ, switch: value})
     assert proc.returncode == 0, f"child failed (rc {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     info = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
-    assert info == {"prefilled": N_PROMPT, "deltanet": "sequential"}, info
+    assert info == {"prefilled": N_PROMPT, "switch": value}, info
     with np.load(out) as z:
         after = z["after"]
         state = {k[len("state__"):]: z[k] for k in z.files if k.startswith("state__")}
     errs = {k: rel_err(state[k], v) for k, v in want_state.items()}
     worst = max(errs, key=errs.get)
     top1, kl, kl_max = agreement(plain, after)
-    report({"test": "prefill_sequential_deltanet", "model": f"{preset}-{quant}", "origin": origin, "positions": N_PROMPT,
-            "state_worst": worst, "state_rel_err": errs[worst], "continue_top1": top1, "continue_kl_mean": kl,
-            "continue_kl_max": kl_max, "continued": N_CONTINUE})
+    report({"test": "prefill_switch", "switch": f"{switch}={value}", "model": f"{preset}-{quant}", "origin": origin,
+            "positions": N_PROMPT, "state_worst": worst, "state_rel_err": errs[worst], "continue_top1": top1,
+            "continue_kl_mean": kl, "continue_kl_max": kl_max, "continued": N_CONTINUE})
     assert np.isfinite(after).all()
     bad = {k: e for k, e in errs.items() if not e <= STATE_REL_MAX}
-    assert not bad, f"sequential DeltaNet prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
-    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"decoding after the sequential prefill: top-1 {top1:.4f}, mean KL {kl:.2e}"
+    assert not bad, f"{switch}={value} prefill vs stepping: relative errors above {STATE_REL_MAX}: {bad}"
+    assert top1 >= TOP1_MIN and kl <= KL_MAX, f"decoding after the {switch}={value} prefill: top-1 {top1:.4f}, mean KL {kl:.2e}"

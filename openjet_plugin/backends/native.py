@@ -39,7 +39,7 @@ MATVEC_PATHS = ("", "bf16", "int8", "f16")
 # The native engine's switches, read once per process, and the values each takes ("" = unset, the
 # default): matvec.cu's decode projections; prefill.cu's projections, attention and DeltaNet kernels.
 SWITCHES = {MATVEC_ENV: MATVEC_PATHS,
-            "OPENJET_PREFILL_GEMM": ("", "f16", "int8"),
+            "OPENJET_PREFILL_GEMM": ("", "f16", "int8", "wgmma"),
             "OPENJET_PREFILL_ATTN": ("", "flash", "decode"),
             "OPENJET_PREFILL_DELTANET": ("", "sequential", "chunked")}
 N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
