@@ -45,6 +45,27 @@
 //
 // Limits: Q4_K only, K % 256 == 0, M >= 1, P >= 1; sm_90a only (for any other target the kernel
 // body is a trap and wgmma_available() says false; run() refuses with a clear error).
+//
+// FFN gate + up + SwiGLU in one kernel (template flag SWIGLU; gemm_wgmma_q4k_swiglu; written
+// 2026-11-30 without a GPU, not yet run): y[p][m] = silu(W_gate[m] x_p) * (W_up[m] x_p). NWG = 2;
+// the block owns 64 OUTPUT rows m0 .. m0 + 63 (grid y = M / 64): the producer loads per stage the
+// shared X / xsum boxes as above and TWO W boxes of 64 rows (gate rows m0.. at W_OFF from tm_w, up
+// rows m0.. at W_OFF + 64 * 144 from tm_w2: the same bytes, the same TX, as one 128-row box), so
+// consumer 0 computes the gate tile and consumer 1 the up tile of the same rows with the main loop
+// unchanged (rl0 = 64 c + ... lands in box c). The two accumulators have the same (row, position)
+// per (thread of the warpgroup, register), so the epilogue splits the tile's positions: consumer 0
+// finishes registers i < BN/4 (positions n0 .. n0 + BN/2 - 1), consumer 1 the rest (both warpgroups
+// busy: the epilogue is not overlapped with MMA at one block per SM). After the loop each stores the
+// OTHER half of its acc registers to an exchange area AFTER the stages, XCH[i][tid] (i = register
+// 0 .. BN/2 - 1: up from consumer 1 for i < BN/4, gate from consumer 0 above; tid = thread of the
+// warpgroup: consecutive threads, consecutive words, no bank conflicts; BN * 256 bytes), both
+// consumer warpgroups meet at named barrier 1 (bar.sync 1, 256; barrier 0 is __syncthreads, the
+// producer takes no part), and each reads XCH[i][tid] beside its own acc[i] for its half and writes
+// silu(acc_g * inv) * (acc_u * inv) (reduce.cuh's silu, products rounded as the unfused epilogue
+// stores them: the result is bit-identical to gate, up, then elementwise.cu's swiglu). The
+// exchange area is its own (not a reused stage): consumers run up to STAGES steps apart, so when
+// consumer 1 leaves its loop consumer 0's wgmma may still read the last stages' X; one block per SM
+// either way, so the extra 16 / 32 KB costs nothing.
 #pragma once
 
 #include <cuda.h>   // CUtensorMap (types only; the encode entry point comes via the runtime, no -lcuda)
@@ -61,6 +82,7 @@
 #include <string>
 
 #include "gemm_f16.cuh"
+#include "reduce.cuh"   // silu, the engine's one SwiGLU formula
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define OJ_WGMMA_DEVICE 1
@@ -83,6 +105,9 @@ __host__ __device__ constexpr int stage_bytes(int nwg, int bn) {
     return (stage_x(bn) + stage_xs(bn) + 64 * nwg * W_ROW + 1023) / 1024 * 1024;
 }
 __host__ __device__ constexpr int smem_bytes(int nwg, int bn, int stages) { return stages * stage_bytes(nwg, bn) + 1024; }
+// SWIGLU: consumer 1's up accumulators, BN / 2 fp32 per thread x 128 threads, after the stages
+__host__ __device__ constexpr int xch_bytes(int bn) { return bn / 2 * 128 * 4; }
+__host__ __device__ constexpr int smem_bytes_swiglu(int bn, int stages) { return stages * stage_bytes(2, bn) + xch_bytes(bn) + 1024; }
 
 // Registers per thread: the entry cap from __launch_bounds__(128 (NWG + 1), 1), the producer's
 // after setmaxnreg.dec, the consumers' after .inc (the pool is the entry allocation).
@@ -131,6 +156,9 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// named barrier ID over COUNT threads (whole warps); barrier 0 is __syncthreads'
+template <int ID, int COUNT>
+__device__ __forceinline__ void named_bar_sync() { asm volatile("bar.sync %0, %1;\n" ::"n"(ID), "n"(COUNT) : "memory"); }
 template <int N>
 __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
 // keeps the compiler from moving reads of a wgmma accumulator above the wait_group
@@ -178,6 +206,29 @@ __device__ __forceinline__ void wgmma_bn(float (&d)[BN / 2], uint32_t a0, uint32
     if constexpr (BN == 128) wgmma_n128(d, a0, a1, a2, a3, desc, accumulate);
     else wgmma_n64(d, a0, a1, a2, a3, desc, accumulate);
 }
+
+// The plain epilogue of a consumer's 64 x BN accumulator tile (Q4_K and gemm_wgmma_q6k.cuh's Q6_K):
+// D value i = 4 jn + e is row rl0 + 8 (e >> 1), position 8 jn + 2 t + (e & 1); y[pos][row] (+)=
+// acc * 2^-e_pos for rows < M and positions < P. ARGS: inv, y, M, P, accumulate.
+template <int BN, class ARGS>
+__device__ __forceinline__ void store_tile(const ARGS &a, const float (&acc)[BN / 2], int m0, int n0, int rl0, int t) {
+#pragma unroll
+    for (int jn = 0; jn < BN / 8; ++jn)
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+            const int64_t pos = n0 + 8 * jn + 2 * t + e1;
+            if (pos >= a.P) continue;
+            const float iv = a.inv[pos];
+#pragma unroll
+            for (int e2 = 0; e2 < 2; ++e2) {
+                const int64_t row = (int64_t)m0 + rl0 + 8 * e2;
+                if (row >= a.M) continue;
+                float *dst = a.y + pos * a.M + row;
+                const float v = acc[4 * jn + 2 * e2 + e1] * iv;
+                *dst = a.accumulate ? *dst + v : v;
+            }
+        }
+}
 #endif  // OJ_WGMMA_DEVICE
 
 struct Args {
@@ -191,13 +242,17 @@ struct Args {
 // ---------------------------------------------------------------------------------------------
 // the kernel
 
-template <int NWG, int BN, int STAGES>
+// SWIGLU (see the header): tm_w = W_gate, tm_w2 = W_up (boxes of 64 rows), y = swiglu, no
+// accumulate; otherwise tm_w2 is unused (the launcher passes tm_w again).
+template <int NWG, int BN, int STAGES, bool SWIGLU = false>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_xs,
-                      const __grid_constant__ CUtensorMap tm_w, const Args a) {
+                      const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_w2, const Args a) {
 #ifdef OJ_WGMMA_DEVICE
     static_assert(BN == 64 || BN == 128, "BN: 64 or 128 positions");
-    constexpr int BM = 64 * NWG;
+    static_assert(!SWIGLU || NWG == 2, "SWIGLU: consumer 0 the gate rows, consumer 1 the same rows of up");
+    constexpr int BM = 64 * NWG;                   // W rows per stage (both matrices' under SWIGLU)
+    constexpr int BM_OUT = SWIGLU ? 64 : BM;       // output rows per block
     constexpr int SB = stage_bytes(NWG, BN);
     constexpr int XS_OFF = stage_x(BN), W_OFF = stage_x(BN) + stage_xs(BN);
     constexpr uint32_t TX = stage_x(BN) + stage_xs(BN) + BM * W_ROW;   // full boxes, OOB fill included
@@ -208,7 +263,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
     uint8_t *const sbase = smem_raw + (base - smem_u32(smem_raw));
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM;
+    const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM_OUT;
     const int nsteps = a.nsteps;
 
     if (threadIdx.x == 0) {
@@ -228,6 +283,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_x)) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_xs)) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_w)) : "memory");
+            if constexpr (SWIGLU) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_w2)) : "memory");
             for (int u = 0; u < nsteps; ++u) {
                 const int s = u % STAGES;
                 if (u >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), (uint32_t)((u / STAGES) - 1) & 1u);
@@ -237,7 +293,11 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 #pragma unroll
                 for (int at = 0; at < 4; ++at) tma_2d(st + at * BN * 128, &tm_x, u * 256 + 64 * at, n0, fb);
                 tma_3d(st + XS_OFF, &tm_xs, 0, n0, u, fb);
-                tma_2d(st + W_OFF, &tm_w, u * W_ROW, m0, fb);
+                if constexpr (SWIGLU) {   // gate rows m0.. for consumer 0, the same rows of up for consumer 1
+                    tma_2d(st + W_OFF, &tm_w, u * W_ROW, m0, fb);
+                    tma_2d(st + W_OFF + 64 * W_ROW, &tm_w2, u * W_ROW, m0, fb);
+                } else
+                    tma_2d(st + W_OFF, &tm_w, u * W_ROW, m0, fb);
             }
         }
     } else {
@@ -327,23 +387,54 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             }
         }
 
-        // D value i = 4 jn + e: row rl0 + 8 (e >> 1), position 8 jn + 2 t + (e & 1)
+        if constexpr (SWIGLU) {
+            // Both consumer warpgroups finish half of the tile: consumer 0 positions n0 .. n0 + BN/2 - 1
+            // (registers i < R/2, jn < BN/16), consumer 1 the rest. Each hands the other half of its
+            // accumulators over through XCH[i][tid] (i < R/2: up from consumer 1; i >= R/2: gate
+            // from consumer 0; same fragment layout in both warpgroups), then named barrier 1 over
+            // the two consumer warpgroups orders the stores before the loads (bar.sync: shared-memory
+            // accesses before it are performed for every participating thread after it).
+            constexpr int H = R / 2;
+            float *const xch = reinterpret_cast<float *>(sbase + (size_t)STAGES * SB);
+            const int tid = threadIdx.x & 127;
+            if (c == 0) {
 #pragma unroll
-        for (int jn = 0; jn < BN / 8; ++jn)
+                for (int i = H; i < R; ++i) xch[i * 128 + tid] = acc[i];
+            } else {
 #pragma unroll
-            for (int e1 = 0; e1 < 2; ++e1) {
-                const int64_t pos = n0 + 8 * jn + 2 * t + e1;
-                if (pos >= a.P) continue;
-                const float iv = a.inv[pos];
-#pragma unroll
-                for (int e2 = 0; e2 < 2; ++e2) {
-                    const int64_t row = (int64_t)m0 + rl0 + 8 * e2;
-                    if (row >= a.M) continue;
-                    float *dst = a.y + pos * a.M + row;
-                    const float v = acc[4 * jn + 2 * e2 + e1] * iv;
-                    *dst = a.accumulate ? *dst + v : v;
-                }
+                for (int i = 0; i < H; ++i) xch[i * 128 + tid] = acc[i];
             }
+            named_bar_sync<1, 256>();
+            const int rb = 16 * warp + g;   // the block's output rows rb, rb + 8 (either consumer)
+            // D value i = 4 jn + e: row rb + 8 (e >> 1), position 8 jn + 2 t + (e & 1)
+            auto finish = [&](const int jn) {
+#pragma unroll
+                for (int e1 = 0; e1 < 2; ++e1) {
+                    const int64_t pos = n0 + 8 * jn + 2 * t + e1;
+                    if (pos >= a.P) continue;
+                    const float iv = a.inv[pos];
+#pragma unroll
+                    for (int e2 = 0; e2 < 2; ++e2) {
+                        const int64_t row = (int64_t)m0 + rb + 8 * e2;
+                        if (row >= a.M) continue;
+                        const int i = 4 * jn + 2 * e2 + e1;
+                        const float other = xch[i * 128 + tid];
+                        // rounded as the unfused epilogue stores gate and up (no contraction)
+                        const float gate = __fmul_rn(c == 0 ? acc[i] : other, iv), up = __fmul_rn(c == 0 ? other : acc[i], iv);
+                        a.y[pos * a.M + row] = silu(gate) * up;
+                    }
+                }
+            };
+            if (c == 0) {
+#pragma unroll
+                for (int jn = 0; jn < BN / 16; ++jn) finish(jn);
+            } else {
+#pragma unroll
+                for (int jn = BN / 16; jn < BN / 8; ++jn) finish(jn);
+            }
+        } else {
+            store_tile<BN>(a, acc, m0, n0, rl0, t);
+        }
     }
 #else
     __trap();   // built for a target without wgmma (needs -gencode arch=compute_90a,code=sm_90a)
@@ -418,6 +509,31 @@ inline void encode(CUtensorMap *m, CUtensorMapDataType type, int rank, const voi
                                                              " (CUresult " + std::to_string((int)r) + ")");
 }
 
+// X fp16 [P_pad][K] (boxes of 64 halves = 128 B, the swizzle span, x bn positions) and xsum hi/lo
+// fp16 [K/256][P_pad][16] (boxes of 16 halves = 32 B x bn positions x 1 step) of a prepared workspace
+inline void encode_x_maps(CUtensorMap *tx, CUtensorMap *txs, const uint8_t *ws, int64_t K, int64_t P, int bn) {
+    const int64_t pp = gemmf16::padded_positions(P), nb = K / QK_K;
+    const gemmf16::WsLayout l = gemmf16::ws_layout(K, P);
+    {
+        const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)pp}, strides[1] = {(cuuint64_t)K * 2};
+        const cuuint32_t box[2] = {64, (cuuint32_t)bn};
+        encode(tx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ws + l.xh, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "X");
+    }
+    {
+        const cuuint64_t dims[3] = {16, (cuuint64_t)pp, (cuuint64_t)nb}, strides[2] = {32, (cuuint64_t)pp * 32};
+        const cuuint32_t box[3] = {16, (cuuint32_t)bn, 1};
+        encode(txs, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, ws + l.xs, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_32B, "xsum");
+    }
+}
+
+// Q4_K rows as bytes [M][K/256 * 144]: boxes of one super-block x `rows` rows
+inline void encode_w_map(CUtensorMap *tw, const Matrix &w, int rows, const char *what) {
+    const int64_t nb = w.K / QK_K;
+    const cuuint64_t dims[2] = {(cuuint64_t)(nb * W_ROW), (cuuint64_t)w.M}, strides[1] = {(cuuint64_t)(nb * W_ROW)};
+    const cuuint32_t box[2] = {(cuuint32_t)W_ROW, (cuuint32_t)rows};
+    encode(tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, what);
+}
+
 template <int NWG, int BN, int STAGES>
 inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, bool accumulate, cudaStream_t st) {
     constexpr int SMEM = smem_bytes(NWG, BN, STAGES);
@@ -434,24 +550,11 @@ inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, 
             done.insert(dev);
         }
     }
-    const int64_t K = w.K, M = w.M, pp = gemmf16::padded_positions(P), nb = K / QK_K;
+    const int64_t K = w.K, M = w.M, nb = K / QK_K;
     const gemmf16::WsLayout l = gemmf16::ws_layout(K, P);
     alignas(64) CUtensorMap tx, txs, tw;
-    {   // X fp16 [P_pad][K]: boxes of 64 halves (128 B, the swizzle span) x BN positions
-        const cuuint64_t dims[2] = {(cuuint64_t)K, (cuuint64_t)pp}, strides[1] = {(cuuint64_t)K * 2};
-        const cuuint32_t box[2] = {64, (cuuint32_t)BN};
-        encode(&tx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ws + l.xh, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "X");
-    }
-    {   // xsum hi/lo fp16 [K/256][P_pad][16]: boxes of 16 halves (32 B) x BN positions x 1 step
-        const cuuint64_t dims[3] = {16, (cuuint64_t)pp, (cuuint64_t)nb}, strides[2] = {32, (cuuint64_t)pp * 32};
-        const cuuint32_t box[3] = {16, (cuuint32_t)BN, 1};
-        encode(&txs, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, ws + l.xs, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_32B, "xsum");
-    }
-    {   // Q4_K rows as bytes [M][K/256 * 144]: boxes of one super-block x BM rows
-        const cuuint64_t dims[2] = {(cuuint64_t)(nb * W_ROW), (cuuint64_t)M}, strides[1] = {(cuuint64_t)(nb * W_ROW)};
-        const cuuint32_t box[2] = {(cuuint32_t)W_ROW, (cuuint32_t)(64 * NWG)};
-        encode(&tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, "Q4_K weights");
-    }
+    encode_x_maps(&tx, &txs, ws, K, P, BN);
+    encode_w_map(&tw, w, 64 * NWG, "Q4_K weights");
     Args a;
     a.inv = reinterpret_cast<const float *>(ws + l.inv);
     a.y = y;
@@ -460,9 +563,49 @@ inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, 
     a.nsteps = (int)nb;
     a.accumulate = accumulate;
     const dim3 grid((unsigned)((P + BN - 1) / BN), (unsigned)((M + 64 * NWG - 1) / (64 * NWG)));
-    gemm_wgmma_kernel<NWG, BN, STAGES><<<grid, 128 * (NWG + 1), SMEM, st>>>(tx, txs, tw, a);
+    gemm_wgmma_kernel<NWG, BN, STAGES><<<grid, 128 * (NWG + 1), SMEM, st>>>(tx, txs, tw, tw, a);
     check_launch("gemm_wgmma: kernel");
 }
+
+// The fused gate + up + SwiGLU kernel (NWG = 2, 64 output rows per block; see the header).
+template <int BN, int STAGES>
+inline void launch_swiglu_cfg(const Matrix &w_gate, const Matrix &w_up, const uint8_t *ws, int64_t P, float *y, cudaStream_t st) {
+    constexpr int SMEM = smem_bytes_swiglu(BN, STAGES);
+    {   // once per device (cudaFuncSetAttribute acts on the current device only)
+        static std::mutex mu;
+        static std::set<int> done;
+        int dev = 0;
+        check_cuda(cudaGetDevice(&dev), "gemm_wgmma swiglu: cudaGetDevice");
+        std::lock_guard<std::mutex> lock(mu);
+        if (!done.count(dev)) {
+            check_cuda(cudaFuncSetAttribute(gemm_wgmma_kernel<2, BN, STAGES, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            SMEM),
+                       "gemm_wgmma swiglu: shared-memory attribute");
+            done.insert(dev);
+        }
+    }
+    const int64_t K = w_gate.K, M = w_gate.M, nb = K / QK_K;
+    const gemmf16::WsLayout l = gemmf16::ws_layout(K, P);
+    alignas(64) CUtensorMap tx, txs, tg, tu;
+    encode_x_maps(&tx, &txs, ws, K, P, BN);
+    encode_w_map(&tg, w_gate, 64, "Q4_K ffn gate weights");
+    encode_w_map(&tu, w_up, 64, "Q4_K ffn up weights");
+    Args a;
+    a.inv = reinterpret_cast<const float *>(ws + l.inv);
+    a.y = y;
+    a.M = M;
+    a.P = P;
+    a.nsteps = (int)nb;
+    a.accumulate = false;
+    const dim3 grid((unsigned)((P + BN - 1) / BN), (unsigned)((M + 63) / 64));
+    gemm_wgmma_kernel<2, BN, STAGES, true><<<grid, 128 * 3, SMEM, st>>>(tx, txs, tg, tu, a);
+    check_launch("gemm_wgmma swiglu: kernel");
+}
+
+// The fused gate + up + SwiGLU kernel's configurations (NWG = 2 only), the default first:
+// 64 output rows x 128 positions x 2 stages (205 KB with the 32 KB exchange area), 64 x 64 x 4 (225 KB).
+constexpr int N_SWIGLU_CONFIGS = 2;
+constexpr Config SWIGLU_CONFIGS[N_SWIGLU_CONFIGS] = {{2, 128, 2}, {2, 64, 4}};
 
 inline int config_index(const Config &c) {
     for (int i = 0; i < N_CONFIGS; ++i)
@@ -478,6 +621,19 @@ inline Config pick_config() {
         fail(OJ_ERR_INVALID_ARGUMENT, std::string("gemm_wgmma: OJ_GEMMWG_CFG=") + e + " is not one of the instantiated configurations");
     }
     return CONFIGS[0];
+}
+
+inline int swiglu_config_index(const Config &c) {
+    for (int i = 0; i < N_SWIGLU_CONFIGS; ++i)
+        if (SWIGLU_CONFIGS[i].nwg == c.nwg && SWIGLU_CONFIGS[i].bn == c.bn && SWIGLU_CONFIGS[i].stages == c.stages) return i;
+    return -1;
+}
+
+// OJ_GEMMWG_CFG when it names one of SWIGLU_CONFIGS (a 2-warpgroup one), else the default: the
+// variable is a comparison knob for the plain kernel, whose 3-warpgroup shape has no fused form.
+inline Config pick_swiglu_config() {
+    const Config c = pick_config();
+    return swiglu_config_index(c) >= 0 ? c : SWIGLU_CONFIGS[0];
 }
 
 inline void check_shape(const Matrix &w, int64_t P) {
@@ -510,7 +666,39 @@ inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, boo
     }
 }
 
+// y[p][m] = silu(W_gate[m] . x[p]) * (W_up[m] . x[p]) from a workspace prepared by gemmf16::prep_x
+// (K and P): the FFN's gate and up in one wgmma kernel, SwiGLU in its epilogue.
+inline void run_swiglu(const Matrix &w_gate, const Matrix &w_up, const void *workspace, int64_t P, float *y, cudaStream_t st,
+                       Config c = Config{0, 0, 0}) {
+    if (w_gate.type != TYPE_Q4_K || w_up.type != TYPE_Q4_K)
+        fail(OJ_ERR_UNSUPPORTED, std::string("gemm_wgmma_q4k_swiglu: gate and up must both be Q4_K, got gate ") + type_name(w_gate.type) +
+                                     ", up " + type_name(w_up.type));
+    if (w_gate.K != w_up.K || w_gate.M != w_up.M)
+        fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q4k_swiglu: gate is K " + std::to_string(w_gate.K) + " x M " + std::to_string(w_gate.M) +
+                                          ", up is K " + std::to_string(w_up.K) + " x M " + std::to_string(w_up.M) + "; they must match");
+    check_shape(w_gate, P);
+    check_shape(w_up, P);
+    if (!y) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q4k_swiglu: output is NULL");
+    if (!wgmma_available())
+        fail(OJ_ERR_UNSUPPORTED, "gemm_wgmma_q4k_swiglu: needs a Hopper GPU (cc 9.0) and a build with -gencode arch=compute_90a,code=sm_90a");
+    if (!c.nwg) c = pick_swiglu_config();
+    if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q4k_swiglu: workspace not 16-byte aligned");
+    const uint8_t *ws = static_cast<const uint8_t *>(workspace);
+    switch (swiglu_config_index(c)) {
+        case 0: launch_swiglu_cfg<128, 2>(w_gate, w_up, ws, P, y, st); break;
+        case 1: launch_swiglu_cfg<64, 4>(w_gate, w_up, ws, P, y, st); break;
+        default: fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q4k_swiglu: unknown configuration (2,128,2 or 2,64,4)");
+    }
+}
+
 }  // namespace gemmwg
+
+// The FFN's SwiGLU input of the down projection, y[p][m] = silu(W_gate[m] . x[p]) * (W_up[m] . x[p]),
+// in one wgmma kernel (both Q4_K, same K and M); the workspace prepared by gemmf16::prep_x for K, P.
+inline void gemm_wgmma_q4k_swiglu(const Matrix &w_gate, const Matrix &w_up, const void *workspace, int64_t P, float *y,
+                                  cudaStream_t st) {
+    gemmwg::run_swiglu(w_gate, w_up, workspace, P, y, st);
+}
 
 // y[p][m] (+)= W[m] . x[p] for Q4_K W on Hopper's wgmma; the workspace is gemm_f16's
 // (gemm_f16_workspace_bytes(w.K, P) bytes).

@@ -246,23 +246,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                 for (int i = 0; i < R; ++i) acc[i] = fmaf(d[(i >> 1) & 1], tmp[i], acc[i]);
             }
         }
-        // D value i = 4 jn + e: row rl0 + 8 (e >> 1), position 8 jn + 2 t + (e & 1)
-#pragma unroll
-        for (int jn = 0; jn < BN / 8; ++jn)
-#pragma unroll
-            for (int e1 = 0; e1 < 2; ++e1) {
-                const int64_t pos = n0 + 8 * jn + 2 * t + e1;
-                if (pos >= a.P) continue;
-                const float iv = a.inv[pos];
-#pragma unroll
-                for (int e2 = 0; e2 < 2; ++e2) {
-                    const int64_t row = (int64_t)m0 + rl0 + 8 * e2;
-                    if (row >= a.M) continue;
-                    float *dst = a.y + pos * a.M + row;
-                    const float v = acc[4 * jn + 2 * e2 + e1] * iv;
-                    *dst = a.accumulate ? *dst + v : v;
-                }
-            }
+        gemmwg::store_tile<BN>(a, acc, m0, n0, rl0, t);
     }
 #else
     __trap();   // built for a target without wgmma (needs -gencode arch=compute_90a,code=sm_90a)

@@ -64,6 +64,15 @@ bool wgmma_fits(const Matrix &w) {
     return false;
 }
 
+// OPENJET_PREFILL_GEMM=wgmma only (not yet run on a GPU): the FFN's gate and up, both Q4_K on wgmma,
+// in one kernel whose epilogue applies SwiGLU (gemm_wgmma_q4k_swiglu: X loaded once for both, one
+// launch instead of gate, up and the swiglu pass; bit-identical to them).
+bool fused_swiglu_fits(const Matrix &gate, const Matrix &up) {
+    static const bool all = env_is("OPENJET_PREFILL_GEMM", "wgmma");
+    return all && gate.type == TYPE_Q4_K && up.type == TYPE_Q4_K && gate.K == up.K && gate.M == up.M && gemm_f16_supports(gate) &&
+           gemm_f16_supports(up) && wgmma_fits(gate) && wgmma_fits(up);
+}
+
 // The input of one or more projections: P rows of K floats. The fp16 GEMM's prepared copy of it
 // (gemmf16::prep_x into the workspace) serves every projection of that input in a row (the
 // DeltaNet layer's qkv, gate, beta, alpha; attention's q, k, v; the FFN's gate and up).
@@ -146,9 +155,15 @@ void ffn_pass(Engine &e, Layer &L, int P) {
     const ModelDims &d = e.dims;
     rms_norm(pf.x, L.post_norm, pf.xn, P, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
     Input xn{pf.xn, d.hp.n_embd, P};
-    project(e, L.ffn_gate, xn, pf.ffn_gate, false);
-    project(e, L.ffn_up, xn, pf.ffn_up, false);
-    swiglu(pf.ffn_gate, pf.ffn_up, (int64_t)P * d.hp.n_ff, e.stream);
+    if (fused_swiglu_fits(L.ffn_gate, L.ffn_up)) {
+        if (L.ffn_gate.K != xn.K) fail(OJ_ERR_INVALID_ARGUMENT, "prefill: ffn_gate's K does not match its input");
+        gemmf16::prep_x(xn.x, xn.K, xn.P, pf.workspace, e.stream);
+        gemm_wgmma_q4k_swiglu(L.ffn_gate, L.ffn_up, pf.workspace, P, pf.ffn_gate, e.stream);
+    } else {
+        project(e, L.ffn_gate, xn, pf.ffn_gate, false);
+        project(e, L.ffn_up, xn, pf.ffn_up, false);
+        swiglu(pf.ffn_gate, pf.ffn_up, (int64_t)P * d.hp.n_ff, e.stream);
+    }
     project(e, L.ffn_down, pf.ffn_gate, pf.x, P, true);
 }
 

@@ -28,7 +28,7 @@ grep -iE "warning|serializ|C75" "$OUT/build.log" | head -10
 # registers / spills of the wgmma kernels (consumer warpgroups / positions / stages; the count is the
 # entry cap: the consumers get more through setmaxnreg) and of gemm_f16's Q4_K kernels
 awk '/Compiling entry function/ { k = "";
-         if (match($0, /gemm_wgmma_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+/)) { k = "wgmma " substr($0, RSTART + 20, RLENGTH - 20); gsub(/ELi/, "/", k) }
+         if (match($0, /gemm_wgmma_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+ELb[01]/)) { k = "wgmma " substr($0, RSTART + 20, RLENGTH - 20); gsub(/ELi|ELb/, "/", k); sub(/\/1$/, "/swiglu", k); sub(/\/0$/, "", k) }
          else if (match($0, /gemm_wgmma_q6k_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+ELb[01]/)) { k = "wgmma Q6_K " substr($0, RSTART + 24, RLENGTH - 24); gsub(/ELi|ELb/, "/", k) }
          else if (match($0, /gemm_f16_kernelILi12ELi[0-9]+ELi[0-9]+/)) { k = "f16 Q4_K " substr($0, RSTART + 18, RLENGTH - 18); gsub(/ELi/, "/", k) }
          else if (match($0, /gemm_f16_kernelILi14ELi[0-9]+ELi[0-9]+/)) { k = "f16 Q6_K " substr($0, RSTART + 18, RLENGTH - 18); gsub(/ELi/, "/", k) } }
@@ -41,7 +41,7 @@ cuobjdump -sass "$OUT/gemm_wgmma_bench" 2>/dev/null | awk '/Function : .*gemm_wg
     >"$OUT/sass_gemm_wgmma_q6k.txt" || true
 S="$OUT/sass_gemm_wgmma.txt"
 c() { grep -c "$1" "$S" 2>/dev/null || echo 0; }
-echo "SASS of the wgmma kernels (3 configs): $(c HGMMA) HGMMA, $(c 'WARPGROUP.ARRIVE') WARPGROUP.ARRIVE, $(c 'WARPGROUP.DEPBAR') WARPGROUP.DEPBAR, $(c WARPSYNC) WARPSYNC, $(c USETMAXREG) USETMAXREG, $(c UTMALDG) UTMALDG, $(c SYNCS) SYNCS, $(c HFMA2) HFMA2, $(c HMMA) HMMA, $(grep -cE 'LDL|STL' "$S" 2>/dev/null || echo 0) local loads/stores"
+echo "SASS of the Q4_K wgmma kernels (3 plain + 2 fused SwiGLU configs): $(c HGMMA) HGMMA, $(c 'WARPGROUP.ARRIVE') WARPGROUP.ARRIVE, $(c 'WARPGROUP.DEPBAR') WARPGROUP.DEPBAR, $(c WARPSYNC) WARPSYNC, $(c USETMAXREG) USETMAXREG, $(c UTMALDG) UTMALDG, $(c SYNCS) SYNCS, $(c HFMA2) HFMA2, $(c HMMA) HMMA, $(grep -cE 'LDL|STL' "$S" 2>/dev/null || echo 0) local loads/stores"
 S="$OUT/sass_gemm_wgmma_q6k.txt"
 echo "SASS of the Q6_K wgmma kernels (4 configs; the PTX has 16 + 16 + 16 + 32 = 80 wgmma.mma_async): $(c HGMMA) HGMMA, $(c 'WARPGROUP.ARRIVE') WARPGROUP.ARRIVE, $(c 'WARPGROUP.DEPBAR') WARPGROUP.DEPBAR, $(c WARPSYNC) WARPSYNC, $(c USETMAXREG) USETMAXREG, $(c UTMALDG) UTMALDG, $(c SYNCS) SYNCS, $(c FFMA) FFMA, $(c HMMA) HMMA, $(grep -cE 'LDL|STL' "$S" 2>/dev/null || echo 0) local loads/stores"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} timeout "${GB_TIMEOUT:-400}" "$OUT/gemm_wgmma_bench" --table "$OUT/table.txt" "$@" \

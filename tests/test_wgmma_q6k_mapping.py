@@ -58,9 +58,10 @@ SOURCE_ANCHORS = [
     ("gemm_wgmma_q6k.cuh", "gemmwg::wgmma_bn<BN>(tmp, E0, E1, E2, E3, desc, n);"),
     ("gemm_wgmma_q6k.cuh", "gemmwg::wgmma_bn<BN>(tmp, A[0] & b0, A[1] & b1, A[2] & b0, A[3] & b1, desc, 1);"),
     ("gemm_wgmma_q6k.cuh", "for (int i = 0; i < R; ++i) acc[i] = fmaf(d[(i >> 1) & 1], tmp[i], acc[i]);"),
-    ("gemm_wgmma_q6k.cuh", "const int64_t pos = n0 + 8 * jn + 2 * t + e1;"),
-    ("gemm_wgmma_q6k.cuh", "const int64_t row = (int64_t)m0 + rl0 + 8 * e2;"),
-    ("gemm_wgmma_q6k.cuh", "const float v = acc[4 * jn + 2 * e2 + e1] * iv;"),
+    ("gemm_wgmma_q6k.cuh", "gemmwg::store_tile<BN>(a, acc, m0, n0, rl0, t);"),   # the shared epilogue:
+    ("gemm_wgmma.cuh", "const int64_t pos = n0 + 8 * jn + 2 * t + e1;"),
+    ("gemm_wgmma.cuh", "const int64_t row = (int64_t)m0 + rl0 + 8 * e2;"),
+    ("gemm_wgmma.cuh", "const float v = acc[4 * jn + 2 * e2 + e1] * iv;"),
     ("gemm_wgmma_q6k.cuh", "gemmwg::tma_2d(st + Q_OFF, &tm_q, u * Q_ROW, m0, fb);"),
     ("gemm_wgmma_q6k.cuh", "gemmwg::tma_2d(st + SC_OFF, &tm_sc, u * SC_ROW, m0, fb);"),
     ("gemm_wgmma_q6k.cuh", "return __uint_as_float(0x4B000000u | (b ^ 0x80u)) - 8388736.0f;"),

@@ -5,7 +5,7 @@
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -Inative \
 //        native/tools/gemm_wgmma_bench.cu native/matvec.cu -o gwb -lgomp
-//   ./gwb [--table FILE] [--only Q4_K|Q6_K]     (scripts/gpu_gemm_wgmma.sh builds and runs it)
+//   ./gwb [--table FILE] [--only Q4_K|Q6_K|FFN]     (scripts/gpu_gemm_wgmma.sh builds and runs it)
 //
 // Cases (K -> M): Q4_K 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240
 // (attn_qkv), 6144 -> 5120 (ssm_out); Q6_K 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),
@@ -27,6 +27,12 @@
 // both GEMMs from the same prepared X (prep_x timed once); TFLOP/s = 2 M K P / GEMM time; then
 // every wgmma configuration at P = 2048; per type the 27B map's uses of the cases summed. Exit
 // status 1 on any failed check.
+//
+// FFN cases (run first; with --only Q4_K too, alone with --only FFN): gate + up + SwiGLU in one
+// kernel (gemm_wgmma_q4k_swiglu) on K 5120 -> M 17408 (the 27B's ffn_gate / ffn_up), 512 -> 200,
+// 256 -> 72, P in {77, 64, 256, 512, 2048}, against gemm_f16's gate and up through float64
+// SwiGLU and bit for bit against the unfused wgmma path; timed against gate + up + swiglu (see
+// run_ffn_case).
 #include <unistd.h>
 
 #include <cuda_fp16.h>
@@ -297,16 +303,232 @@ static Result run_case(const Shape &s, uint64_t seed) {
     return res;
 }
 
+// ---------------------------------------------------------------------------------------------
+// FFN: gate + up + SwiGLU in one kernel (gemmwg::run_swiglu, gemm_wgmma.cuh's SWIGLU variant)
+// beside the unfused path (gate and up on wgmma, then elementwise.cu's swiglu kernel).
+//
+// Checks, per fused configuration and P in {77, 64, 256, 512, 2048} (output NaN-poisoned, a
+// guard row past P):
+//   (a) against gemm_f16's gate g and up u (the mma.sync kernel, itself checked against float64
+//       above) through SwiGLU in float64 on the host, every output: |y - silu(g) u| <=
+//       1e-3 (|u| rms_g(p) + |silu(g)| rms_u(p) + 1e-3 rms_g(p) rms_u(p)). The scale is the first-order
+//       propagation of errors dg, du, each a fraction of its position's rms (|silu'| <= 1.1), plus a
+//       second-order floor where g and u are both ~0. The two GEMMs share the prepared X and the
+//       exact fp16 A and differ only in fp32 accumulation order (orders of magnitude below 1e-3
+//       of rms), so 1e-3 leaves a wide margin, while any misplaced or stale value (a wrong
+//       exchange index, a missed barrier, a wrong row or box) errs by O(1) of the scale;
+//   (b) bit-identical to the unfused path of the SAME wgmma configuration (same NWG, BN, stages:
+//       the accumulators are the same arithmetic, the epilogue rounds gate and up as the unfused
+//       stores do and applies the same silu);
+//   every output finite, nothing past P written.
+// Timing (P = 64 .. 2048, L2 flushed before each run): the fused kernel against gate + up +
+// swiglu launched back to back (and the swiglu pass alone); per 27B the 65 FFNs' saving.
+
+// elementwise.cu's swiglu_kernel and its launch (the unfused path's third kernel)
+__global__ void swiglu_ref_kernel(float *__restrict__ gate, const float *__restrict__ up, int64_t count) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count; i += (int64_t)gridDim.x * blockDim.x)
+        gate[i] = silu(gate[i]) * up[i];
+}
+static void swiglu_ref(float *gate, const float *up, int64_t count) {
+    swiglu_ref_kernel<<<(unsigned)((count + 255) / 256), 256>>>(gate, up, count);
+    CK(cudaGetLastError());
+}
+
+struct FfnShape {
+    const char *name;
+    int64_t K, M;
+    int count;   // uses in the 27B map (64 layers + MTP)
+};
+
+struct FfnResult {
+    double fused_ms[4] = {0}, unfused_ms[4] = {0}, gemms_ms[4] = {0}, swiglu_ms[4] = {0};
+    double cfg_ms[gemmwg::N_SWIGLU_CONFIGS] = {0};
+    double err = 0;
+    bool ok = true;
+};
+
+static Matrix upload_q4k(int64_t K, int64_t M, uint64_t seed) {
+    std::vector<uint8_t> file = make_matrix(TYPE_Q4_K, K, M, seed);
+    std::vector<uint8_t> dev = to_device_layout(TYPE_Q4_K, K, M, file.data());
+    Matrix w;
+    w.type = TYPE_Q4_K; w.K = K; w.M = M;
+    CK(cudaMalloc(&w.data, dev.size()));
+    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
+    return w;
+}
+
+static FfnResult run_ffn_case(const FfnShape &s, uint64_t seed) {
+    FfnResult res;
+    const int64_t K = s.K, M = s.M;
+    const Matrix wg = upload_q4k(K, M, seed), wu = upload_q4k(K, M, seed * 7919 + 17);
+
+    Rng g(seed ^ 0x5EEDull);
+    std::vector<float> x((size_t)P_MAX * K);
+    for (int p = 0; p < P_MAX; ++p) {
+        const float scale = p == 5 ? 0.0f : (p % 13 == 7 ? 300.0f : 0.5f + (p % 8));
+        for (int64_t k = 0; k < K; ++k) x[(size_t)p * K + k] = g.normalish() * scale;
+    }
+    float *dx, *dg, *du, *dy;
+    void *ws;
+    CK(cudaMalloc(&dx, x.size() * 4));
+    CK(cudaMalloc(&dg, (size_t)P_MAX * M * 4));
+    CK(cudaMalloc(&du, (size_t)P_MAX * M * 4));
+    CK(cudaMalloc(&dy, ((size_t)P_MAX + 1) * M * 4));
+    CK(cudaMalloc(&ws, gemm_f16_workspace_bytes(K, P_MAX)));
+    CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
+    std::vector<float>().swap(x);
+    std::vector<float> hg((size_t)P_MAX * M), hu((size_t)P_MAX * M), hy((size_t)(P_MAX + 1) * M), hx((size_t)P_MAX * M);
+
+    auto fail_msg = [&](const std::string &who, int P, const char *detail) {
+        std::printf("FAIL FFN %s %s P=%d: %s\n", s.name, who.c_str(), P, detail);
+        res.ok = false;
+    };
+    char buf[256];
+    for (int P : {P_ODD, PS[0], PS[1], PS[2], PS[3]}) {
+        const size_t n = (size_t)P * M;
+        gemmf16::prep_x(dx, K, P, ws, 0);
+        gemmf16::run(wg, ws, P, dg, false, 0);
+        gemmf16::run(wu, ws, P, du, false, 0);
+        sync_or_die("gemm_f16 gate / up");
+        CK(cudaMemcpy(hg.data(), dg, n * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(hu.data(), du, n * 4, cudaMemcpyDeviceToHost));
+        std::vector<double> rg(P), ru(P);
+        for (int p = 0; p < P; ++p) {
+            double sg = 0, su = 0;
+            for (int64_t m = 0; m < M; ++m) {
+                sg += (double)hg[(size_t)p * M + m] * hg[(size_t)p * M + m];
+                su += (double)hu[(size_t)p * M + m] * hu[(size_t)p * M + m];
+            }
+            rg[p] = std::sqrt(sg / M);
+            ru[p] = std::sqrt(su / M);
+        }
+        for (int ci = 0; ci < gemmwg::N_SWIGLU_CONFIGS; ++ci) {
+            const gemmwg::Config c = gemmwg::SWIGLU_CONFIGS[ci];
+            const std::string who = "fused " + cfg_name(c);
+            CK(cudaMemset(dy, 0xFF, n * 4 + (size_t)M * 4));
+            gemmwg::run_swiglu(wg, wu, ws, P, dy, 0, c);
+            sync_or_die(who.c_str());
+            CK(cudaDeviceSynchronize());
+            CK(cudaMemcpy(hy.data(), dy, n * 4 + (size_t)M * 4, cudaMemcpyDeviceToHost));
+            int64_t unwritten = 0, guard = 0;
+            for (size_t i = 0; i < n; ++i) unwritten += !std::isfinite(hy[i]);
+            for (int64_t m = 0; m < M; ++m) guard += !std::isnan(hy[n + m]);
+            if (unwritten || guard) {
+                std::snprintf(buf, sizeof buf, "%lld outputs not finite, %lld written past P", (long long)unwritten, (long long)guard);
+                fail_msg(who, P, buf);
+            }
+            // (a) against gemm_f16's g, u through float64 SwiGLU
+            double worst = 0;
+            int64_t worst_i = -1;
+#pragma omp parallel
+            {
+                double w_loc = 0;
+                int64_t i_loc = -1;
+#pragma omp for schedule(static)
+                for (int64_t i = 0; i < (int64_t)n; ++i) {
+                    const int p = (int)(i / M);
+                    const double gv = hg[i], uv = hu[i];
+                    const double sg = gv / (1.0 + std::exp(-gv));
+                    const double bound = std::fabs(uv) * rg[p] + std::fabs(sg) * ru[p] + 1e-3 * rg[p] * ru[p];
+                    double e = std::fabs((double)hy[i] - sg * uv) / (bound + 1e-300);
+                    if (std::isnan(e)) e = INFINITY;
+                    if (e > w_loc) { w_loc = e; i_loc = i; }
+                }
+#pragma omp critical
+                if (w_loc > worst) { worst = w_loc; worst_i = i_loc; }
+            }
+            if (!(worst <= 1e-3)) {
+                std::snprintf(buf, sizeof buf, "vs gemm_f16 gate/up + float64 SwiGLU: %.3e of the propagated scale (bar 1e-3) at "
+                              "position %lld row %lld (got %.6g, want %.6g)", worst, (long long)(worst_i / M),
+                              (long long)(worst_i % M), worst_i >= 0 ? hy[worst_i] : 0.0,
+                              worst_i >= 0 ? hg[worst_i] / (1.0 + std::exp(-(double)hg[worst_i])) * hu[worst_i] : 0.0);
+                fail_msg(who, P, buf);
+            }
+            res.err = std::max(res.err, worst);
+            // (b) the unfused wgmma path of the same configuration, bit for bit
+            const int cj = gemmwg::config_index(c);
+            gemmwg::run(wg, ws, P, dg, false, 0, gemmwg::CONFIGS[cj]);
+            gemmwg::run(wu, ws, P, du, false, 0, gemmwg::CONFIGS[cj]);
+            swiglu_ref(dg, du, (int64_t)n);
+            sync_or_die("unfused wgmma + swiglu");
+            CK(cudaMemcpy(hx.data(), dg, n * 4, cudaMemcpyDeviceToHost));
+            int64_t differ = 0;
+            double dmax = 0;
+            for (size_t i = 0; i < n; ++i)
+                if (std::memcmp(&hx[i], &hy[i], 4) != 0) {
+                    ++differ;
+                    const double d = std::fabs((double)hx[i] - hy[i]) / (std::fabs((double)hx[i]) + 1e-30);
+                    dmax = std::isnan(d) ? INFINITY : std::max(dmax, d);
+                }
+            if (differ) {
+                std::snprintf(buf, sizeof buf, "%lld of %lld outputs not bit-identical to wgmma gate, up + swiglu (config %s); "
+                              "largest relative difference %.3e", (long long)differ, (long long)n, cfg_name(c).c_str(), dmax);
+                fail_msg(who, P, buf);
+            }
+            std::printf("  FFN %-9s %-14s P=%-5d vs gemm_f16 + float64 SwiGLU %.3e of the propagated scale; %lld outputs differ "
+                        "from unfused wgmma + swiglu\n", s.name, who.c_str(), P, worst, (long long)differ);
+        }
+    }
+
+    for (int pi = 0; pi < 4; ++pi) {
+        const int P = PS[pi];
+        const int64_t n = (int64_t)P * M;
+        gemmf16::prep_x(dx, K, P, ws, 0);
+        res.fused_ms[pi] = median_ms([&] { gemm_wgmma_q4k_swiglu(wg, wu, ws, P, dy, 0); });
+        res.gemms_ms[pi] = median_ms([&] {
+            gemmwg::run(wg, ws, P, dg, false, 0);
+            gemmwg::run(wu, ws, P, du, false, 0);
+        });
+        res.swiglu_ms[pi] = median_ms([&] { swiglu_ref(dg, du, n); });
+        res.unfused_ms[pi] = median_ms([&] {
+            gemmwg::run(wg, ws, P, dg, false, 0);
+            gemmwg::run(wu, ws, P, du, false, 0);
+            swiglu_ref(dg, du, n);
+        });
+        const double fl = 2.0 * 2 * M * K * P;
+        const char *fmt = "FFN %-9s %6lld %6lld P=%-5d fused %8.4f ms %6.1f TFLOP/s | unfused %8.4f ms (gate + up %8.4f, swiglu %7.4f) | "
+                          "saving %7.4f ms (%.1f%%)\n";
+        const double save = res.unfused_ms[pi] - res.fused_ms[pi];
+        std::printf(fmt, s.name, (long long)K, (long long)M, P, res.fused_ms[pi], fl / (res.fused_ms[pi] * 1e-3) / 1e12,
+                    res.unfused_ms[pi], res.gemms_ms[pi], res.swiglu_ms[pi], save, 100.0 * save / res.unfused_ms[pi]);
+        if (g_table)
+            std::fprintf(g_table, fmt, s.name, (long long)K, (long long)M, P, res.fused_ms[pi], fl / (res.fused_ms[pi] * 1e-3) / 1e12,
+                         res.unfused_ms[pi], res.gemms_ms[pi], res.swiglu_ms[pi], save, 100.0 * save / res.unfused_ms[pi]);
+        std::fflush(stdout);
+    }
+    {   // every fused configuration at P = 2048
+        const int P = PS[3];
+        gemmf16::prep_x(dx, K, P, ws, 0);
+        for (int ci = 0; ci < gemmwg::N_SWIGLU_CONFIGS; ++ci) {
+            const gemmwg::Config c = gemmwg::SWIGLU_CONFIGS[ci];
+            res.cfg_ms[ci] = median_ms([&] { gemmwg::run_swiglu(wg, wu, ws, P, dy, 0, c); });
+            std::printf("FFN %-9s P=%-5d fused config %s (64 output rows x %d positions x %d stages): %8.4f ms %6.1f TFLOP/s\n", s.name,
+                        P, cfg_name(c).c_str(), c.bn, c.stages, res.cfg_ms[ci], 2.0 * 2 * M * K * P / (res.cfg_ms[ci] * 1e-3) / 1e12);
+        }
+    }
+    CK(cudaFree(wg.data));
+    CK(cudaFree(wu.data));
+    CK(cudaFree(dx));
+    CK(cudaFree(dg));
+    CK(cudaFree(du));
+    CK(cudaFree(dy));
+    CK(cudaFree(ws));
+    if (!res.ok) ++g_failures;
+    return res;
+}
+
 int main(int argc, char **argv) {
     const char *table_path = nullptr;
-    int only = -1;   // --only Q4_K | Q6_K: that type's cases alone
+    const int ONLY_FFN = 1000;
+    int only = -1;   // --only Q4_K | Q6_K | FFN: that type's cases alone (Q4_K includes the fused FFN cases)
     for (int i = 1; i < argc; ++i) {
         if (!std::strcmp(argv[i], "--table") && i + 1 < argc) table_path = argv[++i];
         else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
             ++i;
             if (!std::strcmp(argv[i], "Q4_K")) only = TYPE_Q4_K;
             else if (!std::strcmp(argv[i], "Q6_K")) only = TYPE_Q6_K;
-            else { std::fprintf(stderr, "gemm_wgmma_bench: --only takes Q4_K or Q6_K, got %s\n", argv[i]); return 2; }
+            else if (!std::strcmp(argv[i], "FFN")) only = ONLY_FFN;
+            else { std::fprintf(stderr, "gemm_wgmma_bench: --only takes Q4_K, Q6_K or FFN, got %s\n", argv[i]); return 2; }
         } else { std::fprintf(stderr, "gemm_wgmma_bench: unknown argument %s\n", argv[i]); return 2; }
     }
     if (const char *r = std::getenv("GB_RUNS")) RUNS = std::max(10, std::atoi(r));
@@ -328,6 +550,16 @@ int main(int argc, char **argv) {
                     gemmwg::consumer_regs(c.nwg), gemmwg::PRODUCER_REGS);
         if (gemmwg::smem_bytes(c.nwg, c.bn, c.stages) > optin) {
             std::printf("FAIL: config %s needs more shared memory than the device allows\n", cfg_name(c).c_str());
+            return 1;
+        }
+    }
+    for (int ci = 0; ci < gemmwg::N_SWIGLU_CONFIGS; ++ci) {
+        const gemmwg::Config c = gemmwg::SWIGLU_CONFIGS[ci];
+        std::printf("wgmma fused gate+up+SwiGLU config %s: %d threads, %d B dynamic shared memory (%d B exchange), consumer registers "
+                    "%d (producer %d)\n", cfg_name(c).c_str(), 128 * (c.nwg + 1), gemmwg::smem_bytes_swiglu(c.bn, c.stages),
+                    gemmwg::xch_bytes(c.bn), gemmwg::consumer_regs(c.nwg), gemmwg::PRODUCER_REGS);
+        if (gemmwg::smem_bytes_swiglu(c.bn, c.stages) > optin) {
+            std::printf("FAIL: fused config %s needs more shared memory than the device allows\n", cfg_name(c).c_str());
             return 1;
         }
     }
@@ -358,8 +590,20 @@ int main(int argc, char **argv) {
                                              {TYPE_Q6_K, "ragged_m", 512, 200, 0},
                                              {TYPE_Q6_K, "one_sblk", 256, 72, 0}})
         if (only < 0 || s.type == only) shapes.push_back(s);
+    // the fused FFN: the 27B's gate / up shape (64 layers + MTP), M = 200 (a partial 64-row tile,
+    // several tiles), K = 256 / M = 72 (a single pipeline step; a second tile of 8 rows)
+    std::vector<FfnShape> ffn_shapes;
+    if (only < 0 || only == TYPE_Q4_K || only == ONLY_FFN)
+        ffn_shapes = {{"gate_up", 5120, 17408, 65}, {"ragged_m", 512, 200, 0}, {"one_sblk", 256, 72, 0}};
     std::vector<Result> results;
     uint64_t seed = 1;
+    std::vector<FfnResult> ffn_results;
+    for (const FfnShape &s : ffn_shapes) {
+        const FfnResult r = run_ffn_case(s, 100 + seed++);
+        ffn_results.push_back(r);
+        std::printf("  -> FFN %s: fused vs gemm_f16 + SwiGLU %.2e of the propagated scale %s\n", s.name, r.err, r.ok ? "ok" : "FAILED");
+        std::fflush(stdout);
+    }
     for (const Shape &s : shapes) {
         const Result r = run_case(s, seed++);
         results.push_back(r);
@@ -393,6 +637,15 @@ int main(int argc, char **argv) {
             std::printf("27B %s uses of these cases, P=%-5d: wgmma %8.2f ms, f16 %8.2f ms (GEMM only, X prep excluded)\n", type_name(type),
                         PS[i], wsum, fsum);
         }
+    }
+    for (int i = 0; i < 4 && !ffn_shapes.empty(); ++i) {
+        double fsum = 0, usum = 0;
+        for (size_t c = 0; c < ffn_shapes.size(); ++c) {
+            fsum += ffn_shapes[c].count * ffn_results[c].fused_ms[i];
+            usum += ffn_shapes[c].count * ffn_results[c].unfused_ms[i];
+        }
+        std::printf("27B FFN gate+up+SwiGLU (65 uses), P=%-5d: fused %8.2f ms, unfused %8.2f ms, saving %7.2f ms\n", PS[i], fsum, usum,
+                    usum - fsum);
     }
     std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
     if (g_table) std::fclose(g_table);
