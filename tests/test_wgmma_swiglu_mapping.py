@@ -182,7 +182,7 @@ def emulate(gate: np.ndarray, up: np.ndarray, inv: np.ndarray, M: int, P: int, b
     return y, writes
 
 
-@pytest.mark.parametrize("M,P,bn", [(200, 77, 128), (200, 77, 64), (72, 64, 128), (136, 130, 64), (64, 1, 128)])
+@pytest.mark.parametrize("M,P,bn", [(200, 77, 128), (200, 77, 64), (72, 64, 128), (136, 130, 64), (64, 1, 128), (200, 109, 64)])   # 109: consumer 1's half partly past P at BN 64
 def test_epilogue_exchange_matches_unfused(M, P, bn):
     rng = np.random.default_rng(M * 1000 + P + bn)
     gate = (rng.standard_normal((M, P)) * 4).astype(np.float32)
