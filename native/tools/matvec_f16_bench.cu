@@ -14,6 +14,9 @@
 //   - vector v of every n-vector call (n = 1..8) bit-identical to a 1-vector call on x[v]; the
 //     outputs of vectors n..7 left untouched (still the poison);
 //   - accumulate adds: y == prev + W x exactly (one fp32 add onto the same W x);
+//   - prep once, then the matvec alone three times on that prepared x (y poisoned before each):
+//     every run bit-identical to matvec_f16 (the split-K counters are back at 0 after each call
+//     without a prep re-zeroing them);
 //   - the engine's entry points with the f16 path forced (matvec.cu's launch_any): matvec
 //     bit-identical to matvec_f16; matvec_rows (an odd row subset with repeats) within 1e-4 rms;
 //   - edge shapes (K = 256, 768, 4096 with 77 rows; K = 4608 with 1001 rows) under each forced
@@ -206,6 +209,27 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
                 differ += std::memcmp(&y[i], &e, 4) != 0;
             }
             if (differ) fail_case("accumulate: outputs differing from prev + W x (count)", 3, (double)differ);
+        }
+        // the matvec run again on an already prepared x (no prep in between, as the f16run timing
+        // and the sweep do): only the last blocks' counter reset brings the split-K counters back to
+        // 0 here (every matvec_f16 call above re-zeroes them in its prep, so none of its checks can
+        // see a missing reset). y poisoned before each run: a run in which no block of a tile sees
+        // itself last (counter not back at 0) leaves NaN. (Partials read too early would be the
+        // previous run's, equal here: the 1-vector calls on 8 different x above are what shows those.)
+        {
+            CK(cudaMemset(dy, 0xFF, 8 * M * 4));
+            mvf16::prep(type, dx, K, 8, ws, 0);
+            for (int rep = 0; rep < 3; ++rep) {
+                if (rep) CK(cudaMemset(dy, 0xFF, 8 * M * 4));
+                mvf16::run(w, ws, dy, 8, false, nullptr, M, rep == 0, 0);   // rep 0: as matvec_f16 (PDL after the prep)
+                CK(cudaGetLastError());
+                const std::vector<float> y = fetch(dy, 8 * M);
+                int64_t differ = 0;
+                for (size_t i = 0; i < y.size(); ++i) differ += std::memcmp(&y[i], &y1[i], 4) != 0;
+                if (differ) fail_case(rep ? "run again without a prep: outputs differing from matvec_f16's (count)"
+                                          : "prep + run: outputs differing from matvec_f16's (count)",
+                                      8, (double)differ);
+            }
         }
         // the engine's entry points under OPENJET_MATVEC=f16 (matvec.cu's launch_any -> launch_f16)
         {

@@ -1,0 +1,288 @@
+"""native/matvec_f16.cuh's split-K across blocks, its index math and arrival protocol on the CPU.
+
+The kernel cannot run here, so this file transcribes the lines that decide which block reads
+which super-blocks, where each partial goes, which counter a tile bumps, and how run()/pick()
+clamp the split, and checks the claims the header makes about them:
+  - the S splits of a row tile, and the warps inside each split, visit every super-block
+    u in [0, nb) exactly once, for every nb, S <= nb and warp count (uneven divisions included);
+  - the Q6_K d-word parity taken from the ABSOLUTE super-block index (par ^ pu) is the parity of
+    the weight block's flat index row * nb + u, whichever split the block is;
+  - partial slots (tile * S + s) are distinct and inside the workspace's MAX_SLOTS, the counters
+    inside the MAX_TILES the prep zeroes, and the regions do not overlap the prepared x;
+  - pick()'s clamps (forced or modelled S) keep 1 <= S <= nb and tiles * S <= MAX_SLOTS;
+  - the arrival counter protocol: exactly one last block per tile and call, the counter back at
+    0 after it, whatever the arrival order; garbage counters (no prep zeroing) or a missing reset
+    leave NO block last, i.e. y unwritten, which is what the GPU harness's NaN-poisoned y detects.
+
+SOURCE_ANCHORS asserts that the transcribed lines are still in the sources, so a change to them
+fails here until the emulation is updated with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+from pathlib import Path
+
+NATIVE = Path(__file__).resolve().parents[1] / "native"
+QK_K = 256
+ROWS = 32
+MAX_SLOTS = 4096
+MAX_TILES = MAX_SLOTS // 2
+SLOT_FLOATS = 8 * ROWS
+PART_OFF = MAX_TILES * 4
+XP_OFF = PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4
+REC = 8 * 576 + 32
+PREP_THREADS = 256
+SPLIT_FILL, SPLIT_MEET = 1.0, 0.5
+
+# (file, line) pairs the emulation below transcribes, whitespace-normalised
+SOURCE_ANCHORS = [
+    ("matvec_f16.cuh", "constexpr int ROWS = 32;"),
+    ("matvec_f16.cuh", "constexpr int MAX_SLOTS = 4096;"),
+    ("matvec_f16.cuh", "constexpr int MAX_TILES = MAX_SLOTS / 2;"),
+    ("matvec_f16.cuh", "constexpr size_t SLOT_FLOATS = 8 * ROWS;"),
+    ("matvec_f16.cuh", "constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;"),
+    ("matvec_f16.cuh", "constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;"),
+    ("matvec_f16.cuh", "constexpr int REC = INV_OFF + 32;"),
+    ("matvec_f16.cuh", "inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * REC; }"),
+    # prep: block 0 zeroes the counters, records after XP_OFF
+    ("matvec_f16.cuh", "for (int i = 0; i < MAX_TILES / 1024; ++i)"),
+    ("matvec_f16.cuh", "reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);"),
+    ("matvec_f16.cuh", "uint8_t *rec = ws + XP_OFF + u * REC;"),
+    ("matvec_f16.cuh", "const uint8_t *rec = a.xp + u * REC;"),
+    # the kernel: which block, which super-blocks
+    ("matvec_f16.cuh", "const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);"),
+    ("matvec_f16.cuh", "const int sp = (int)(blockIdx.x - (unsigned)tile * (unsigned)S);"),
+    ("matvec_f16.cuh", "const int64_t m0 = tile * ROWS;"),
+    ("matvec_f16.cuh", "const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;"),
+    ("matvec_f16.cuh", "const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;"),
+    ("matvec_f16.cuh", "const int64_t uw = u0 + warp;"),
+    ("matvec_f16.cuh", "const int64_t u = uw + (int64_t)s * WARPS;"),
+    ("matvec_f16.cuh", "if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), uw + (int64_t)s * WARPS, g, t, lane);"),
+    ("matvec_f16.cuh", "const int64_t un = uw + jn * WARPS;"),
+    ("matvec_f16.cuh", "par[i][r] = (uint32_t)((src_row(m0 + 16 * i + g + 8 * r) * nb) & 1);"),
+    ("matvec_f16.cuh", "const uint32_t pu = (uint32_t)((uw + j * WARPS) & 1);"),
+    ("matvec_f16.cuh", "for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;"),
+    ("matvec_f16.cuh", "dq[i][r] = gemm::half_bits(par[i][r] ? dw >> 16 : dw & 0xFFFFu);"),
+    # the epilogue: slots, counters, the last block's fixed-order sum
+    ("matvec_f16.cuh", "float *slot = a.part + (size_t)blockIdx.x * SLOT_FLOATS;"),
+    ("matvec_f16.cuh", "const int r = 16 * i + gg + 8 * (e >> 1);"),
+    ("matvec_f16.cuh", "const int vec = 2 * tt + (e & 1);"),
+    ("matvec_f16.cuh", "__stcg(slot + vec * ROWS + r, v);"),
+    ("matvec_f16.cuh", "last = atomicAdd(a.count + tile, 1u) == (uint32_t)(S - 1);"),
+    ("matvec_f16.cuh", "if (last) a.count[tile] = 0u;"),
+    ("matvec_f16.cuh", "if (!__syncthreads_or(last)) return;"),
+    ("matvec_f16.cuh", "const float *slots = a.part + (size_t)tile * S * SLOT_FLOATS;"),
+    ("matvec_f16.cuh", "const int vec = idx >> 5, r = idx & 31;"),
+    ("matvec_f16.cuh", "for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);"),
+    # host: grid, workspace pointers, pick()'s clamps and the split model
+    ("matvec_f16.cuh", "const int64_t blocks = (a.n_out + ROWS - 1) / ROWS * a.split;"),
+    ("matvec_f16.cuh", "a.xp = base + XP_OFF;"),
+    ("matvec_f16.cuh", "a.part = reinterpret_cast<float *>(base + PART_OFF);"),
+    ("matvec_f16.cuh", "a.count = reinterpret_cast<uint32_t *>(base);"),
+    ("matvec_f16.cuh", "if (std::sscanf(e, \"%d\", &n) == 1 && n >= 1) forced.split = n;"),
+    ("matvec_f16.cuh", "c.split = (int)std::min<int64_t>(c.split, nb);"),
+    ("matvec_f16.cuh", "if (c.split > 1 && tiles * c.split > MAX_SLOTS) c.split = (int)std::max<int64_t>(1, MAX_SLOTS / tiles);"),
+    ("matvec_f16.cuh", "constexpr double SPLIT_FILL = 1.0, SPLIT_MEET = 0.5;"),
+    ("matvec_f16.cuh", "const int64_t waves = (tiles * S + slots - 1) / slots;"),
+    ("matvec_f16.cuh", "const int64_t per_warp = ((nb + S - 1) / S + warps - 1) / warps;"),
+    ("matvec_f16.cuh", "return (double)waves * ((double)per_warp + SPLIT_FILL + (S > 1 ? SPLIT_MEET : 0.0));"),
+    ("matvec_f16.cuh", "const int64_t lo = (int64_t)n_sm * res_lo, hi = (int64_t)n_sm * std::max(res_lo, res_hi);"),
+    ("matvec_f16.cuh", "if (tiles >= 4 * lo) return 1;"),
+    ("matvec_f16.cuh", "const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / warps), MAX_SLOTS / tiles, 64});"),
+    ("matvec_f16.cuh", "const double c = split_cost(tiles, nb, warps, S, lo) / best_lo + split_cost(tiles, nb, warps, S, hi) / best_hi;"),
+    ("matvec_f16.cuh", "if (c < pick_c - 1e-9) pick_c = c, pick_s = S;"),
+    ("matvec_f16.cuh", "c.split = auto_split(tiles, nb, c.warps, d.n_sm, res8, res1);"),
+    # the engine sizes its workspace with the same function
+    ("matvec.cu", "const size_t need = matvec_f16_workspace_bytes(w.K);"),
+]
+
+
+def _norm(s: str) -> str:
+    return re.sub(r"\s+", " ", s).strip()
+
+
+def test_source_anchors_present():
+    cache: dict[str, str] = {}
+    missing = []
+    for fname, line in SOURCE_ANCHORS:
+        if fname not in cache:
+            cache[fname] = _norm((NATIVE / fname).read_text())
+        if _norm(line) not in cache[fname]:
+            missing.append(f"{fname}: {line}")
+    assert not missing, "kernel lines this emulation transcribes have changed:\n" + "\n".join(missing)
+
+
+# ---- transcriptions ----------------------------------------------------------------------------
+def _block(bid: int, S: int, nb: int):
+    """(tile, split, u0, len) of block bid: C's unsigned/int64 division, all operands >= 0."""
+    tile = bid // S
+    sp = bid - tile * S
+    u0 = sp * nb // S
+    return tile, sp, u0, (sp + 1) * nb // S - u0
+
+
+def _warp_blocks(warp: int, u0: int, ln: int, warps: int) -> list[int]:
+    """The super-blocks warp `warp` of a block streams (prologue and main loop use uw + j * WARPS)."""
+    J = (ln - warp + warps - 1) // warps if warp < ln else 0
+    uw = u0 + warp
+    return [uw + j * warps for j in range(J)]
+
+
+def _clamp(split: int, tiles: int, nb: int) -> int:
+    split = min(split, nb)
+    if split > 1 and tiles * split > MAX_SLOTS:
+        split = max(1, MAX_SLOTS // tiles)
+    return split
+
+
+def _split_cost(tiles, nb, warps, S, slots) -> float:
+    waves = (tiles * S + slots - 1) // slots
+    per_warp = ((nb + S - 1) // S + warps - 1) // warps
+    return waves * (per_warp + SPLIT_FILL + (SPLIT_MEET if S > 1 else 0.0))
+
+
+def _auto_split(tiles, nb, warps, n_sm, res_lo, res_hi) -> int:
+    lo, hi = n_sm * res_lo, n_sm * max(res_lo, res_hi)
+    if tiles >= 4 * lo:
+        return 1
+    smax = min(max(1, nb // warps), MAX_SLOTS // tiles, 64)
+    best_lo = min((_split_cost(tiles, nb, warps, S, lo) for S in range(1, smax + 1)), default=1e300)
+    best_hi = min((_split_cost(tiles, nb, warps, S, hi) for S in range(1, smax + 1)), default=1e300)
+    pick_s, pick_c = 1, 1e300
+    for S in range(1, smax + 1):
+        c = _split_cost(tiles, nb, warps, S, lo) / best_lo + _split_cost(tiles, nb, warps, S, hi) / best_hi
+        if c < pick_c - 1e-9:
+            pick_c, pick_s = c, S
+    return pick_s
+
+
+# ---- checks ------------------------------------------------------------------------------------
+def test_workspace_layout():
+    # the prep's block 0 zeroes exactly the counter region, whole uint4 per thread
+    assert (MAX_TILES // 1024) * PREP_THREADS * 16 == MAX_TILES * 4 == PART_OFF
+    assert MAX_TILES % 1024 == 0 and XP_OFF % 256 == 0
+    # a split call (S >= 2) has tiles <= MAX_SLOTS / 2: its counters are all zeroed ones
+    assert MAX_SLOTS // 2 <= MAX_TILES
+    # slots end where the prepared x starts (the kernel's issue_x and the prep both use XP_OFF)
+    assert PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4 == XP_OFF
+
+
+def test_super_blocks_covered_once():
+    nbs = list(range(1, 41)) + [64, 68, 96, 136]
+    for nb, warps in itertools.product(nbs, (4, 8)):
+        for S in range(1, min(nb, 70) + 1):
+            seen = []
+            prev_end = 0
+            for sp in range(S):
+                tile, s2, u0, ln = _block(5 * S + sp, S, nb)   # any tile: the ranges do not depend on it
+                assert (tile, s2) == (5, sp)
+                assert u0 == prev_end and ln >= 1, (nb, S, sp, u0, ln)   # contiguous, none empty
+                prev_end = u0 + ln
+                for warp in range(warps):
+                    us = _warp_blocks(warp, u0, ln, warps)
+                    assert all(u0 <= u < u0 + ln for u in us)
+                    seen += us
+            assert prev_end == nb
+            assert sorted(seen) == list(range(nb)), (nb, S, warps)
+
+
+def test_q6k_parity_is_absolute():
+    # d plane: flat block index bi = row * nb + u; the kernel takes half (bi & 1) of the word at bi & ~1
+    rng = random.Random(3)
+    for _ in range(300):
+        nb = rng.randint(1, 80)
+        S = rng.randint(1, nb)
+        warps = rng.choice((4, 8))
+        row = rng.randint(0, 250000)
+        par = (row * nb) & 1
+        for sp in range(S):
+            _, _, u0, ln = _block(sp, S, nb)
+            for warp in range(warps):
+                J = len(_warp_blocks(warp, u0, ln, warps))
+                for j in range(J):
+                    pu = (u0 + warp + j * warps) & 1
+                    u = _warp_blocks(warp, u0, ln, warps)[j]
+                    assert par ^ pu == (row * nb + u) & 1
+
+
+def test_slots_and_counters_in_bounds():
+    ks = (256, 768, 4096, 4608, 5120, 6144, 17408)
+    n_outs = (1, 31, 32, 33, 77, 1001, 1024, 6144, 43690, 65504, 65536, 65537, 131072, 248320)
+    for K, n_out, forced in itertools.product(ks, n_outs, (1, 2, 3, 7, 8, 64, 10**6)):
+        nb, tiles = K // QK_K, (n_out + ROWS - 1) // ROWS
+        S = _clamp(forced, tiles, nb)
+        assert 1 <= S <= nb
+        if S > 1:
+            assert tiles * S <= MAX_SLOTS and tiles <= MAX_TILES
+        # block -> slot is the identity on [0, tiles * S); the last block's reads of its tile
+        blocks = tiles * S
+        for bid in {0, S - 1, blocks // 2, blocks - 1}:
+            tile, sp, _, _ = _block(bid, S, nb)
+            assert tile * S + sp == bid and tile < tiles
+            if S > 1:
+                assert tile < MAX_TILES and bid < MAX_SLOTS
+                last_cell = (tile * S + S - 1) * SLOT_FLOATS + 7 * ROWS + 31   # the tile's last slot float
+                assert PART_OFF + 4 * last_cell + 4 <= XP_OFF
+
+
+def test_slot_cell_layout_is_a_bijection():
+    # the block reduction's (idx -> row r, vector vec) and the last block's (idx -> vec, r) both
+    # cover [8][32] exactly once, so every cell written is read back by the same (vec, r)
+    write = set()
+    for idx in range(256):
+        s, ln = idx >> 5, idx & 31
+        i, e, gg, tt = s >> 2, s & 3, ln >> 2, ln & 3
+        write.add((2 * tt + (e & 1), 16 * i + gg + 8 * (e >> 1)))
+    read = {(idx >> 5, idx & 31) for idx in range(256)}
+    assert write == read == {(v, r) for v in range(8) for r in range(32)}
+
+
+def test_auto_split_bounds_and_no_n_vec():
+    # every modelled pick passes through the same clamps; it never needs them to stay in bounds
+    for tiles, nb, warps, res_lo, res_hi in itertools.product(
+        (1, 3, 16, 32, 40, 160, 200, 513, 1000, 2048, 2049, 4097, 7760), (1, 3, 16, 18, 20, 24, 68, 136), (4, 8),
+        (1, 2, 3), (1, 2, 4)):
+        S = _auto_split(tiles, nb, warps, 132, res_lo, res_hi)
+        assert 1 <= S <= max(1, nb // warps) and S <= 64
+        assert S == 1 or tiles * S <= MAX_SLOTS
+        assert _clamp(S, tiles, nb) == S
+    # the 27B's decode shapes on an H200 (132 SMs): the split pick is a function of (tiles, nb,
+    # warps, residency at 8 and at 1 vectors), none of which is the call's vector count; sample it
+    assert _auto_split(5120 // ROWS, 17408 // QK_K, 4, 132, 1, 2) >= 2   # ffn_down: 160 tiles < 132 * 2 slots
+
+
+def _arrive(counter: int, S: int, order: list[int], reset: bool = True) -> tuple[int, list[int]]:
+    """The tile's S blocks bump the counter (uint32, atomicAdd returns the old value) in `order`;
+    returns (the counter after the call, the blocks that saw themselves last)."""
+    last = []
+    for b in order:
+        old = counter
+        counter = (counter + 1) & 0xFFFFFFFF
+        if old == S - 1:
+            last.append(b)
+            if reset:
+                counter = 0
+    return counter, last
+
+
+def test_arrival_protocol():
+    rng = random.Random(7)
+    for S in (2, 3, 7, 8, 64):
+        counter = 0   # zeroed by the prep
+        for _ in range(5):   # calls without a prep in between (f16run, the sweep, the harness's repeats)
+            order = list(range(S))
+            rng.shuffle(order)
+            counter, last = _arrive(counter, S, order)
+            assert len(last) == 1 and last[0] == order[-1] and counter == 0
+        # without the prep's zeroing (a fresh cudaMalloc, the harness's 0xFF poison): no block is
+        # last on the first call, so y stays NaN there and the harness reports unwritten outputs
+        counter, last = _arrive(0xFFFFFFFF, S, list(range(S)))
+        assert last == []
+        # without the last block's reset: the second call on the same prepared x has no last block
+        counter, last = _arrive(0, S, list(range(S)), reset=False)
+        assert len(last) == 1
+        counter, last = _arrive(counter, S, list(range(S)), reset=False)
+        assert last == [], "a missing reset must leave the next run's y unwritten (the harness's repeat check)"
