@@ -4,6 +4,18 @@
 // the kernels), and median timing with the L2 flushed before each run.
 #pragma once
 
+// ---- a test matrix on the device, test inputs -----------------------------------------------
+// The engine's device layout (to_device_layout) of file-layout blocks, uploaded; `bytes` gets its size.
+static Matrix upload_matrix(int type, int64_t K, int64_t M, const std::vector<uint8_t> &file, size_t *bytes = nullptr) {
+    const std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
+    if (bytes) *bytes = dev.size();
+    Matrix w;
+    w.type = type; w.K = K; w.M = M;
+    CK(cudaMalloc(&w.data, dev.size()));
+    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
+    return w;
+}
+
 // ---- random numbers -------------------------------------------------------------------------
 struct Rng {
     uint64_t s;
@@ -17,6 +29,17 @@ struct Rng {
     float uniform() { return (next() >> 40) * (1.0f / 16777216.0f); }   // [0, 1)
     float normalish() { return (uniform() + uniform() + uniform() - 1.5f) * 2.0f; }
 };
+
+// P positions of K inputs drawn from g with a different scale per position (every 13th 300x larger,
+// position 5 all zero), so per-position scales differ across a tile: the GEMM harnesses' X.
+static std::vector<float> position_inputs(Rng &g, int64_t K, int P) {
+    std::vector<float> x((size_t)P * K);
+    for (int p = 0; p < P; ++p) {
+        const float scale = p == 5 ? 0.0f : (p % 13 == 7 ? 300.0f : 0.5f + (p % 8));
+        for (int64_t k = 0; k < K; ++k) x[(size_t)p * K + k] = g.normalish() * scale;
+    }
+    return x;
+}
 
 static uint16_t f16_bits(float v) {
     __half h = __float2half_rn(v);

@@ -74,22 +74,12 @@ static Result run_case(int type, const Shape &s, uint64_t seed) {
     Result res;
     const int64_t K = s.K, M = s.M;
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
-    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
-    res.bytes = dev.size();
-    Matrix w;
-    w.type = type; w.K = K; w.M = M;
-    CK(cudaMalloc(&w.data, dev.size()));
-    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
-    std::vector<uint8_t>().swap(dev);
+    const Matrix w = upload_matrix(type, K, M, file, &res.bytes);
 
     // X: P_MAX positions; scales vary by position (every 13th 300x, position 5 all zero) so the
     // per-block int8 scales differ across the tile
     Rng g(seed ^ 0xABCDEFull);
-    std::vector<float> x((size_t)P_MAX * K);
-    for (int p = 0; p < P_MAX; ++p) {
-        const float scale = p == 5 ? 0.0f : (p % 13 == 7 ? 300.0f : 0.5f + (p % 8));
-        for (int64_t k = 0; k < K; ++k) x[(size_t)p * K + k] = g.normalish() * scale;
-    }
+    std::vector<float> x = position_inputs(g, K, P_MAX);
     float *dx, *dy, *dmv;
     void *ws;
     const size_t ws_bytes = gemm::workspace_bytes(K, P_MAX);

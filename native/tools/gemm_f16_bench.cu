@@ -72,19 +72,10 @@ static Result run_case(const Shape &s, uint64_t seed) {
     const int type = s.type;
     const char *tn = type_name(type);
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
-    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
-    Matrix w;
-    w.type = type; w.K = K; w.M = M;
-    CK(cudaMalloc(&w.data, dev.size()));
-    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
-    std::vector<uint8_t>().swap(dev);
+    const Matrix w = upload_matrix(type, K, M, file);
 
     Rng g(seed ^ 0xABCDEFull);
-    std::vector<float> x((size_t)P_MAX * K);
-    for (int p = 0; p < P_MAX; ++p) {
-        const float scale = p == 5 ? 0.0f : (p % 13 == 7 ? 300.0f : 0.5f + (p % 8));
-        for (int64_t k = 0; k < K; ++k) x[(size_t)p * K + k] = g.normalish() * scale;
-    }
+    std::vector<float> x = position_inputs(g, K, P_MAX);
     float *dx, *dy, *dref;
     void *wsf, *wsi;
     const size_t wsf_bytes = gemm_f16_workspace_bytes(K, P_MAX), wsi_bytes = gemm::workspace_bytes(K, P_MAX);

@@ -76,14 +76,8 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool with_old) {
     Result res;
     const int64_t K = s.K, M = s.M;
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
-    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
-    if (dev.size() != device_layout_bytes(type, K, M)) { std::printf("layout size mismatch\n"); res.ok = false; }
-    res.bytes = dev.size();
-    Matrix w;
-    w.type = type; w.K = K; w.M = M;
-    CK(cudaMalloc(&w.data, dev.size()));
-    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
-    std::vector<uint8_t>().swap(dev);
+    const Matrix w = upload_matrix(type, K, M, file, &res.bytes);
+    if (res.bytes != device_layout_bytes(type, K, M)) { std::printf("layout size mismatch\n"); res.ok = false; }
     Matrix wo = w;   // the old kernel's layout (differs for Q6_K only)
     if (with_old) {
         if (type == TYPE_Q6_K) {

@@ -99,13 +99,7 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     Result res;
     const int64_t K = s.K, M = s.M;
     std::vector<uint8_t> file = make_matrix(type, K, M, seed);
-    std::vector<uint8_t> dev = to_device_layout(type, K, M, file.data());
-    res.bytes = dev.size();
-    Matrix w;
-    w.type = type; w.K = K; w.M = M;
-    CK(cudaMalloc(&w.data, dev.size()));
-    CK(cudaMemcpy(w.data, dev.data(), dev.size(), cudaMemcpyHostToDevice));
-    std::vector<uint8_t>().swap(dev);
+    const Matrix w = upload_matrix(type, K, M, file, &res.bytes);
 
     Rng g(seed ^ 0xABCDEFull);
     std::vector<float> x(8 * K);
