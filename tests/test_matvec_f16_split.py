@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import itertools
 import random
-import re
-from pathlib import Path
+from source_anchors import missing_anchors
 
-NATIVE = Path(__file__).resolve().parents[1] / "native"
 QK_K = 256
 ROWS = 32
 MAX_SLOTS = 4096
@@ -100,18 +98,8 @@ SOURCE_ANCHORS = [
 ]
 
 
-def _norm(s: str) -> str:
-    return re.sub(r"\s+", " ", s).strip()
-
-
 def test_source_anchors_present():
-    cache: dict[str, str] = {}
-    missing = []
-    for fname, line in SOURCE_ANCHORS:
-        if fname not in cache:
-            cache[fname] = _norm((NATIVE / fname).read_text())
-        if _norm(line) not in cache[fname]:
-            missing.append(f"{fname}: {line}")
+    missing = missing_anchors(SOURCE_ANCHORS)
     assert not missing, "kernel lines this emulation transcribes have changed:\n" + "\n".join(missing)
 
 

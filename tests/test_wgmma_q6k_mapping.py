@@ -16,16 +16,14 @@ brute-forced over every q6 in 0..63 and sc in -128..127.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
+from source_anchors import missing_anchors
 
-NATIVE = Path(__file__).resolve().parents[1] / "native"
 QK = 256
 Q_ROW, SC_ROW = 192, 16
 SEL_LO, SEL_HI = 0x4240, 0x4341
@@ -83,18 +81,8 @@ SOURCE_ANCHORS = [
 ]
 
 
-def _norm(s: str) -> str:
-    return re.sub(r"\s+", " ", s).strip()
-
-
 def test_source_anchors_present():
-    cache: dict[str, str] = {}
-    missing = []
-    for fname, line in SOURCE_ANCHORS:
-        if fname not in cache:
-            cache[fname] = _norm((NATIVE / fname).read_text())
-        if _norm(line) not in cache[fname]:
-            missing.append(f"{fname}: {line}")
+    missing = missing_anchors(SOURCE_ANCHORS)
     assert not missing, "kernel lines this emulation transcribes have changed:\n" + "\n".join(missing)
 
 

@@ -18,13 +18,11 @@ kernel fails here until the emulation follows it.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 
 import numpy as np
 import pytest
+from source_anchors import missing_anchors
 
-NATIVE = Path(__file__).resolve().parents[1] / "native"
 W_ROW = 144
 SMEM_OPTIN = 232_448   # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200
 
@@ -65,18 +63,8 @@ SOURCE_ANCHORS = [
 ]
 
 
-def _norm(s: str) -> str:
-    return re.sub(r"\s+", " ", s).strip()
-
-
 def test_source_anchors_present():
-    cache: dict[str, str] = {}
-    missing = []
-    for fname, line in SOURCE_ANCHORS:
-        if fname not in cache:
-            cache[fname] = _norm((NATIVE / fname).read_text())
-        if _norm(line) not in cache[fname]:
-            missing.append(f"{fname}: {line}")
+    missing = missing_anchors(SOURCE_ANCHORS)
     assert not missing, "kernel lines this emulation transcribes have changed:\n" + "\n".join(missing)
 
 
