@@ -46,8 +46,8 @@
 // Limits: Q4_K only, K % 256 == 0, M >= 1, P >= 1; sm_90a only (for any other target the kernel
 // body is a trap and wgmma_available() says false; run() refuses with a clear error).
 //
-// FFN gate + up + SwiGLU in one kernel (template flag SWIGLU; gemm_wgmma_q4k_swiglu; written
-// 2026-11-30 without a GPU, not yet run): y[p][m] = silu(W_gate[m] x_p) * (W_up[m] x_p). NWG = 2;
+// FFN gate + up + SwiGLU in one kernel (template flag SWIGLU; gemm_wgmma_q4k_swiglu; the prefill
+// default on cc 9.0, first run 2026-11-30): y[p][m] = silu(W_gate[m] x_p) * (W_up[m] x_p). NWG = 2;
 // the block owns 64 OUTPUT rows m0 .. m0 + 63 (grid y = ceil(M / 64)): the producer loads per stage the
 // shared X / xsum boxes as above and TWO W boxes of 64 rows (gate rows m0.. at W_OFF from tm_w, up
 // rows m0.. at W_OFF + 64 * 144 from tm_w2: the same bytes, the same TX, as one 128-row box), so

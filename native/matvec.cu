@@ -24,12 +24,12 @@
 // and its order are unchanged from the first version (tools/matvec_v1.cuh), results bit-identical.
 // Q8_0 needs K a multiple of 32 only (a partial last 128-column unit); the K-quants need 256.
 //
-// OPENJET_MATVEC=int8 (read once, at the first quantised matvec) switches the quantised types to
-// the int8-activation kernels (section "Int8 activations" below): x rounded to int8 per 32
-// values as llama.cpp's q8_1, integer mma. OPENJET_MATVEC=f16: Q4_K and Q6_K through
-// matvec_f16.cuh (fp16 activations, the weights dequantised exactly in fp16; written without a
-// GPU at hand, checked first by scripts/gpu_matvec_f16.sh), the other types bf16-split. Anything
-// else, or unset: the bf16-split kernels.
+// The default (OPENJET_MATVEC unset or f16, read once, at the first quantised matvec): Q4_K and
+// Q6_K through matvec_f16.cuh (fp16 activations, the weights dequantised exactly in fp16; a 27B
+// pass 13.1 ms against the bf16-split kernels' 21.4 on the H200), the other types bf16-split.
+// OPENJET_MATVEC=bf16: every quantised type on the bf16-split kernels below (~float32 products).
+// OPENJET_MATVEC=int8: the int8-activation kernels (section "Int8 activations" below): x rounded
+// to int8 per 32 values as llama.cpp's q8_1, integer mma.
 //
 // Float weights (F32/F16/BF16) keep the fp32 CUDA-core kernel: one warp per row, 8 values per lane.
 // The numpy twin is `W.astype(float64) @ x` with W dequantised by gguf.quants
@@ -1072,13 +1072,14 @@ void launch_i8(const Matrix &w, const float *x, float *y, int n_vec, bool accumu
                "matvec int8: launch");
 }
 
-// -1: not yet read; 0: bf16-split path; 1: int8 activations; 2: fp16 activations (matvec_f16.cuh).
+// -1: not yet read; 0: bf16-split path; 1: int8 activations; 2: fp16 activations (matvec_f16.cuh,
+// the default).
 int g_path = -1;
 
 int path() {
     if (g_path < 0) {
         const char *e = std::getenv("OPENJET_MATVEC");
-        g_path = !e ? 0 : std::strcmp(e, "int8") == 0 ? 1 : std::strcmp(e, "f16") == 0 ? 2 : 0;
+        g_path = !e ? 2 : std::strcmp(e, "int8") == 0 ? 1 : std::strcmp(e, "bf16") == 0 ? 0 : 2;
     }
     return g_path;
 }
@@ -1224,9 +1225,10 @@ void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *
     launch_any(w, x, y, n_vec, false, rows, n_rows, st, "matvec_rows");
 }
 
-// The matvec path for quantised types: 0 the bf16-split kernels, 1 int8 activations, -1 back
-// to OPENJET_MATVEC (read at the next call). For the harness (tools/matvec_bench.cu), which
-// runs every case with both; the engine never calls it.
+// The matvec path for quantised types: 0 the bf16-split kernels, 1 int8 activations, 2 fp16
+// activations, -1 back to OPENJET_MATVEC (read at the next call). For the harnesses
+// (tools/matvec_bench.cu, matvec_f16_bench.cu), which run cases on several paths; the engine never
+// calls it.
 void matvec_force_path(int p) { g_path = p < 0 ? -1 : (p == 1 || p == 2 ? p : 0); }
 
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st) {

@@ -268,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--text", type=Path, help="tokenise this file instead of random ids")
     ap.add_argument("--engine", choices=("native", "reference"), default="native")
-    ap.add_argument("--matvec", choices=("default", "int8"), default="default",
-                    help="native projections: the default bf16-split kernels, or int8 activations "
-                         "(OPENJET_MATVEC=int8: x rounded per 32 values as llama.cpp's q8_1)")
+    ap.add_argument("--matvec", choices=("default", "f16", "bf16", "int8"), default="default",
+                    help="native projections: OPENJET_MATVEC as it is (default: fp16 activations), or "
+                         "set to f16, bf16 (the bf16-split kernels) or int8 (x rounded per 32 values as "
+                         "llama.cpp's q8_1)")
     ap.add_argument("--llama-logits", help="a built llama_logits (default: built from the peer sdist)")
     ap.add_argument("--llama-logits-src", default=str(LLAMA_LOGITS_SRC), help=argparse.SUPPRESS)
     ap.add_argument("--allow-cpu-llama", action="store_true",
@@ -287,9 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.positions < 1 or not 1 <= args.batch <= 8:
         ap.error("--positions must be >= 1 and --batch 1..8")
     deadline = time.time() + args.budget_s
-    if args.matvec == "int8":   # read by the engine at its first quantised matvec, in this process
-        os.environ["OPENJET_MATVEC"] = "int8"
-    res: dict = {"matvec": args.matvec, "positions": args.positions, "batch": args.batch, "kv": "f16", "flash_attn": True,
+    if args.matvec != "default":   # read by the engine at its first quantised matvec, in this process
+        os.environ["OPENJET_MATVEC"] = args.matvec
+    from openjet_plugin.backends.native import matvec_path
+
+    res: dict = {"matvec": matvec_path(), "positions": args.positions, "batch": args.batch, "kv": "f16", "flash_attn": True,
                  "timing": "load: model onto the device; eval: all positions incl. copying every logits row "
                            "to the host (ours after one warm-up call, llama.cpp's includes its first call)"}
     try:

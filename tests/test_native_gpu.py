@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from openjet_plugin.backends.native import matvec_path
+
 pytestmark = pytest.mark.gpu
 
 N_POSITIONS = int(os.environ.get("OPENJET_GPU_POSITIONS", "512"))
@@ -210,7 +212,7 @@ def _teacher_forced_to_file(path: str, tokens: list[int], out: str, kv_type: str
         be.close()
         mf.close()
     np.savez(out, logits=got, mtp=got_mtp, **{f"state__{k}": v for k, v in state.items()})
-    return {"native_s": native_s, "matvec": os.environ.get("OPENJET_MATVEC", "")}
+    return {"native_s": native_s, "matvec": matvec_path()}
 
 
 def _teacher_forced_in_subprocess(path: Path, tokens: list[int], out: Path, env: dict[str, str]):
@@ -301,7 +303,7 @@ def test_kv_q8_0_matches_q8_0_reference(native, workdir, preset, quant):
         be.close()
         mf.close()
     # q8_0 K/V turn any rounding of the matvec inputs into quant-step flips: round them as the engine's path does
-    matvec = os.environ.get("OPENJET_MATVEC", "")
+    matvec = matvec_path()
     act = KV_Q8_0_ACT.get(matvec, {})
     ref = ReferenceModel(path, kv_q8_0=True, **act)
     want = ref.logits(tokens)
@@ -339,10 +341,10 @@ def test_kv_q8_0_matches_q8_0_reference(native, workdir, preset, quant):
     assert kv_keys and any(k.startswith("mtp.") for k in kv_keys), sorted(errs)
     assert top1 >= TOP1_MIN and kl <= KL_MAX, f"main logits vs q8_0 reference: top-1 {top1:.4f}, mean KL {kl:.2e}"
     assert mtop1 >= TOP1_MIN and mkl <= KL_MAX, f"draft logits vs q8_0 reference: top-1 {mtop1:.4f}, mean KL {mkl:.2e}"
-    # With rounded activations (OPENJET_MATVEC=f16 / int8) float32-level differences flip q8_0
+    # With rounded activations (the f16 default, OPENJET_MATVEC=int8) float32-level differences flip q8_0
     # roundings of K/V and the flips compound (measured on CPU: the act_f16 q8_0 reference in float32
     # is 1.7e-3..2.0e-3 from itself in float64), so as in the int8 test the bar is the float path's
-    # 1e-3 or twice that floor, measured in this run, whichever is larger; the default path keeps 1e-3.
+    # 1e-3 or twice that floor, measured in this run, whichever is larger; OPENJET_MATVEC=bf16 keeps 1e-3.
     state_bar = STATE_REL_MAX if floor_err is None else max(STATE_REL_MAX, 2.0 * floor_err)
     bad = {k: e for k, e in errs.items() if not e <= state_bar}
     assert not bad, f"state relative errors above {state_bar:.2e} (vs the q8_0 reference): {bad}"
@@ -430,30 +432,32 @@ def test_int8_activations_match_the_int8_reference(native, workdir, tmp_path, pr
 
 
 F16_MODELS = [("tiny", "Q4_K_M"), ("small", "Q6_K"), ("w256", "Q4_K_M")]
+MATVEC_SWITCHES = ["f16", "bf16"]   # each set explicitly, whatever this process's OPENJET_MATVEC
 
 
-@pytest.mark.parametrize("preset,quant", F16_MODELS, ids=[f"{p}-{q}-f16" for p, q in F16_MODELS])
-def test_f16_activations_match_the_reference(native, workdir, tmp_path, preset, quant):
-    """OPENJET_MATVEC=f16 (native/matvec_f16.cuh: Q4_K and Q6_K with fp16 activations and the
-    weights dequantised exactly in fp16; the other types bf16-split), in a child process: logits,
-    draft logits and state against the float64 reference at the float path's bars, as the prefill's
-    fp16 projections meet them."""
+@pytest.mark.parametrize("matvec", MATVEC_SWITCHES)
+@pytest.mark.parametrize("preset,quant", F16_MODELS, ids=[f"{p}-{q}" for p, q in F16_MODELS])
+def test_matvec_paths_match_the_reference(native, workdir, tmp_path, preset, quant, matvec):
+    """OPENJET_MATVEC=f16 (the default; native/matvec_f16.cuh: Q4_K and Q6_K with fp16 activations
+    and the weights dequantised exactly in fp16; the other types bf16-split) and =bf16 (every
+    quantised type bf16-split), each in a child process: logits, draft logits and state against the
+    float64 reference at the float path's bars, as the prefill's fp16 projections meet them."""
     from openjet_plugin.testing.reference import ReferenceModel
 
     path, origin = model_path(preset, quant, workdir)
     ref = ReferenceModel(path)
     tokens = np.random.default_rng(8643).integers(0, ref.n_vocab, N_POSITIONS).tolist()
-    got, got_mtp, state, info = _teacher_forced_in_subprocess(path, tokens, tmp_path / "f16.npz", {"OPENJET_MATVEC": "f16"})
+    got, got_mtp, state, info = _teacher_forced_in_subprocess(path, tokens, tmp_path / f"{matvec}.npz", {"OPENJET_MATVEC": matvec})
     want = ref.logits(tokens)
     want_mtp = ref.mtp_prefill()
     want_state = ref.state()
-    assert info["matvec"] == "f16", info
+    assert info["matvec"] == matvec, info
     assert np.isfinite(got).all() and np.isfinite(got_mtp).all(), "native logits contain NaN/inf"
     top1, kl, kl_max = agreement(want, got)
     mtop1, mkl, _ = agreement(want_mtp, got_mtp)
     errs = {k: rel_err(state[k], v) for k, v in want_state.items() if k in state}
     worst = max(errs, key=errs.get)
-    report({"test": "f16_activations", "model": f"{preset}-{quant}", "origin": origin, "positions": N_POSITIONS,
+    report({"test": "matvec_path", "matvec": matvec, "model": f"{preset}-{quant}", "origin": origin, "positions": N_POSITIONS,
             "top1": top1, "kl_mean": kl, "kl_max": kl_max, "mtp_top1": mtop1, "mtp_kl_mean": mkl,
             "state_worst": worst, "state_rel_err": errs[worst], "native_s": round(info["native_s"], 2)})
     assert top1 >= TOP1_MIN and kl <= KL_MAX, f"main logits: top-1 {top1:.4f}, mean KL {kl:.2e}"

@@ -329,11 +329,15 @@ def _gpu_is_hopper() -> bool:
 
 # The prefill switches other than the defaults, each against one-token-at-a-time stepping with the
 # default prefill's bars: OPENJET_PREFILL_DELTANET=sequential (the decode path's recurrence kernel
-# over the pass instead of deltanet_chunked.cuh's), OPENJET_PREFILL_GEMM=wgmma (Q6_K on wgmma too,
-# gemm_wgmma_q6k.cuh; a cc 9.0 GPU only, where the engine refuses rather than falls back) on a model
-# whose every projection is Q6_K and one with the Q4_K_M map's mix.
+# over the pass instead of deltanet_chunked.cuh's), OPENJET_PREFILL_GEMM=f16 (every projection on
+# gemm_f16's mma.sync and the FFN unfused: on a cc 9.0 GPU the default takes Q4_K / Q6_K to wgmma and
+# fuses gate + up with SwiGLU) and =wgmma (the default's kernels, asked for by name: a cc 9.0 GPU
+# only, where the engine refuses rather than falls back), on a model whose every projection is Q6_K
+# and one with the Q4_K_M map's mix.
 SWITCH_CASES = [("OPENJET_PREFILL_DELTANET", "sequential", "small", "Q4_K_M"),
                 ("OPENJET_PREFILL_DELTANET", "sequential", "w256", "Q4_K_M"),
+                ("OPENJET_PREFILL_GEMM", "f16", "small", "Q6_K"),
+                ("OPENJET_PREFILL_GEMM", "f16", "w256", "Q4_K_M"),
                 ("OPENJET_PREFILL_GEMM", "wgmma", "small", "Q6_K"),
                 ("OPENJET_PREFILL_GEMM", "wgmma", "w256", "Q4_K_M")]
 

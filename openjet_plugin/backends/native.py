@@ -34,8 +34,16 @@ from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngine
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
 MIN_COMPUTE_CAPABILITY = (8, 6)
 KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
-MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "int8" / "f16" activations; else bf16-split
+MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "bf16" (bf16-split) / "int8" activations; else f16
 MATVEC_PATHS = ("", "bf16", "int8", "f16")
+DEFAULT_MATVEC = "f16"                   # matvec.cu's path when OPENJET_MATVEC is unset
+
+
+def matvec_path(environ=None) -> str:
+    """The decode-matvec path the native engine takes in a process with this environment
+    (os.environ by default): "f16", "bf16" or "int8"."""
+    value = (os.environ if environ is None else environ).get(MATVEC_ENV, "")
+    return value if value in MATVEC_PATHS[1:] else DEFAULT_MATVEC
 # The native engine's switches, read once per process, and the values each takes ("" = unset, the
 # default): matvec.cu's decode projections; prefill.cu's projections, attention and DeltaNet kernels.
 SWITCHES = {MATVEC_ENV: MATVEC_PATHS,
