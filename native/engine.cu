@@ -321,8 +321,9 @@ void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;
     rms_norm(s.x, L.post_norm, s.xn, n, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
-    matvec(L.ffn_gate, s.xn, s.ffn_gate, n, false, e.stream);
-    matvec(L.ffn_up, s.xn, s.ffn_up, n, false, e.stream);
+    const Matrix *w[] = {&L.ffn_gate, &L.ffn_up};
+    float *const y[] = {s.ffn_gate, s.ffn_up};
+    matvec_group(w, y, 2, s.xn, n, e.stream);
     swiglu(s.ffn_gate, s.ffn_up, (int64_t)n * d.hp.n_ff, e.stream);
     matvec(L.ffn_down, s.ffn_gate, s.x, n, true, e.stream);
 }
@@ -330,9 +331,9 @@ void ffn(Engine &e, Layer &L, int n) {
 // s.xn (attn_norm'ed) -> gated attention added into s.x.
 void attention_layer(Engine &e, Layer &L, int n, int pos0) {
     Scratch &s = e.s;
-    matvec(L.wq, s.xn, s.qg, n, false, e.stream);
-    matvec(L.wk, s.xn, s.k, n, false, e.stream);
-    matvec(L.wv, s.xn, s.v, n, false, e.stream);
+    const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
+    float *const y[] = {s.qg, s.k, s.v};
+    matvec_group(w, y, 3, s.xn, n, e.stream);
     attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream);
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
@@ -341,10 +342,9 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0) {
 void deltanet_layer(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const RingSlot &r = L.ring[e.slot];
-    matvec(L.wqkv, s.xn, r.qkv, n, false, e.stream);
-    matvec(L.wgate, s.xn, s.z, n, false, e.stream);
-    matvec(L.wbeta, s.xn, r.beta, n, false, e.stream);
-    matvec(L.walpha, s.xn, r.alpha, n, false, e.stream);
+    const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
+    float *const y[] = {r.qkv, s.z, r.beta, r.alpha};
+    matvec_group(w, y, 4, s.xn, n, e.stream);
     deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream);
     matvec(L.wssm_out, s.dn_out, s.x, n, true, e.stream);
 }

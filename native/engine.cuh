@@ -186,6 +186,11 @@ void alloc_prefill(Engine &e, int chunk);
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// matvec.cu: y_i[n][:] = W_i x[n] for the n matrices (same K) that read one x, e.g. a layer's
+// projections of its normed input: on the fp16 path runs of up to 4 of one type share one prepared
+// x and one launch (each output as its own matvec would give it at the launch's split), anything
+// else one matvec each.
+void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x, int n_vec, cudaStream_t st);
 // matvec.cu: y[n][i] = W[rows[i]] . x[n] for i < n_rows (rows on the device): the draft head over
 // a restricted vocabulary. y is [n_vec][n_rows].
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,

@@ -1086,11 +1086,10 @@ int path() {
 
 bool use_int8() { return path() == 1; }
 
-// OPENJET_MATVEC=f16: Q4_K and Q6_K through matvec_f16.cuh (x in fp16 under a power-of-two scale
-// per vector and super-block, the weights dequantised exactly in fp16); its workspace per
-// (device, stream), grown on demand like the int8 path's x buffer.
-void launch_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, const int32_t *rows,
-                int64_t n_out, cudaStream_t st) {
+// The fp16 path (matvec_f16.cuh: x in fp16 under a power-of-two scale per vector and super-block,
+// the weights dequantised exactly in fp16) for Q4_K and Q6_K; its workspace per (device, stream),
+// grown on demand like the int8 path's x buffer.
+void *f16_workspace(int64_t K, cudaStream_t st) {
     struct Buf {
         void *p = nullptr;
         size_t cap = 0;
@@ -1103,7 +1102,7 @@ void launch_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accum
     {
         std::lock_guard<std::mutex> lock(mu);
         Buf &b = bufs[{dev, st}];
-        const size_t need = matvec_f16_workspace_bytes(w.K);
+        const size_t need = matvec_f16_workspace_bytes(K);
         if (need > b.cap) {
             if (b.p) {   // the old buffer may still be in use on the stream
                 check_cuda(cudaStreamSynchronize(st), "matvec f16: sync before growing the workspace");
@@ -1115,9 +1114,17 @@ void launch_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accum
         }
         ws = b.p;
     }
+    return ws;
+}
+
+void launch_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, const int32_t *rows,
+                int64_t n_out, cudaStream_t st) {
+    void *ws = f16_workspace(w.K, st);
     mvf16::prep(w.type, x, w.K, n_vec, ws, st);
     mvf16::run(w, ws, y, n_vec, accumulate, rows, n_out, true, st);
 }
+
+bool f16_fits(const Matrix &w) { return path() == 2 && mvf16::supports(w.type) && w.K > 0 && w.K % QK_K == 0; }
 
 void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
                 const int32_t *rows, int64_t n_out, cudaStream_t st, const char *what) {
@@ -1132,7 +1139,7 @@ void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accum
         fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": Q8_0 needs K a multiple of 32, got " + std::to_string(w.K));
     if (!quant && w.K % 8 != 0)
         fail(OJ_ERR_UNSUPPORTED, std::string(what) + ": K must be a multiple of 8, got " + std::to_string(w.K));
-    if (path() == 2 && mvf16::supports(w.type) && w.K % QK_K == 0) {
+    if (f16_fits(w)) {
         launch_f16(w, x, y, n_vec, accumulate, rows, n_out, st);
         check_launch(what);
         return;
@@ -1217,6 +1224,34 @@ __global__ void embed_kernel(const Matrix w, const int32_t *__restrict__ tokens,
 
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st) {
     launch_any(w, x, y, n_vec, accumulate, nullptr, w.M, st, "matvec");
+}
+
+void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x, int n_vec, cudaStream_t st) {
+    constexpr int MAX_MEMBERS = 8;
+    if (n < 1 || n > MAX_MEMBERS) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_group: 1..8 matrices");
+    for (int i = 0; i < n; ++i)
+        if (w[i]->K != w[0]->K) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_group: the matrices read one x, so share K");
+    // members of one type (the prepared x's order is the type's), up to GROUP_MAX, in one fp16
+    // launch; everything else one matvec each
+    bool done[MAX_MEMBERS] = {};
+    for (int i = 0; i < n; ++i) {
+        if (done[i]) continue;
+        Matrix ws[mvf16::GROUP_MAX];
+        float *ys[mvf16::GROUP_MAX];
+        int m = 0;
+        if (f16_fits(*w[i]) && n_vec >= 1 && n_vec <= 8)
+            for (int k = i; k < n && m < mvf16::GROUP_MAX; ++k)
+                if (!done[k] && w[k]->type == w[i]->type && w[k]->M > 0) ws[m] = *w[k], ys[m] = y[k], done[k] = true, ++m;
+        if (m >= 2) {
+            void *buf = f16_workspace(w[i]->K, st);
+            mvf16::prep(w[i]->type, x, w[i]->K, n_vec, buf, st);
+            mvf16::run_group(ws, ys, m, buf, n_vec, true, st);
+            check_launch("matvec_group");
+        } else {
+            done[i] = true;
+            launch_any(*w[i], x, y[i], n_vec, false, nullptr, w[i]->M, st, "matvec_group");
+        }
+    }
 }
 
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,

@@ -201,17 +201,31 @@ __device__ __forceinline__ uint32_t wd(const uint4 &v) {
     else return v.w;
 }
 
+constexpr int GROUP_MAX = 4;   // matrices of one launch (one type, one K, one prepared x)
+
+// Members after the first of a grouped launch: their row tiles follow the first member's in the
+// grid (member i's tiles start at tile0[i]); the kernel swaps the member a block belongs to into
+// w / y / n_out. n_more = 0: a plain call.
+struct More {
+    Matrix w[GROUP_MAX - 1];
+    float *y[GROUP_MAX - 1];
+    int64_t n_out[GROUP_MAX - 1];
+    int64_t tile0[GROUP_MAX - 1];
+};
+
 struct Args {
     Matrix w;
     const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
     float *y;
-    const int32_t *rows;         // nullptr: output row o reads weight row o
+    const int32_t *rows;         // nullptr: output row o reads weight row o (a group has none)
     float *part;                 // split partial slots [tile * split + s][8][32] (the workspace + PART_OFF)
     uint32_t *count;             // per-tile arrival counters, 0 between calls (the workspace's start)
     int64_t n_out;
     int n_vec;
     int split;                   // S: blocks per row tile (1: no split, y written directly)
     bool accumulate;
+    int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
+    More more;
 };
 
 // Copies super-block u's weight bytes of the block's 32 rows into a stage. Lane l copies for rows
@@ -419,13 +433,23 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
 }
 
 template <int TYPE, int WARPS, int STAGES>
-__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args a) {
+__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
     extern __shared__ __align__(16) uint8_t smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int S = a.split;
-    const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);
+    const int S = args.split;
+    const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);   // the launch's row tile: counters, slots
     const int sp = (int)(blockIdx.x - (unsigned)tile * (unsigned)S);   // this block's split, 0..S-1
-    const int64_t m0 = tile * ROWS;
+    // the member this tile belongs to (a plain call: the only one), and the tile within it
+    Args a = args;
+    int64_t mtile = tile;
+    for (int i = 0; i < args.n_more; ++i)
+        if (tile >= args.more.tile0[i]) {
+            a.w = args.more.w[i];
+            a.y = args.more.y[i];
+            a.n_out = args.more.n_out[i];
+            mtile = tile - args.more.tile0[i];
+        }
+    const int64_t m0 = mtile * ROWS;
     const int64_t nb = a.w.K / QK_K;
     const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;   // super-blocks [u0, u0 + len)
     const int SB = stage_bytes(TYPE, a.n_vec);
@@ -616,10 +640,10 @@ inline size_t smem_bytes(int n_vec) {
 }
 
 template <int TYPE, int WARPS, int STAGES>
-inline void launch_cfg(const Args &a, const Device &d, bool pdl, cudaStream_t st) {
+inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
     const bool waits = setup<TYPE, WARPS, STAGES>(d);
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
-    const int64_t blocks = (a.n_out + ROWS - 1) / ROWS * a.split;
+    const int64_t blocks = tiles * a.split;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)blocks);
     cfg.blockDim = dim3(32 * WARPS);
@@ -765,13 +789,13 @@ inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_ve
 }
 
 template <int TYPE>
-inline void launch_type(const Args &a, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
+inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
     if (c.warps == 8) {
-        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, d, pdl, st);
-        else launch_cfg<TYPE, 8, 2>(a, d, pdl, st);
+        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, tiles, d, pdl, st);
+        else launch_cfg<TYPE, 8, 2>(a, tiles, d, pdl, st);
     } else {
-        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, d, pdl, st);
-        else launch_cfg<TYPE, 4, 2>(a, d, pdl, st);
+        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, tiles, d, pdl, st);
+        else launch_cfg<TYPE, 4, 2>(a, tiles, d, pdl, st);
     }
 }
 
@@ -798,11 +822,56 @@ inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate,
     a.n_out = n_out;
     a.n_vec = n_vec;
     a.accumulate = accumulate;
+    a.n_more = 0;
     const Device d = device();
     const Config c = pick(d, w.type, n_out, w.K, n_vec);
     a.split = c.split;
-    if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, c, d, pdl, st);
-    else launch_type<TYPE_Q6_K>(a, c, d, pdl, st);
+    const int64_t tiles = (n_out + ROWS - 1) / ROWS;
+    if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
+    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
+}
+
+// y_i[v][:] = W_i x[v] for the n (2..GROUP_MAX) matrices of one type and one K that read the same x
+// (a layer's projections of one normed input), from one prepared workspace, in ONE launch: the
+// members' row tiles one after the other in the grid, the split decided on their sum. Each output
+// is what run() gives for that matrix alone at the group's split (the split sets the summation
+// order, the group only which blocks run together).
+inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
+    if (n < 2 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
+    if (!supports(w[0].type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(w[0].type));
+    if (w[0].K <= 0 || w[0].K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(w[0].K));
+    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
+    int64_t tiles = 0, tile0[GROUP_MAX];
+    for (int i = 0; i < n; ++i) {
+        if (w[i].type != w[0].type || w[i].K != w[0].K)
+            fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group's matrices must share type and K");
+        if (w[i].M <= 0) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group member has no rows");
+        tile0[i] = tiles;
+        tiles += (w[i].M + ROWS - 1) / ROWS;
+    }
+    uint8_t *base = static_cast<uint8_t *>(ws);
+    Args a;
+    a.w = w[0];
+    a.xp = base + XP_OFF;
+    a.y = y[0];
+    a.rows = nullptr;
+    a.part = reinterpret_cast<float *>(base + PART_OFF);
+    a.count = reinterpret_cast<uint32_t *>(base);
+    a.n_out = w[0].M;
+    a.n_vec = n_vec;
+    a.accumulate = false;
+    a.n_more = n - 1;
+    for (int i = 1; i < n; ++i) {
+        a.more.w[i - 1] = w[i];
+        a.more.y[i - 1] = y[i];
+        a.more.n_out[i - 1] = w[i].M;
+        a.more.tile0[i - 1] = tile0[i];
+    }
+    const Device d = device();
+    const Config c = pick(d, w[0].type, tiles * ROWS, w[0].K, n_vec);   // the group as one tall matrix
+    a.split = c.split;
+    if (w[0].type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
+    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
 }
 
 }  // namespace mvf16

@@ -1232,3 +1232,8 @@ def test_only_and_prefill_options_parse_and_refuse_bad_values():
             runner.parser().parse_args(["--prefill", bad])
     with pytest.raises(SystemExit):
         runner.parser().parse_args(["--only", " , "])
+    # an item ending in "=" selects that exact group; others select by prefix
+    only = runner.parser().parse_args(["--only", "card,openjet=,llama.cpp decode"]).only
+    names = ["card", "openjet acceptance", "openjet prefill", "openjet", "llama.cpp decode", "llama.cpp verify"]
+    assert [n for n in names if runner.selected(n, only)] == ["card", "openjet", "llama.cpp decode"]
+    assert [n for n in names if runner.selected(n, ("openjet",))] == ["openjet acceptance", "openjet prefill", "openjet"]

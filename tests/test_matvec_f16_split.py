@@ -53,7 +53,15 @@ SOURCE_ANCHORS = [
     # the kernel: which block, which super-blocks
     ("matvec_f16.cuh", "const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);"),
     ("matvec_f16.cuh", "const int sp = (int)(blockIdx.x - (unsigned)tile * (unsigned)S);"),
-    ("matvec_f16.cuh", "const int64_t m0 = tile * ROWS;"),
+    ("matvec_f16.cuh", "const int64_t m0 = mtile * ROWS;"),
+    # a grouped launch: the member of a launch tile, and its tile within the member
+    ("matvec_f16.cuh", "for (int i = 0; i < args.n_more; ++i)"),
+    ("matvec_f16.cuh", "if (tile >= args.more.tile0[i]) {"),
+    ("matvec_f16.cuh", "mtile = tile - args.more.tile0[i];"),
+    ("matvec_f16.cuh", "tile0[i] = tiles;"),
+    ("matvec_f16.cuh", "tiles += (w[i].M + ROWS - 1) / ROWS;"),
+    ("matvec_f16.cuh", "a.more.tile0[i - 1] = tile0[i];"),
+    ("matvec_f16.cuh", "const Config c = pick(d, w[0].type, tiles * ROWS, w[0].K, n_vec);"),
     ("matvec_f16.cuh", "const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;"),
     ("matvec_f16.cuh", "const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;"),
     ("matvec_f16.cuh", "const int64_t uw = u0 + warp;"),
@@ -76,7 +84,8 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "const int vec = idx >> 5, r = idx & 31;"),
     ("matvec_f16.cuh", "for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);"),
     # host: grid, workspace pointers, pick()'s clamps and the split model
-    ("matvec_f16.cuh", "const int64_t blocks = (a.n_out + ROWS - 1) / ROWS * a.split;"),
+    ("matvec_f16.cuh", "const int64_t blocks = tiles * a.split;"),
+    ("matvec_f16.cuh", "const int64_t tiles = (n_out + ROWS - 1) / ROWS;"),
     ("matvec_f16.cuh", "a.xp = base + XP_OFF;"),
     ("matvec_f16.cuh", "a.part = reinterpret_cast<float *>(base + PART_OFF);"),
     ("matvec_f16.cuh", "a.count = reinterpret_cast<uint32_t *>(base);"),
@@ -94,7 +103,9 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "if (c < pick_c - 1e-9) pick_c = c, pick_s = S;"),
     ("matvec_f16.cuh", "c.split = auto_split(tiles, nb, c.warps, d.n_sm, res8, res1);"),
     # the engine sizes its workspace with the same function
-    ("matvec.cu", "const size_t need = matvec_f16_workspace_bytes(w.K);"),
+    ("matvec.cu", "const size_t need = matvec_f16_workspace_bytes(K);"),
+    ("matvec.cu", "void *ws = f16_workspace(w.K, st);"),
+    ("matvec.cu", "void *buf = f16_workspace(w[i]->K, st);"),
 ]
 
 
@@ -274,3 +285,40 @@ def test_arrival_protocol():
         assert len(last) == 1
         counter, last = _arrive(counter, S, list(range(S)), reset=False)
         assert last == [], "a missing reset must leave the next run's y unwritten (the harness's repeat check)"
+
+
+def _group_tiles(Ms: list[int]) -> tuple[int, list[int]]:
+    """run_group: the members' first launch tiles and the launch's tile count."""
+    tiles, tile0 = 0, []
+    for M in Ms:
+        tile0.append(tiles)
+        tiles += (M + ROWS - 1) // ROWS
+    return tiles, tile0
+
+
+def _member_of(tile: int, tile0: list[int]) -> tuple[int, int]:
+    """The kernel's member selection: (member, tile within it) of a launch tile."""
+    member, mtile = 0, tile
+    for i in range(len(tile0) - 1):   # args.more.tile0[i] = tile0[i + 1]
+        if tile >= tile0[i + 1]:
+            member, mtile = i + 1, tile - tile0[i + 1]
+    return member, mtile
+
+
+def test_group_tiles_partition_the_members():
+    # every row tile of every member is exactly one launch tile, in member order; the launch's
+    # counters and slots are indexed by the launch tile, so two members never share one
+    rng = random.Random(11)
+    cases = [[10240, 6144, 48, 48], [12288, 1024, 1024], [17408, 17408], [77, 5, 33, 1], [1, 1], [32, 33, 31, 64]]
+    cases += [[rng.randint(1, 70000) for _ in range(rng.randint(2, 4))] for _ in range(200)]
+    for Ms in cases:
+        tiles, tile0 = _group_tiles(Ms)
+        got = [_member_of(t, tile0) for t in range(tiles)]
+        want = [(i, mt) for i, M in enumerate(Ms) for mt in range((M + ROWS - 1) // ROWS)]
+        assert got == want, Ms
+        # the split is decided on the launch's tiles (pick on tiles * ROWS rows) and clamped there,
+        # so a split launch's counters (launch tile < tiles) and slots stay in their regions
+        for forced in (1, 2, 3, 7, 64):
+            S = _clamp(forced, tiles, 20)
+            if S > 1:
+                assert tiles * S <= MAX_SLOTS and tiles <= MAX_TILES

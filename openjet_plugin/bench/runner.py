@@ -408,6 +408,12 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
     return out
 
 
+def selected(name: str, only: tuple[str, ...]) -> bool:
+    """--only: a group is selected by an item it starts with, or, for an item ending in "=", by
+    that exact name ("openjet=": decode, verify and speculation without the other openjet groups)."""
+    return any(name == item[:-1] if item.endswith("=") else name.startswith(item) for item in only)
+
+
 def run_groups(run: Run) -> None:
     todo_groups = groups(run)
     if run.peer_build is not None and run.peer_build.ready():
@@ -418,7 +424,7 @@ def run_groups(run: Run) -> None:
         todo = run.missing(rows)
         if not todo:
             continue
-        if run.only and not name.startswith(run.only):
+        if run.only and not selected(name, run.only):
             run.mark(todo, NOT_SELECTED)
             continue
         try:
@@ -563,7 +569,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", type=_name_list, default=(),
                     help="run only the measurement groups whose names start with these, comma-separated "
                          "(groups: card, openjet acceptance, openjet prefill, openjet, llama.cpp decode, "
-                         "llama.cpp verify, llama.cpp prefill); e.g. --only 'openjet prefill,llama.cpp prefill'")
+                         "llama.cpp verify, llama.cpp prefill); e.g. --only 'openjet prefill,llama.cpp prefill'; "
+                         "an item ending in '=' selects that exact name ('openjet=': not acceptance or prefill)")
     ap.add_argument("--prefill", type=_prefill_list,
                     help="prefill scenarios as NEW_TOKENS:DEPTH items (default 2700:1800,12000:29500; --quick 2700:1800)")
     ap.add_argument("--no-ours", action="store_true", help="do not run our engine")

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds native/tools/matvec_group_bench.cu (matvec.cu's matvec_group: a layer's projections of one
+# normed input in one fp16 launch) for sm_90 and runs it: every check against the float64 dequant,
+# each member's own matvec and the 1-vector calls, then the group against one matvec per member on
+# the 27B Q4_K_M map's groups (< 2 minutes on an H200). Logs to $OUT (or /tmp/openjet-mvgroup-out).
+# Exit status: the harness's (1 on any failed check).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/openjet-mvgroup-out}
+mkdir -p "$OUT"
+ARCH=${OPENJET_CUDA_ARCHS:-90}
+nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
+    native/tools/matvec_group_bench.cu native/matvec.cu -o "$OUT/mvgroup_bench" -lgomp >"$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+grep -A1 "mvf16.*matvec_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -8
+OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} timeout "${MB_TIMEOUT:-150}" "$OUT/mvgroup_bench" "$@" >"$OUT/run.log" 2>&1
+rc=$?
+cat "$OUT/run.log"
+echo "exit $rc (full log $OUT/run.log)"
+exit $rc
