@@ -1235,7 +1235,7 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
     // launch; everything else one matvec each
     bool done[MAX_MEMBERS] = {};
     for (int i = 0; i < n; ++i) {
-        if (done[i]) continue;
+        if (done[i] || w[i]->M <= 0) continue;   // no rows: nothing to compute
         Matrix ws[mvf16::GROUP_MAX];
         float *ys[mvf16::GROUP_MAX];
         int m = 0;

@@ -7,13 +7,23 @@ per group, or one CSV holding several), the model file, and optionally the probe
 
 How kernels become phases: the rows are cut into passes at each `embed_kernel` (every verify and
 every MTP step starts with the embedding lookup). A pass whose first kernels are
-embed, rms_norm, matvec is a verify of the main model; embed, rms_norm, rms_norm is an MTP step
-(enorm, hnorm). The pass's positions n are the embedding's grid (one block a position). Each
+embed, rms_norm, matvec (after its x-preparing kernel, if any) is a verify of the main model;
+embed, rms_norm, rms_norm is an MTP step (enorm, hnorm). The pass's positions n are the embedding's grid (one block a position). Each
 pass is then aligned with the launch order of native/engine.cu (`engine_verify`,
-`engine_mtp_eval`), built here from the model's config, so every matvec gets its matrix
-(blk.N.attn_qkv.weight, ...) and the int8 path's quantize_x kernel is charged to the matvec it
-feeds. When a pass does not follow that order (the engine changed), the kernels are classified
-by name alone and the table says so.
+`engine_mtp_eval`), built here from the model's config and tensor types, so every matvec gets its
+matrices (blk.N.attn_qkv.weight, ...) and the kernel that prepares its x (the fp16 path's prep,
+the int8 path's quantize_x) is charged to the matvec it feeds. The order depends on the decode
+matvec path the probe ran (OPENJET_MATVEC; --matvec, by default the timing JSON's matvec_path,
+else f16): on the fp16 path engine.cu's matvec_group runs a layer's projections of one normed
+input (attn_qkv, attn_gate, ssm_beta, ssm_alpha; attn_q, attn_k, attn_v; ffn_gate, ffn_up) as
+ONE prep + ONE matvec per run of up to 4 Q4_K or Q6_K matrices of one type (native/matvec.cu
+matvec_group). Such a launch is one phase named after all its matrices
+("projections: attn_gate+ssm_beta+ssm_alpha"), with their summed weights and floors: ncu times
+the launch, not its members, so its time is not split among them. With the 27B's Q4_K_M map a
+layer whose attn_qkv is Q6_K shows "attn_qkv" alone and "attn_gate+ssm_beta+ssm_alpha", the
+others "attn_qkv+attn_gate+ssm_beta+ssm_alpha". On the bf16 and int8 paths every matrix is its
+own launch (pair). When a pass does not follow the order (the engine changed, or the path given
+is not the one that ran), the kernels are classified by name alone and the table says so.
 
 Per phase and pass: kernels, time, DRAM bytes (read + written, as ncu counted them) and the
 achieved rate; the phase's own floor: the fewest bytes it must move (weights of its matrices,
@@ -24,7 +34,7 @@ launch and host time; when ncu's serialised kernels add up to more than the wall
 the gaps cannot be measured) and the tokens per second that wall time implies.
 
     python scripts/phase_breakdown.py --model q27b.gguf --csv decode1.csv --csv verify5.csv \
-        --csv mtp.csv [--timing timing.json] [--depth 512] [--json out.json]
+        --csv mtp.csv [--timing timing.json] [--matvec f16] [--depth 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -111,8 +121,9 @@ def unit_scale(unit: str, want: str, where: str) -> float:
 
 # kernel kind by a substring of its name (mangled or demangled); first match wins
 KINDS = (
-    ("quantize_x", "quantize_x_kernel"),
-    ("matvec", "matvec_kernel"),            # mma_ / i8_ / float_matvec_kernel
+    ("quantize_x", "quantize_x_kernel"),     # the int8 path's x quantiser
+    ("prep", "prep_kernel"),                 # the fp16 path's x preparation (mvf16::prep_kernel)
+    ("matvec", "matvec_kernel"),            # mma_ / i8_ / float_ / mvf16:: matvec_kernel
     ("embed", "embed_kernel"),
     ("conv", "deltanet_conv_kernel"),
     ("qk_norm", "deltanet_qk_norm_kernel"),
@@ -134,7 +145,7 @@ PHASE_OF_KIND = {
     "gated_norm": DELTANET, "attn_prepare": ATTENTION, "attn_partial": ATTENTION,
     "attn_combine": ATTENTION, "rms_norm": ELEMENTWISE, "swiglu": ELEMENTWISE,
     "argmax": "argmax", "map_ids": "argmax", "matvec": "projections (role unknown)",
-    "quantize_x": "projections (role unknown)",
+    "quantize_x": "projections (role unknown)", "prep": "projections (role unknown)",
 }
 
 
@@ -235,14 +246,17 @@ class Slot:
     min_bytes: float = 0.0
     flops: float = 0.0
     optional: bool = False
+    pre: str = ""         # a matvec's preceding kernel on its path: "prep" (f16), "quantize_x" (int8), "" none
 
 
 class Model:
-    """What the floors need from the model file: config and tensor bytes/shapes."""
+    """What the floors and the launch order need from the model file: config, tensor bytes/shapes
+    and ggml types (the decode matvec path picks its kernels by type)."""
 
-    def __init__(self, config, tensors: dict[str, tuple[int, tuple[int, ...]]]):
+    def __init__(self, config, tensors: dict[str, tuple[int, tuple[int, ...]]], types: dict[str, str] | None = None):
         self.config = config
         self.tensors = tensors      # name -> (n_bytes, ne)
+        self.types = types or {}    # name -> ggml type name ("Q4_K", "Q6_K", "F32", ...)
 
     @classmethod
     def open(cls, path: Path) -> "Model":
@@ -250,7 +264,8 @@ class Model:
 
         mf = open_model(path)
         try:
-            return cls(mf.config, {n: (int(t.n_bytes), tuple(int(x) for x in t.ne)) for n, t in mf.tensors.items()})
+            return cls(mf.config, {n: (int(t.n_bytes), tuple(int(x) for x in t.ne)) for n, t in mf.tensors.items()},
+                       {n: str(t.ggml_type) for n, t in mf.tensors.items()})
         finally:
             mf.close()
 
@@ -259,10 +274,32 @@ class Model:
             raise BreakdownError(f"model tensor {name!r} not found (the engine reads it in this pass)")
         return self.tensors[name][0]
 
-    def matvec(self, kind_phase: str, name: str, n: int) -> Slot:
-        nb, ne = self.bytes_of(name), self.tensors[name][1]
-        k_in, m_out = ne[0], (ne[1] if len(ne) > 1 else 1)
-        return Slot("matvec", kind_phase, (name,), nb + 4.0 * n * (k_in + m_out), 2.0 * n * k_in * m_out)
+    def shape_of(self, name: str) -> tuple[int, int]:
+        """(K, M): the matrix's input width and output rows."""
+        self.bytes_of(name)
+        ne = self.tensors[name][1]
+        return ne[0], (ne[1] if len(ne) > 1 else 1)
+
+    def type_of(self, name: str) -> str:
+        self.bytes_of(name)
+        if name not in self.types:
+            raise BreakdownError(f"model tensor {name!r}: its ggml type is not known (the matvec path's kernels "
+                                 f"depend on it); open the model with Model.open")
+        return self.types[name]
+
+    def matvec(self, kind_phase: str, names: str | tuple[str, ...], n: int, pre: str = "") -> Slot:
+        """One matvec launch reading the matrices `names` (several: a grouped launch), preceded by a
+        `pre` kernel (prep, quantize_x) when the path launches one; the floor is the sum of the
+        members' own floors (weights + x in + y out each), so a layer's floor is the same whether
+        its projections run grouped or one by one."""
+        names = (names,) if isinstance(names, str) else tuple(names)
+        min_bytes = flops = 0.0
+        for name in names:
+            nb = self.bytes_of(name)
+            k_in, m_out = self.shape_of(name)
+            min_bytes += nb + 4.0 * n * (k_in + m_out)
+            flops += 2.0 * n * k_in * m_out
+        return Slot("matvec", kind_phase, names, min_bytes, flops, pre=pre)
 
     def head_name(self, mtp: bool) -> str:
         if mtp:
@@ -272,49 +309,121 @@ class Model:
         return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
 
 
+# The decode-matvec paths (native/matvec.cu path(), OPENJET_MATVEC): "f16" (unset, the default),
+# "bf16" (bf16-split) and "int8" (int8 activations).
+MATVEC_PATHS = ("f16", "bf16", "int8")
+DEFAULT_MATVEC = "f16"
+F16_TYPES = ("Q4_K", "Q6_K")                     # matvec_f16.cuh supports()
+QUANT_TYPES = ("Q8_0", "Q4_K", "Q5_K", "Q6_K")   # the int8 path's types (others: the float kernel)
+QK_K = 256
+GROUP_MAX = 4                                    # matvec_f16.cuh GROUP_MAX: matrices of one grouped launch
+PRE_KINDS = ("quantize_x", "prep")               # kernels that prepare x for the matvec after them
+
+
+def check_path(path: str) -> str:
+    if path not in MATVEC_PATHS:
+        raise BreakdownError(f"matvec path {path!r} is not one of {', '.join(MATVEC_PATHS)} "
+                             f"(native/matvec.cu's OPENJET_MATVEC paths)")
+    return path
+
+
+def f16_fits(m: Model, name: str, path: str) -> bool:
+    """matvec.cu f16_fits: on the fp16 path, a Q4_K or Q6_K matrix whose K is a multiple of 256."""
+    k_in, _ = m.shape_of(name)
+    return path == "f16" and m.type_of(name) in F16_TYPES and k_in > 0 and k_in % QK_K == 0
+
+
+def pre_kernel(m: Model, name: str, path: str) -> str:
+    """The kernel matvec.cu launches before the matvec of `name` on `path` (launch_any): the fp16
+    path's prep for the types it takes, the int8 path's quantize_x for quantised types, else none."""
+    if f16_fits(m, name, path):
+        return "prep"
+    if path == "int8" and m.type_of(name) in QUANT_TYPES:
+        return "quantize_x"
+    return ""
+
+
+def _role(name: str) -> str:
+    """blk.3.attn_q.weight -> attn_q; blk.4.nextn.eh_proj.weight -> nextn.eh_proj."""
+    parts = name.removesuffix(".weight").split(".")
+    return ".".join(parts[2:]) if parts[0] == "blk" else ".".join(parts)
+
+
+def matvec_group(m: Model, names: list[str], n: int, path: str) -> list[Slot]:
+    """The launches of matvec.cu matvec_group over `names` (matrices reading one x), in order: for
+    the first member not yet done, when it fits the fp16 path it collects every not-done member of
+    its type with rows, up to GROUP_MAX, from itself on; two or more run as ONE prep + ONE matvec
+    (one slot reading all of them, phase "projections: a+b+c"); otherwise it runs alone as matvec()
+    would. Other paths: one launch (pair) per member. Mirrors the engine's loop as written."""
+    check_path(path)
+    for x in names[1:]:
+        if m.shape_of(x)[0] != m.shape_of(names[0])[0]:
+            raise BreakdownError(f"model tensor {x!r} has K {m.shape_of(x)[0]}, {names[0]!r} K {m.shape_of(names[0])[0]}: "
+                                 f"matvec_group's matrices read one x, so share K")
+    done = [False] * len(names)
+    out = []
+    for i, name in enumerate(names):
+        if done[i] or m.shape_of(name)[1] <= 0:   # no rows: the engine skips it
+            continue
+        members = []
+        if f16_fits(m, name, path) and 1 <= n <= 8:
+            for k in range(i, len(names)):
+                if len(members) == GROUP_MAX:
+                    break
+                if not done[k] and m.type_of(names[k]) == m.type_of(name) and m.shape_of(names[k])[1] > 0:
+                    members.append(names[k])
+                    done[k] = True
+        if len(members) >= 2:
+            out.append(m.matvec("projections: " + "+".join(_role(x) for x in members), tuple(members), n, pre="prep"))
+        else:
+            done[i] = True
+            out.append(m.matvec(f"projections: {_role(name)}", name, n, pre=pre_kernel(m, name, path)))
+    return out
+
+
+def _matvec(m: Model, phase: str, name: str, n: int, path: str) -> Slot:
+    """A single matvec() (matvec_rows() too: same kernels) of `name` on `path`."""
+    return m.matvec(phase, name, n, pre=pre_kernel(m, name, path))
+
+
 def _norm(c, n: int, width: int) -> Slot:
     return Slot("rms_norm", ELEMENTWISE, min_bytes=4.0 * (2 * n * width + width))
 
 
-def _ffn(m: Model, il: int, n: int) -> list[Slot]:
+def _ffn(m: Model, il: int, n: int, path: str = DEFAULT_MATVEC) -> list[Slot]:
     c = m.config
     p = f"blk.{il}."
     return [_norm(c, n, c.n_embd),
-            m.matvec("projections: ffn_gate", p + "ffn_gate.weight", n),
-            m.matvec("projections: ffn_up", p + "ffn_up.weight", n),
+            *matvec_group(m, [p + "ffn_gate.weight", p + "ffn_up.weight"], n, path),
             Slot("swiglu", ELEMENTWISE, min_bytes=4.0 * 3 * n * c.n_ff),
-            m.matvec("projections: ffn_down", p + "ffn_down.weight", n)]
+            _matvec(m, "projections: ffn_down", p + "ffn_down.weight", n, path)]
 
 
-def _attention(m: Model, il: int, n: int, depth: int, kv_bytes: float) -> list[Slot]:
+def _attention(m: Model, il: int, n: int, depth: int, kv_bytes: float, path: str = DEFAULT_MATVEC) -> list[Slot]:
     c = m.config
     p = f"blk.{il}."
     kv = kv_bytes * c.kv_dim * 2 * (depth + n)          # K and V of every position so far
     qk_flops = 4.0 * n * c.n_head * c.head_dim * (depth + n)
-    return [m.matvec("projections: attn_q", p + "attn_q.weight", n),
-            m.matvec("projections: attn_k", p + "attn_k.weight", n),
-            m.matvec("projections: attn_v", p + "attn_v.weight", n),
+    return [*matvec_group(m, [p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"], n, path),
             Slot("attn_prepare", ATTENTION, min_bytes=4.0 * n * (2 * c.q_dim + 2 * c.kv_dim) + kv_bytes * 2 * n * c.kv_dim),
             Slot("attn_partial", ATTENTION, min_bytes=kv, flops=qk_flops),
             Slot("attn_combine", ATTENTION, min_bytes=4.0 * n * 2 * c.q_dim),
-            m.matvec("projections: attn_output", p + "attn_output.weight", n)]
+            _matvec(m, "projections: attn_output", p + "attn_output.weight", n, path)]
 
 
-def _deltanet(m: Model, il: int, n: int) -> list[Slot]:
+def _deltanet(m: Model, il: int, n: int, path: str = DEFAULT_MATVEC) -> list[Slot]:
     c = m.config
     p = f"blk.{il}."
     state = 4.0 * c.ssm_dt_rank * c.ssm_d_state ** 2          # read, and written back after the replay
     conv_state = 4.0 * c.ssm_conv_dim * (c.ssm_conv_kernel - 1)
-    return [m.matvec("projections: attn_qkv", p + "attn_qkv.weight", n),
-            m.matvec("projections: attn_gate", p + "attn_gate.weight", n),
-            m.matvec("projections: ssm_beta", p + "ssm_beta.weight", n),
-            m.matvec("projections: ssm_alpha", p + "ssm_alpha.weight", n),
+    return [*matvec_group(m, [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
+                              p + "ssm_alpha.weight"], n, path),
             Slot("conv", DELTANET, min_bytes=2 * conv_state + 4.0 * 2 * n * c.ssm_conv_dim),
             Slot("qk_norm", DELTANET, min_bytes=4.0 * 2 * n * 2 * c.ssm_key_dim),
             Slot("recurrence", DELTANET, min_bytes=2 * state + 4.0 * n * (c.ssm_conv_dim + c.ssm_value_dim),
                  flops=6.0 * n * c.ssm_dt_rank * c.ssm_d_state ** 2),
             Slot("gated_norm", DELTANET, min_bytes=4.0 * 3 * n * c.ssm_value_dim),
-            m.matvec("projections: ssm_out", p + "ssm_out.weight", n)]
+            _matvec(m, "projections: ssm_out", p + "ssm_out.weight", n, path)]
 
 
 def _embed(m: Model, name: str, n: int) -> Slot:
@@ -323,23 +432,25 @@ def _embed(m: Model, name: str, n: int) -> Slot:
     return Slot("embed", "embedding", (), n * nb / rows + 4.0 * n * m.config.n_embd)
 
 
-def verify_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0) -> list[Slot]:
-    """engine_verify's launches for n positions at n_past = depth."""
+def verify_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0, matvec: str = DEFAULT_MATVEC) -> list[Slot]:
+    """engine_verify's launches for n positions at n_past = depth, on the decode-matvec path `matvec`."""
     c = m.config
+    check_path(matvec)
     prog = [_embed(m, "token_embd.weight", n)]
     for il in range(c.n_layer):
         prog.append(_norm(c, n, c.n_embd))
-        prog += _deltanet(m, il, n) if c.is_recurrent(il) else _attention(m, il, n, depth, kv_bytes)
-        prog += _ffn(m, il, n)
+        prog += _deltanet(m, il, n, matvec) if c.is_recurrent(il) else _attention(m, il, n, depth, kv_bytes, matvec)
+        prog += _ffn(m, il, n, matvec)
     prog.append(_norm(c, n, c.n_embd))
-    head = m.matvec("output head", m.head_name(False), n)
+    head = _matvec(m, "output head", m.head_name(False), n, matvec)
     prog += [head, Slot("argmax", "argmax", min_bytes=4.0 * n * c.n_vocab)]
     return prog
 
 
-def mtp_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0) -> list[Slot]:
-    """engine_mtp_eval's launches for n positions at MTP position depth."""
+def mtp_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0, matvec: str = DEFAULT_MATVEC) -> list[Slot]:
+    """engine_mtp_eval's launches for n positions at MTP position depth, on the path `matvec`."""
     c = m.config
+    check_path(matvec)
     il = c.mtp_layer
     if il is None:
         raise BreakdownError("the model has no MTP block (nextn_predict_layers = 0), but the CSV has MTP passes")
@@ -347,12 +458,12 @@ def mtp_program(m: Model, n: int, depth: int, kv_bytes: float = 2.0) -> list[Slo
     own_embed = p + "nextn.embed_tokens.weight"
     prog = [_embed(m, own_embed if own_embed in m.tensors else "token_embd.weight", n),
             _norm(c, n, c.n_embd), _norm(c, n, c.n_embd),
-            m.matvec("projections: nextn.eh_proj", p + "nextn.eh_proj.weight", n),
+            _matvec(m, "projections: nextn.eh_proj", p + "nextn.eh_proj.weight", n, matvec),
             _norm(c, n, c.n_embd)]
-    prog += _attention(m, il, n, depth, kv_bytes)
-    prog += _ffn(m, il, n)
+    prog += _attention(m, il, n, depth, kv_bytes, matvec)
+    prog += _ffn(m, il, n, matvec)
     prog.append(_norm(c, n, c.n_embd))
-    prog += [m.matvec("output head (MTP shared head)", m.head_name(True), n),
+    prog += [_matvec(m, "output head (MTP shared head)", m.head_name(True), n, matvec),
              Slot("argmax", "argmax", min_bytes=4.0 * n * c.n_vocab),
              Slot("map_ids", "argmax", optional=True)]
     return prog
@@ -377,7 +488,7 @@ def split_passes(kernels: list[Kernel], source: str) -> list[list[Kernel]]:
 def pass_signature(p: list[Kernel]) -> tuple[str, int]:
     """('verify' | 'mtp', positions)."""
     n = p[0].grid if p[0].grid else 0
-    kinds = [k.kind for k in p[:4] if k.kind != "quantize_x"]
+    kinds = [k.kind for k in p[:6] if k.kind not in PRE_KINDS][:3]
     mtp = len(kinds) >= 3 and kinds[1] == "rms_norm" and kinds[2] == "rms_norm"
     return ("mtp" if mtp else "verify"), n
 
@@ -388,11 +499,17 @@ def group_name(kind: str, n: int) -> str:
     return "decode1" if n == 1 else f"verify{n}"
 
 
+def _pre_text(kinds: list[str]) -> str:
+    return " + ".join(kinds) if kinds else "no x-preparing kernel"
+
+
 def align(p: list[Kernel], prog: list[Slot]) -> list[tuple[Kernel, Slot]]:
-    """Kernels of one pass matched to the launch order; raises BreakdownError where they part."""
+    """Kernels of one pass matched to the launch order; raises BreakdownError where they part. The
+    kernel that prepares a matvec's x (prep, quantize_x) belongs to the matvec after it, and must
+    be the one its slot's path launches there (none, on the bf16 path)."""
     out, j, pending = [], 0, []
     for k in p:
-        if k.kind == "quantize_x":
+        if k.kind in PRE_KINDS:
             pending.append(k)
             continue
         while j < len(prog) and prog[j].kind != k.kind and prog[j].optional:
@@ -402,14 +519,31 @@ def align(p: list[Kernel], prog: list[Slot]) -> list[tuple[Kernel, Slot]]:
             raise BreakdownError(f"kernel {k.index} ({k.kind}: {k.name[:60]}) where engine.cu's order has {want} "
                                  f"(launch {j} of the pass)")
         if pending and k.kind != "matvec":
-            raise BreakdownError(f"kernel {pending[0].index} quantize_x is not followed by a matvec")
+            raise BreakdownError(f"kernel {pending[0].index} {pending[0].kind} is not followed by a matvec")
+        got, want = [q.kind for q in pending], ([prog[j].pre] if prog[j].pre else [])
+        if got != want:
+            raise BreakdownError(f"kernel {k.index} (matvec of {prog[j].phase}) comes after {_pre_text(got)} where "
+                                 f"the engine's path launches {_pre_text(want)} (launch {j} of the pass)")
         out += [(q, prog[j]) for q in pending] + [(k, prog[j])]
         pending = []
         j += 1
+    if pending:
+        raise BreakdownError(f"kernel {pending[0].index} {pending[0].kind} is not followed by a matvec")
     rest = [s.kind for s in prog[j:] if not s.optional]
     if rest:
         raise BreakdownError(f"the pass ends {len(rest)} launches early (next expected: {rest[0]})")
     return out
+
+
+def path_of_kernels(passes: list[list[Kernel]]) -> str | None:
+    """The decode-matvec path the kernels show, where they show one: quantize_x only runs on the
+    int8 path, prep only on the fp16 path; neither (bf16, or no Q4_K/Q6_K matrix) tells nothing."""
+    kinds = {k.kind for p in passes for k in p}
+    if "quantize_x" in kinds:
+        return "int8"
+    if "prep" in kinds:
+        return "f16"
+    return None
 
 
 @dataclass
@@ -440,17 +574,20 @@ class GroupResult:
 
 
 def summarize_group(name: str, kind: str, n: int, passes: list[list[Kernel]], model: Model | None,
-                    depth: int, kv_bytes: float) -> GroupResult:
+                    depth: int, kv_bytes: float, matvec: str = DEFAULT_MATVEC) -> GroupResult:
     prog = None
     note = ""
     if model is not None:
-        prog = (mtp_program if kind == "mtp" else verify_program)(model, n, depth, kv_bytes)
+        prog = (mtp_program if kind == "mtp" else verify_program)(model, n, depth, kv_bytes, matvec)
     pairs_per_pass = []
     if prog is not None:
         try:
             pairs_per_pass = [align(p, prog) for p in passes]
         except BreakdownError as e:
-            note = f"roles by kernel name only: launch order differs from engine.cu ({e})"
+            note = f"roles by kernel name only: launch order differs from engine.cu on the {matvec} matvec path ({e})"
+            seen = path_of_kernels(passes)
+            if seen and seen != matvec:
+                note += f"; the kernels look like the {seen} path: try --matvec {seen}"
             pairs_per_pass = []
     else:
         note = "roles by kernel name only: no model file given"
@@ -487,8 +624,10 @@ def summarize_group(name: str, kind: str, n: int, passes: list[list[Kernel]], mo
 
 
 def analyse(kernels_by_source: list[tuple[str, list[Kernel]]], model: Model | None, depth: int,
-            kv_bytes: float = 2.0) -> dict[str, GroupResult]:
-    """Every pass of every CSV, grouped by signature (decode1, verify5, mtp, ...)."""
+            kv_bytes: float = 2.0, matvec: str = DEFAULT_MATVEC) -> dict[str, GroupResult]:
+    """Every pass of every CSV, grouped by signature (decode1, verify5, mtp, ...); `matvec` is the
+    decode-matvec path the profiled process ran (f16, bf16, int8)."""
+    check_path(matvec)
     groups: dict[str, tuple[str, int, list]] = {}
     for source, kernels in kernels_by_source:
         for p in split_passes(kernels, source):
@@ -498,7 +637,7 @@ def analyse(kernels_by_source: list[tuple[str, list[Kernel]]], model: Model | No
                                      f"launch (add {GRID} to ncu's --metrics)")
             gname = group_name(kind, n)
             groups.setdefault(gname, (kind, n, []))[2].append(p)
-    return {name: summarize_group(name, kind, n, ps, model, depth, kv_bytes)
+    return {name: summarize_group(name, kind, n, ps, model, depth, kv_bytes, matvec)
             for name, (kind, n, ps) in groups.items()}
 
 
@@ -626,12 +765,29 @@ def markdown(g: dict, gbps: float) -> str:
     return "\n".join(lines)
 
 
-def load_timing(path: Path) -> dict[str, float]:
-    """group -> median wall seconds per pass, from phase_probe.py --time's JSON."""
+def _timing_json(path: Path) -> dict:
     try:
         d = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise BreakdownError(f"{path}: cannot read the timing JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise BreakdownError(f"{path}: the timing JSON is not an object")
+    return d
+
+
+def timing_matvec_path(path: Path) -> str | None:
+    """The decode-matvec path phase_probe.py recorded ("matvec_path"), None when it has none."""
+    d = _timing_json(path)
+    if "matvec_path" not in d:
+        return None
+    if d["matvec_path"] not in MATVEC_PATHS:
+        raise BreakdownError(f"{path}: 'matvec_path' is {d['matvec_path']!r}, not one of {', '.join(MATVEC_PATHS)}")
+    return d["matvec_path"]
+
+
+def load_timing(path: Path) -> dict[str, float]:
+    """group -> median wall seconds per pass, from phase_probe.py --time's JSON."""
+    d = _timing_json(path)
     out = {}
     for name, g in d.get("groups", {}).items():
         if "wall_us" not in g:
@@ -650,9 +806,17 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-depth", type=int, default=4, help="D of the cycle table (verify D+1 + D MTP steps)")
     ap.add_argument("--gbps", type=float, default=STREAM_GBPS, help=f"streaming rate (default {STREAM_GBPS})")
     ap.add_argument("--tflops", type=float, default=MATRIX_TFLOPS, help=f"matrix rate (default {MATRIX_TFLOPS})")
+    ap.add_argument("--matvec", choices=MATVEC_PATHS,
+                    help="the decode-matvec path the probe ran (OPENJET_MATVEC; it sets which projections run as "
+                         "one grouped launch); default: the timing JSON's matvec_path, else f16")
     ap.add_argument("--json", type=Path, help="write the result as JSON here")
     args = ap.parse_args(argv)
     try:
+        matvec, matvec_from = args.matvec, "--matvec"
+        if matvec is None and args.timing:
+            matvec, matvec_from = timing_matvec_path(args.timing), f"{args.timing}"
+        if matvec is None:
+            matvec, matvec_from = DEFAULT_MATVEC, "the engine's default"
         sources = []
         for p in args.csv:
             try:
@@ -661,7 +825,7 @@ def main(argv=None) -> int:
                 raise BreakdownError(f"{p}: cannot read ({e})") from None
             sources.append((str(p), parse_ncu_csv(text, str(p))))
         model = Model.open(args.model) if args.model else None
-        groups = analyse(sources, model, args.depth, args.kv_bytes)
+        groups = analyse(sources, model, args.depth, args.kv_bytes, matvec)
         if args.timing:
             for name, wall in load_timing(args.timing).items():
                 if name in groups:
@@ -672,9 +836,12 @@ def main(argv=None) -> int:
     order = sorted(groups, key=lambda n: (n != "decode1", groups[n].kind == "mtp", n))
     js = {n: group_json(groups[n], args.gbps, args.tflops) for n in order}
     cyc = cycle_json(js, args.draft_depth)
-    result = {"gbps": args.gbps, "tflops": args.tflops, "depth": args.depth, "groups": js, "cycle": cyc}
+    result = {"gbps": args.gbps, "tflops": args.tflops, "depth": args.depth, "matvec_path": matvec,
+              "groups": js, "cycle": cyc}
     print(f"Floors: bytes / {args.gbps:.0f} GB/s or multiply-adds / {args.tflops:.0f} TFLOP/s, whichever is "
-          f"larger; DRAM bytes as ncu counted them (caches flushed per kernel unless --cache-control none).\n")
+          f"larger; DRAM bytes as ncu counted them (caches flushed per kernel unless --cache-control none). "
+          f"Decode matvec path: {matvec} (from {matvec_from}); a phase \"projections: a+b\" is one grouped "
+          f"launch reading those matrices.\n")
     for n in order:
         print(markdown(js[n], args.gbps))
     if cyc:

@@ -32,6 +32,7 @@ NAMES = {
     "rms_norm": "rms_norm_kernel(const float *, const float *, float *, int, float, int)",
     "matvec": "void oj::<unnamed>::mma_matvec_kernel<8>(oj::Matrix, const float *, float *, int, bool, const int *, long)",
     "quantize_x": "void oj::<unnamed>::quantize_x_kernel<false>(const float *, long, int, signed char *, float2 *)",
+    "prep": "void oj::<unnamed>::mvf16::prep_kernel<12>(const float *, long, int, unsigned char *)",
     "conv": "void oj::<unnamed>::deltanet_conv_kernel<4>(const float *, int, const float *, int, const float *, float *, float *, int, bool)",
     "qk_norm": "oj::<unnamed>::deltanet_qk_norm_kernel(float *, int, int, float, float)",
     "recurrence": "void oj::<unnamed>::deltanet_recurrence_kernel<64>(const float *, ...)",
@@ -43,9 +44,13 @@ NAMES = {
     "argmax": "argmax_kernel(const float *, int *, int)",
     "map_ids": "map_ids_kernel(int *, const int *, int)",
 }
+# the matvec kernel each path launches after its x-preparing kernel (none: the bf16 path's mma)
+MATVEC_AFTER = {"prep": "void oj::<unnamed>::mvf16::matvec_kernel<12, 8, 3>(oj::<unnamed>::mvf16::Args)",
+                "quantize_x": "void oj::<unnamed>::i8_matvec_kernel<12, 8>(oj::Matrix, const signed char *, "
+                              "const float2 *, float *, int, bool, const int *, long)"}
 # per kind: (time ns, bytes read, bytes written) of one launch
 COST = {"embed": (2100, 4096, 1024), "rms_norm": (1500, 2048, 1024), "matvec": (12345, 1_234_567, 4096),
-        "quantize_x": (900, 1024, 512), "conv": (2500, 30000, 10000), "qk_norm": (1800, 4000, 4000),
+        "quantize_x": (900, 1024, 512), "prep": (1100, 2048, 4608), "conv": (2500, 30000, 10000), "qk_norm": (1800, 4000, 4000),
         "recurrence": (7000, 800_000, 400_000), "gated_norm": (1700, 3000, 1500), "attn_prepare": (2200, 5000, 5000),
         "attn_partial": (6000, 200_000, 8000), "attn_combine": (1900, 8000, 2000), "swiglu": (1600, 4096, 2048),
         "argmax": (3000, 16384, 0), "map_ids": (800, 64, 4)}
@@ -60,30 +65,39 @@ def fmt(x: float) -> str:
     return f"{int(x):,}" if x == int(x) else f"{x:.15g}"       # ncu's thousands separators on whole numbers
 
 
-def csv_text(passes: list[tuple[list[pb.Slot], int]], int8: bool = False,
-             time_unit: str = "nsecond", byte_unit: str = "byte") -> str:
-    """A raw CSV of the given passes (program, positions); with int8, each matvec is preceded by
-    its quantize_x launch as the OPENJET_MATVEC=int8 path does. Times and bytes are written in
-    the given units (ncu's --print-units auto scales them)."""
+def kinds_of(prog: list[pb.Slot]) -> list[str]:
+    """The kernels a program launches: each matvec after the x-preparing kernel its path launches."""
+    return [k for s in prog if not s.optional for k in ([s.pre] if s.pre else []) + [s.kind]]
+
+
+def csv_of_kinds(passes: list[tuple[list[str], int]], time_unit: str = "nsecond", byte_unit: str = "byte") -> str:
+    """A raw CSV of the given passes (kernel kinds in launch order, positions). A matvec after a
+    prep / quantize_x gets the fp16 / int8 path's kernel name. Times and bytes are written in the
+    given units (ncu's --print-units auto scales them)."""
     units = [{"nsecond": time_unit, "byte": byte_unit}.get(u, u) for u in UNITS]
     lines = ["==PROF== Connected to process 4242 (/usr/bin/python3)",
              ",".join(f'"{h}"' for h in HEADER), ",".join(f'"{u}"' for u in units)]
     i = 0
-    for prog, n in passes:
-        for s in prog:
-            if s.optional:
-                continue
-            kinds = (["quantize_x"] if int8 and s.kind == "matvec" else []) + [s.kind]
-            for kind in kinds:
-                t, r, w = COST[kind]
-                grid = n if kind == "embed" else 96
-                row = [str(i), "4242", "python3", "gpu", NAMES[kind], "1", "13", "(256, 1, 1)", f"({grid}, 1, 1)",
-                       "0", "9.0", fmt(r / PER_BASE[byte_unit]), fmt(w / PER_BASE[byte_unit]),
-                       fmt(t / PER_BASE[time_unit]), "256", fmt(grid)]
-                lines.append(",".join(f'"{v}"' for v in row))
-                i += 1
+    for kinds, n in passes:
+        prev = ""
+        for kind in kinds:
+            t, r, w = COST[kind]
+            grid = n if kind == "embed" else 96
+            name = MATVEC_AFTER.get(prev, NAMES[kind]) if kind == "matvec" else NAMES[kind]
+            row = [str(i), "4242", "python3", "gpu", name, "1", "13", "(256, 1, 1)", f"({grid}, 1, 1)",
+                   "0", "9.0", fmt(r / PER_BASE[byte_unit]), fmt(w / PER_BASE[byte_unit]),
+                   fmt(t / PER_BASE[time_unit]), "256", fmt(grid)]
+            lines.append(",".join(f'"{v}"' for v in row))
+            i += 1
+            prev = kind
     lines.append("==PROF== Disconnected from process 4242")
     return "\n".join(lines) + "\n"
+
+
+def csv_text(passes: list[tuple[list[pb.Slot], int]], time_unit: str = "nsecond", byte_unit: str = "byte") -> str:
+    """A raw CSV of the given passes (program, positions), each matvec preceded by the kernel its
+    slot's path launches there (prep on the fp16 path, quantize_x on the int8 path)."""
+    return csv_of_kinds([(kinds_of(prog), n) for prog, n in passes], time_unit, byte_unit)
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +316,11 @@ def test_roles_sums_and_floors(model):
 
 
 def test_int8_quantize_goes_to_its_matvec(model):
-    dec = pb.verify_program(model, 1, 10)
-    groups = pb.analyse([("q.csv", pb.parse_ncu_csv(csv_text([(dec, 1)], int8=True), "q.csv"))], model, 10)
+    dec = pb.verify_program(model, 1, 10, matvec="int8")
+    assert all(s.pre == "quantize_x" for s in dec if s.kind == "matvec")        # every Q8_0 matrix
+    text = csv_text([(dec, 1)])
+    assert "i8_matvec_kernel" in text
+    groups = pb.analyse([("q.csv", pb.parse_ncu_csv(text, "q.csv"))], model, 10, matvec="int8")
     g = groups["decode1"]
     assert g.mapped
     r = g.rows["projections: attn_qkv"]
@@ -385,3 +402,209 @@ def test_cli_bad_csv_exit_and_message(tmp_path, capsys):
     assert pb.main(["--csv", str(p)]) == 1
     err = capsys.readouterr().err
     assert "dram__bytes_read.sum" in err and "bad.csv" in err
+
+
+# --- the fp16 path's grouped launches (engine.cu matvec_group) ---------------------------------------
+
+@pytest.fixture(scope="module")
+def q4km_file(tmp_path_factory) -> Path:
+    """The tiny preset with llama.cpp's Q4_K_M type map (written directly): blk.2.attn_qkv and the
+    MTP block's attn_v are Q6_K, the other projections of one normed input Q4_K."""
+    from openjet_plugin.testing.synth import synth_model
+
+    return synth_model(tmp_path_factory.mktemp("pb") / "tiny-q4km.gguf", preset="tiny", quant="Q4_K_M", direct=True)
+
+
+@pytest.fixture(scope="module")
+def q4km(q4km_file):
+    m = pb.Model.open(q4km_file)
+    # the premise of the hand-written launch lists below
+    t = m.types
+    assert [t[f"blk.{il}.attn_qkv.weight"] for il in (0, 1, 2)] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert {t[f"blk.{il}.{r}.weight"] for il in (0, 1, 2) for r in ("attn_gate", "ssm_beta", "ssm_alpha")} == {"Q4_K"}
+    assert [t[f"blk.3.{r}.weight"] for r in ("attn_q", "attn_k", "attn_v")] == ["Q4_K"] * 3
+    assert [t[f"blk.4.{r}.weight"] for r in ("attn_q", "attn_k", "attn_v")] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert m.config.deltanet_layers() == [0, 1, 2] and m.config.attention_layers() == [3] and m.config.mtp_layer == 4
+    return m
+
+
+PM = ["prep", "matvec"]                                   # one fp16-path launch pair
+DN_MIX = ["conv", "qk_norm", "recurrence", "gated_norm"]
+ATTN_MIX = ["attn_prepare", "attn_partial", "attn_combine"]
+FFN_F16 = ["rms_norm", *PM, "swiglu", *PM]                # post_norm, gate+up grouped, swiglu, down
+
+
+def f16_decode_kinds() -> list[str]:
+    """engine_verify on the fp16 path for the tiny Q4_K_M map, written out by hand from
+    matvec_group's rule: Q4_K qkv layers group all four, the Q6_K qkv layer runs qkv alone and
+    gate + beta + alpha together; every matrix here fits (K a multiple of 256)."""
+    grouped4 = ["rms_norm", *PM, *DN_MIX, *PM, *FFN_F16]
+    split = ["rms_norm", *PM, *PM, *DN_MIX, *PM, *FFN_F16]
+    attn = ["rms_norm", *PM, *ATTN_MIX, *PM, *FFN_F16]
+    return ["embed", *grouped4, *grouped4, *split, *attn, "rms_norm", *PM, "argmax"]
+
+
+def f16_mtp_kinds() -> list[str]:
+    """engine_mtp_eval on the fp16 path: the MTP block's attn_q + attn_k (Q4_K) grouped, attn_v (Q6_K) alone."""
+    return ["embed", "rms_norm", "rms_norm", *PM, "rms_norm", *PM, *PM, *ATTN_MIX, *PM, *FFN_F16,
+            "rms_norm", *PM, "argmax"]
+
+
+def member_floor(m: pb.Model, names: list[str], n: int) -> tuple[float, float, float]:
+    """(weight bytes, floor bytes, flops) of matrices each read once, x in and y out per matrix."""
+    wb = sum(m.tensors[x][0] for x in names)
+    mb = sum(m.tensors[x][0] + 4.0 * n * (m.tensors[x][1][0] + m.tensors[x][1][1]) for x in names)
+    fl = sum(2.0 * n * m.tensors[x][1][0] * m.tensors[x][1][1] for x in names)
+    return wb, mb, fl
+
+
+def test_f16_grouped_launches_align_with_summed_floors(q4km):
+    depth = 32
+    text = csv_of_kinds([(f16_decode_kinds(), 1), (f16_decode_kinds(), 1), (f16_mtp_kinds(), 1)])
+    assert "mvf16::prep_kernel" in text and "mvf16::matvec_kernel" in text
+    groups = pb.analyse([("f16.csv", pb.parse_ncu_csv(text, "f16.csv"))], q4km, depth)    # f16: the default
+    g = groups["decode1"]
+    assert g.mapped and not g.note and g.passes == 2
+    one_pair_ns = COST["prep"][0] + COST["matvec"][0]
+    expect = {   # phase -> (launch pairs per pass, member matrices of each)
+        "projections: attn_qkv+attn_gate+ssm_beta+ssm_alpha":
+            (2, [[f"blk.{il}.{r}.weight" for r in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha")] for il in (0, 1)]),
+        "projections: attn_qkv": (1, [["blk.2.attn_qkv.weight"]]),
+        "projections: attn_gate+ssm_beta+ssm_alpha": (1, [[f"blk.2.{r}.weight" for r in ("attn_gate", "ssm_beta", "ssm_alpha")]]),
+        "projections: attn_q+attn_k+attn_v": (1, [[f"blk.3.{r}.weight" for r in ("attn_q", "attn_k", "attn_v")]]),
+        "projections: ffn_gate+ffn_up": (4, [[f"blk.{il}.ffn_gate.weight", f"blk.{il}.ffn_up.weight"] for il in range(4)]),
+        "projections: ffn_down": (4, [[f"blk.{il}.ffn_down.weight"] for il in range(4)]),
+        "projections: ssm_out": (3, [[f"blk.{il}.ssm_out.weight"] for il in (0, 1, 2)]),
+    }
+    for phase, (pairs, members) in expect.items():
+        r = g.rows[phase]
+        assert r.kernels == 2 * pairs, phase                              # prep + matvec each
+        assert r.time_s == pytest.approx(pairs * one_pair_ns * 1e-9), phase
+        wb, mb, fl = (sum(x) for x in zip(*(member_floor(q4km, ms, 1) for ms in members)))
+        assert r.weight_bytes == wb, phase
+        assert r.min_bytes == pytest.approx(mb), phase
+        assert r.flops == pytest.approx(fl), phase
+    # no per-matrix rows for matrices that ran grouped
+    for gone in ("projections: attn_gate", "projections: ssm_beta", "projections: attn_q", "projections: ffn_gate"):
+        assert gone not in g.rows
+    # the grouped slot of a layer is one launch reading all four matrices, its floor their floors' sum
+    prog = pb.verify_program(q4km, 1, depth)
+    slot = next(s for s in prog if "blk.0.attn_qkv.weight" in s.tensors)
+    assert slot.tensors == tuple(f"blk.0.{r}.weight" for r in ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha"))
+    assert slot.pre == "prep"
+    singles = [q4km.matvec("x", t, 1) for t in slot.tensors]
+    assert slot.min_bytes == pytest.approx(sum(s.min_bytes for s in singles))
+    assert slot.flops == pytest.approx(sum(s.flops for s in singles))
+    # every kernel of the pass is counted once
+    assert g.kernel_time_s == pytest.approx(sum(COST[k][0] for k in f16_decode_kinds()) * 1e-9)
+    m = groups["mtp"]
+    assert m.mapped
+    assert m.rows["projections: attn_q+attn_k"].kernels == 2
+    assert m.rows["projections: attn_v"].kernels == 2
+    assert m.rows["projections: attn_v"].weight_bytes == q4km.tensors["blk.4.attn_v.weight"][0]
+
+
+def test_group_caps_at_four_of_one_type_in_order(q4km):
+    """matvec_group's loop: from the first not-done fitting member, collect same-type members in
+    order (skipping others, which run alone in their turn), at most GROUP_MAX."""
+    c = q4km.config
+    names = ["blk.2.attn_qkv.weight", "blk.0.attn_gate.weight", "output.weight", "blk.0.ssm_beta.weight",
+             "blk.0.ssm_alpha.weight", "blk.1.attn_gate.weight", "blk.1.ssm_beta.weight"]
+    types = [q4km.types[x] for x in names]
+    assert types == ["Q6_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q4_K", "Q4_K"]
+    assert {q4km.tensors[x][1][0] for x in names} == {c.n_embd}        # one x: one K, a multiple of 256
+    slots = pb.matvec_group(q4km, names, 1, "f16")
+    assert [s.tensors for s in slots] == [
+        ("blk.2.attn_qkv.weight", "output.weight"),                               # the two Q6_K
+        ("blk.0.attn_gate.weight", "blk.0.ssm_beta.weight", "blk.0.ssm_alpha.weight", "blk.1.attn_gate.weight"),
+        ("blk.1.ssm_beta.weight",),                                               # the fifth Q4_K, alone
+    ]
+    assert all(s.pre == "prep" for s in slots)
+    # other paths: one launch per matrix, in order
+    assert [s.tensors for s in pb.matvec_group(q4km, names, 1, "bf16")] == [(x,) for x in names]
+    assert {s.pre for s in pb.matvec_group(q4km, names, 1, "int8")} == {"quantize_x"}
+    # the engine refuses matrices of different K in one group (they cannot read one x)
+    with pytest.raises(pb.BreakdownError, match=r"blk\.0\.ffn_down\.weight.*K 512.*blk\.0\.ffn_up\.weight.*K 256"):
+        pb.matvec_group(q4km, ["blk.0.ffn_up.weight", "blk.0.ffn_down.weight"], 1, "f16")
+
+
+def test_bf16_path_expects_one_launch_per_matrix(q4km):
+    depth = 16
+    dec = pb.verify_program(q4km, 1, depth, matvec="bf16")
+    mv = [s for s in dec if s.kind == "matvec"]
+    assert all(len(s.tensors) == 1 and s.pre == "" for s in mv)
+    il0 = [s.phase for s in mv if s.tensors[0].startswith("blk.0.")]
+    assert il0 == ["projections: attn_qkv", "projections: attn_gate", "projections: ssm_beta",
+                   "projections: ssm_alpha", "projections: ssm_out", "projections: ffn_gate", "projections: ffn_up",
+                   "projections: ffn_down"]
+    c = q4km.config
+    assert len(mv) == 5 * len(c.deltanet_layers()) + 4 * len(c.attention_layers()) + 3 * c.n_layer + 1
+    # a bf16 profile: every matrix its own mma matvec, no prep
+    bf = kinds_of(dec)
+    assert "prep" not in bf and bf.count("matvec") == len(mv)
+    text = csv_of_kinds([(bf, 1)])
+    g = pb.analyse([("bf.csv", pb.parse_ncu_csv(text, "bf.csv"))], q4km, depth, matvec="bf16")["decode1"]
+    assert g.mapped
+    assert g.rows["projections: attn_qkv"].kernels == len(c.deltanet_layers())
+    assert g.rows["projections: ssm_beta"].weight_bytes == sum(q4km.tensors[f"blk.{il}.ssm_beta.weight"][0]
+                                                               for il in c.deltanet_layers())
+    assert not any("+" in p for p in g.rows if p.startswith("projections"))
+    # the f16 profile read as bf16 no longer aligns: it falls back, and says which path it looks like
+    f16 = pb.analyse([("f.csv", pb.parse_ncu_csv(csv_of_kinds([(f16_decode_kinds(), 1)]), "f.csv"))], q4km, depth,
+                     matvec="bf16")["decode1"]
+    assert not f16.mapped
+    assert "bf16 matvec path" in f16.note and "try --matvec f16" in f16.note
+    assert f16.rows["projections (role unknown)"].kernels == f16_decode_kinds().count("matvec") * 2
+    # and the bf16 profile read as f16 (the default) falls back too: f16 groups the Q4_K runs
+    g16 = pb.analyse([("bf.csv", pb.parse_ncu_csv(text, "bf.csv"))], q4km, depth)["decode1"]
+    assert not g16.mapped and "f16 matvec path" in g16.note
+
+
+def test_prep_kernel_must_be_where_the_path_launches_it(q4km):
+    kinds = f16_decode_kinds()
+    # a prep dropped before the first grouped matvec
+    i = kinds.index("prep")
+    bad = kinds[:i] + kinds[i + 1:]
+    with pytest.raises(pb.BreakdownError, match=r"comes after no x-preparing kernel where the engine's path launches prep"):
+        pb.align(pb.parse_ncu_csv(csv_of_kinds([(bad, 1)]), "b.csv"), pb.verify_program(q4km, 1, 8))
+    # int8 kernels read as the f16 path
+    int8 = kinds_of(pb.verify_program(q4km, 1, 8, matvec="int8"))
+    with pytest.raises(pb.BreakdownError, match=r"comes after quantize_x where the engine's path launches prep"):
+        pb.align(pb.parse_ncu_csv(csv_of_kinds([(int8, 1)]), "i.csv"), pb.verify_program(q4km, 1, 8, matvec="f16"))
+    g = pb.analyse([("i.csv", pb.parse_ncu_csv(csv_of_kinds([(int8, 1)]), "i.csv"))], q4km, 8, matvec="int8")
+    assert g["decode1"].mapped
+    assert g["decode1"].rows["projections: attn_qkv"].kernels == 2 * len(q4km.config.deltanet_layers())
+
+
+def test_unknown_matvec_path_is_refused(q4km):
+    with pytest.raises(pb.BreakdownError, match=r"matvec path 'fp8' is not one of f16, bf16, int8"):
+        pb.verify_program(q4km, 1, 8, matvec="fp8")
+
+
+def test_cli_matvec_path_from_timing_json_or_option(q4km, q4km_file, tmp_path, capsys):
+    depth = 16
+    bf = kinds_of(pb.verify_program(q4km, 1, depth, matvec="bf16"))
+    (tmp_path / "d.csv").write_text(csv_of_kinds([(bf, 1)] * 2))
+    (tmp_path / "t.json").write_text(json.dumps({"matvec_path": "bf16", "groups": {"decode1": {"wall_us": [500.0]}}}))
+    args = ["--model", str(q4km_file), "--csv", str(tmp_path / "d.csv"), "--depth", str(depth)]
+    out = tmp_path / "r.json"
+    # the timing JSON says bf16: the per-matrix order is expected and found
+    assert pb.main(args + ["--timing", str(tmp_path / "t.json"), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"Decode matvec path: bf16 (from {tmp_path / 't.json'})" in text
+    res = json.loads(out.read_text())
+    assert res["matvec_path"] == "bf16" and res["groups"]["decode1"]["roles_mapped"]
+    # no timing JSON: the engine's default, f16, which groups; this bf16 profile then falls back
+    assert pb.main(args + ["--json", str(out)]) == 0
+    capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res["matvec_path"] == "f16" and not res["groups"]["decode1"]["roles_mapped"]
+    # --matvec wins over the JSON
+    assert pb.main(args + ["--timing", str(tmp_path / "t.json"), "--matvec", "f16", "--json", str(out)]) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["matvec_path"] == "f16"
+    # a path the engine does not have, in the JSON, is named
+    (tmp_path / "bad.json").write_text(json.dumps({"matvec_path": "fp8", "groups": {}}))
+    assert pb.main(args + ["--timing", str(tmp_path / "bad.json")]) == 1
+    err = capsys.readouterr().err
+    assert "bad.json" in err and "'matvec_path'" in err and "'fp8'" in err
