@@ -3,7 +3,8 @@
 # normed input in one fp16 launch) for sm_90 and runs it: every check against the float64 dequant,
 # each member's own matvec and the 1-vector calls, then the group against one matvec per member on
 # the 27B Q4_K_M map's groups (< 2 minutes on an H200). Logs to $OUT (or /tmp/openjet-mvgroup-out).
-# Exit status: the harness's (1 on any failed check).
+# Exit status: the harness's (1 on any failed check). `--ncu`: one group's kernel (MVG_ONLY, default
+# ffn) under Nsight Compute instead (stall reasons, occupancy, memory throughput; < 1 minute).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-mvgroup-out}
@@ -13,6 +14,18 @@ nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -I
     native/tools/matvec_group_bench.cu native/matvec.cu -o "$OUT/mvgroup_bench" -lgomp >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 grep -A1 "mvf16.*matvec_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -8
+if [ "${1:-}" = "--ncu" ]; then
+    # one group's kernel under Nsight Compute: where a warp's step time goes (stall reasons), the
+    # occupancy and the memory throughput (MVG_ONLY: deltanet, attention, ffn, ...; default ffn)
+    MVG_ONLY=${MVG_ONLY:-ffn} MVG_PROFILE=1 timeout "${MB_TIMEOUT:-150}" ncu --kernel-name regex:matvec_kernel \
+        --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        "$OUT/mvgroup_bench" >"$OUT/ncu.txt" 2>&1
+    rc=$?
+    cat "$OUT/ncu.txt"
+    echo "exit $rc (ncu report $OUT/ncu.txt)"
+    exit $rc
+fi
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-16} timeout "${MB_TIMEOUT:-150}" "$OUT/mvgroup_bench" "$@" >"$OUT/run.log" 2>&1
 rc=$?
 cat "$OUT/run.log"

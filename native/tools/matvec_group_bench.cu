@@ -18,8 +18,11 @@
 //   - the group called three times in a row on one workspace (the split-K counters of the launch's
 //     tiles must be back at 0 after each call): bit-identical each time.
 // Timing (CUDA events, median of RUNS, L2 flushed before each run): the group call against the
-// members' matvecs one after the other (each its own prep + matvec), n = 1 and 5; the 27B pass
-// line sums count x median over the map's groups.
+// members' matvecs one after the other (each its own prep + matvec), n = 1 and 5; the group under
+// each forced configuration (OJ_MVF16_CFG = warps,stages) at n = 1; the 27B pass line sums count x
+// median over the map's groups.
+// Environment: MVG_ONLY=<group> runs that group only; MVG_PROFILE=1 skips checks and timing and
+// makes 3 group calls at n = 1 (the kernel for a profiler: scripts/gpu_matvec_group.sh --ncu).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -46,7 +49,11 @@ static int RUNS = 15;
 struct Member { int type; int64_t M; const char *name; };
 struct Group { const char *name; int64_t K; std::vector<Member> members; int count; };
 
-struct Timing { double group_ms[2] = {0, 0}, alone_ms[2] = {0, 0}; size_t bytes = 0; };
+static const char *CFGS[] = {"4,2", "4,3", "8,2", "8,3"};
+constexpr int NCFG = sizeof(CFGS) / sizeof(CFGS[0]);
+static bool g_profile = false;
+
+struct Timing { double group_ms[2] = {0, 0}, alone_ms[2] = {0, 0}, cfg_ms[NCFG] = {0}; size_t bytes = 0; };
 
 static Timing run_group_case(const Group &gr, uint64_t seed) {
     Timing tm;
@@ -90,6 +97,11 @@ static Timing run_group_case(const Group &gr, uint64_t seed) {
     };
     const uint32_t POISON = 0xFFFFFFFFu;
     matvec_force_path(2);
+    if (g_profile) {
+        for (int rep = 0; rep < 3; ++rep) matvec_group(wp.data(), dy.data(), n, dx, 1, 0);
+        CK(cudaDeviceSynchronize());
+        std::printf("%s: 3 group calls at n = 1 (profile mode)\n", gr.name);
+    } else {
     // 1-vector group calls on each x[v]
     for (int i = 0; i < n; ++i) CK(cudaMemset(dy1[i], 0xFF, 8 * w[i].M * 4));
     for (int v = 0; v < 8; ++v) {
@@ -167,10 +179,19 @@ static Timing run_group_case(const Group &gr, uint64_t seed) {
             for (int i = 0; i < n; ++i) matvec(w[i], dx, dy[i], nv, false, 0);
         });
     }
-    std::printf("%-12s %7.1f MB x %2d: group n=1 %7.4f ms (%5.0f GB/s) alone %7.4f ms | n=5 group %7.4f alone %7.4f\n",
+    for (int c = 0; c < NCFG; ++c) {
+        setenv("OJ_MVF16_CFG", CFGS[c], 1);
+        tm.cfg_ms[c] = median_ms([&] { matvec_group(wp.data(), dy.data(), n, dx, 1, 0); });
+    }
+    unsetenv("OJ_MVF16_CFG");
+    std::printf("%-12s %7.1f MB x %2d: group n=1 %7.4f ms (%5.0f GB/s) alone %7.4f ms | n=5 group %7.4f alone %7.4f | "
+                "n=1 forced warps,stages",
                 gr.name, tm.bytes / 1e6, gr.count, tm.group_ms[0], tm.bytes / (tm.group_ms[0] * 1e-3) / 1e9,
                 tm.alone_ms[0], tm.group_ms[1], tm.alone_ms[1]);
+    for (int c = 0; c < NCFG; ++c) std::printf(" %s %7.4f", CFGS[c], tm.cfg_ms[c]);
+    std::printf("\n");
     std::fflush(stdout);
+    }
     matvec_force_path(-1);
     for (int i = 0; i < n; ++i) {
         CK(cudaFree(w[i].data));
@@ -184,6 +205,8 @@ static Timing run_group_case(const Group &gr, uint64_t seed) {
 
 int main() {
     if (const char *r = std::getenv("MB_RUNS")) RUNS = std::max(5, std::atoi(r));
+    const char *only = std::getenv("MVG_ONLY");
+    g_profile = std::getenv("MVG_PROFILE") && std::strcmp(std::getenv("MVG_PROFILE"), "1") == 0;
     cudaDeviceProp prop;
     CK(cudaGetDeviceProperties(&prop, 0));
     std::printf("device %s sm_%d%d, %d SMs\n", prop.name, prop.major, prop.minor, prop.multiProcessorCount);
@@ -202,10 +225,19 @@ int main() {
     };
     double pass_group[2] = {0, 0}, pass_alone[2] = {0, 0};
     uint64_t seed = 7;
+    int ran = 0;
     for (const Group &gr : groups) {
-        const Timing t = run_group_case(gr, seed++);
+        const uint64_t group_seed = seed++;   // every group keeps its seed whichever run
+        if (only && std::strcmp(only, gr.name) != 0) continue;
+        ++ran;
+        const Timing t = run_group_case(gr, group_seed);
         for (int j = 0; j < 2; ++j) pass_group[j] += gr.count * t.group_ms[j], pass_alone[j] += gr.count * t.alone_ms[j];
     }
+    if (!ran) {
+        std::printf("MVG_ONLY=%s names no group\n", only ? only : "");
+        return 2;
+    }
+    if (g_profile) return 0;
     std::printf("27B pass, grouped projections (prep included): n=1 group %6.2f ms alone %6.2f ms (saving %5.2f) | n=5 "
                 "group %6.2f alone %6.2f (saving %5.2f)\n",
                 pass_group[0], pass_alone[0], pass_alone[0] - pass_group[0], pass_group[1], pass_alone[1],
