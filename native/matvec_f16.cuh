@@ -576,12 +576,17 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
 
 inline bool supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ);
-// also zeroes the workspace's split-K arrival counters.
-inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+// What prep, run and run_group take: a type with a kernel, K a positive multiple of 256, 1..8 vectors.
+inline void check_call(int type, int64_t K, int n_vec) {
     if (!supports(type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(type));
     if (K <= 0 || K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(K));
     if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
+}
+
+// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ);
+// also zeroes the workspace's split-K arrival counters.
+inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+    check_call(type, K, n_vec);
     const unsigned grid = (unsigned)(K / QK_K);
     if (type == TYPE_Q4_K) prep_kernel<TYPE_Q4_K><<<grid, 256, 0, st>>>(x, K, n_vec, static_cast<uint8_t *>(ws));
     else prep_kernel<TYPE_Q6_K><<<grid, 256, 0, st>>>(x, K, n_vec, static_cast<uint8_t *>(ws));
@@ -802,15 +807,9 @@ inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Dev
 // The configuration run() takes for this call (harnesses print it).
 inline Config config_for(int type, int64_t n_out, int64_t K, int n_vec) { return pick(device(), type, n_out, K, n_vec); }
 
-// y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
-// order, the same K and n_vec; run writes the workspace's split-K region). pdl: the previous kernel
-// on the stream is the prep (sm_90: the weight loads start before it finishes).
-inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
-                int64_t n_out, bool pdl, cudaStream_t st) {
-    if (!supports(w.type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(w.type));
-    if (w.K <= 0 || w.K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(w.K));
-    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
-    if (n_out <= 0) return;
+// The launch's arguments over workspace ws for matrix w (a group's first member) writing y; the
+// caller adds the other members, then launch() decides the split.
+inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, int64_t n_out, int n_vec, bool accumulate) {
     uint8_t *base = static_cast<uint8_t *>(ws);
     Args a;
     a.w = w;
@@ -823,12 +822,29 @@ inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate,
     a.n_vec = n_vec;
     a.accumulate = accumulate;
     a.n_more = 0;
+    return a;
+}
+
+// The configuration for `rows` output rows of a.w's type and K (a group: all its members' row
+// tiles, as one tall matrix), then the launch over their row tiles.
+inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
     const Device d = device();
-    const Config c = pick(d, w.type, n_out, w.K, n_vec);
+    const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);
     a.split = c.split;
-    const int64_t tiles = (n_out + ROWS - 1) / ROWS;
-    if (w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
+    const int64_t tiles = (rows + ROWS - 1) / ROWS;
+    if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
     else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
+}
+
+// y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
+// order, the same K and n_vec; run writes the workspace's split-K region). pdl: the previous kernel
+// on the stream is the prep (sm_90: the weight loads start before it finishes).
+inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
+                int64_t n_out, bool pdl, cudaStream_t st) {
+    check_call(w.type, w.K, n_vec);
+    if (n_out <= 0) return;
+    Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
+    launch(a, n_out, pdl, st);
 }
 
 // y_i[v][:] = W_i x[v] for the n (2..GROUP_MAX) matrices of one type and one K that read the same x
@@ -838,9 +854,7 @@ inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate,
 // order, the group only which blocks run together).
 inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
     if (n < 2 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
-    if (!supports(w[0].type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(w[0].type));
-    if (w[0].K <= 0 || w[0].K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(w[0].K));
-    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
+    check_call(w[0].type, w[0].K, n_vec);
     int64_t tiles = 0, tile0[GROUP_MAX];
     for (int i = 0; i < n; ++i) {
         if (w[i].type != w[0].type || w[i].K != w[0].K)
@@ -849,17 +863,7 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
         tile0[i] = tiles;
         tiles += (w[i].M + ROWS - 1) / ROWS;
     }
-    uint8_t *base = static_cast<uint8_t *>(ws);
-    Args a;
-    a.w = w[0];
-    a.xp = base + XP_OFF;
-    a.y = y[0];
-    a.rows = nullptr;
-    a.part = reinterpret_cast<float *>(base + PART_OFF);
-    a.count = reinterpret_cast<uint32_t *>(base);
-    a.n_out = w[0].M;
-    a.n_vec = n_vec;
-    a.accumulate = false;
+    Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, false);
     a.n_more = n - 1;
     for (int i = 1; i < n; ++i) {
         a.more.w[i - 1] = w[i];
@@ -867,11 +871,7 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
         a.more.n_out[i - 1] = w[i].M;
         a.more.tile0[i - 1] = tile0[i];
     }
-    const Device d = device();
-    const Config c = pick(d, w[0].type, tiles * ROWS, w[0].K, n_vec);   // the group as one tall matrix
-    a.split = c.split;
-    if (w[0].type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
-    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
+    launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
 }
 
 }  // namespace mvf16
