@@ -1230,8 +1230,9 @@ def test_only_and_prefill_options_parse_and_refuse_bad_values():
     for bad in ("12000", "a:b", "0:5", "5:-1", ","):
         with pytest.raises(SystemExit):
             runner.parser().parse_args(["--prefill", bad])
-    with pytest.raises(SystemExit):
-        runner.parser().parse_args(["--only", " , "])
+    for bad in (" , ", "card,=", " = "):
+        with pytest.raises(SystemExit):
+            runner.parser().parse_args(["--only", bad])
     # an item ending in "=" selects that exact group; others select by prefix
     only = runner.parser().parse_args(["--only", "card,openjet=,llama.cpp decode"]).only
     names = ["card", "openjet acceptance", "openjet prefill", "openjet", "llama.cpp decode", "llama.cpp verify"]

@@ -530,6 +530,8 @@ def _name_list(text: str) -> tuple[str, ...]:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     if not names:
         raise argparse.ArgumentTypeError(f"expected comma-separated group names, got {text!r}")
+    if any(not x.rstrip("=").strip() for x in names):
+        raise argparse.ArgumentTypeError(f"an item of {text!r} names no group (just '=')")
     return names
 
 
