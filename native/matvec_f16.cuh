@@ -228,47 +228,85 @@ struct Args {
     More more;
 };
 
-// Copies super-block u's weight bytes of the block's 32 rows into a stage. Lane l copies for rows
+// Where a lane's copies of one super-block come from (src_at: super-block u; advance: u + WARPS).
+// The main loop issues super-blocks in order, so it moves one cursor instead of recomputing 64-bit
+// addresses from u per 16-byte copy (~130 integer instructions of a Q4_K step before).
+struct Src {
+    const uint8_t *w[2];   // rows l/2 (tile 0) and 16 + l/2 (tile 1): Q4_K the block, Q6_K its q bytes
+    const uint8_t *sc;     // Q6_K: the scales of the lane's own row (tile `lane & 1`)
+    int64_t bi;            // Q6_K: that row's block index (its d word)
+    const uint8_t *x;      // the prepared x record
+};
+
+template <int TYPE>
+__device__ __forceinline__ Src src_at(const Args &a, const int64_t (&blk)[2], int64_t u, int lane) {
+    Src c;
+    if constexpr (TYPE == TYPE_Q4_K) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + (blk[r] + u) * 144;
+        c.sc = nullptr;
+        c.bi = 0;
+    } else {
+        const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + p.q + (blk[r] + u) * 192;
+        c.bi = ((lane & 1) ? blk[1] : blk[0]) + u;   // a select: blk[lane & 1] would put blk in local memory
+        c.sc = a.w.data + p.sc + c.bi * 16;
+    }
+    c.x = a.xp + u * REC;
+    return c;
+}
+
+template <int TYPE, int WARPS>
+__device__ __forceinline__ void advance(Src &c) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) c.w[r] += WARPS * (TYPE == TYPE_Q4_K ? 144 : 192);
+    if constexpr (TYPE == TYPE_Q6_K) {
+        c.sc += WARPS * 16;
+        c.bi += WARPS;
+    }
+    c.x += WARPS * REC;
+}
+
+// Copies a super-block's weight bytes of the block's 32 rows into a stage. Lane l copies for rows
 // l/2 (tile 0) and 16 + l/2 (tile 1), the lane pair taking alternate 16-byte chunks (each
 // instruction reads 32 contiguous bytes of 16 rows).
 template <int TYPE>
-__device__ __forceinline__ void issue_w(const Args &a, uint8_t *st, const int64_t (&blk)[2], int64_t u, int lane) {
+__device__ __forceinline__ void issue_w(const Args &a, uint8_t *st, const Src &c, int lane) {
     const int half = lane & 1, rr = lane >> 1;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         const int row = 16 * r + rr;
         if constexpr (TYPE == TYPE_Q4_K) {
-            const uint8_t *src = a.w.data + (blk[r] + u) * 144;
 #pragma unroll
             for (int i = 0; i < 5; ++i) {
                 const int j = half + 2 * i;
-                if (j < 9) gemm::cp16(st + row * 144 + 16 * j, src + 16 * j);
+                if (j < 9) gemm::cp16(st + row * 144 + 16 * j, c.w[r] + 16 * j);
             }
         } else {
-            const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
-            const uint8_t *src = a.w.data + p.q + (blk[r] + u) * 192;
 #pragma unroll
             for (int i = 0; i < 6; ++i) {
                 const int j = half + 2 * i;
-                gemm::cp16(st + row * 192 + 16 * j, src + 16 * j);
-            }
-            if (half == r) {   // even lanes: tile 0's row, odd lanes: tile 1's
-                const int64_t bi = blk[r] + u, nblk = a.w.M * (a.w.K / QK_K);
-                gemm::cp16(st + ROWS * 192 + row * 16, a.w.data + p.sc + bi * 16);
-                uint8_t *dd = st + ROWS * 208 + row * 4;
-                if ((bi | 1) < nblk) cp4(dd, a.w.data + p.d + (bi & ~int64_t(1)) * 2);
-                else   // the plane's last entry at an even index: its word would reach past the plane
-                    *reinterpret_cast<uint32_t *>(dd) = __ldg(reinterpret_cast<const unsigned short *>(a.w.data + p.d + bi * 2));
+                gemm::cp16(st + row * 192 + 16 * j, c.w[r] + 16 * j);
             }
         }
     }
+    if constexpr (TYPE == TYPE_Q6_K) {   // even lanes: tile 0's row, odd lanes: tile 1's
+        const int row = 16 * half + rr;
+        const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
+        const int64_t bi = c.bi, nblk = a.w.M * (a.w.K / QK_K);
+        gemm::cp16(st + ROWS * 192 + row * 16, c.sc);
+        uint8_t *dd = st + ROWS * 208 + row * 4;
+        if ((bi | 1) < nblk) cp4(dd, a.w.data + p.d + (bi & ~int64_t(1)) * 2);
+        else   // the plane's last entry at an even index: its word would reach past the plane
+            *reinterpret_cast<uint32_t *>(dd) = __ldg(reinterpret_cast<const unsigned short *>(a.w.data + p.d + bi * 2));
+    }
 }
 
-// The prepared x of super-block u for the call's vectors: lane (g, t), g < n_vec, copies vector
-// g's chunks t, t + 4, ...; lanes 0, 1 the inverse scales.
+// The prepared x of a super-block (its record rec) for the call's vectors: lane (g, t), g < n_vec,
+// copies vector g's chunks t, t + 4, ...; lanes 0, 1 the inverse scales.
 template <int TYPE>
-__device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, int64_t u, int g, int t, int lane) {
-    const uint8_t *rec = a.xp + u * REC;
+__device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, const uint8_t *rec, int g, int t, int lane) {
     if (g < a.n_vec) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
@@ -371,9 +409,11 @@ __device__ __forceinline__ void q6_group(const uint4 (&qa)[2][2], const uint4 (&
         }
         float tq[4];
         gemmf16::mma_f16<true>(tq, a[0], a[1], a[2], a[3], b0, b1);
-        // signed scale bytes, stored XOR 0x80: (2^23 + 128 + sc) - (2^23 + 128)
-        const float sg = __uint_as_float(__byte_perm(wd<(S >> 2)>(scw[i][0]), 0x4B000000u, 0x7440u | (S & 3))) - 8388736.0f;
-        const float s8 = __uint_as_float(__byte_perm(wd<(S >> 2)>(scw[i][1]), 0x4B000000u, 0x7440u | (S & 3))) - 8388736.0f;
+        // signed scale bytes, stored XOR 0x80: (2^23 + 128 + sc) - (2^23 + 128). The constant is
+        // PRMT's first operand (always a register, set once) so that the selector is the immediate:
+        // the other order had ptxas move the selector into a register before every PRMT.
+        const float sg = __uint_as_float(__byte_perm(0x4B000000u, wd<(S >> 2)>(scw[i][0]), 0x3004u | (S & 3))) - 8388736.0f;
+        const float s8 = __uint_as_float(__byte_perm(0x4B000000u, wd<(S >> 2)>(scw[i][1]), 0x3004u | (S & 3))) - 8388736.0f;
         s[i][0] = fmaf(sg, tq[0], s[i][0]);
         s[i][1] = fmaf(sg, tq[1], s[i][1]);
         s[i][2] = fmaf(s8, tq[2], s[i][2]);
@@ -476,35 +516,36 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
 
     const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
     const int64_t uw = u0 + warp;                                          // its first
+    const int nj = (int)J;   // <= nb / WARPS + 1: an int step counter and ring indices below
     // prologue: weights of the first STAGES - 1 steps, then (after the prep grid) their x
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < J) {
             const int64_t u = uw + (int64_t)s * WARPS;
-            issue_w<TYPE>(a, ring + s * SB, blk, u, lane);
+            issue_w<TYPE>(a, ring + s * SB, src_at<TYPE>(a, blk, u, lane), lane);
         }
     pdl_wait();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-        if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), uw + (int64_t)s * WARPS, g, t, lane);
+        if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);
     gemm::cp_commit();
 #pragma unroll
     for (int s = 1; s < STAGES - 1; ++s) gemm::cp_commit();   // empty groups keep the count
 
-    for (int64_t j = 0; j < J; ++j) {
+    // the loop's copies: step jn = j + STAGES - 1 reads super-block uw + jn * WARPS
+    Src nxt = src_at<TYPE>(a, blk, uw + (int64_t)(STAGES - 1) * WARPS, lane);
+    int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
+    for (int j = 0; j < nj; ++j) {
         gemm::cp_wait<STAGES - 2>();
         __syncwarp();   // every lane's copies of step j landed; step j - 1's stage is free
-        {
-            const int64_t jn = j + STAGES - 1;
-            if (jn < J) {
-                uint8_t *st = ring + (jn % STAGES) * SB;
-                const int64_t un = uw + jn * WARPS;
-                issue_w<TYPE>(a, st, blk, un, lane);
-                issue_x<TYPE>(a, st + w_bytes(TYPE), un, g, t, lane);
-            }
-            gemm::cp_commit();
+        if (j + STAGES - 1 < nj) {
+            uint8_t *st = ring + wr * SB;
+            issue_w<TYPE>(a, st, nxt, lane);
+            issue_x<TYPE>(a, st + w_bytes(TYPE), nxt.x, g, t, lane);
+            advance<TYPE, WARPS>(nxt);
         }
-        const uint8_t *st = ring + (j % STAGES) * SB;
+        gemm::cp_commit();
+        const uint8_t *st = ring + rd * SB;
         if constexpr (TYPE == TYPE_Q4_K) {
             step_q4(st, st + w_bytes(TYPE), a.n_vec, g, t, acc);
         } else {
@@ -516,6 +557,8 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
                 for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;
             step_q6(st, st + w_bytes(TYPE), a.n_vec, g, t, pr, acc);
         }
+        rd = rd == STAGES - 1 ? 0 : rd + 1;
+        wr = wr == STAGES - 1 ? 0 : wr + 1;
         __syncwarp();
     }
     gemm::cp_wait<0>();

@@ -20,6 +20,7 @@ if [ "${1:-}" = "--ncu" ]; then
     MVG_ONLY=${MVG_ONLY:-ffn} MVG_PROFILE=1 timeout "${MB_TIMEOUT:-150}" ncu --kernel-name regex:matvec_kernel \
         --launch-skip 2 --launch-count 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio$,smsp__inst_executed.sum,sm__cycles_elapsed.avg.per_second" \
         "$OUT/mvgroup_bench" >"$OUT/ncu.txt" 2>&1
     rc=$?
     cat "$OUT/ncu.txt"
