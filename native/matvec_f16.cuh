@@ -68,6 +68,8 @@
 #include <string>
 #include <tuple>
 
+#include <cudaTypedefs.h>   // CUtensorMap, PFN_cuTensorMapEncodeTiled_v12000
+
 #include "engine.cuh"
 #include "gemm_f16.cuh"   // nibble_pair_magic, q6_bytes, SEL_LO/HI, splat_byte_sel, mma_f16, h2u/u2h, cp.async
 
@@ -97,7 +99,8 @@ inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * 
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
 __host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
-__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return w_bytes(type) + x_bytes(n_vec); }
+// rounded up to 128 bytes: a stage is a tensor copy's destination (stream_q4_tma)
+__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
 // column col of the super-block. Both types take bytes (0, 2) of a word for slots (0, 1) and
@@ -214,6 +217,7 @@ struct More {
 };
 
 struct Args {
+    CUtensorMap map[GROUP_MAX];  // tma: member i's Q4_K rows as bytes [M][nb * 144], boxes of 144 x 32
     Matrix w;
     const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
     float *y;
@@ -225,6 +229,7 @@ struct Args {
     int split;                   // S: blocks per row tile (1: no split, y written directly)
     bool accumulate;
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
+    bool tma;                    // Q4_K on sm_90+, no row gather: tensor and bulk copies (stream_q4_tma)
     More more;
 };
 
@@ -472,9 +477,99 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
         for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(((e & 1) ? inv.y : inv.x) * dq[i][e >> 1], s[i][e], acc[i][e]);
 }
 
+// Bulk copies (sm_90): cp.async.bulk global -> shared, completing on an mbarrier's transaction
+// count. The copy engine tracks them, not the SM's load path: with 16-byte cp.async the warps of a
+// mid-size matvec spent a third of their stall samples in the block's first copies and another
+// quarter waiting on registers still held by queued copies (ncu source counters, FFN group).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t su32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_init(uint64_t *bar, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(su32(bar)), "r"(count));
+}
+__device__ __forceinline__ void bar_expect_tx(uint64_t *bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(su32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t *bar, uint32_t parity) {
+    asm volatile(
+        "{\n.reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n}\n" ::"r"(su32(bar)),
+        "r"(parity)
+        : "memory");
+}
+__device__ __forceinline__ void tensor_2d(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+                     su32(dst)),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(su32(bar))
+                 : "memory");
+}
+__device__ __forceinline__ void bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(su32(dst)),
+                 "l"(src), "r"(bytes), "r"(su32(bar))
+                 : "memory");
+}
+
+// The Q4_K main loop on the copy engine: the same stages, steps and step_q4 as the cp.async loop,
+// a warp's ring with one mbarrier per stage; lane 0 arms it with the stage's bytes and issues one
+// tensor copy (the 32 rows x 144 bytes of super-block u from row m0 on, rows past M zero-filled)
+// and two bulk copies (the vectors' x, the inverse scales). A copy instruction takes uniform
+// operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32 per step).
+template <int WARPS, int STAGES>
+__device__ __forceinline__ void stream_q4_tma(const Args &a, const CUtensorMap *map, uint8_t *ring, int SB, uint64_t *bars,
+                                              int m0, int64_t uw, int nj, int g, int t, int lane, float (&acc)[2][4]) {
+    constexpr int W = ROWS * 144;
+    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = W + xb + 32;
+    if (lane < STAGES) bar_init(bars + lane, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncwarp();
+    if (lane == 0)
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (s < nj) {
+                bar_expect_tx(bars + s, tx);
+                tensor_2d(ring + s * SB, map, (int)((uw + s * WARPS) * 144), m0, bars + s);
+            }
+    pdl_wait();   // the prep grid's x
+    if (lane == 0)
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s)
+            if (s < nj) {
+                const uint8_t *rec = a.xp + (uw + (int64_t)s * WARPS) * REC;
+                bulk(ring + s * SB + W, rec, xb, bars + s);
+                bulk(ring + s * SB + W + xb, rec + INV_OFF, 32, bars + s);
+            }
+    int un = (int)(uw + (STAGES - 1) * WARPS);   // the super-block of the next refill
+    const uint8_t *xn = a.xp + (uw + (int64_t)(STAGES - 1) * WARPS) * REC;
+    uint32_t ph = 0;               // bit s: the parity stage s's barrier completes next
+    int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
+    for (int j = 0; j < nj; ++j) {
+        bar_wait(bars + rd, (ph >> rd) & 1u);
+        ph ^= 1u << rd;
+        if (j + STAGES - 1 < nj) {   // refill the stage step j - 1 read (every lane past it: the loop's last __syncwarp)
+            uint8_t *st = ring + wr * SB;
+            if (lane == 0) {
+                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
+                bar_expect_tx(bars + wr, tx);
+                tensor_2d(st, map, un * 144, m0, bars + wr);
+                bulk(st + W, xn, xb, bars + wr);
+                bulk(st + W + xb, xn + INV_OFF, 32, bars + wr);
+            }
+            un += WARPS;
+            xn += WARPS * REC;
+        }
+        const uint8_t *st = ring + rd * SB;
+        step_q4(st, st + W, a.n_vec, g, t, acc);
+        rd = rd == STAGES - 1 ? 0 : rd + 1;
+        wr = wr == STAGES - 1 ? 0 : wr + 1;
+        __syncwarp();
+    }
+}
+#endif
+
 template <int TYPE, int WARPS, int STAGES>
-__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
-    extern __shared__ __align__(16) uint8_t smem[];
+__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
+    extern __shared__ __align__(128) uint8_t smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int S = args.split;
     const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);   // the launch's row tile: counters, slots
@@ -482,8 +577,10 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
     // the member this tile belongs to (a plain call: the only one), and the tile within it
     Args a = args;
     int64_t mtile = tile;
+    int member = 0;
     for (int i = 0; i < args.n_more; ++i)
         if (tile >= args.more.tile0[i]) {
+            member = i + 1;
             a.w = args.more.w[i];
             a.y = args.more.y[i];
             a.n_out = args.more.n_out[i];
@@ -517,6 +614,13 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
     const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
     const int64_t uw = u0 + warp;                                          // its first
     const int nj = (int)J;   // <= nb / WARPS + 1: an int step counter and ring indices below
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (TYPE == TYPE_Q4_K && a.tma) {
+        uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
+        stream_q4_tma<WARPS, STAGES>(a, &args.map[member], ring, SB, bars, (int)m0, uw, nj, g, t, lane, acc);
+    } else
+#endif
+    {
     // prologue: weights of the first STAGES - 1 steps, then (after the prep grid) their x
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
@@ -560,6 +664,7 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const Args args) {
         rd = rd == STAGES - 1 ? 0 : rd + 1;
         wr = wr == STAGES - 1 ? 0 : wr + 1;
         __syncwarp();
+    }
     }
     gemm::cp_wait<0>();
     __syncthreads();
@@ -684,13 +789,62 @@ inline bool setup(const Device &d) {
 
 template <int TYPE, int WARPS, int STAGES>
 inline size_t smem_bytes(int n_vec) {
-    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)WARPS * 8 * 32 * 4);
+    // the rings (the block reduction reuses their start), then a mbarrier per stage and warp
+    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)WARPS * 8 * 32 * 4) +
+           (size_t)WARPS * STAGES * 8;
+}
+
+// A Q4_K matrix's tensor map for stream_q4_tma (rows as bytes [M][nb * 144], boxes of one
+// super-block x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
+inline CUtensorMap q4_map(const Matrix &w) {
+    static std::mutex mu;
+    static std::map<std::tuple<const void *, int64_t, int64_t>, CUtensorMap> cache;
+    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
+    std::lock_guard<std::mutex> lock(mu);
+    const auto key = std::make_tuple(static_cast<const void *>(w.data), w.M, w.K);
+    auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
+    if (!encode) {
+        void *p = nullptr;
+        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+        check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
+                   "matvec_f16: cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
+        if (q != cudaDriverEntryPointSuccess || !p) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the driver has no cuTensorMapEncodeTiled");
+        encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+    }
+    const int64_t row = w.K / QK_K * 144;
+    const cuuint64_t dims[2] = {(cuuint64_t)row, (cuuint64_t)w.M}, strides[1] = {(cuuint64_t)row};
+    const cuuint32_t box[2] = {144, ROWS}, estr[2] = {1, 1};
+    alignas(64) CUtensorMap m;
+    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t *>(w.data), dims, strides, box, estr,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS)
+        fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: cuTensorMapEncodeTiled failed for a Q4_K matrix of " + std::to_string(w.M) +
+                                          " x " + std::to_string(w.K) + " (CUresult " + std::to_string((int)r) + ")");
+    return cache.emplace(key, m).first->second;
+}
+
+// OJ_MVF16_TMA=0: the Q4_K weights by 16-byte cp.async as before the copy engine (comparisons).
+inline bool tma_enabled() {
+    static const bool on = [] {
+        const char *e = std::getenv("OJ_MVF16_TMA");
+        return !(e && e[0] == '0');
+    }();
+    return on;
 }
 
 template <int TYPE, int WARPS, int STAGES>
 inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
     const bool waits = setup<TYPE, WARPS, STAGES>(d);
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
+    Args b = a;
+    // sm_90 code on a cc 9.0+ device, rows in order (a tensor map cannot gather)
+    b.tma = TYPE == TYPE_Q4_K && d.pdl && waits && !a.rows && tma_enabled();
+    if (b.tma) {
+        b.map[0] = q4_map(a.w);
+        for (int i = 0; i < a.n_more; ++i) b.map[i + 1] = q4_map(a.more.w[i]);
+    }
     const int64_t blocks = tiles * a.split;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((unsigned)blocks);
@@ -702,7 +856,7 @@ inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, 
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
-    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, a);
+    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, b);
     if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
         check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
                        std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
@@ -865,6 +1019,7 @@ inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, i
     a.n_vec = n_vec;
     a.accumulate = accumulate;
     a.n_more = 0;
+    a.tma = false;   // launch_cfg decides
     return a;
 }
 

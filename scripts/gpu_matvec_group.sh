@@ -14,6 +14,17 @@ nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -I
     native/tools/matvec_group_bench.cu native/matvec.cu -o "$OUT/mvgroup_bench" -lgomp >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 grep -A1 "mvf16.*matvec_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -8
+if [ "${1:-}" = "--ncu-source" ]; then
+    # per-SASS-instruction warp stall samples of one group's kernel: where a warp's step time goes
+    MVG_ONLY=${MVG_ONLY:-ffn} MVG_PROFILE=1 timeout "${MB_TIMEOUT:-150}" ncu --kernel-name regex:matvec_kernel \
+        --launch-skip 2 --launch-count 1 --section SourceCounters --section WarpStateStats -f -o "$OUT/prof" \
+        "$OUT/mvgroup_bench" >"$OUT/ncu_source_run.txt" 2>&1
+    rc=$?
+    tail -3 "$OUT/ncu_source_run.txt"
+    ncu -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass >"$OUT/source.csv" 2>"$OUT/source.err"
+    python3 scripts/ncu_source_top.py "$OUT/source.csv" 45
+    exit $rc
+fi
 if [ "${1:-}" = "--ncu" ]; then
     # one group's kernel under Nsight Compute: where a warp's step time goes (stall reasons), the
     # occupancy and the memory throughput (MVG_ONLY: deltanet, attention, ffn, ...; default ffn)
