@@ -893,8 +893,8 @@ inline int resident(const Device &d, int type, int warps, int stages, int n_vec)
                              : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
 }
 
-// Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair. Stages: 3 when two blocks
-// still fit an SM's shared memory, else 2. Split S (blocks per row tile): auto_split below;
+// Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair. Stages (Q4_K on the copy
+// engine: 2, see stages_for): 3 when two blocks still fit an SM's shared memory, else 2. Split S (blocks per row tile): auto_split below;
 // OJ_MVF16_SPLIT=n forces n (clamped to 1..nb and to MAX_SLOTS slots); forced to 1 it also brings
 // back the unsplit rule for the warps (8 when the grid alone leaves SMs idle and K has >= 16
 // super-blocks), i.e. this kernel as it was before split-K, for comparisons.
@@ -903,9 +903,13 @@ inline int resident(const Device &d, int type, int warps, int stages, int n_vec)
 // bit-identical on every device. The stage count may follow n_vec (it does not change the order).
 struct Config { int warps, stages, split; };
 
-inline int stages_for(const Device &d, int warps, size_t sb, int forced) {
+// Q4_K on the copy engine (stream_q4_tma): 2 stages, for a fourth block per SM (the group harness
+// at 8984bbb, every group faster forced to 4 warps x 2 stages: DeltaNet 26.4 vs 31.0 us, attention
+// 24.8 vs 30.6, FFN 44.6 vs 45.8).
+inline int stages_for(const Device &d, int type, int warps, size_t sb, int forced) {
     const size_t s3 = (size_t)warps * 3 * sb;
-    int st = forced ? forced : (s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm) ? 3 : 2;
+    const bool tma = type == TYPE_Q4_K && d.pdl && tma_enabled();
+    int st = forced ? forced : !tma && s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm ? 3 : 2;
     if ((size_t)warps * st * sb > (size_t)d.optin) st = 2;
     return st;
 }
@@ -948,14 +952,14 @@ inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_
     Config c = {0, 0, 0};
     c.warps = forced.warps ? forced.warps : forced.split == 1 && tiles < d.n_sm && nb >= 16 ? 8 : 4;
     if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
-    c.stages = stages_for(d, c.warps, sb, forced.stages);
+    c.stages = stages_for(d, type, c.warps, sb, forced.stages);
     if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
         fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
     if (forced.split) {
         c.split = forced.split;
     } else {
-        const int res8 = resident(d, type, c.warps, stages_for(d, c.warps, sb8, forced.stages), 8);
-        const int res1 = resident(d, type, c.warps, stages_for(d, c.warps, sb1, forced.stages), 1);
+        const int res8 = resident(d, type, c.warps, stages_for(d, type, c.warps, sb8, forced.stages), 8);
+        const int res1 = resident(d, type, c.warps, stages_for(d, type, c.warps, sb1, forced.stages), 1);
         c.split = auto_split(tiles, nb, c.warps, d.n_sm, res8, res1);
     }
     c.split = (int)std::min<int64_t>(c.split, nb);                                  // no empty split
