@@ -31,7 +31,12 @@
 // Streaming: each warp has a private ring of STAGES
 // shared-memory stages filled by cp.async (its 32 rows' bytes of one super-block + the prepared x
 // of the call's vectors), STAGES - 1 super-blocks in flight while it computes one; no block barrier
-// inside the loop. Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 =
+// inside the loop. Q4_K on sm_90+ (stream_q4_tma, the default there): the same ring filled by the
+// copy engine, one tensor copy of the 32 rows and two bulk copies of x per step, each stage an
+// mbarrier with the stage's byte count; 16-byte cp.async with a queue of 10-20 copies per lane
+// held the SM's load path (ncu: a third of the FFN group's stall samples in the block's first
+// copies, a quarter waiting on registers of queued copies) and the FFN group at 1.6 TB/s, 2.3 on
+// the copy engine. Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 =
 // sub-blocks 2t, 2t+1) of rows g, g+8 of each tile, so its scales are fixed for the super-block;
 // Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
 // as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
