@@ -31,7 +31,7 @@
 // Streaming: each warp has a private ring of STAGES
 // shared-memory stages filled by cp.async (its 32 rows' bytes of one super-block + the prepared x
 // of the call's vectors), STAGES - 1 super-blocks in flight while it computes one; no block barrier
-// inside the loop. Q4_K on sm_90+ (stream_q4_tma, the default there): the same ring filled by the
+// inside the loop. Q4_K on sm_90+ (stream_tma, the default there): the same ring filled by the
 // copy engine, one tensor copy of the 32 rows and two bulk copies of x per step, each stage an
 // mbarrier with the stage's byte count; 16-byte cp.async with a queue of 10-20 copies per lane
 // held the SM's load path (ncu: a third of the FFN group's stall samples in the block's first
@@ -104,7 +104,7 @@ inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * 
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
 __host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
-// rounded up to 128 bytes: a stage is a tensor copy's destination (stream_q4_tma)
+// rounded up to 128 bytes: a stage is a tensor copy's destination (stream_tma)
 __host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
@@ -222,7 +222,9 @@ struct More {
 };
 
 struct Args {
-    CUtensorMap map[GROUP_MAX];  // tma: member i's Q4_K rows as bytes [M][nb * 144], boxes of 144 x 32
+    CUtensorMap map[GROUP_MAX];     // tma: member i's rows as bytes, boxes of one super-block x 32 rows
+                                    // (Q4_K: the blocks [M][nb * 144]; Q6_K: the q plane [M][nb * 192])
+    CUtensorMap map_sc[GROUP_MAX];  // tma, Q6_K: the scale plane [M][nb * 16]
     Matrix w;
     const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
     float *y;
@@ -234,7 +236,7 @@ struct Args {
     int split;                   // S: blocks per row tile (1: no split, y written directly)
     bool accumulate;
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
-    bool tma;                    // Q4_K on sm_90+, no row gather: tensor and bulk copies (stream_q4_tma)
+    bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
     More more;
 };
 
@@ -515,26 +517,53 @@ __device__ __forceinline__ void bulk(void *dst, const void *src, uint32_t bytes,
                  : "memory");
 }
 
-// The Q4_K main loop on the copy engine: the same stages, steps and step_q4 as the cp.async loop,
-// a warp's ring with one mbarrier per stage; lane 0 arms it with the stage's bytes and issues one
-// tensor copy (the 32 rows x 144 bytes of super-block u from row m0 on, rows past M zero-filled)
-// and two bulk copies (the vectors' x, the inverse scales). A copy instruction takes uniform
-// operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32 per step).
-template <int WARPS, int STAGES>
-__device__ __forceinline__ void stream_q4_tma(const Args &a, const CUtensorMap *map, uint8_t *ring, int SB, uint64_t *bars,
-                                              int m0, int64_t uw, int nj, int g, int t, int lane, float (&acc)[2][4]) {
-    constexpr int W = ROWS * 144;
-    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = W + xb + 32;
-    if (lane < STAGES) bar_init(bars + lane, 1);
+// The barrier's next phase also waits for this thread's cp.async copies so far (one arrival each,
+// counted in the barrier's init count: .noinc).
+__device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(su32(bar)) : "memory");
+}
+
+// The main loop on the copy engine (stream_tma): the same stages, steps and step_q4 / step_q6 as
+// the cp.async loop, a warp's ring with one mbarrier per stage. Lane 0 arms a stage's barrier with
+// its byte count and issues one tensor copy per plane (Q4_K: the 32 rows x 144 bytes of super-block
+// u from row m0 on; Q6_K: the q plane's 32 x 192 and the scale plane's 32 x 16; rows past M
+// zero-filled) and two bulk copies (the vectors' x, the inverse scales). A copy instruction takes
+// uniform operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32
+// per step). Q6_K's fp16 d of a row is 2 bytes at a row stride of nb * 2 (no tensor map: strides
+// are multiples of 16), so each lane still copies its row's d word by cp.async, tied to the
+// barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32). Q6_K here is opt-in
+// (OJ_MVF16_TMA=all) until it has run on a GPU.
+template <int TYPE, int WARPS, int STAGES>
+__device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
+                                           int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g, int t, int lane,
+                                           const int64_t (&blk)[2], const uint32_t (&par)[2][2], float (&acc)[2][4]) {
+    constexpr bool Q6 = TYPE == TYPE_Q6_K;
+    constexpr int W = w_bytes(TYPE);
+    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
+    if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();
-    if (lane == 0)
+    // the weights of super-block u into stage st: lane 0's tensor copies, and for Q6_K each lane's d word
+    auto issue_w = [&](uint8_t *st, uint64_t *bar, int64_t u) {
+        if (lane == 0) {
+            bar_expect_tx(bar, tx);
+            tensor_2d(st, map, (int)(u * (Q6 ? 192 : 144)), m0, bar);
+            if constexpr (Q6) tensor_2d(st + ROWS * 192, map_sc, (int)(u * 16), m0, bar);
+        }
+        if constexpr (Q6) {   // lane l: row 16 (l & 1) + l / 2, as issue_w
+            const int half = lane & 1, row = 16 * half + (lane >> 1);
+            const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
+            const int64_t bi = (half ? blk[1] : blk[0]) + u, nblk = a.w.M * (a.w.K / QK_K);
+            uint8_t *dd = st + ROWS * 208 + row * 4;
+            if ((bi | 1) < nblk) cp4(dd, a.w.data + p.d + (bi & ~int64_t(1)) * 2);
+            else   // the plane's last entry at an even index: its word would reach past the plane
+                *reinterpret_cast<uint32_t *>(dd) = __ldg(reinterpret_cast<const unsigned short *>(a.w.data + p.d + bi * 2));
+            bar_cp_async_arrive(bar);
+        }
+    };
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s)
-            if (s < nj) {
-                bar_expect_tx(bars + s, tx);
-                tensor_2d(ring + s * SB, map, (int)((uw + s * WARPS) * 144), m0, bars + s);
-            }
+    for (int s = 0; s < STAGES - 1; ++s)
+        if (s < nj) issue_w(ring + s * SB, bars + s, uw + (int64_t)s * WARPS);
     pdl_wait();   // the prep grid's x
     if (lane == 0)
 #pragma unroll
@@ -544,8 +573,8 @@ __device__ __forceinline__ void stream_q4_tma(const Args &a, const CUtensorMap *
                 bulk(ring + s * SB + W, rec, xb, bars + s);
                 bulk(ring + s * SB + W + xb, rec + INV_OFF, 32, bars + s);
             }
-    int un = (int)(uw + (STAGES - 1) * WARPS);   // the super-block of the next refill
-    const uint8_t *xn = a.xp + (uw + (int64_t)(STAGES - 1) * WARPS) * REC;
+    int64_t un = uw + (int64_t)(STAGES - 1) * WARPS;   // the super-block of the next refill
+    const uint8_t *xn = a.xp + un * REC;
     uint32_t ph = 0;               // bit s: the parity stage s's barrier completes next
     int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
     for (int j = 0; j < nj; ++j) {
@@ -553,10 +582,9 @@ __device__ __forceinline__ void stream_q4_tma(const Args &a, const CUtensorMap *
         ph ^= 1u << rd;
         if (j + STAGES - 1 < nj) {   // refill the stage step j - 1 read (every lane past it: the loop's last __syncwarp)
             uint8_t *st = ring + wr * SB;
+            if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
+            issue_w(st, bars + wr, un);
             if (lane == 0) {
-                asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
-                bar_expect_tx(bars + wr, tx);
-                tensor_2d(st, map, un * 144, m0, bars + wr);
                 bulk(st + W, xn, xb, bars + wr);
                 bulk(st + W + xb, xn + INV_OFF, 32, bars + wr);
             }
@@ -564,7 +592,17 @@ __device__ __forceinline__ void stream_q4_tma(const Args &a, const CUtensorMap *
             xn += WARPS * REC;
         }
         const uint8_t *st = ring + rd * SB;
-        step_q4(st, st + W, a.n_vec, g, t, acc);
+        if constexpr (Q6) {
+            const uint32_t pu = (uint32_t)((uw + j * WARPS) & 1);
+            uint32_t pr[2][2];
+#pragma unroll
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;
+            step_q6(st, st + W, a.n_vec, g, t, pr, acc);
+        } else {
+            step_q4(st, st + W, a.n_vec, g, t, acc);
+        }
         rd = rd == STAGES - 1 ? 0 : rd + 1;
         wr = wr == STAGES - 1 ? 0 : wr + 1;
         __syncwarp();
@@ -572,7 +610,9 @@ __device__ __forceinline__ void stream_q4_tma(const Args &a, const CUtensorMap *
 }
 #endif
 
-template <int TYPE, int WARPS, int STAGES>
+// TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
+// cp.async instance no copy-engine loop, so neither pays the other's registers).
+template <int TYPE, int WARPS, int STAGES, bool TMA>
 __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
     extern __shared__ __align__(128) uint8_t smem[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -620,9 +660,10 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
     const int64_t uw = u0 + warp;                                          // its first
     const int nj = (int)J;   // <= nb / WARPS + 1: an int step counter and ring indices below
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (TYPE == TYPE_Q4_K && a.tma) {
+    if constexpr (TMA) {
         uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
-        stream_q4_tma<WARPS, STAGES>(a, &args.map[member], ring, SB, bars, (int)m0, uw, nj, g, t, lane, acc);
+        stream_tma<TYPE, WARPS, STAGES>(a, &args.map[member], &args.map_sc[member], ring, SB, bars, (int)m0, uw, nj, g, t,
+                                        lane, blk, par, acc);
     } else
 #endif
     {
@@ -775,18 +816,18 @@ inline Device device() {
 // it), and whether the loaded code has the griddepcontrol.wait (compiled for compute_90+; code
 // built for an older target and JIT-run on sm_90 has none, and an early start would read x before
 // the prep wrote it).
-template <int TYPE, int WARPS, int STAGES>
+template <int TYPE, int WARPS, int STAGES, bool TMA>
 inline bool setup(const Device &d) {
     static std::mutex mu;
     static std::map<int, bool> waits_of;
     std::lock_guard<std::mutex> lock(mu);
     auto it = waits_of.find(d.id);
     if (it == waits_of.end()) {
-        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         d.optin),
                    "matvec_f16: shared-memory attribute");
         cudaFuncAttributes fa;
-        check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES>), "matvec_f16: kernel attributes");
+        check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES, TMA>), "matvec_f16: kernel attributes");
         it = waits_of.emplace(d.id, fa.ptxVersion >= 90).first;
     }
     return it->second;
@@ -799,14 +840,14 @@ inline size_t smem_bytes(int n_vec) {
            (size_t)WARPS * STAGES * 8;
 }
 
-// A Q4_K matrix's tensor map for stream_q4_tma (rows as bytes [M][nb * 144], boxes of one
-// super-block x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
-inline CUtensorMap q4_map(const Matrix &w) {
+// A tensor map for stream_tma over `rows` rows of `row_bytes` bytes from `base` (boxes of `box`
+// bytes x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
+inline CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes, int box, const char *what) {
     static std::mutex mu;
-    static std::map<std::tuple<const void *, int64_t, int64_t>, CUtensorMap> cache;
+    static std::map<std::tuple<const void *, int64_t, int64_t, int>, CUtensorMap> cache;
     static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
     std::lock_guard<std::mutex> lock(mu);
-    const auto key = std::make_tuple(static_cast<const void *>(w.data), w.M, w.K);
+    const auto key = std::make_tuple(static_cast<const void *>(base), rows, row_bytes, box);
     auto it = cache.find(key);
     if (it != cache.end()) return it->second;
     if (!encode) {
@@ -817,38 +858,54 @@ inline CUtensorMap q4_map(const Matrix &w) {
         if (q != cudaDriverEntryPointSuccess || !p) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the driver has no cuTensorMapEncodeTiled");
         encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
     }
-    const int64_t row = w.K / QK_K * 144;
-    const cuuint64_t dims[2] = {(cuuint64_t)row, (cuuint64_t)w.M}, strides[1] = {(cuuint64_t)row};
-    const cuuint32_t box[2] = {144, ROWS}, estr[2] = {1, 1};
+    const cuuint64_t dims[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)row_bytes};
+    const cuuint32_t boxd[2] = {(cuuint32_t)box, ROWS}, estr[2] = {1, 1};
     alignas(64) CUtensorMap m;
-    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t *>(w.data), dims, strides, box, estr,
+    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t *>(base), dims, strides, boxd, estr,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS)
-        fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: cuTensorMapEncodeTiled failed for a Q4_K matrix of " + std::to_string(w.M) +
-                                          " x " + std::to_string(w.K) + " (CUresult " + std::to_string((int)r) + ")");
+        fail(OJ_ERR_INVALID_ARGUMENT, std::string("matvec_f16: cuTensorMapEncodeTiled failed for ") + what + " of " +
+                                          std::to_string(rows) + " rows x " + std::to_string(row_bytes) + " bytes (CUresult " +
+                                          std::to_string((int)r) + ")");
     return cache.emplace(key, m).first->second;
 }
 
-// OJ_MVF16_TMA=0: the Q4_K weights by 16-byte cp.async as before the copy engine (comparisons).
-inline bool tma_enabled() {
-    static const bool on = [] {
+// A member's maps: Q4_K its blocks; Q6_K its q plane and its scale plane.
+inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
+    const int64_t nb = w.K / QK_K;
+    if (w.type == TYPE_Q4_K) {
+        *map = rows_map(w.data, w.M, nb * 144, 144, "a Q4_K matrix");
+    } else {
+        const Q6Planes p = q6_K_planes(w.M, w.K);
+        *map = rows_map(w.data + p.q, w.M, nb * 192, 192, "a Q6_K q plane");
+        *map_sc = rows_map(w.data + p.sc, w.M, nb * 16, 16, "a Q6_K scale plane");
+    }
+}
+
+// OJ_MVF16_TMA: which types stream on the copy engine (sm_90+). Unset: Q4_K; "0": none (16-byte
+// cp.async as before, for comparisons); "all": Q4_K and Q6_K (Q6_K has not run on a GPU yet).
+inline bool tma_for(int type) {
+    static const int mode = [] {
         const char *e = std::getenv("OJ_MVF16_TMA");
-        return !(e && e[0] == '0');
+        if (e && e[0] == '0') return 0;
+        if (e && std::string(e) == "all") return 2;
+        return 1;
     }();
-    return on;
+    return type == TYPE_Q4_K ? mode >= 1 : type == TYPE_Q6_K && mode == 2;
 }
 
 template <int TYPE, int WARPS, int STAGES>
 inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
-    const bool waits = setup<TYPE, WARPS, STAGES>(d);
+    // the copy engine: sm_90 code on a cc 9.0+ device, rows in order (a tensor map cannot gather)
+    const bool tma = d.pdl && !a.rows && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
+    const bool waits = tma || setup<TYPE, WARPS, STAGES, false>(d);
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
     Args b = a;
-    // sm_90 code on a cc 9.0+ device, rows in order (a tensor map cannot gather)
-    b.tma = TYPE == TYPE_Q4_K && d.pdl && waits && !a.rows && tma_enabled();
+    b.tma = tma;
     if (b.tma) {
-        b.map[0] = q4_map(a.w);
-        for (int i = 0; i < a.n_more; ++i) b.map[i + 1] = q4_map(a.more.w[i]);
+        maps_for(a.w, &b.map[0], &b.map_sc[0]);
+        for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
     }
     const int64_t blocks = tiles * a.split;
     cudaLaunchConfig_t cfg = {};
@@ -861,28 +918,34 @@ inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, 
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
-    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES>, b);
+    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
+                          : tma                 ? cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES, true>, b)
+                                                : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES, false>, b);
     if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
         check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
                        std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
                        std::to_string(a.n_vec) + " vectors, grid " + std::to_string(blocks) + ", " + std::to_string(smem) +
-                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(cfg.numAttrs) + ")")
+                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(cfg.numAttrs) +
+                       ", copy engine " + std::to_string(tma) + ")")
                           .c_str());
 }
 
 // Resident blocks per SM of one configuration at n_vec vectors (the occupancy calculator:
-// registers, shared memory, its per-block reserve), cached per (device, configuration, n_vec).
+// registers, shared memory, its per-block reserve), cached per (device, configuration, n_vec); of
+// the copy-engine instance where the type streams there (calls gathering rows take the other).
 template <int TYPE, int WARPS, int STAGES>
 inline int resident_cfg(const Device &d, int n_vec) {
     static std::mutex mu;
     static std::map<std::pair<int, int>, int> cache;
-    setup<TYPE, WARPS, STAGES>(d);
+    const bool tma = d.pdl && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
+    if (!tma) setup<TYPE, WARPS, STAGES, false>(d);
     std::lock_guard<std::mutex> lock(mu);
     auto it = cache.find({d.id, n_vec});
     if (it == cache.end()) {
         int n = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_kernel<TYPE, WARPS, STAGES>, 32 * WARPS,
-                                                                 smem_bytes<TYPE, WARPS, STAGES>(n_vec)),
+        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                       &n, tma ? matvec_kernel<TYPE, WARPS, STAGES, true> : matvec_kernel<TYPE, WARPS, STAGES, false>,
+                       32 * WARPS, smem_bytes<TYPE, WARPS, STAGES>(n_vec)),
                    "matvec_f16: occupancy");
         it = cache.emplace(std::make_pair(d.id, n_vec), std::max(n, 1)).first;
     }
@@ -908,12 +971,12 @@ inline int resident(const Device &d, int type, int warps, int stages, int n_vec)
 // bit-identical on every device. The stage count may follow n_vec (it does not change the order).
 struct Config { int warps, stages, split; };
 
-// Q4_K on the copy engine (stream_q4_tma): 2 stages, for a fourth block per SM (the group harness
+// A type on the copy engine (stream_tma): 2 stages, for a fourth block per SM (the group harness
 // at 8984bbb, every group faster forced to 4 warps x 2 stages: DeltaNet 26.4 vs 31.0 us, attention
 // 24.8 vs 30.6, FFN 44.6 vs 45.8).
 inline int stages_for(const Device &d, int type, int warps, size_t sb, int forced) {
     const size_t s3 = (size_t)warps * 3 * sb;
-    const bool tma = type == TYPE_Q4_K && d.pdl && tma_enabled();
+    const bool tma = d.pdl && tma_for(type);
     int st = forced ? forced : !tma && s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm ? 3 : 2;
     if ((size_t)warps * st * sb > (size_t)d.optin) st = 2;
     return st;
