@@ -11,11 +11,18 @@
 //   2. attention_partial: split-K flash decoding; block (head, position, split) walks up to
 //      SPLIT cached positions (causal: position p sees 0..p) with an fp32 online softmax. For q8_0
 //      a lane's PER values lie in one block, so its partial dot takes the scale once.
+//      OJ_ATTN_CHUNK=1 (or 4, 8) runs attention_partial_chunked_kernel instead: the same blocks
+//      and partials, but each warp takes its positions C at a time (all C K and V rows loaded
+//      before any is used) so a warp has C rows in flight instead of one dependent row.
 //   3. attention_combine: merges the splits, times sigmoid(gate).
 // The KV type is a template parameter: the fp16 instances are the code they were before q8_0.
 // Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention
 // (kv_q8_0=True rounds K/V through q8_0 the same way).
 #include <cfloat>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
 
 #include "engine.cuh"
 #include "reduce.cuh"
@@ -218,6 +225,218 @@ attention_partial_kernel(const float *__restrict__ q_rot, const void *__restrict
     }
 }
 
+// One lane's PER values of one cached row as they lie in memory (PER fp16, or PER int8 quants):
+// a single aligned load of 2 * PER (fp16) or PER (q8_0) bytes, converted to float only at use so
+// that a chunk's C rows in flight cost C * 2 * PER / 4 registers, not C * PER.
+template <int BYTES>
+using RowBits = std::conditional_t<BYTES == 16, uint4,
+                std::conditional_t<BYTES == 8, uint2, std::conditional_t<BYTES == 4, uint32_t, uint16_t>>>;
+
+template <int PER, bool Q8>
+__device__ __forceinline__ float row_dot(const float *q, const RowBits<Q8 ? PER : 2 * PER> &r) {
+    float dot = 0.0f;
+    if constexpr (Q8) {
+        const int8_t *b = reinterpret_cast<const int8_t *>(&r);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) dot += q[i] * (float)b[i];
+    } else {
+        const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+        for (int i = 0; i < PER / 2; ++i) {
+            const float2 kk = __half22float2(h[i]);
+            dot += q[2 * i] * kk.x + q[2 * i + 1] * kk.y;
+        }
+    }
+    return dot;
+}
+
+template <int PER, bool Q8>
+__device__ __forceinline__ void row_accumulate(float *acc, float w, const RowBits<Q8 ? PER : 2 * PER> &r) {
+    if constexpr (Q8) {
+        const int8_t *b = reinterpret_cast<const int8_t *>(&r);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] += w * (float)b[i];
+    } else {
+        const __half2 *h = reinterpret_cast<const __half2 *>(&r);
+#pragma unroll
+        for (int i = 0; i < PER / 2; ++i) {
+            const float2 vv = __half22float2(h[i]);
+            acc[2 * i] += w * vv.x;
+            acc[2 * i + 1] += w * vv.y;
+        }
+    }
+}
+
+// Warp sums of C values at once (C a power of two <= 32), a reduce-scatter butterfly: at each of
+// the first log2(C) steps a lane keeps half of its values and adds its partner's copy of that
+// half, sending the other half, so C = 8 sums take 4 + 2 + 1 + 2 = 9 shuffles instead of 5 * 8
+// (and only one exp per lane follows, not C). Afterwards v[0] of lane l is the warp sum of
+// value l / (32 / C): lanes [j * 32 / C, (j + 1) * 32 / C) hold sum j.
+template <int C>
+__device__ __forceinline__ float warp_sum_scatter(float (&v)[C]) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int half = C / 2, o = 16; half >= 1; half >>= 1, o >>= 1) {
+        const bool upper = lane & o;
+#pragma unroll
+        for (int j = 0; j < half; ++j) {
+            const float keep = upper ? v[j + half] : v[j];
+            const float send = upper ? v[j] : v[j + half];
+            v[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+    }
+#pragma unroll
+    for (int o = 16 / C; o >= 1; o >>= 1) v[0] += __shfl_xor_sync(0xffffffffu, v[0], o);
+    return v[0];
+}
+
+// One warp's C cached rows of a chunk, this lane's part: K and V bits (and the q8_0 scales of the
+// lane's block). Positions p0 + j * STEP at or past `end` load nothing and hold zeros.
+template <class Bits, int C>
+struct ChunkRows {
+    Bits k[C], v[C];
+    float ks[C], vs[C];   // q8_0 only
+
+    template <int D, bool Q8, int STEP>
+    __device__ __forceinline__ void load(const Bits *kb, const Bits *vb, const __half *ksb, const __half *vsb, int p0,
+                                         int end) {
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            const int p = p0 + j * STEP;
+            k[j] = Bits{};
+            v[j] = Bits{};
+            ks[j] = vs[j] = 0.0f;
+            if (p < end) {
+                k[j] = kb[(int64_t)p * 32];   // a row is D values = 32 lanes' Bits
+                v[j] = vb[(int64_t)p * 32];
+                if constexpr (Q8) {
+                    ks[j] = __half2float(ksb[(int64_t)p * (D / 32)]);
+                    vs[j] = __half2float(vsb[(int64_t)p * (D / 32)]);
+                }
+            }
+        }
+    }
+};
+
+// attention_partial_kernel with each warp's positions taken C at a time: positions
+// p0 + j * PARTIAL_WARPS (j < C) of a chunk, p0 = begin + warp + i * C * PARTIAL_WARPS, so the
+// warps still interleave row by row. Per chunk: all C K rows and C V rows loaded (independent
+// loads, issued together one chunk ahead; V does not depend on the scores), C dots, one butterfly
+// for the C sums,
+// one online-softmax step for the chunk (its max, one correction of l and acc), C weighted V rows
+// added. Positions of the last chunk at or past `end` load nothing and score -inf (weight 0); the
+// chunk's first position is always < end, so m_new is finite. Same grid, outputs and merge.
+template <int D, bool Q8, int C>
+__global__ void __launch_bounds__(32 * PARTIAL_WARPS)
+attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__restrict__ k_cache,
+                                 const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
+                                 const __half *__restrict__ v_scale, float *__restrict__ part_ml,
+                                 float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx,
+                                 int pos0, int n_splits, float scale) {
+    constexpr int PER = D / 32;
+    constexpr int GROUP = 32 / C;   // lanes that hold one chunk position's score after the butterfly
+    using Bits = RowBits<Q8 ? PER : 2 * PER>;
+    static_assert(sizeof(Bits) == (Q8 ? PER : 2 * PER), "one load per lane and row");
+    const int h = blockIdx.x, n = blockIdx.y, split = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = h / (n_head / n_head_kv);
+    const int len = pos0 + n + 1;
+    const int begin = split * SPLIT, end = min(begin + SPLIT, len);
+    float q[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) q[i] = q_rot[((int64_t)n * n_head + h) * D + lane * PER + i];
+    const int64_t row0 = (int64_t)g * n_ctx;   // the KV head's first cache row
+    const size_t elem = Q8 ? 1 : 2;
+    const Bits *kb = reinterpret_cast<const Bits *>(static_cast<const char *>(k_cache) + (row0 * D + lane * PER) * elem);
+    const Bits *vb = reinterpret_cast<const Bits *>(static_cast<const char *>(v_cache) + (row0 * D + lane * PER) * elem);
+    const __half *ksb = k_scale + row0 * (D / 32) + lane * PER / 32;   // q8_0 only
+    const __half *vsb = v_scale + row0 * (D / 32) + lane * PER / 32;
+    const int mine = lane / GROUP;   // the chunk position whose score this lane ends up holding
+    float m = -INFINITY, l = 0.0f, acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+    // Double buffered: the next chunk's 2 C rows are loaded before this chunk is computed. Besides
+    // hiding the loads behind the arithmetic, this is what keeps them together: without it ptxas
+    // sinks most V loads below the dots (V has slack on the critical path), which waits for K
+    // before issuing them, two memory latencies per chunk instead of one.
+    constexpr int STRIDE = PARTIAL_WARPS * C;
+    ChunkRows<Bits, C> cur, nxt;
+    cur.load<D, Q8, PARTIAL_WARPS>(kb, vb, ksb, vsb, begin + warp, end);
+    for (int p0 = begin + warp; p0 < end; p0 += STRIDE) {
+        nxt.load<D, Q8, PARTIAL_WARPS>(kb, vb, ksb, vsb, p0 + STRIDE, end);
+        float dot[C];
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            dot[j] = row_dot<PER, Q8>(q, cur.k[j]);
+            if constexpr (Q8) dot[j] *= cur.ks[j];
+        }
+        const float sum = warp_sum_scatter<C>(dot);
+        const float sc = p0 + mine * PARTIAL_WARPS < end ? sum * scale : -INFINITY;
+        float m_chunk = sc;
+#pragma unroll
+        for (int o = GROUP; o < 32; o <<= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
+        const float m_new = fmaxf(m, m_chunk);
+        const float corr = expf(m - m_new);
+        const float w_mine = expf(sc - m_new);
+        float w_sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] *= corr;
+#pragma unroll
+        for (int j = 0; j < C; ++j) {
+            const float w = __shfl_sync(0xffffffffu, w_mine, j * GROUP);
+            w_sum += w;
+            row_accumulate<PER, Q8>(acc, Q8 ? w * cur.vs[j] : w, cur.v[j]);
+        }
+        l = l * corr + w_sum;
+        m = m_new;
+        cur = nxt;
+    }
+    // the block's four warps merged as in attention_partial_kernel
+    __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
+    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sm_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[w]);
+    const int64_t slot = ((int64_t)n * n_head + h) * n_splits + split;
+    for (int t = threadIdx.x; t < D; t += blockDim.x) {
+        float a = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[w][t] * expf(sm_m[w] - M);
+        part_acc[slot * D + t] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
+        part_ml[slot * 2] = M;
+        part_ml[slot * 2 + 1] = L;
+    }
+}
+
+// OJ_ATTN_CHUNK, read at the first decode: unset or "0" the one-position kernel (the default),
+// "1" the chunked kernel with CHUNK_DEFAULT, "4" / "8" that chunk. attention_force_chunk (the
+// harness tools/attn_decode_bench.cu) overrides it. Why 4: double buffered, a chunk's rows are
+// held twice; at D = 256 fp16 that is 2 x 2 x C x 4 registers of raw rows, and ptxas gives C = 4
+// 96 registers (5 blocks of 4 warps per SM, 4 KB of K/V in flight per warp) and C = 8 164 (3
+// blocks per SM, too few for a decode grid of 24 x 32 blocks at depth 8K to fit one wave).
+constexpr int CHUNK_DEFAULT = 4;
+int g_chunk = -1;   // -1: not yet read
+
+int partial_chunk() {
+    if (g_chunk < 0) {
+        const char *e = std::getenv("OJ_ATTN_CHUNK");
+        const std::string v = e ? e : "0";
+        if (v == "0") g_chunk = 0;
+        else if (v == "1") g_chunk = CHUNK_DEFAULT;
+        else if (v == "4" || v == "8") g_chunk = v[0] - '0';
+        else fail(OJ_ERR_INVALID_ARGUMENT, "OJ_ATTN_CHUNK must be 0, 1, 4 or 8, not '" + v + "'");
+    }
+    return g_chunk;
+}
+
 // grid (n_head, n), block head_dim: out = (sum over splits) / l * sigmoid(gate).
 __global__ void attention_combine_kernel(const float *__restrict__ part_ml, const float *__restrict__ part_acc,
                                          const float *__restrict__ qg, float *__restrict__ out,
@@ -241,6 +460,19 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
 template <int D, bool Q8>
 void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
                     int n_splits, float scale, cudaStream_t st) {
+    switch (partial_chunk()) {
+        case 4:
+            attention_partial_chunked_kernel<D, Q8, 4><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(
+                q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
+                n_splits, scale);
+            return;
+        case 8:
+            attention_partial_chunked_kernel<D, Q8, 8><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(
+                q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
+                n_splits, scale);
+            return;
+        default: break;
+    }
     attention_partial_kernel<D, Q8><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(
         q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
         n_splits, scale);
@@ -321,5 +553,14 @@ void attention_by_decode(const ModelDims &d, Layer &L, Scratch &s, const float *
 }
 
 int attention_splits_for(int n_ctx) { return (n_ctx + SPLIT - 1) / SPLIT; }
+
+// The decode partial kernel for the harness (tools/attn_decode_bench.cu), which runs both in one
+// process: 0 the one-position kernel, 4 or 8 the chunked kernel with that chunk, -1 back to
+// OJ_ATTN_CHUNK (read at the next decode). The engine never calls it.
+void attention_force_chunk(int c) {
+    if (c != -1 && c != 0 && c != 4 && c != 8)
+        fail(OJ_ERR_INVALID_ARGUMENT, "attention_force_chunk: chunk must be -1, 0, 4 or 8, not " + std::to_string(c));
+    g_chunk = c;
+}
 
 }  // namespace oj
