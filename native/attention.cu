@@ -86,6 +86,36 @@ __device__ __forceinline__ void load_q8(const int8_t *src, float *out) {
     }
 }
 
+// The block's warps' online-softmax states (m, l, acc over the lane's PER dims) merged into the
+// split's partial: part_ml[slot] = (M, L), part_acc[slot] the D weighted sums (both partial kernels).
+template <int D>
+__device__ __forceinline__ void store_partial(float m, float l, const float (&acc)[D / 32], float *__restrict__ part_ml,
+                                              float *__restrict__ part_acc, int64_t slot) {
+    constexpr int PER = D / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
+    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sm_acc[warp][lane * PER + i] = acc[i];
+    __syncthreads();
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[w]);
+    for (int t = threadIdx.x; t < D; t += blockDim.x) {
+        float a = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[w][t] * expf(sm_m[w] - M);
+        part_acc[slot * D + t] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
+        part_ml[slot * 2] = M;
+        part_ml[slot * 2 + 1] = L;
+    }
+}
+
 // grid (n, n_head + n_head_kv), block head_dim. Q8: k_cache/v_cache are int8 quant planes with
 // k_scale/v_scale (else __half values and the scales unused).
 template <bool Q8>
@@ -201,28 +231,7 @@ attention_partial_kernel(const float *__restrict__ q_rot, const void *__restrict
             m = m_new;
         }
     }
-    __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
-    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) sm_acc[warp][lane * PER + i] = acc[i];
-    __syncthreads();
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[w]);
-    const int64_t slot = ((int64_t)n * n_head + h) * n_splits + split;
-    for (int t = threadIdx.x; t < D; t += blockDim.x) {
-        float a = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[w][t] * expf(sm_m[w] - M);
-        part_acc[slot * D + t] = a;
-    }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
-        part_ml[slot * 2] = M;
-        part_ml[slot * 2 + 1] = L;
-    }
+    store_partial<D>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split);
 }
 
 // One lane's PER values of one cached row as they lie in memory (PER fp16, or PER int8 quants):
@@ -391,29 +400,7 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
         m = m_new;
         cur = nxt;
     }
-    // the block's four warps merged as in attention_partial_kernel
-    __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
-    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
-#pragma unroll
-    for (int i = 0; i < PER; ++i) sm_acc[warp][lane * PER + i] = acc[i];
-    __syncthreads();
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[w]);
-    const int64_t slot = ((int64_t)n * n_head + h) * n_splits + split;
-    for (int t = threadIdx.x; t < D; t += blockDim.x) {
-        float a = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[w][t] * expf(sm_m[w] - M);
-        part_acc[slot * D + t] = a;
-    }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
-        part_ml[slot * 2] = M;
-        part_ml[slot * 2 + 1] = L;
-    }
+    store_partial<D>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split);
 }
 
 // OJ_ATTN_CHUNK, read at the first decode: unset or "0" the one-position kernel (the default),
