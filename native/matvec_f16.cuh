@@ -484,6 +484,16 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
         for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(((e & 1) ? inv.y : inv.x) * dq[i][e >> 1], s[i][e], acc[i][e]);
 }
 
+// Q6_K: which half of each compute row's d word is its d in super-block u's stage: the parity of
+// the row's block index row * nb + u (par: of row * nb).
+__device__ __forceinline__ void q6_parity(const uint32_t (&par)[2][2], int64_t u, uint32_t (&pr)[2][2]) {
+    const uint32_t pu = (uint32_t)(u & 1);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;
+}
+
 // Bulk copies (sm_90): cp.async.bulk global -> shared, completing on an mbarrier's transaction
 // count. The copy engine tracks them, not the SM's load path: with 16-byte cp.async the warps of a
 // mid-size matvec spent a third of their stall samples in the block's first copies and another
@@ -593,12 +603,8 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
         }
         const uint8_t *st = ring + rd * SB;
         if constexpr (Q6) {
-            const uint32_t pu = (uint32_t)((uw + j * WARPS) & 1);
             uint32_t pr[2][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;
+            q6_parity(par, uw + j * WARPS, pr);
             step_q6(st, st + W, a.n_vec, g, t, pr, acc);
         } else {
             step_q4(st, st + W, a.n_vec, g, t, acc);
@@ -699,12 +705,8 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
         if constexpr (TYPE == TYPE_Q4_K) {
             step_q4(st, st + w_bytes(TYPE), a.n_vec, g, t, acc);
         } else {
-            const uint32_t pu = (uint32_t)((uw + j * WARPS) & 1);
             uint32_t pr[2][2];
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;
+            q6_parity(par, uw + j * WARPS, pr);
             step_q6(st, st + w_bytes(TYPE), a.n_vec, g, t, pr, acc);
         }
         rd = rd == STAGES - 1 ? 0 : rd + 1;

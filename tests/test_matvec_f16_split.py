@@ -75,7 +75,8 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "for (int r = 0; r < 2; ++r) c.w[r] += WARPS * (TYPE == TYPE_Q4_K ? 144 : 192);"),
     ("matvec_f16.cuh", "c.bi += WARPS;"),
     ("matvec_f16.cuh", "par[i][r] = (uint32_t)((src_row(m0 + 16 * i + g + 8 * r) * nb) & 1);"),
-    ("matvec_f16.cuh", "const uint32_t pu = (uint32_t)((uw + j * WARPS) & 1);"),
+    ("matvec_f16.cuh", "q6_parity(par, uw + j * WARPS, pr);"),
+    ("matvec_f16.cuh", "const uint32_t pu = (uint32_t)(u & 1);"),
     ("matvec_f16.cuh", "for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;"),
     ("matvec_f16.cuh", "dq[i][r] = gemm::half_bits(par[i][r] ? dw >> 16 : dw & 0xFFFFu);"),
     # the epilogue: slots, counters, the last block's fixed-order sum

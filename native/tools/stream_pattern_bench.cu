@@ -23,11 +23,13 @@
 
 #include "tools/harness.cuh"
 
+using namespace oj;
+static int RUNS = 20;
+#include "bench_blocks.cuh"   // median_ms (CUDA events, L2 flushed by g_flush before each run)
+
 namespace {
 
 constexpr int WARPS = 4, STEP = 4608, SB = 144;
-constexpr size_t FLUSH_BYTES = 256u << 20;
-void *g_flush = nullptr;
 
 __device__ __forceinline__ uint32_t saddr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void cp16(void *dst, const void *src) {
@@ -101,30 +103,6 @@ __global__ void __launch_bounds__(128) seq_kernel(const uint4 *w, int64_t n16, u
     }
     for (; i < n16; i += stride) { const uint4 v = __ldg(w + i); acc ^= v.x ^ v.y ^ v.z ^ v.w; }
     if (acc == 0x9E3779B9u) sink[threadIdx.x] = acc;
-}
-
-template <class F>
-double median_ms(F &&launch) {
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    for (int i = 0; i < 3; ++i) launch();
-    std::vector<float> t;
-    for (int i = 0; i < 20; ++i) {
-        CK(cudaMemsetAsync(g_flush, i & 0xFF, FLUSH_BYTES, 0));
-        CK(cudaEventRecord(a, 0));
-        launch();
-        CK(cudaEventRecord(b, 0));
-        CK(cudaEventSynchronize(b));
-        float ms;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms);
-    }
-    CK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    return t[t.size() / 2];
 }
 
 template <int R, bool LINEAR, int STAGES = 3>
