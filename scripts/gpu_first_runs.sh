@@ -9,6 +9,10 @@
 #                                            # minutes): green -> make f16 the decode default
 #   bash scripts/gpu_first_runs.sh phases    # the per-phase ncu breakdown of decode (carry .whl; ~5 minutes)
 #   bash scripts/gpu_first_runs.sh agreement # q27b vs llama.cpp on tokenised text (carry .whl and the sdist; ~5 minutes)
+#   bash scripts/gpu_first_runs.sh opt-in    # written 2026-11-30 without a GPU: chunked decode attention
+#                                            # (OJ_ATTN_CHUNK) and Q6_K matvecs on the copy engine
+#                                            # (OJ_MVF16_TMA=all), their harnesses (~6 minutes)
+#   bash scripts/gpu_first_runs.sh opt-in-suite  # the GPU suite with both switches on (carry .whl; ~3 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-first-runs}
@@ -40,7 +44,16 @@ case "$what" in
     agreement)
         run agreement 560 bash scripts/gpu_agreement.sh --text openjet_plugin/engine.py
         ;;
+    opt-in)
+        run attn_decode 200 env AB_TIMEOUT=170 bash scripts/gpu_attn_decode.sh
+        run matvec_group_tma_all 170 env OJ_MVF16_TMA=all MB_TIMEOUT=140 bash scripts/gpu_matvec_group.sh
+        run matvec_f16_tma_all 260 env OJ_MVF16_TMA=all MB_TIMEOUT=200 bash scripts/gpu_matvec_f16.sh
+        ;;
+    opt-in-suite)
+        run opt_in_suite 300 env OJ_MVF16_TMA=all OJ_ATTN_CHUNK=1 PYTEST_TIMEOUT=240 OPENJET_GPU_POSITIONS=256 \
+            bash scripts/gpu_check.sh
+        ;;
     *)
-        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement)"; exit 2 ;;
+        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement, opt-in, opt-in-suite)"; exit 2 ;;
 esac
 printf '%s\n' "${summary[@]}"
