@@ -167,6 +167,21 @@ def test_markdown_has_ratio_roofline_and_pending_columns():
     assert "not measured (1)" in md and "(1) out of time" in md
 
 
+def test_engine_switches_are_recorded_and_printed():
+    from openjet_plugin.bench import manifest
+    env = {"OJ_MVF16_TMA": "all", "OPENJET_MATVEC": "bf16", "OJ_ATTN_CHUNK": "1", "PATH": "/usr/bin",
+           "OPENJET_CACHE_DIR": "/tmp/x", "OPENJET_PREFILL_GEMM": "f16"}
+    sw = manifest.engine_switches(env)
+    assert sw == {"OJ_ATTN_CHUNK": "1", "OJ_MVF16_TMA": "all", "OPENJET_MATVEC": "bf16", "OPENJET_PREFILL_GEMM": "f16"}
+    rep = _sample_report()
+    rep["manifest"]["engine_switches"] = sw
+    md = report.markdown(rep)
+    assert "Engine switches: `OJ_ATTN_CHUNK=1`, `OJ_MVF16_TMA=all`, `OPENJET_MATVEC=bf16`, `OPENJET_PREFILL_GEMM=f16`." in md
+    rep["manifest"]["engine_switches"] = manifest.engine_switches({"PATH": "/usr/bin"})
+    assert "Engine switches: none set (the engine's defaults)." in report.markdown(rep)
+    assert "Engine switches: not recorded." in report.markdown(_sample_report())   # a report from before
+
+
 # --- llama-bench's JSON -------------------------------------------------------------------------------
 
 # Field names and types as llama-bench's json_printer writes them: test::get_fields() in

@@ -48,6 +48,18 @@ def source_digest(root: Path = REPO_ROOT) -> str:
     return h.hexdigest()
 
 
+# environment variables that select the native engine's code paths (native/*.cu getenv; the
+# OPENJET_PREFILL_* switches are read by backends/native.py): recorded with every run so that an
+# A/B of a switch says which side each file is
+ENGINE_SWITCHES = ("OPENJET_MATVEC", "OPENJET_PREFILL_GEMM", "OPENJET_PREFILL_DELTANET", "OPENJET_PREFILL_ATTN")
+
+
+def engine_switches(environ=None) -> dict:
+    """The engine switches set in `environ` (default os.environ): ENGINE_SWITCHES and every OJ_*."""
+    env = os.environ if environ is None else environ
+    return {k: env[k] for k in sorted(env) if k in ENGINE_SWITCHES or k.startswith("OJ_")}
+
+
 def project_info() -> dict:
     """Commit (git, else $OPENJET_COMMIT for a tree copied without .git), dirty flag, source digest."""
     commit = _git("rev-parse", "HEAD")
@@ -140,6 +152,7 @@ def collect(argv: list[str], *, gpu_index: int = 0) -> dict:
         "executable": sys.executable,
         "bench_argv": list(argv),
         "project": project_info(),
+        "engine_switches": engine_switches(),
         "gpu": {
             "index": gpu_index,
             "present": ok,

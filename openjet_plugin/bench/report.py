@@ -135,6 +135,16 @@ def _collapse(items: list[dict]) -> list[tuple[str, str, str]]:
             for (metric, reason), g in groups.items()]
 
 
+def switches_line(switches) -> str:
+    """The engine switches the run was made under (manifest.engine_switches), or that it ran the
+    defaults; a report from before they were recorded says so."""
+    if switches is None:
+        return "Engine switches: not recorded."
+    if not switches:
+        return "Engine switches: none set (the engine's defaults)."
+    return "Engine switches: " + ", ".join(f"`{k}={v}`" for k, v in sorted(switches.items())) + "."
+
+
 def markdown(report: dict) -> str:
     results = report["results"]
     man = report["manifest"]
@@ -180,6 +190,7 @@ def markdown(report: dict) -> str:
              f"{str(llama.get('llama_cpp_commit', '?'))[:12]} (llama-cpp-python "
              f"{llama.get('llama_cpp_python', '?')}), {sms} SMs, driver "
              f"{gpu.get('driver', '?')}, CUDA {gpu.get('cuda_driver_version', '?')}", "",
+             switches_line(man.get("engine_switches")), "",
              "Cells: median [lo, hi] (lo/hi: 95% interval for the median, bench/README.md). "
              "Ratios are of medians, openjet/llama.cpp: above 1 is better for tokens/s and GB/s, "
              "below 1 for ms and GB.", "",
