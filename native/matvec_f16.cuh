@@ -885,14 +885,17 @@ inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
     }
 }
 
-// OJ_MVF16_TMA: which types stream on the copy engine (sm_90+). Unset: Q4_K; "0": none (16-byte
-// cp.async as before, for comparisons); "all": Q4_K and Q6_K (Q6_K has not run on a GPU yet).
+// OJ_MVF16_TMA: which types stream on the copy engine (sm_90+). Unset or "1": Q4_K; "0": none
+// (16-byte cp.async as before, for comparisons); "all": Q4_K and Q6_K (Q6_K has not run on a GPU
+// yet). Anything else is refused by name.
 inline bool tma_for(int type) {
     static const int mode = [] {
         const char *e = std::getenv("OJ_MVF16_TMA");
-        if (e && e[0] == '0') return 0;
-        if (e && std::string(e) == "all") return 2;
-        return 1;
+        const std::string v = e ? e : "1";
+        if (v == "0") return 0;
+        if (v == "1") return 1;
+        if (v == "all") return 2;
+        fail(OJ_ERR_INVALID_ARGUMENT, "OJ_MVF16_TMA must be 0, 1 or all, not '" + v + "'");
     }();
     return type == TYPE_Q4_K ? mode >= 1 : type == TYPE_Q6_K && mode == 2;
 }

@@ -1,0 +1,96 @@
+"""native/matvec_f16.cuh's host-side configuration without a GPU: native/tools/matvec_f16_config_check.cu
+(compiled here with nvcc; the functions it calls touch no device) prints, under several OJ_MVF16_TMA
+settings, which types stream on the copy engine, the stage count stages_for picks per type, warps,
+vector count and device, each stage's bytes and a launch's shared memory. The rules checked:
+
+- OJ_MVF16_TMA unset or "1": Q4_K on the copy engine, Q6_K not; "all": both; "0": neither; anything
+  else is refused by name (exit 2, the variable in the message);
+- a type on the copy engine takes 2 stages unless forced (a fourth block per SM); otherwise 3 when
+  three fit a block and two such blocks fit an SM, else 2; a forced count is kept when it fits;
+  never more shared memory than a block may have, and no copy-engine stages on a cc < 9.0 device;
+- stages are whole multiples of 128 bytes (the tensor copies' destination alignment) holding the
+  weights and the vectors' x; a launch's shared memory is the rings plus one 8-byte mbarrier per
+  stage and warp.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+Q4_K, Q6_K = 12, 14
+W_BYTES = {Q4_K: 32 * 144, Q6_K: 32 * (192 + 16 + 4)}
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+
+
+@pytest.fixture(scope="module")
+def exe(tmp_path_factory) -> Path:
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the configuration check is a CUDA host program")
+    out = tmp_path_factory.mktemp("mvcfg") / "mvcfg"
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Inative", "native/tools/matvec_f16_config_check.cu",
+                        "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
+    return out
+
+
+def _run(exe: Path, tma: str | None) -> list[dict]:
+    env = {k: v for k, v in os.environ.items() if k != "OJ_MVF16_TMA"}
+    if tma is not None:
+        env["OJ_MVF16_TMA"] = tma
+    r = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("tma, q4, q6", [(None, True, False), ("1", True, False), ("all", True, True),
+                                         ("0", False, False)])
+def test_types_on_the_copy_engine_and_their_stages(exe, tma, q4, q6):
+    rows = _run(exe, tma)
+    on = {r["type"]: r["on"] for r in rows if r["what"] == "tma_for"}
+    assert on == {Q4_K: q4, Q6_K: q6}
+    stages = [r for r in rows if r["what"] == "stages"]
+    assert len(stages) == 2 * 2 * 2 * 3 * 3
+    for r in stages:
+        sb, warps, optin, smem_sm = r["stage_bytes"], r["warps"], r["optin"], r["smem_sm"]
+        tma_here = on[r["type"]] and r["device"] == "h200"
+        three = warps * 3 * sb
+        if r["forced"]:
+            want = r["forced"] if warps * r["forced"] * sb <= optin else 2
+        elif tma_here:
+            want = 2
+        else:
+            want = 3 if three <= optin and 2 * (three + 1024) <= smem_sm else 2
+        assert r["stages"] == want, r
+        assert warps * r["stages"] * sb <= optin or r["stages"] == 2, r
+
+
+def test_stage_bytes_and_shared_memory(exe):
+    rows = [r for r in _run(exe, None) if r["what"] == "smem"]
+    assert len(rows) == 3 * 8
+    for r in rows:
+        sb = r["stage_bytes"]
+        need = W_BYTES[r["type"]] + r["n_vec"] * 576 + 32
+        assert sb % 128 == 0 and need <= sb < need + 128, r
+        rings = r["warps"] * r["stages"] * sb
+        assert r["smem"] == max(rings, r["warps"] * 8 * 32 * 4) + r["warps"] * r["stages"] * 8, r
+
+
+def test_a_bad_switch_is_refused_by_name(exe):
+    env = dict(os.environ, OJ_MVF16_TMA="yes")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2
+    assert "OJ_MVF16_TMA must be 0, 1 or all, not 'yes'" in r.stderr
