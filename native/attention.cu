@@ -29,6 +29,8 @@
 
 namespace oj {
 
+int attention_chunk_setting(const char *value);   // below: OJ_ATTN_CHUNK's value -> chunk (0: off)
+
 namespace {
 
 constexpr int SPLIT = 256;        // cached positions per split-K block
@@ -414,12 +416,7 @@ int g_chunk = -1;   // -1: not yet read
 
 int partial_chunk() {
     if (g_chunk < 0) {
-        const char *e = std::getenv("OJ_ATTN_CHUNK");
-        const std::string v = e ? e : "0";
-        if (v == "0") g_chunk = 0;
-        else if (v == "1") g_chunk = CHUNK_DEFAULT;
-        else if (v == "4" || v == "8") g_chunk = v[0] - '0';
-        else fail(OJ_ERR_INVALID_ARGUMENT, "OJ_ATTN_CHUNK must be 0, 1, 4 or 8, not '" + v + "'");
+        g_chunk = attention_chunk_setting(std::getenv("OJ_ATTN_CHUNK"));
     }
     return g_chunk;
 }
@@ -544,6 +541,16 @@ int attention_splits_for(int n_ctx) { return (n_ctx + SPLIT - 1) / SPLIT; }
 // The decode partial kernel for the harness (tools/attn_decode_bench.cu), which runs both in one
 // process: 0 the one-position kernel, 4 or 8 the chunked kernel with that chunk, -1 back to
 // OJ_ATTN_CHUNK (read at the next decode). The engine never calls it.
+// OJ_ATTN_CHUNK's value (nullptr: unset) as the chunk partial_chunk takes; anything but unset, 0, 1,
+// 4 or 8 is refused by name (tests/test_attn_decode_chunked.py checks both on the CPU).
+int attention_chunk_setting(const char *value) {
+    const std::string v = value ? value : "0";
+    if (v == "0") return 0;
+    if (v == "1") return CHUNK_DEFAULT;
+    if (v == "4" || v == "8") return v[0] - '0';
+    fail(OJ_ERR_INVALID_ARGUMENT, "OJ_ATTN_CHUNK must be 0, 1, 4 or 8, not '" + v + "'");
+}
+
 void attention_force_chunk(int c) {
     if (c != -1 && c != 0 && c != 4 && c != 8)
         fail(OJ_ERR_INVALID_ARGUMENT, "attention_force_chunk: chunk must be -1, 0, 4 or 8, not " + std::to_string(c));

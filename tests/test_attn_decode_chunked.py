@@ -189,3 +189,24 @@ def test_attn_decode_bench_compiles_for_sm90(tmp_path):
 def test_gpu_attn_decode_script_parses():
     r = subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_attn_decode.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+def test_oj_attn_chunk_values_and_a_bad_one_refused_by_name(tmp_path):
+    """attention.cu's attention_chunk_setting, what partial_chunk reads OJ_ATTN_CHUNK with: unset and
+    "0" keep the one-position kernel, "1" takes the default chunk (4), "4" / "8" that chunk; anything
+    else is refused with the variable and the value in the message (exit 2 from harness.cuh's fail)."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the setting check is a CUDA host program")
+    exe = tmp_path / "acs"
+    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Inative", "native/tools/attn_chunk_setting_check.cu",
+                        "native/attention.cu", "-o", str(exe)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
+    r = subprocess.run([str(exe), "unset", "0", "1", "4", "8"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["unset", "0", "0", "0", "1", "4", "4", "4", "8", "8"]
+    for bad in ("2", "yes", ""):
+        r = subprocess.run([str(exe), "1", bad], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (bad, r.stdout, r.stderr)
+        assert r.stdout.split() == ["1", "4"]          # the good value before it was taken
+        assert f"OJ_ATTN_CHUNK must be 0, 1, 4 or 8, not '{bad}'" in r.stderr
