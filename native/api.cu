@@ -1,5 +1,6 @@
 // api.cu: the C API of openjet.h. Every entry point catches oj::Error (and anything else) and
 // turns it into a status code plus a message; no exception, abort or print crosses this file.
+#include <algorithm>
 #include <cstring>
 #include <new>
 #include <string>
@@ -133,6 +134,18 @@ void oj_engine_free(oj_engine *engine) {
 int32_t oj_memory(const oj_engine *engine, oj_memory_report *out) {
     if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
     *out = engine->e.memory;
+    return OJ_OK;
+}
+
+int32_t oj_persistent_info(const oj_engine *engine, int32_t *active, char *why, int32_t why_capacity) {
+    if (!engine || !active) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or active is NULL");
+    *active = oj::persistent_active(engine->e) ? 1 : 0;
+    if (why && why_capacity > 0) {
+        const std::string w = oj::persistent_why(engine->e);
+        const size_t k = std::min<size_t>(w.size(), (size_t)why_capacity - 1);
+        std::memcpy(why, w.data(), k);
+        why[k] = '\0';
+    }
     return OJ_OK;
 }
 

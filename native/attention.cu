@@ -11,9 +11,9 @@
 //   2. attention_partial: split-K flash decoding; block (head, position, split) walks up to
 //      SPLIT cached positions (causal: position p sees 0..p) with an fp32 online softmax. For q8_0
 //      a lane's PER values lie in one block, so its partial dot takes the scale once.
-//      OJ_ATTN_CHUNK=1 (or 4, 8) runs attention_partial_chunked_kernel instead: the same blocks
-//      and partials, but each warp takes its positions C at a time (all C K and V rows loaded
-//      before any is used) so a warp has C rows in flight instead of one dependent row.
+//      By default attention_partial_chunked_kernel runs (OJ_ATTN_CHUNK=0: the one-position kernel):
+//      the same blocks and partials, but each warp takes its positions C at a time (all C K and V
+//      rows loaded before any is used) so a warp has C rows in flight instead of one dependent row.
 //   3. attention_combine: merges the splits, times sigmoid(gate).
 // The KV type is a template parameter: the fp16 instances are the code they were before q8_0.
 // Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention
@@ -24,6 +24,7 @@
 #include <string>
 #include <type_traits>
 
+#include "attention_common.cuh"
 #include "engine.cuh"
 #include "reduce.cuh"
 
@@ -35,40 +36,6 @@ namespace {
 
 constexpr int SPLIT = 256;        // cached positions per split-K block
 constexpr int PARTIAL_WARPS = 4;
-
-struct RopeParams {
-    int n_rot;
-    int sections[4];
-    float freq_base;
-};
-
-// Angle of pair i at text position pos (ggml_mrope_cache_init with is_imrope).
-__device__ float imrope_angle(const RopeParams &rp, int i, int pos) {
-    const int sect_dims = rp.sections[0] + rp.sections[1] + rp.sections[2] + rp.sections[3];
-    const int sector = i % sect_dims;
-    float coord;
-    if (sector % 3 == 1 && sector < 3 * rp.sections[1]) coord = (float)pos;        // h
-    else if (sector % 3 == 2 && sector < 3 * rp.sections[2]) coord = (float)pos;   // w
-    else if (sector % 3 == 0 && sector < 3 * rp.sections[0]) coord = (float)pos;   // t
-    else coord = 0.0f;                                                              // e
-    return coord * powf(rp.freq_base, -2.0f * (float)i / (float)rp.n_rot);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// One value x per lane, the warp's 32 lanes = one q8_0 block: the quant of x, and the block's
-// scale to lane 0's *scale (ggml's quantize_row_q8_0_ref, so the numpy reference can repeat it).
-__device__ __forceinline__ void q8_0_store(float x, int8_t *quant, __half *scale) {
-    const float amax = warp_max(fabsf(x));
-    const float d = amax / 127.0f;
-    const float id = d != 0.0f ? 1.0f / d : 0.0f;
-    *quant = (int8_t)roundf(x * id);
-    if ((threadIdx.x & 31) == 0) *scale = __float2half(d);
-}
 
 // PER consecutive int8 quants (PER = 2, 4, 8; src aligned to PER bytes) as floats, one load.
 struct __align__(8) char8 { char4 lo, hi; };
@@ -405,8 +372,10 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     store_partial<D>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split);
 }
 
-// OJ_ATTN_CHUNK, read at the first decode: unset or "0" the one-position kernel (the default),
-// "1" the chunked kernel with CHUNK_DEFAULT, "4" / "8" that chunk. attention_force_chunk (the
+// OJ_ATTN_CHUNK, read at the first decode: unset or "1" the chunked kernel with CHUNK_DEFAULT (the
+// default since its first GPU run, 2026-11-30 seventh session: partial + combine at depth 8,192
+// 45.0 us against 82.9, at 30,000 132.5 against 187.8; bench/results/2026-11-30-attn-decode-chunk-*),
+// "4" / "8" that chunk, "0" the one-position kernel. attention_force_chunk (the
 // harness tools/attn_decode_bench.cu) overrides it. Why 4: double buffered, a chunk's rows are
 // held twice; at D = 256 fp16 that is 2 x 2 x C x 4 registers of raw rows, and ptxas gives C = 4
 // 96 registers (5 blocks of 4 warps per SM, 4 KB of K/V in flight per warp) and C = 8 164 (3
@@ -541,10 +510,10 @@ int attention_splits_for(int n_ctx) { return (n_ctx + SPLIT - 1) / SPLIT; }
 // The decode partial kernel for the harness (tools/attn_decode_bench.cu), which runs both in one
 // process: 0 the one-position kernel, 4 or 8 the chunked kernel with that chunk, -1 back to
 // OJ_ATTN_CHUNK (read at the next decode). The engine never calls it.
-// OJ_ATTN_CHUNK's value (nullptr: unset) as the chunk partial_chunk takes; anything but unset, 0, 1,
+// OJ_ATTN_CHUNK's value (nullptr: unset, as "1") as the chunk partial_chunk takes; anything but unset, 0, 1,
 // 4 or 8 is refused by name (tests/test_attn_decode_chunked.py checks both on the CPU).
 int attention_chunk_setting(const char *value) {
-    const std::string v = value ? value : "0";
+    const std::string v = value ? value : "1";
     if (v == "0") return 0;
     if (v == "1") return CHUNK_DEFAULT;
     if (v == "4" || v == "8") return v[0] - '0';

@@ -418,6 +418,7 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
     // cudaMemcpy from pageable memory may return before its DMA lands, and the engine's stream does
     // not wait for the legacy default stream: finish every upload before the first kernel.
     check_cuda(cudaDeviceSynchronize(), "upload weights");
+    persistent_init(e);
     engine_reset(e);
 }
 
@@ -459,18 +460,20 @@ void engine_verify(Engine &e, const int32_t *tokens, int n) {
     else if (e.prev_row != 0)
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
-    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
-    for (int il = 0; il < d.hp.n_layer; ++il) {
-        Layer &L = e.layers[il];
-        rms_norm(s.x, L.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
-        if (L.recurrent) deltanet_layer(e, L, n);
-        else attention_layer(e, L, n, e.n_past);
-        ffn(e, L, n);
+    if (!persistent_forward(e, n)) {
+        embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
+        for (int il = 0; il < d.hp.n_layer; ++il) {
+            Layer &L = e.layers[il];
+            rms_norm(s.x, L.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
+            if (L.recurrent) deltanet_layer(e, L, n);
+            else attention_layer(e, L, n, e.n_past);
+            ffn(e, L, n);
+        }
+        float *h = s.hidden + E;
+        rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
+        matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
+        argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
     }
-    float *h = s.hidden + E;
-    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
-    matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
-    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
     finish(e, "eval");
     // the replay is in the state now; this evaluation's positions wait in e.slot for oj_commit
     e.replay_n = 0;

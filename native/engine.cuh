@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -133,6 +134,8 @@ struct Checkpoint {
     float *data = nullptr;    // every DeltaNet layer's conv state then ssm state, then n_embd hidden
 };
 
+struct Persistent;   // persistent.cu: the one-launch forward's programs and buffers
+
 struct Engine {
     ModelDims dims;
     int n_ctx = 0;
@@ -159,6 +162,8 @@ struct Engine {
     std::vector<Checkpoint> checkpoints;
     int mtp_n_past = 0, last_mtp_n = 0;
 
+    std::shared_ptr<Persistent> persistent;   // persistent_init
+
     std::vector<void *> allocations;
     oj_memory_report memory{};
     std::string error;
@@ -183,6 +188,15 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
 void engine_prefill(Engine &e, const int32_t *tokens, int n);
 void alloc_prefill(Engine &e, int chunk);
 
+// persistent.cu: the main model's forward in one cooperative launch (issue 8). persistent_init
+// reads OJ_PERSISTENT at engine creation (after the scratch buffers); persistent_forward runs
+// oj_verify's device work for n positions from s.tokens (already copied) and returns false when the
+// engine takes the multi-kernel path.
+void persistent_init(Engine &e);
+bool persistent_forward(Engine &e, int n);
+bool persistent_active(const Engine &e);
+const char *persistent_why(const Engine &e);
+
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st);
@@ -195,6 +209,8 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
 // a restricted vocabulary. y is [n_vec][n_rows].
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
                  cudaStream_t st);
+// matvec.cu: whether quantised decode matvecs take the fp16 path (OPENJET_MATVEC unset or f16).
+bool matvec_f16_in_use();
 // matvec.cu: y[n][:] = row tokens[n] of W, dequantised (embedding lookup).
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st);
 // matvec.cu: host-side rearrangement of a file tensor into the device layout; returns bytes.

@@ -43,18 +43,12 @@
 #include <mutex>
 #include <utility>
 
+#include "dequant.cuh"
 #include "engine.cuh"
 #include "int8_mma.cuh"
 #include "matvec_f16.cuh"
 
 namespace oj {
-
-// Byte of lane t's 16-byte run for Q6_K value l (0..31) of half `half` of a super-block, in the
-// regrouped q plane (quant_blocks.cuh): 16 * t + 4 * c + j with c = 2 * half + l / 16.
-__host__ __device__ inline int q6_K_byte(int half, int l) {
-    const int t = (l & 15) >> 2, c = 2 * half + (l >> 4), j = l & 3;
-    return 16 * t + 4 * c + j;
-}
 
 namespace {
 
@@ -62,10 +56,6 @@ namespace {
 // Float weights: one warp per row, fp32 FMAs (the v1 kernel).
 
 constexpr int ROWS_PER_BLOCK = 8;   // 8 warps, one row each
-
-__device__ __forceinline__ float half_at(const uint8_t *p) {
-    return __half2float(*reinterpret_cast<const __half *>(p));
-}
 
 template <int N>
 __device__ __forceinline__ void fma_run4(float (&acc)[N], const float *x, int64_t K, int64_t col,
@@ -1170,50 +1160,6 @@ void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accum
 // ---------------------------------------------------------------------------------------------
 // Embedding rows.
 
-// One value of row m, column k of W (scalar; used by the embedding lookup only).
-__device__ float dequant_one(const Matrix &w, int64_t m, int64_t k) {
-    switch (w.type) {
-        case TYPE_F32: return reinterpret_cast<const float *>(w.data)[m * w.K + k];
-        case TYPE_F16: return __half2float(reinterpret_cast<const __half *>(w.data)[m * w.K + k]);
-        case TYPE_BF16: {
-            const uint16_t r = reinterpret_cast<const uint16_t *>(w.data)[m * w.K + k];
-            return __uint_as_float((uint32_t)r << 16);
-        }
-        case TYPE_Q8_0: {
-            const Q8Planes p = q8_0_planes(w.M, w.K);
-            const int8_t q = reinterpret_cast<const int8_t *>(w.data + p.qs)[m * w.K + k];
-            return q * half_at(w.data + p.d + (m * (w.K / QK8_0) + k / QK8_0) * 2);
-        }
-        case TYPE_Q4_K:
-        case TYPE_Q5_K: {
-            const int bytes = w.type == TYPE_Q4_K ? 144 : 176;
-            const uint8_t *b = w.data + (m * (w.K / QK_K) + k / QK_K) * bytes;
-            const int i = (int)(k % QK_K);
-            const int j = i / 64, within = i % 64, l = within % 32, is = 2 * j + (within >= 32);
-            int sc, mn;
-            scale_min_k4(is, b + 4, sc, mn);
-            const uint8_t *qs = b + (w.type == TYPE_Q4_K ? 16 : 48) + 32 * j;
-            int q = within < 32 ? (qs[l] & 15) : (qs[l] >> 4);
-            if (w.type == TYPE_Q5_K) q += ((b[16 + l] >> is) & 1) * 16;
-            return half_at(b) * sc * q - half_at(b + 2) * mn;
-        }
-        case TYPE_Q6_K: {
-            const Q6Planes p = q6_K_planes(w.M, w.K);
-            const int64_t blk = m * (w.K / QK_K) + k / QK_K;
-            const int i = (int)(k % QK_K);
-            const int half = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
-            const uint8_t *q = w.data + p.q + blk * 192;
-            const int off = q6_K_byte(half, l);
-            const int lowbyte = q[64 * (quarter & 1) + off];
-            const int nib = quarter >= 2 ? (lowbyte >> 4) : (lowbyte & 15);
-            const int v = (nib | (((q[128 + off] >> (2 * quarter)) & 3) << 4)) - 32;
-            const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16);
-            return half_at(w.data + p.d + blk * 2) * sc[8 * half + l / 16 + 2 * quarter] * v;
-        }
-        default: return 0.0f;
-    }
-}
-
 __global__ void embed_kernel(const Matrix w, const int32_t *__restrict__ tokens, float *__restrict__ y) {
     const int n = blockIdx.x;
     const int64_t row = tokens[n];
@@ -1264,6 +1210,10 @@ void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *
 // activations, -1 back to OPENJET_MATVEC (read at the next call). For the harnesses
 // (tools/matvec_bench.cu, matvec_f16_bench.cu), which run cases on several paths; the engine never
 // calls it.
+// Whether quantised decode matvecs take the fp16 path (OPENJET_MATVEC unset or f16): the only one
+// the persistent kernel (persistent.cu) carries.
+bool matvec_f16_in_use() { return path() == 2; }
+
 void matvec_force_path(int p) { g_path = p < 0 ? -1 : (p == 1 || p == 2 ? p : 0); }
 
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st) {

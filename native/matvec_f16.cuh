@@ -132,26 +132,11 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
-// ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
+// Vector v's 8 values of super-block record rec held by this lane (columns 8 lane .. 8 lane + 7):
+// their power-of-two scale, fp16 values in TYPE's k order, Q4_K's sub-block sums, the inverse
+// scale. prep_kernel below; the persistent kernel's fused preps (persistent.cu) compute xv first.
 template <int TYPE>
-__global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, int64_t K, int n_vec,
-                                                   uint8_t *__restrict__ ws) {
-    pdl_launch_dependents();
-    if (blockIdx.x == 0)
-#pragma unroll
-        for (int i = 0; i < MAX_TILES / 1024; ++i)
-            reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
-    const int64_t u = blockIdx.x;
-    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    uint8_t *rec = ws + XP_OFF + u * REC;
-    if (v >= n_vec) {
-        if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
-        return;
-    }
-    const float4 *src = reinterpret_cast<const float4 *>(x + (int64_t)v * K + u * QK_K + 8 * lane);
-    const float4 a = src[0], b = src[1];
-    float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+__device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, int lane) {
     float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(xv[j]));
@@ -186,6 +171,29 @@ __global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, 
         }
     }
     if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = ldexpf(1.0f, -e);
+}
+
+// One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
+// ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
+template <int TYPE>
+__global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, int64_t K, int n_vec,
+                                                   uint8_t *__restrict__ ws) {
+    pdl_launch_dependents();
+    if (blockIdx.x == 0)
+#pragma unroll
+        for (int i = 0; i < MAX_TILES / 1024; ++i)
+            reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
+    const int64_t u = blockIdx.x;
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint8_t *rec = ws + XP_OFF + u * REC;
+    if (v >= n_vec) {
+        if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
+        return;
+    }
+    const float4 *src = reinterpret_cast<const float4 *>(x + (int64_t)v * K + u * QK_K + 8 * lane);
+    const float4 a = src[0], b = src[1];
+    float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    prep_store<TYPE>(xv, rec, v, lane);
 }
 
 __device__ __forceinline__ void cp8(void *dst, const void *src) {
@@ -541,8 +549,8 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 // uniform operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32
 // per step). Q6_K's fp16 d of a row is 2 bytes at a row stride of nb * 2 (no tensor map: strides
 // are multiples of 16), so each lane still copies its row's d word by cp.async, tied to the
-// barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32). Q6_K here is opt-in
-// (OJ_MVF16_TMA=all) until it has run on a GPU.
+// barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32). Q6_K here is the default since
+// its first GPU run (OJ_MVF16_TMA=1 keeps it on cp.async).
 template <int TYPE, int WARPS, int STAGES>
 __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
                                            int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g, int t, int lane,
@@ -613,18 +621,22 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
         wr = wr == STAGES - 1 ? 0 : wr + 1;
         __syncwarp();
     }
+    // every phase armed has completed (the loop waited on each): the memory may become something
+    // else (the persistent kernel's next item)
+    if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
 }
 #endif
 
 // TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
 // cp.async instance no copy-engine loop, so neither pays the other's registers).
+// Block `bid` of a launch over args (matvec_kernel: blockIdx.x; the persistent kernel: its items).
+// smem: the block's dynamic shared memory (smem_bytes).
 template <int TYPE, int WARPS, int STAGES, bool TMA>
-__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
-    extern __shared__ __align__(128) uint8_t smem[];
+__device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uint8_t *smem) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int S = args.split;
-    const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);   // the launch's row tile: counters, slots
-    const int sp = (int)(blockIdx.x - (unsigned)tile * (unsigned)S);   // this block's split, 0..S-1
+    const int64_t tile = (int64_t)(bid / (unsigned)S);   // the launch's row tile: counters, slots
+    const int sp = (int)(bid - (unsigned)tile * (unsigned)S);   // this block's split, 0..S-1
     // the member this tile belongs to (a plain call: the only one), and the tile within it
     Args a = args;
     int64_t mtile = tile;
@@ -721,7 +733,7 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
 #pragma unroll
     for (int s = 0; s < 8; ++s) red[(warp * 8 + s) * 32 + lane] = acc[s >> 2][s & 3];
     __syncthreads();
-    float *slot = a.part + (size_t)blockIdx.x * SLOT_FLOATS;   // split: this block's partial [8][32]
+    float *slot = a.part + (size_t)bid * SLOT_FLOATS;   // split: this block's partial [8][32]
     for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
         const int s = idx >> 5, ln = idx & 31;
         float v = 0.0f;
@@ -765,6 +777,12 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
             *dst = a.accumulate ? *dst + v : v;
         }
     }
+}
+
+template <int TYPE, int WARPS, int STAGES, bool TMA>
+__global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    matvec_block<TYPE, WARPS, STAGES, TMA>(args, blockIdx.x, smem);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -885,13 +903,14 @@ inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
     }
 }
 
-// OJ_MVF16_TMA: which types stream on the copy engine (sm_90+). Unset or "1": Q4_K; "0": none
-// (16-byte cp.async as before, for comparisons); "all": Q4_K and Q6_K (Q6_K has not run on a GPU
-// yet). Anything else is refused by name.
+// OJ_MVF16_TMA: which types stream on the copy engine (sm_90+). Unset or "all": Q4_K and Q6_K (the
+// default since its first GPU run, 2026-11-30 seventh session: the 27B's grouped projections 4.92 ms
+// against 5.15 with Q4_K alone); "1": Q4_K only; "0": none (16-byte cp.async as before, for
+// comparisons). Anything else is refused by name.
 inline bool tma_for(int type) {
     static const int mode = [] {
         const char *e = std::getenv("OJ_MVF16_TMA");
-        const std::string v = e ? e : "1";
+        const std::string v = e ? e : "all";
         if (v == "0") return 0;
         if (v == "1") return 1;
         if (v == "all") return 2;
@@ -1147,6 +1166,37 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
         a.more.tile0[i - 1] = tile0[i];
     }
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
+}
+
+// The persistent kernel's form of run / run_group (persistent.cu): the Args of y_i (+)= W_i x for
+// the n (1..GROUP_MAX) matrices of one type and one K from workspace ws, every member on the copy
+// engine (its tensor maps filled here), split as run_group would at n_vec; the kernel runs
+// matvec_block<TYPE, 8, 2, true> over items 0..blocks-1. Needs sm_90+ code and device.
+inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate,
+                            int64_t &blocks) {
+    if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
+    check_call(w[0].type, w[0].K, n_vec);
+    int64_t tiles = 0, tile0[GROUP_MAX];
+    for (int i = 0; i < n; ++i) {
+        if (w[i].type != w[0].type || w[i].K != w[0].K)
+            fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group's matrices must share type and K");
+        tile0[i] = tiles;
+        tiles += (w[i].M + ROWS - 1) / ROWS;
+    }
+    Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, accumulate);
+    a.n_more = n - 1;
+    for (int i = 1; i < n; ++i) {
+        a.more.w[i - 1] = w[i];
+        a.more.y[i - 1] = y[i];
+        a.more.n_out[i - 1] = w[i].M;
+        a.more.tile0[i - 1] = tile0[i];
+    }
+    a.split = pick(device(), w[0].type, tiles * ROWS, w[0].K, n_vec).split;
+    a.tma = true;
+    maps_for(w[0], &a.map[0], &a.map_sc[0]);
+    for (int i = 1; i < n; ++i) maps_for(w[i], &a.map[i], &a.map_sc[i]);
+    blocks = tiles * a.split;
+    return a;
 }
 
 }  // namespace mvf16

@@ -146,6 +146,11 @@ int32_t oj_engine_create(const oj_model_desc *desc, oj_engine **out);
 void oj_engine_free(oj_engine *engine);
 
 int32_t oj_memory(const oj_engine *engine, oj_memory_report *out);
+/* Whether oj_verify / oj_eval run the main model as one cooperative launch (the persistent kernel;
+   OJ_PERSISTENT read at engine creation: unset or 0 off, 1 where model and GPU fit, require an
+   error at creation where they do not): *active 1 or 0, and in why (NUL-terminated, cut to
+   why_capacity bytes) the reason when 0, the last launch's shape when 1. */
+int32_t oj_persistent_info(const oj_engine *engine, int32_t *active, char *why, int32_t why_capacity);
 
 /* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches. */
 int32_t oj_reset(oj_engine *engine);

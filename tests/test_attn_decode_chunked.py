@@ -193,7 +193,7 @@ def test_gpu_attn_decode_script_parses():
 
 def test_oj_attn_chunk_values_and_a_bad_one_refused_by_name(tmp_path):
     """attention.cu's attention_chunk_setting, what partial_chunk reads OJ_ATTN_CHUNK with: unset and
-    "0" keep the one-position kernel, "1" takes the default chunk (4), "4" / "8" that chunk; anything
+    "1" take the default chunk (4), "0" keeps the one-position kernel, "4" / "8" that chunk; anything
     else is refused with the variable and the value in the message (exit 2 from harness.cuh's fail)."""
     nvcc = _nvcc()
     if nvcc is None:
@@ -204,7 +204,7 @@ def test_oj_attn_chunk_values_and_a_bad_one_refused_by_name(tmp_path):
     assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
     r = subprocess.run([str(exe), "unset", "0", "1", "4", "8"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["unset", "0", "0", "0", "1", "4", "4", "4", "8", "8"]
+    assert r.stdout.split() == ["unset", "4", "0", "0", "1", "4", "4", "4", "8", "8"]
     for bad in ("2", "yes", ""):
         r = subprocess.run([str(exe), "1", bad], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2, (bad, r.stdout, r.stderr)

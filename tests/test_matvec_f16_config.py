@@ -3,7 +3,7 @@
 settings, which types stream on the copy engine, the stage count stages_for picks per type, warps,
 vector count and device, each stage's bytes and a launch's shared memory. The rules checked:
 
-- OJ_MVF16_TMA unset or "1": Q4_K on the copy engine, Q6_K not; "all": both; "0": neither; anything
+- OJ_MVF16_TMA unset or "all": Q4_K and Q6_K on the copy engine; "1": Q4_K only; "0": neither; anything
   else is refused by name (exit 2, the variable in the message);
 - a type on the copy engine takes 2 stages unless forced (a fourth block per SM); otherwise 3 when
   three fit a block and two such blocks fit an SM, else 2; a forced count is kept when it fits;
@@ -56,7 +56,7 @@ def _run(exe: Path, tma: str | None) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines()]
 
 
-@pytest.mark.parametrize("tma, q4, q6", [(None, True, False), ("1", True, False), ("all", True, True),
+@pytest.mark.parametrize("tma, q4, q6", [(None, True, True), ("1", True, False), ("all", True, True),
                                          ("0", False, False)])
 def test_types_on_the_copy_engine_and_their_stages(exe, tma, q4, q6):
     rows = _run(exe, tma)

@@ -52,8 +52,8 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "c.x = a.xp + u * REC;"),
     ("matvec_f16.cuh", "c.x += WARPS * REC;"),
     # the kernel: which block, which super-blocks
-    ("matvec_f16.cuh", "const int64_t tile = (int64_t)(blockIdx.x / (unsigned)S);"),
-    ("matvec_f16.cuh", "const int sp = (int)(blockIdx.x - (unsigned)tile * (unsigned)S);"),
+    ("matvec_f16.cuh", "const int64_t tile = (int64_t)(bid / (unsigned)S);"),
+    ("matvec_f16.cuh", "const int sp = (int)(bid - (unsigned)tile * (unsigned)S);"),
     ("matvec_f16.cuh", "const int64_t m0 = mtile * ROWS;"),
     # a grouped launch: the member of a launch tile, and its tile within the member
     ("matvec_f16.cuh", "for (int i = 0; i < args.n_more; ++i)"),
@@ -80,7 +80,7 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "for (int r = 0; r < 2; ++r) pr[i][r] = par[i][r] ^ pu;"),
     ("matvec_f16.cuh", "dq[i][r] = gemm::half_bits(par[i][r] ? dw >> 16 : dw & 0xFFFFu);"),
     # the epilogue: slots, counters, the last block's fixed-order sum
-    ("matvec_f16.cuh", "float *slot = a.part + (size_t)blockIdx.x * SLOT_FLOATS;"),
+    ("matvec_f16.cuh", "float *slot = a.part + (size_t)bid * SLOT_FLOATS;"),
     ("matvec_f16.cuh", "const int r = 16 * i + gg + 8 * (e >> 1);"),
     ("matvec_f16.cuh", "const int vec = 2 * tt + (e & 1);"),
     ("matvec_f16.cuh", "__stcg(slot + vec * ROWS + r, v);"),

@@ -663,6 +663,17 @@ class NativeBackend:
         # `prefill` is ABI 3's: a library of an older header reports none
         return {k: int(getattr(rep, k, 0)) for k in MEMORY_FIELDS}
 
+    def persistent_info(self) -> tuple[bool, str]:
+        """(whether oj_verify / oj_eval run as one cooperative launch, why not): the persistent
+        kernel of issue 8, switched by OJ_PERSISTENT at engine creation (native/persistent.cu)."""
+        lib, ffi = self._nl.lib, self._nl.ffi
+        if not hasattr(lib, "oj_persistent_info"):
+            return False, "the native library predates the persistent kernel"
+        active = ffi.new("int32_t *")
+        why = ffi.new("char[]", 512)
+        self._check(lib.oj_persistent_info(self._handle(), active, why, 512), "persistent_info")
+        return bool(active[0]), ffi.string(why).decode("utf-8", "replace")
+
     def debug_fault(self, kind: int) -> None:
         """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""
         self._check(self._nl.lib.oj_debug_fault(self._handle(), int(kind)), "debug fault")

@@ -1,0 +1,1051 @@
+// persistent.cu: the main model's forward over 1..8 positions (oj_verify's device work: embedding,
+// every layer, the output norm, the head and its argmax) in ONE cooperative launch (issue 8).
+//
+// The kernel walks a program of phases built once per (positions, ring slots) on the host. A phase
+// holds one or more tasks; a task is a number of block-sized items (the matvec's row-tile blocks,
+// a super-block of prepared x, a group of recurrence rows, ...). The resident blocks share a phase's
+// items round-robin, then meet at a software grid barrier before the next phase. Per layer:
+//   norm + prep  ->  projections  ->  mixer (DeltaNet: conv + q/k norms, recurrence; attention: q/k
+//   norms + RoPE + K/V append, split-K partials)  ->  gated norm or split combine + prep  ->  output
+//   projection (+ residual)  ->  norm + prep  ->  gate / up  ->  SwiGLU + prep  ->  down (+ residual)
+// Every "prep" writes the next matvec's prepared x (matvec_f16.cuh's records, one per weight type the
+// consumers have) from the producing arithmetic directly: the multi-kernel path's separate RMSNorm,
+// SwiGLU, gated-norm, combine and prep kernels are fused into one phase each.
+//
+// The arithmetic is the multi-kernel path's: matvec_block (matvec_f16.cuh) with 8 warps and 2 stages
+// on the copy engine, recurrence_row / conv_channel (deltanet_step.cuh), the same formulas for the
+// norms, RoPE, q8_0 and the online softmax. Sums over a row run in a different order (a warp per
+// vector instead of a block), so results agree to float rounding, not bit for bit.
+//
+// Safety: the barrier spins at most BARRIER_TIMEOUT_NS; past it the launch records the phase and
+// every block leaves, and the engine reports an error instead of hanging. Data written in one phase
+// and read in a later one is never read through the read-only (non-coherent) path: the barrier's
+// acquire makes other SMs' writes visible to plain loads, and a proxy fence to the copy engine.
+//
+// OJ_PERSISTENT (read at engine creation): unset or "0" the multi-kernel path; "1" this kernel where
+// the model and GPU fit (else the multi-kernel path; oj_persistent_info says why); "require" an
+// error at creation where they do not.
+#include <cuda.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attention_common.cuh"
+#include "deltanet_step.cuh"
+#include "dequant.cuh"
+#include "engine.cuh"
+#include "matvec_f16.cuh"
+#include "reduce.cuh"
+
+namespace oj {
+
+namespace {
+
+using mvf16::Args;
+
+constexpr int THREADS = 256, WARPS = 8;
+constexpr int ATTN_SPLIT = 256;                          // attention.cu's SPLIT
+constexpr unsigned long long BARRIER_TIMEOUT_NS = 2000000000ull;
+
+enum Kind : int {
+    K_EMBED,          // x[t] = row tokens[t] of the embedding; items: n x ceil(E / 256)
+    K_NORM_PREP,      // RMSNorm of in[0] rows (weight w0), optional store to out, prep; items: E / 256
+    K_MATVEC,         // matvec_block over *mv; items: its blocks
+    K_CONV_QK,        // conv (+ replay) of 256 channels, then L2 norms of their q / k heads
+    K_RECUR,          // 8 state rows of one value head (recurrence_row)
+    K_GATED_PREP,     // RMSNorm per d_state head x ssm_norm x SiLU(z), prep; items: value_dim / 256
+    K_ATTN_KV,        // q / k RMSNorm + RoPE (q_rot, K / V append): 8 (position, head) pairs per item
+    K_ATTN_PARTIAL,   // split-K partial of (head, position, split); items from the frame
+    K_COMBINE_PREP,   // merge the splits x sigmoid(gate), prep; items: q_dim / 256
+    K_SWIGLU_PREP,    // SiLU(gate) x up, prep; items: n_ff / 256
+    K_ARGMAX,         // first index of the largest logit of a row; items: n
+};
+
+struct PrepTo {
+    uint8_t *rec = nullptr;   // the workspace's records (ws + XP_OFF)
+    int type = 0;             // their k order (the consumer's weight type)
+};
+
+// One task; the fields each kind reads are listed at its device function.
+struct Task {
+    int kind = 0;
+    int type = 0;               // K_MATVEC: weight type
+    int64_t items = 0;          // block items (K_ATTN_PARTIAL: per split, times the frame's splits)
+    const Args *mv = nullptr;   // K_MATVEC (device address)
+    Matrix mat;                 // K_EMBED
+    const int32_t *tokens = nullptr;
+    int32_t *iout = nullptr;
+    const float *in[6] = {};
+    const float *w0 = nullptr, *w1 = nullptr;
+    float *out = nullptr, *state = nullptr;
+    float *part_ml = nullptr, *part_acc = nullptr;
+    void *kc = nullptr, *vc = nullptr;
+    __half *ks = nullptr, *vs = nullptr;
+    PrepTo prep[2];
+    int n_prep = 0;
+    int width = 0, C = 0, ksize = 0, S = 0, key_dim = 0, Hk = 0, Hv = 0;
+    int H = 0, Hkv = 0, D = 0, n_ctx = 0, q8 = 0;
+    float eps = 0.0f;
+    RopeParams rope{};
+};
+
+struct Phase {
+    int first = 0, count = 0;   // tasks [first, first + count)
+};
+
+// What changes from call to call of one program.
+struct Frame {
+    int n;          // positions
+    int pos0;       // first position
+    int n_replay;   // accepted positions of the replay slot owed to the DeltaNet state
+    int n_splits;   // attention split-K blocks per (head, position)
+};
+
+struct Sync {
+    unsigned count, gen;
+    int error, phase;
+};
+
+// ---------------------------------------------------------------------------------------------
+// grid barrier
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ unsigned ld_acquire(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_release(unsigned *p, unsigned v) {
+    asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Every block of the grid arrives before any leaves (false: the barrier timed out, or another
+// block's did; the caller leaves). Release: the block's writes (ordered before thread 0 by
+// __syncthreads) are fenced before the arrival; acquire: thread 0 sees the new generation, fences,
+// and the block's threads follow it past __syncthreads. The proxy fence orders them before the copy
+// engine's reads (matvec_block's tensor and bulk copies of prepared x).
+__device__ bool grid_barrier(Sync *s, int phase) {
+    __shared__ int ok;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.global;" ::: "memory");   // this thread's writes, for the copy engine
+#endif
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned g = ld_acquire(&s->gen);
+        __threadfence();
+        int good = 1;
+        if (atomicAdd(&s->count, 1u) == gridDim.x - 1) {
+            atomicExch(&s->count, 0u);
+            __threadfence();
+            st_release(&s->gen, g + 1);
+        } else {
+            const unsigned long long t0 = globaltimer();
+            while (ld_acquire(&s->gen) == g) {
+                if (*reinterpret_cast<volatile int *>(&s->error)) { good = 0; break; }
+                if (globaltimer() - t0 > BARRIER_TIMEOUT_NS) {
+                    if (atomicCAS(&s->error, 0, 1) == 0) s->phase = phase;
+                    good = 0;
+                    break;
+                }
+            }
+        }
+        __threadfence();
+        ok = good;
+    }
+    __syncthreads();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+#endif
+    return ok;
+}
+
+// ---------------------------------------------------------------------------------------------
+// fused preps: this lane's 8 values of super-block u for vector v -> every record the task writes
+
+__device__ __forceinline__ void prep_emit(const Task &t, const float (&xv)[8], int64_t u, int v, int lane) {
+    for (int i = 0; i < t.n_prep; ++i) {
+        float c[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = xv[j];
+        uint8_t *rec = t.prep[i].rec + u * mvf16::REC;
+        if (t.prep[i].type == TYPE_Q4_K) mvf16::prep_store<TYPE_Q4_K>(c, rec, v, lane);
+        else mvf16::prep_store<TYPE_Q6_K>(c, rec, v, lane);
+    }
+}
+
+// vectors past n: inverse scale 1, as prep_kernel leaves them
+__device__ __forceinline__ void prep_pad(const Task &t, int64_t u, int v, int lane) {
+    if (lane == 0)
+        for (int i = 0; i < t.n_prep; ++i) reinterpret_cast<float *>(t.prep[i].rec + u * mvf16::REC + mvf16::INV_OFF)[v] = 1.0f;
+}
+
+__device__ __forceinline__ void load8(const float *p, float (&v)[8]) {
+    const float4 a = reinterpret_cast<const float4 *>(p)[0], b = reinterpret_cast<const float4 *>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+
+// K_EMBED: mat, tokens, out (x), width E.
+__device__ void embed_item(const Task &t, const Frame &f, int64_t it) {
+    const int64_t per = (t.width + THREADS - 1) / THREADS;
+    const int pos = (int)(it / per);
+    const int64_t k = (it % per) * THREADS + threadIdx.x;
+    if (k < t.width) t.out[(int64_t)pos * t.width + k] = dequant_one(t.mat, t.tokens[pos], k);
+}
+
+// K_NORM_PREP: in[0] rows [n][width], w0 the norm weight, eps; out (optional) the normed rows.
+// rms_norm_kernel's formula: x * (1 / sqrt(mean(x^2) + eps)) * w.
+__device__ void norm_prep_item(const Task &t, const Frame &f, int64_t u) {
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    const float *xr = t.in[0] + (int64_t)v * t.width;
+    float ss = 0.0f;
+    for (int i = lane * 4; i < t.width; i += 128) {
+        const float4 q = *reinterpret_cast<const float4 *>(xr + i);
+        ss += q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w;
+    }
+    ss = warp_sum(ss);
+    const float scale = 1.0f / sqrtf(ss / t.width + t.eps);
+    const int64_t base = u * QK_K + 8 * lane;
+    float xv[8], w[8];
+    load8(xr + base, xv);
+    load8(t.w0 + base, w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xv[j] = xv[j] * scale * w[j];
+    if (t.out) {
+        float4 *o = reinterpret_cast<float4 *>(t.out + (int64_t)v * t.width + base);
+        o[0] = make_float4(xv[0], xv[1], xv[2], xv[3]);
+        o[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
+    }
+    prep_emit(t, xv, u, v, lane);
+}
+
+// K_GATED_PREP: in[0] the recurrence output, in[1] z (both [n][width]), w0 ssm_norm (S values), eps.
+// deltanet_gated_norm_kernel's formula per head of S values: o / sqrt(mean(o^2) + eps) * w * silu(z).
+__device__ void gated_prep_item(const Task &t, const Frame &f, int64_t u) {
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    const int64_t base = u * QK_K + 8 * lane;
+    float o[8], z[8];
+    load8(t.in[0] + (int64_t)v * t.width + base, o);
+    load8(t.in[1] + (int64_t)v * t.width + base, z);
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) ss += o[j] * o[j];
+    for (int off = t.S / 16; off >= 1; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);   // the head's S / 8 lanes
+    const int i0 = (int)(base % t.S);
+    const float den = sqrtf(ss / t.S + t.eps);
+    float xv[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xv[j] = o[j] / den * t.w0[i0 + j] * silu(z[j]);
+    prep_emit(t, xv, u, v, lane);
+}
+
+// K_SWIGLU_PREP: in[0] gate, in[1] up ([n][width]): silu(gate) * up.
+__device__ void swiglu_prep_item(const Task &t, const Frame &f, int64_t u) {
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    const int64_t base = (int64_t)v * t.width + u * QK_K + 8 * lane;
+    float g[8], up[8], xv[8];
+    load8(t.in[0] + base, g);
+    load8(t.in[1] + base, up);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xv[j] = silu(g[j]) * up[j];
+    prep_emit(t, xv, u, v, lane);
+}
+
+// K_COMBINE_PREP: part_ml / part_acc of H heads x D, in[0] qg ([n][H][2][D]; the gate is the second
+// half): attention_combine_kernel's merge, out = sum / L * sigmoid(gate).
+__device__ void combine_prep_item(const Task &t, const Frame &f, int64_t u) {
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    const int64_t col = u * QK_K + 8 * lane;
+    const int h = (int)(col / t.D), d0 = (int)(col % t.D);
+    const int64_t base = ((int64_t)v * t.H + h) * f.n_splits;
+    float M = -INFINITY;
+    for (int s = 0; s < f.n_splits; ++s) M = fmaxf(M, t.part_ml[(base + s) * 2]);
+    float L = 0.0f, a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int s = 0; s < f.n_splits; ++s) {
+        const float ms = t.part_ml[(base + s) * 2];
+        if (ms == -INFINITY) continue;
+        const float fct = expf(ms - M);
+        L += t.part_ml[(base + s) * 2 + 1] * fct;
+        float acc[8];
+        load8(t.part_acc + (base + s) * t.D + d0, acc);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) a[j] += acc[j] * fct;
+    }
+    float gate[8], xv[8];
+    load8(t.in[0] + ((int64_t)v * t.H * 2 + h * 2 + 1) * t.D + d0, gate);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) xv[j] = a[j] / L * sigmoid(gate[j]);
+    prep_emit(t, xv, u, v, lane);
+}
+
+// K_CONV_QK: in[0] this evaluation's raw conv inputs, in[1] the replay slot's, w0 conv1d, state the
+// conv state, out the conv output ([n][C]); then the L2 norms of the q / k heads among the item's
+// channels (deltanet_qk_norm_kernel: v / sqrt(sum v^2 + eps), q also x 1 / sqrt(S)).
+template <int KS>
+__device__ void conv_qk_item(const Task &t, const Frame &f, int64_t it) {
+    const int c = (int)it * THREADS + threadIdx.x;
+    if (c < t.C) conv_channel<KS>(c, t.in[1], f.n_replay, t.in[0], f.n, t.w0, t.state, t.out, t.C, false);
+    __syncthreads();
+    const int c0 = (int)it * THREADS, c1 = min(c0 + THREADS, 2 * t.key_dim);
+    if (c0 >= c1) return;
+    const int heads = (c1 - c0) / t.S, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const float q_scale = 1.0f / sqrtf((float)t.S);
+    for (int p = warp; p < f.n * heads; p += WARPS) {
+        const int pos = p / heads, hh = c0 / t.S + p % heads;
+        float *row = t.out + (int64_t)pos * t.C + (int64_t)hh * t.S;
+        float x[4];
+        float ss = 0.0f;
+        for (int r = 0; r < t.S / 32; ++r) {
+            x[r] = row[r * 32 + lane];
+            ss += x[r] * x[r];
+        }
+        ss = warp_sum(ss);
+        for (int r = 0; r < t.S / 32; ++r) {
+            float y = x[r] / sqrtf(ss + t.eps);
+            if (hh < t.Hk) y *= q_scale;
+            row[r * 32 + lane] = y;
+        }
+    }
+}
+
+// K_RECUR: in[0..2] this slot's conv / beta / alpha, in[3..5] the replay slot's, w0 dt_bias, w1 ssm_a,
+// state the ssm state, out the outputs [n][Hv][S].
+template <int S>
+__device__ void recur_item(const Task &t, const Frame &f, int64_t it) {
+    const int groups = S / WARPS;
+    const int h = (int)(it / groups), j = (int)(it % groups) * WARPS + (threadIdx.x >> 5);
+    recurrence_row<S>(h, j, threadIdx.x & 31, t.in[3], t.in[4], t.in[5], f.n_replay, t.in[0], t.in[1], t.in[2], f.n,
+                      t.w0, t.w1, t.state, t.out, t.C, t.key_dim, t.Hk, t.Hv, false);
+}
+
+// K_ATTN_KV: in[0] qg, in[1] k, in[2] v, w0 q_norm, w1 k_norm, out q_rot, kc / vc (+ ks / vs for
+// q8_0) the caches, rope. attention_prepare_kernel's arithmetic with a warp per (position, head); a
+// lane holds dims lane + 32 r, so a q8_0 block is the warp's r-th 32 values.
+template <int D>
+__device__ void attn_kv_item(const Task &t, const Frame &f, int64_t it, float *smem) {
+    constexpr int PER = D / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pairs = f.n * (t.H + t.Hkv);
+    const int p = (int)it * WARPS + warp;
+    if (p >= pairs) return;
+    float *buf = smem + warp * D;
+    const int pos_i = p / (t.H + t.Hkv), hh = p % (t.H + t.Hkv);
+    const bool is_q = hh < t.H;
+    const int g = hh - t.H;
+    const float *src = is_q ? t.in[0] + ((int64_t)pos_i * t.H * 2 + hh * 2) * D : t.in[1] + ((int64_t)pos_i * t.Hkv + g) * D;
+    const float *nw = is_q ? t.w0 : t.w1;
+    float x[PER];
+    float ss = 0.0f;
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        x[r] = src[r * 32 + lane];
+        ss += x[r] * x[r];
+    }
+    ss = warp_sum(ss);
+#pragma unroll
+    for (int r = 0; r < PER; ++r) buf[r * 32 + lane] = x[r] / sqrtf(ss / D + t.eps) * nw[r * 32 + lane];
+    __syncwarp();
+    const int pos = f.pos0 + pos_i, half = t.rope.n_rot / 2;
+#pragma unroll
+    for (int r = 0; r < PER; ++r) {
+        const int i = r * 32 + lane;
+        float y = buf[i];
+        if (i < t.rope.n_rot) {
+            const int ii = i < half ? i : i - half;
+            float sn, cs;
+            sincosf(imrope_angle(t.rope, ii, pos), &sn, &cs);
+            const float x0 = buf[ii], x1 = buf[ii + half];
+            y = i < half ? x0 * cs - x1 * sn : x0 * sn + x1 * cs;
+        }
+        if (is_q) {
+            t.out[((int64_t)pos_i * t.H + hh) * D + i] = y;
+        } else {
+            const int64_t at = ((int64_t)g * t.n_ctx + pos) * D + i;
+            const float vx = t.in[2][((int64_t)pos_i * t.Hkv + g) * D + i];
+            if (t.q8) {
+                const int64_t block = ((int64_t)g * t.n_ctx + pos) * (D / 32) + r;
+                q8_0_store(y, static_cast<int8_t *>(t.kc) + at, t.ks + block);
+                q8_0_store(vx, static_cast<int8_t *>(t.vc) + at, t.vs + block);
+            } else {
+                static_cast<__half *>(t.kc)[at] = __float2half(y);
+                static_cast<__half *>(t.vc)[at] = __float2half(vx);
+            }
+        }
+    }
+    __syncwarp();   // buf is the warp's next pair's
+}
+
+// K_ATTN_PARTIAL: in[0] q_rot, the caches, part_ml / part_acc. attention_partial_kernel's online
+// softmax with 8 warps on one split (positions begin + warp, + 8, ...), the warps merged as its
+// store_partial merges its 4.
+template <int D, bool Q8>
+__device__ void attn_partial_item(const Task &t, const Frame &f, int64_t it, float *smem) {
+    constexpr int PER = D / 32;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int split = (int)(it % f.n_splits);
+    const int64_t rest = it / f.n_splits;
+    const int pos_i = (int)(rest % f.n), h = (int)(rest / f.n);
+    const int g = h / (t.H / t.Hkv);
+    const int len = f.pos0 + pos_i + 1;
+    const int begin = split * ATTN_SPLIT, end = min(begin + ATTN_SPLIT, len);
+    const float scale = 1.0f / sqrtf((float)D);
+    float q[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) q[i] = t.in[0][((int64_t)pos_i * t.H + h) * D + lane * PER + i];
+    const int64_t row0 = (int64_t)g * t.n_ctx;
+    float m = -INFINITY, l = 0.0f, acc[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+    for (int p = begin + warp; p < end; p += WARPS) {
+        float kk[PER], vv[PER], ks = 1.0f, vs = 1.0f;
+        if constexpr (Q8) {
+            const int8_t *kb = static_cast<const int8_t *>(t.kc) + (row0 + p) * D + lane * PER;
+            const int8_t *vb = static_cast<const int8_t *>(t.vc) + (row0 + p) * D + lane * PER;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) kk[i] = kb[i], vv[i] = vb[i];
+            ks = __half2float(t.ks[(row0 + p) * (D / 32) + lane * PER / 32]);
+            vs = __half2float(t.vs[(row0 + p) * (D / 32) + lane * PER / 32]);
+        } else {
+            const __half2 *kp = reinterpret_cast<const __half2 *>(static_cast<const __half *>(t.kc) + (row0 + p) * D + lane * PER);
+            const __half2 *vp = reinterpret_cast<const __half2 *>(static_cast<const __half *>(t.vc) + (row0 + p) * D + lane * PER);
+#pragma unroll
+            for (int i = 0; i < PER / 2; ++i) {
+                const float2 a = __half22float2(kp[i]), b = __half22float2(vp[i]);
+                kk[2 * i] = a.x, kk[2 * i + 1] = a.y, vv[2 * i] = b.x, vv[2 * i + 1] = b.y;
+            }
+        }
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) dot += q[i] * kk[i];
+        const float sc = warp_sum(dot * ks) * scale;
+        const float m_new = fmaxf(m, sc);
+        const float corr = expf(m - m_new), w = expf(sc - m_new);
+        l = l * corr + w;
+        const float wd = w * vs;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + wd * vv[i];
+        m = m_new;
+    }
+    float *sm_m = smem, *sm_l = smem + WARPS, *sm_acc = smem + 2 * WARPS;
+    if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) sm_acc[warp * D + lane * PER + i] = acc[i];
+    __syncthreads();
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w]);
+    const int64_t slot = ((int64_t)pos_i * t.H + h) * f.n_splits + split;
+    for (int d = threadIdx.x; d < D; d += THREADS) {
+        float a = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < WARPS; ++w) a += sm_acc[w * D + d] * expf(sm_m[w] - M);
+        t.part_acc[slot * D + d] = a;
+    }
+    if (threadIdx.x == 0) {
+        float L = 0.0f;
+        if (M != -INFINITY)
+            for (int w = 0; w < WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
+        t.part_ml[slot * 2] = M;
+        t.part_ml[slot * 2 + 1] = L;
+    }
+    __syncthreads();   // smem is the next item's
+}
+
+// K_ARGMAX: in[0] logits [n][width], iout: argmax_kernel's rule (first index of the largest; NaN never wins).
+__device__ void argmax_item(const Task &t, const Frame &f, int64_t row, float *smem) {
+    const float *xr = t.in[0] + row * t.width;
+    float best = -FLT_MAX;
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < t.width; i += THREADS) {
+        const float v = xr[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    float *sv = smem;
+    int *si = reinterpret_cast<int *>(smem + THREADS);
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ov = sv[threadIdx.x + s];
+            const int oi = si[threadIdx.x + s];
+            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) t.iout[row] = si[0] == 0x7fffffff ? 0 : si[0];
+    __syncthreads();
+}
+
+__device__ __forceinline__ int64_t task_items(const Task &t, const Frame &f) {
+    return t.kind == K_ATTN_PARTIAL ? t.items * f.n_splits : t.items;
+}
+
+__device__ void run_item(const Task &t, const Frame &f, int64_t it, uint8_t *smem) {
+    float *fs = reinterpret_cast<float *>(smem);
+    switch (t.kind) {
+        case K_EMBED: embed_item(t, f, it); break;
+        case K_NORM_PREP: norm_prep_item(t, f, it); break;
+        case K_MATVEC:
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+            // the copy engine writes the rings next: order the block's earlier generic use of this
+            // shared memory (the previous item's reduction, another phase's rows) before it
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+            if (t.type == TYPE_Q4_K) mvf16::matvec_block<TYPE_Q4_K, WARPS, 2, true>(*t.mv, (unsigned)it, smem);
+            else mvf16::matvec_block<TYPE_Q6_K, WARPS, 2, true>(*t.mv, (unsigned)it, smem);
+            __syncthreads();   // the rings are the next item's
+            break;
+        case K_CONV_QK:
+            if (t.ksize == 2) conv_qk_item<2>(t, f, it);
+            else if (t.ksize == 3) conv_qk_item<3>(t, f, it);
+            else conv_qk_item<4>(t, f, it);
+            __syncthreads();
+            break;
+        case K_RECUR:
+            if (t.S == 32) recur_item<32>(t, f, it);
+            else if (t.S == 64) recur_item<64>(t, f, it);
+            else recur_item<128>(t, f, it);
+            break;
+        case K_GATED_PREP: gated_prep_item(t, f, it); break;
+        case K_ATTN_KV:
+            if (t.D == 64) attn_kv_item<64>(t, f, it, fs);
+            else if (t.D == 128) attn_kv_item<128>(t, f, it, fs);
+            else attn_kv_item<256>(t, f, it, fs);
+            break;
+        case K_ATTN_PARTIAL:
+            if (t.q8) {
+                if (t.D == 64) attn_partial_item<64, true>(t, f, it, fs);
+                else if (t.D == 128) attn_partial_item<128, true>(t, f, it, fs);
+                else attn_partial_item<256, true>(t, f, it, fs);
+            } else {
+                if (t.D == 64) attn_partial_item<64, false>(t, f, it, fs);
+                else if (t.D == 128) attn_partial_item<128, false>(t, f, it, fs);
+                else attn_partial_item<256, false>(t, f, it, fs);
+            }
+            break;
+        case K_COMBINE_PREP: combine_prep_item(t, f, it); break;
+        case K_SWIGLU_PREP: swiglu_prep_item(t, f, it); break;
+        case K_ARGMAX: argmax_item(t, f, it, fs); break;
+        default: break;
+    }
+}
+
+// prof (OJ_PERSISTENT_PROFILE): block 0 stamps the start and the end of every phase (the barrier
+// after it, so the last phase gets one too) with the global timer.
+__global__ void __launch_bounds__(THREADS, 1)
+persistent_kernel(const Phase *phases, int n_phases, const Task *tasks, Frame f, Sync *sync,
+                  unsigned long long *prof) {
+    extern __shared__ __align__(128) uint8_t smem[];
+    const bool stamp = prof && blockIdx.x == 0 && threadIdx.x == 0;
+    if (stamp) prof[0] = globaltimer();
+    for (int ph = 0; ph < n_phases; ++ph) {
+        const Phase P = phases[ph];
+        int64_t total = 0;
+        for (int i = 0; i < P.count; ++i) total += task_items(tasks[P.first + i], f);
+        for (int64_t it = blockIdx.x; it < total; it += gridDim.x) {
+            int64_t r = it;
+            int i = 0;
+            for (; i + 1 < P.count; ++i) {
+                const int64_t c = task_items(tasks[P.first + i], f);
+                if (r < c) break;
+                r -= c;
+            }
+            run_item(tasks[P.first + i], f, r, smem);
+        }
+        if (ph + 1 < n_phases || prof) {
+            if (!grid_barrier(sync, ph)) return;
+            if (stamp) prof[ph + 1] = globaltimer();
+        }
+    }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// host side
+
+struct Persistent {
+    int mode = 0;                // 0 off, 1 where it fits, 2 required
+    bool active = false;         // the verify forward runs here
+    std::string why;             // why not (or "" when active)
+    uint8_t *ws[2] = {};         // matvec workspaces: split-K counters + partials + prepared x
+    Sync *sync = nullptr;
+    int *host_error = nullptr;   // pinned: Sync.error and .phase after each launch
+    int n_sm = 0, optin = 0, regs = 0;
+    size_t smem_attr = 0;
+    struct Program {
+        void *dev = nullptr;
+        const Phase *phases = nullptr;
+        const Task *tasks = nullptr;
+        int n_phases = 0;
+        size_t smem = 0;
+        int grid = 0, per_sm = 0;
+        std::vector<std::string> labels;   // per phase (the profile's names)
+        std::vector<double> bytes;         // per phase: weight bytes its matvecs stream
+    };
+    std::map<int, Program> programs;   // key: n * 4 + slot * 2 + replay_slot
+    std::string prof_path;             // OJ_PERSISTENT_PROFILE: a JSON line per launch appended there
+    unsigned long long *prof = nullptr, *prof_host = nullptr;
+    ~Persistent() {
+        if (host_error) cudaFreeHost(host_error);
+        if (prof_host) cudaFreeHost(prof_host);
+    }
+};
+
+namespace {
+
+// Why the persistent kernel cannot run this model on this GPU ("" when it can).
+std::string unfit_reason(const Engine &e) {
+    int major = 0, minor = 0, coop = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, e.device);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, e.device);
+    cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, e.device);
+    if (major < 9)
+        return "the GPU is compute capability " + std::to_string(major) + "." + std::to_string(minor) +
+               "; the persistent kernel streams weights on the copy engine of 9.0+";
+    if (!coop) return "the GPU does not support cooperative launches";
+    cudaFuncAttributes fa{};
+    if (cudaFuncGetAttributes(&fa, persistent_kernel) != cudaSuccess || fa.binaryVersion < 90) {
+        cudaGetLastError();
+        return "the library carries no sm_90 code for the persistent kernel";
+    }
+    auto check = [](const Matrix &w, const std::string &name) -> std::string {
+        if (w.type != TYPE_Q4_K && w.type != TYPE_Q6_K)
+            return "tensor " + name + " is " + type_name(w.type) + "; the persistent kernel takes Q4_K and Q6_K matrices";
+        if (w.K % QK_K) return "tensor " + name + " has K = " + std::to_string(w.K) + ", not a multiple of 256";
+        return "";
+    };
+    for (size_t il = 0; il < e.layers.size(); ++il) {
+        const Layer &L = e.layers[il];
+        const std::string p = "blk." + std::to_string(il) + ".";
+        std::vector<std::pair<const Matrix *, std::string>> ms = {
+            {&L.ffn_gate, "ffn_gate"}, {&L.ffn_up, "ffn_up"}, {&L.ffn_down, "ffn_down"}};
+        if (L.recurrent) {
+            ms.insert(ms.end(), {{&L.wqkv, "attn_qkv"}, {&L.wgate, "attn_gate"}, {&L.wbeta, "ssm_beta"},
+                                 {&L.walpha, "ssm_alpha"}, {&L.wssm_out, "ssm_out"}});
+        } else {
+            ms.insert(ms.end(), {{&L.wq, "attn_q"}, {&L.wk, "attn_k"}, {&L.wv, "attn_v"}, {&L.wo, "attn_output"}});
+        }
+        for (auto &m : ms) {
+            const std::string r = check(*m.first, p + m.second + ".weight");
+            if (!r.empty()) return r;
+        }
+    }
+    const std::string r = check(e.output.present() ? e.output : e.tok_embd, e.output.present() ? "output.weight" : "token_embd.weight");
+    if (!r.empty()) return r;
+    if (e.dims.hp.n_embd % QK_K) return "n_embd is not a multiple of 256";
+    if (!matvec_f16_in_use()) return "OPENJET_MATVEC selects another decode matvec; the persistent kernel carries the fp16 one";
+    return "";
+}
+
+struct Builder {
+    Engine &e;
+    int n;
+    std::vector<Phase> phases;
+    std::vector<Task> tasks;
+    std::vector<Args> args;
+    std::vector<int> arg_of;   // per task: index into args, or -1
+    std::vector<std::string> labels;
+    std::vector<double> bytes;
+    std::string prefix;        // the current block's label prefix ("dn.", "at.", ...)
+
+    void phase(std::initializer_list<Task> ts, const std::string &label) {
+        labels.push_back(prefix + label);
+        bytes.push_back(0.0);
+        Phase p;
+        p.first = (int)tasks.size();
+        p.count = (int)ts.size();
+        for (const Task &t : ts) {
+            tasks.push_back(t);
+            arg_of.push_back(-1);
+        }
+        phases.push_back(p);
+    }
+
+    // the distinct types among ws (in order of first appearance), at most 2
+    static std::vector<int> types_of(const std::vector<const Matrix *> &ws) {
+        std::vector<int> ts;
+        for (const Matrix *w : ws)
+            if (std::find(ts.begin(), ts.end(), w->type) == ts.end()) ts.push_back(w->type);
+        return ts;
+    }
+
+    // a prep task's outputs for consumers ws: workspace i gets type i's order
+    void prep_for(Task &t, const std::vector<const Matrix *> &ws) {
+        const std::vector<int> ts = types_of(ws);
+        t.n_prep = (int)ts.size();
+        for (int i = 0; i < t.n_prep; ++i) {
+            t.prep[i].rec = e.persistent->ws[i] + mvf16::XP_OFF;
+            t.prep[i].type = ts[i];
+        }
+    }
+
+    // the matvec phase of consumers ws (outputs ys), one task per type, workspace as prep_for
+    void matvecs(const std::vector<const Matrix *> &ws, const std::vector<float *> &ys, bool accumulate,
+                 const std::string &label) {
+        const std::vector<int> ts = types_of(ws);
+        double b = 0.0;
+        for (const Matrix *w : ws) b += (double)device_layout_bytes(w->type, w->K, w->M);
+        labels.push_back(prefix + label);
+        bytes.push_back(b);
+        Phase p;
+        p.first = (int)tasks.size();
+        p.count = (int)ts.size();
+        for (size_t i = 0; i < ts.size(); ++i) {
+            std::vector<Matrix> mw;
+            std::vector<float *> my;
+            for (size_t k = 0; k < ws.size(); ++k)
+                if (ws[k]->type == ts[i]) mw.push_back(*ws[k]), my.push_back(ys[k]);
+            Task t;
+            t.kind = K_MATVEC;
+            t.type = ts[i];
+            args.push_back(mvf16::persistent_args(mw.data(), my.data(), (int)mw.size(), e.persistent->ws[i], n, accumulate, t.items));
+            tasks.push_back(t);
+            arg_of.push_back((int)args.size() - 1);
+        }
+        phases.push_back(p);
+    }
+
+    Task norm_prep(const float *x, const float *w, float *store, const std::vector<const Matrix *> &consumers) {
+        Task t;
+        t.kind = K_NORM_PREP;
+        t.in[0] = x;
+        t.w0 = w;
+        t.out = store;
+        t.width = e.dims.hp.n_embd;
+        t.eps = e.dims.hp.rms_eps;
+        t.items = t.width / QK_K;
+        prep_for(t, consumers);
+        return t;
+    }
+};
+
+RopeParams rope_of(const ModelDims &d) {
+    RopeParams rp;
+    rp.n_rot = d.hp.n_rot;
+    for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
+    rp.freq_base = d.hp.rope_freq_base;
+    return rp;
+}
+
+void build(Engine &e, Builder &b, int slot, int rslot) {
+    const ModelDims &d = e.dims;
+    Scratch &s = e.s;
+    const int n = b.n, E = d.hp.n_embd;
+    {
+        Task t;
+        t.kind = K_EMBED;
+        t.mat = e.tok_embd;
+        t.tokens = s.tokens;
+        t.out = s.x;
+        t.width = E;
+        t.items = (int64_t)n * ((E + THREADS - 1) / THREADS);
+        b.phase({t}, "embed");
+    }
+    for (Layer &L : e.layers) {
+        b.prefix = L.recurrent ? "dn." : "at.";
+        std::vector<const Matrix *> in_w;
+        std::vector<float *> in_y;
+        const RingSlot &cur = L.ring[slot], &rep = L.ring[rslot];
+        if (L.recurrent) {
+            in_w = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
+            in_y = {cur.qkv, s.z, cur.beta, cur.alpha};
+        } else {
+            in_w = {&L.wq, &L.wk, &L.wv};
+            in_y = {s.qg, s.k, s.v};
+        }
+        b.phase({b.norm_prep(s.x, L.attn_norm, nullptr, in_w)}, "norm_prep");
+        b.matvecs(in_w, in_y, false, "proj");
+        if (L.recurrent) {
+            const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state;
+            Task c;
+            c.kind = K_CONV_QK;
+            c.in[0] = cur.qkv;
+            c.in[1] = rep.qkv;
+            c.w0 = L.conv1d;
+            c.state = L.conv_state;
+            c.out = cur.conv;
+            c.C = C;
+            c.ksize = d.hp.ssm_conv_kernel;
+            c.S = S;
+            c.key_dim = d.ssm_key_dim();
+            c.Hk = d.hp.ssm_n_group;
+            c.eps = d.hp.rms_eps;
+            c.items = (C + THREADS - 1) / THREADS;
+            b.phase({c}, "conv_qk");
+            Task r;
+            r.kind = K_RECUR;
+            r.in[0] = cur.conv, r.in[1] = cur.beta, r.in[2] = cur.alpha;
+            r.in[3] = rep.conv, r.in[4] = rep.beta, r.in[5] = rep.alpha;
+            r.w0 = L.dt_bias;
+            r.w1 = L.ssm_a;
+            r.state = L.ssm_state;
+            r.out = s.dn_out;
+            r.C = C;
+            r.S = S;
+            r.key_dim = d.ssm_key_dim();
+            r.Hk = d.hp.ssm_n_group;
+            r.Hv = d.hp.ssm_dt_rank;
+            r.items = (int64_t)r.Hv * (S / WARPS);
+            b.phase({r}, "recurrence");
+            Task g;
+            g.kind = K_GATED_PREP;
+            g.in[0] = s.dn_out;
+            g.in[1] = s.z;
+            g.w0 = L.ssm_norm;
+            g.width = d.ssm_value_dim();
+            g.S = S;
+            g.eps = d.hp.rms_eps;
+            g.items = g.width / QK_K;
+            b.prep_for(g, {&L.wssm_out});
+            b.phase({g}, "gated_prep");
+            b.matvecs({&L.wssm_out}, {s.x}, true, "out");
+        } else {
+            Task k;
+            k.kind = K_ATTN_KV;
+            k.in[0] = s.qg, k.in[1] = s.k, k.in[2] = s.v;
+            k.w0 = L.q_norm;
+            k.w1 = L.k_norm;
+            k.out = s.q_rot;
+            k.kc = L.k_cache, k.vc = L.v_cache, k.ks = L.k_scale, k.vs = L.v_scale;
+            k.q8 = L.kv_type == OJ_KV_Q8_0;
+            k.H = d.hp.n_head, k.Hkv = d.hp.n_head_kv, k.D = d.hp.head_dim, k.n_ctx = e.n_ctx;
+            k.eps = d.hp.rms_eps;
+            k.rope = rope_of(d);
+            k.items = ((int64_t)n * (k.H + k.Hkv) + WARPS - 1) / WARPS;
+            b.phase({k}, "kv");
+            Task p = k;
+            p.kind = K_ATTN_PARTIAL;
+            p.in[0] = s.q_rot;
+            p.part_ml = s.part_ml, p.part_acc = s.part_acc;
+            p.items = (int64_t)k.H * n;   // x the frame's splits
+            b.phase({p}, "partial");
+            Task c;
+            c.kind = K_COMBINE_PREP;
+            c.in[0] = s.qg;
+            c.part_ml = s.part_ml, c.part_acc = s.part_acc;
+            c.H = k.H, c.D = k.D;
+            c.items = (int64_t)d.q_dim() / QK_K;
+            b.prep_for(c, {&L.wo});
+            b.phase({c}, "combine_prep");
+            b.matvecs({&L.wo}, {s.x}, true, "out");
+        }
+        b.prefix = "ffn.";
+        b.phase({b.norm_prep(s.x, L.post_norm, nullptr, {&L.ffn_gate, &L.ffn_up})}, "norm_prep");
+        b.matvecs({&L.ffn_gate, &L.ffn_up}, {s.ffn_gate, s.ffn_up}, false, "gate_up");
+        Task w;
+        w.kind = K_SWIGLU_PREP;
+        w.in[0] = s.ffn_gate;
+        w.in[1] = s.ffn_up;
+        w.width = d.hp.n_ff;
+        w.items = w.width / QK_K;
+        b.prep_for(w, {&L.ffn_down});
+        b.phase({w}, "swiglu_prep");
+        b.matvecs({&L.ffn_down}, {s.x}, true, "down");
+    }
+    const Matrix *head = e.output.present() ? &e.output : &e.tok_embd;
+    b.prefix = "head.";
+    b.phase({b.norm_prep(s.x, e.output_norm, s.hidden + E, {head})}, "norm_prep");
+    b.matvecs({head}, {s.logits}, false, "matvec");
+    Task a;
+    a.kind = K_ARGMAX;
+    a.in[0] = s.logits;
+    a.iout = s.argmax;
+    a.width = d.hp.n_vocab;
+    a.items = n;
+    b.phase({a}, "argmax");
+}
+
+Persistent::Program &program_for(Engine &e, int n) {
+    Persistent &P = *e.persistent;
+    const int key = n * 4 + e.slot * 2 + e.replay_slot;
+    auto it = P.programs.find(key);
+    if (it != P.programs.end()) return it->second;
+    Builder b{e, n, {}, {}, {}, {}, {}, {}, ""};
+    build(e, b, e.slot, e.replay_slot);
+    // one allocation: the Args (64-byte aligned tensor maps), then the tasks, then the phases
+    const size_t a_bytes = b.args.size() * sizeof(Args), t_bytes = b.tasks.size() * sizeof(Task);
+    const size_t t_off = (a_bytes + 255) / 256 * 256, p_off = t_off + (t_bytes + 255) / 256 * 256;
+    const size_t bytes = p_off + b.phases.size() * sizeof(Phase);
+    uint8_t *dev = static_cast<uint8_t *>(e.alloc(bytes, e.memory.activations));
+    const Args *dargs = reinterpret_cast<const Args *>(dev);
+    for (size_t i = 0; i < b.tasks.size(); ++i)
+        if (b.arg_of[i] >= 0) b.tasks[i].mv = dargs + b.arg_of[i];
+    std::vector<uint8_t> host(bytes, 0);
+    if (a_bytes) std::memcpy(host.data(), b.args.data(), a_bytes);
+    std::memcpy(host.data() + t_off, b.tasks.data(), t_bytes);
+    std::memcpy(host.data() + p_off, b.phases.data(), b.phases.size() * sizeof(Phase));
+    check_cuda(cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice), "persistent kernel: program upload");
+    Persistent::Program pr;
+    pr.dev = dev;
+    pr.tasks = reinterpret_cast<const Task *>(dev + t_off);
+    pr.phases = reinterpret_cast<const Phase *>(dev + p_off);
+    pr.n_phases = (int)b.phases.size();
+    pr.labels = b.labels;
+    pr.bytes = b.bytes;
+    // shared memory: the matvec rings of the types present, attention's per-warp rows and merge
+    size_t smem = (size_t)WARPS * (e.dims.hp.head_dim + 2) * 4 + 64;
+    smem = std::max(smem, (size_t)THREADS * 8);
+    for (const Task &t : b.tasks)
+        if (t.kind == K_MATVEC)
+            smem = std::max(smem, t.type == TYPE_Q4_K ? mvf16::smem_bytes<TYPE_Q4_K, WARPS, 2>(n)
+                                                      : mvf16::smem_bytes<TYPE_Q6_K, WARPS, 2>(n));
+    if (smem > (size_t)P.optin)
+        fail(OJ_ERR_UNSUPPORTED, "persistent kernel: needs " + std::to_string(smem) + " bytes of shared memory per block, the GPU gives " +
+                                     std::to_string(P.optin));
+    // the attribute is the largest any program asks for (a later, smaller program must not lower it
+    // under an earlier one's launches)
+    P.smem_attr = std::max(P.smem_attr, smem);
+    check_cuda(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)P.smem_attr),
+               "persistent kernel: shared memory attribute");
+    int per_sm = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_kernel, THREADS, smem),
+               "persistent kernel: occupancy");
+    if (per_sm < 1) fail(OJ_ERR_UNSUPPORTED, "persistent kernel: no block fits an SM");
+    pr.smem = smem;
+    pr.per_sm = per_sm;
+    pr.grid = per_sm * P.n_sm;
+    return P.programs.emplace(key, pr).first->second;
+}
+
+}  // namespace
+
+namespace {
+
+// One JSON line per launch: {"n", "pos0", "grid", "phases": [[label, ns, weight bytes], ...]}
+// (scripts/persistent_profile.py sums them per label).
+void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f) {
+    check_cuda(cudaMemcpy(P.prof_host, P.prof, (size_t)(pr.n_phases + 1) * 8, cudaMemcpyDeviceToHost), "persistent kernel: profile");
+    std::string line = "{\"n\": " + std::to_string(f.n) + ", \"pos0\": " + std::to_string(f.pos0) + ", \"grid\": " +
+                       std::to_string(pr.grid) + ", \"phases\": [";
+    for (int i = 0; i < pr.n_phases; ++i) {
+        const unsigned long long ns = P.prof_host[i + 1] - P.prof_host[i];
+        line += std::string(i ? ", " : "") + "[\"" + pr.labels[i] + "\", " + std::to_string(ns) + ", " +
+                std::to_string((long long)pr.bytes[i]) + "]";
+    }
+    line += "]}\n";
+    if (FILE *fp = std::fopen(P.prof_path.c_str(), "a")) {
+        std::fputs(line.c_str(), fp);
+        std::fclose(fp);
+    }
+}
+
+}  // namespace
+
+void persistent_init(Engine &e) {
+    auto P = std::make_shared<Persistent>();
+    const char *v = std::getenv("OJ_PERSISTENT");
+    const std::string mode = v ? v : "0";
+    if (mode == "0") P->mode = 0;
+    else if (mode == "1") P->mode = 1;
+    else if (mode == "require") P->mode = 2;
+    else fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT must be 0, 1 or require, not '" + mode + "'");
+    e.persistent = P;
+    if (P->mode == 0) {
+        P->why = "OJ_PERSISTENT is not set (the multi-kernel path is the default)";
+        return;
+    }
+    P->why = unfit_reason(e);
+    if (!P->why.empty()) {
+        if (P->mode == 2) fail(OJ_ERR_UNSUPPORTED, "OJ_PERSISTENT=require: " + P->why);
+        return;
+    }
+    check_cuda(cudaDeviceGetAttribute(&P->n_sm, cudaDevAttrMultiProcessorCount, e.device), "persistent kernel: SM count");
+    check_cuda(cudaDeviceGetAttribute(&P->optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, e.device), "persistent kernel: smem");
+    int64_t K = e.dims.hp.n_embd;
+    for (const Layer &L : e.layers) {
+        K = std::max<int64_t>(K, L.ffn_down.K);
+        if (L.recurrent) K = std::max<int64_t>(K, L.wssm_out.K);
+        else K = std::max<int64_t>(K, L.wo.K);
+    }
+    for (uint8_t *&w : P->ws) {
+        const size_t bytes = mvf16::workspace_bytes(K);
+        w = static_cast<uint8_t *>(e.alloc(bytes, e.memory.activations));
+        check_cuda(cudaMemset(w, 0, bytes), "persistent kernel: workspace");
+    }
+    P->sync = static_cast<Sync *>(e.alloc(sizeof(Sync), e.memory.activations));
+    check_cuda(cudaMemset(P->sync, 0, sizeof(Sync)), "persistent kernel: barrier");
+    check_cuda(cudaMallocHost(&P->host_error, 2 * sizeof(int)), "persistent kernel: error word");
+    if (const char *pp = std::getenv("OJ_PERSISTENT_PROFILE")) {
+        P->prof_path = pp;
+        constexpr size_t STAMPS = 8192;
+        P->prof = static_cast<unsigned long long *>(e.alloc(STAMPS * 8, e.memory.activations));
+        check_cuda(cudaMallocHost(&P->prof_host, STAMPS * 8), "persistent kernel: profile");
+    }
+    cudaFuncAttributes fa{};
+    check_cuda(cudaFuncGetAttributes(&fa, persistent_kernel), "persistent kernel: attributes");
+    P->regs = fa.numRegs;
+    P->active = true;
+}
+
+bool persistent_forward(Engine &e, int n) {
+    if (!e.persistent || !e.persistent->active) return false;
+    Persistent &P = *e.persistent;
+    Persistent::Program &pr = program_for(e, n);
+    Frame f;
+    f.n = n;
+    f.pos0 = e.n_past;
+    f.n_replay = e.replay_n;
+    f.n_splits = (e.n_past + n + ATTN_SPLIT - 1) / ATTN_SPLIT;
+    if (f.n_splits > e.s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
+    const Phase *phases = pr.phases;
+    const Task *tasks = pr.tasks;
+    int n_phases = pr.n_phases;
+    Sync *sync = P.sync;
+    unsigned long long *prof = P.prof;
+    if (prof && pr.n_phases + 1 > 8192) prof = nullptr;
+    void *params[] = {&phases, &n_phases, &tasks, &f, &sync, &prof};
+    // The occupancy calculator's grid; a driver that co-schedules fewer blocks than it says
+    // (cudaErrorCooperativeLaunchTooLarge, seen on the H200 machine) gets fewer: the items are
+    // shared round-robin, so any grid >= 1 computes the same. The grid that launched is kept.
+    for (;;) {
+        const cudaError_t err = cudaLaunchCooperativeKernel(reinterpret_cast<const void *>(persistent_kernel), dim3(pr.grid),
+                                                            dim3(THREADS), params, pr.smem, e.stream);
+        if (err == cudaSuccess) break;
+        cudaGetLastError();   // not sticky: the next launch must not report it
+        if (err != cudaErrorCooperativeLaunchTooLarge || pr.grid <= 1)
+            check_cuda(err, ("persistent kernel: launch of " + std::to_string(pr.grid) + " blocks x " + std::to_string(THREADS) +
+                             " threads, " + std::to_string(pr.smem) + " bytes of shared memory")
+                                .c_str());
+        pr.grid = pr.grid > P.n_sm ? P.n_sm : pr.grid - std::max(1, P.n_sm / 16);
+        if (pr.grid < 1) pr.grid = 1;
+    }
+    P.why = "active: " + std::to_string(pr.grid) + " blocks of " + std::to_string(THREADS) + " threads (" +
+            std::to_string(pr.per_sm) + " per SM by the occupancy calculator, " + std::to_string(P.n_sm) + " SMs), " +
+            std::to_string(pr.smem) + " bytes of shared memory, " + std::to_string(P.regs) + " registers, " +
+            std::to_string(pr.n_phases) + " phases at " + std::to_string(n) + " positions";
+    check_cuda(cudaMemcpyAsync(P.host_error, &P.sync->error, 2 * sizeof(int), cudaMemcpyDeviceToHost, e.stream),
+               "persistent kernel: error word");
+    check_cuda(cudaStreamSynchronize(e.stream), "persistent kernel");
+    if (P.host_error[0]) {
+        const int phase = P.host_error[1];
+        // a left barrier leaves counters behind: start the next launch from zero
+        check_cuda(cudaMemset(P.sync, 0, sizeof(Sync)), "persistent kernel: barrier reset");
+        for (uint8_t *w : P.ws) check_cuda(cudaMemset(w, 0, mvf16::PART_OFF), "persistent kernel: counters reset");
+        fail(OJ_ERR_CUDA, "persistent kernel: a grid barrier timed out after phase " + std::to_string(phase) + " of " +
+                              std::to_string(pr.n_phases) + " (blocks not co-resident, or a phase did not finish)");
+    }
+    if (prof) write_profile(P, pr, f);
+    return true;
+}
+
+const char *persistent_why(const Engine &e) { return e.persistent ? e.persistent->why.c_str() : "not initialised"; }
+bool persistent_active(const Engine &e) { return e.persistent && e.persistent->active; }
+
+}  // namespace oj
