@@ -12,7 +12,7 @@
 //   kernel: byte 64*i + 16*t + 4*c + j, with c = 2*half + l/16 and l = 16*(l/16) + 4*t + j, is
 //   i=0: ql[64*half + l], i=1: ql[64*half + 32 + l], i=2: qh[32*half + l]
 //   so that lane t of a quad reads its 16 bytes of each kind with one aligned load
-//   (matvec.cu: q6_K_byte, to_device_layout).
+//   (dequant.cuh: q6_K_byte; matvec.cu: to_device_layout).
 #pragma once
 
 #include <cstddef>

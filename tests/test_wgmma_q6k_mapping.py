@@ -2,7 +2,7 @@
 
 The kernel (Q6_K weights on Hopper's wgmma, A = dequantised weights from registers) cannot run
 here, so this file emulates it: random Q6_K blocks in ggml's FILE layout -> the engine's device
-layout (matvec.cu's q6_K_byte / to_device_layout) -> gemmf16::prep_x's k-permuted fp16 X -> the
+layout (dequant.cuh's q6_K_byte / to_device_layout) -> gemmf16::prep_x's k-permuted fp16 X -> the
 kernel's TMA tiles, each lane's A registers (q6_bytes, byte_perm, the 0x64 magic), the m64nNk16
 fragment layout, the B descriptor's k range, the per-group or split (sc = e + b) accumulation and
 the D-fragment epilogue. Every A value times d * sc must equal gguf's own Q6_K dequantiser (the
@@ -71,8 +71,8 @@ SOURCE_ANCHORS = [
     ("gemm_f16.cuh", "const uint32_t hi = (sh >= 0 ? H << sh : H >> -sh) & 0x30303030u;"),
     ("gemm_f16.cuh", "constexpr uint32_t SEL_LO = 0x4240u, SEL_HI = 0x4341u;"),
     ("gemm_f16.cuh", "e = min(15 - ex, 126);"),
-    ("matvec.cu", "const int t = (l & 15) >> 2, c = 2 * half + (l >> 4), j = l & 3;"),
-    ("matvec.cu", "return 16 * t + 4 * c + j;"),
+    ("dequant.cuh", "const int t = (l & 15) >> 2, c = 2 * half + (l >> 4), j = l & 3;"),
+    ("dequant.cuh", "return 16 * t + 4 * c + j;"),
     ("matvec.cu", "q[off] = blocks[i].ql[64 * half + l];"),
     ("matvec.cu", "q[64 + off] = blocks[i].ql[64 * half + 32 + l];"),
     ("matvec.cu", "q[128 + off] = blocks[i].qh[32 * half + l];"),
