@@ -1168,12 +1168,26 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
 }
 
+// The split of a persistent-kernel matvec: split_cost's model with 8 warps per block and `slots`
+// resident blocks (one per SM, whatever the position count: the split sets the summation order, and
+// 1..8 positions must stay bit-identical), every warp at least one super-block per split.
+inline int persistent_split(int64_t tiles, int64_t nb, int64_t slots) {
+    const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / 8), std::max<int64_t>(1, MAX_SLOTS / tiles), 64});
+    int best = 1;
+    double best_c = 1e300;
+    for (int S = 1; S <= smax; ++S) {
+        const double c = split_cost(tiles, nb, 8, S, slots);
+        if (c < best_c - 1e-9) best_c = c, best = S;   // ties: the smaller S
+    }
+    return best;
+}
+
 // The persistent kernel's form of run / run_group (persistent.cu): the Args of y_i (+)= W_i x for
 // the n (1..GROUP_MAX) matrices of one type and one K from workspace ws, every member on the copy
-// engine (its tensor maps filled here), split as run_group would at n_vec; the kernel runs
-// matvec_block<TYPE, 8, 2, true> over items 0..blocks-1. Needs sm_90+ code and device.
+// engine (its tensor maps filled here), split by persistent_split for `slots` resident blocks; the
+// kernel runs matvec_block<TYPE, 8, STAGES, true> over items 0..blocks-1. Needs sm_90+ code and device.
 inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate,
-                            int64_t &blocks) {
+                            int64_t slots, int64_t &blocks) {
     if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
     check_call(w[0].type, w[0].K, n_vec);
     int64_t tiles = 0, tile0[GROUP_MAX];
@@ -1191,7 +1205,7 @@ inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, i
         a.more.n_out[i - 1] = w[i].M;
         a.more.tile0[i - 1] = tile0[i];
     }
-    a.split = pick(device(), w[0].type, tiles * ROWS, w[0].K, n_vec).split;
+    a.split = persistent_split(tiles, w[0].K / QK_K, slots);
     a.tma = true;
     maps_for(w[0], &a.map[0], &a.map_sc[0]);
     for (int i = 1; i < n; ++i) maps_for(w[i], &a.map[i], &a.map_sc[i]);

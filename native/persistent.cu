@@ -88,7 +88,8 @@ struct Task {
     __half *ks = nullptr, *vs = nullptr;
     PrepTo prep[2];
     int n_prep = 0;
-    int width = 0, C = 0, ksize = 0, S = 0, key_dim = 0, Hk = 0, Hv = 0;
+    int width = 0, C = 0, S = 0, key_dim = 0, Hk = 0, Hv = 0;
+    int ksize = 0;              // K_CONV_QK: the conv kernel's taps; K_MATVEC: the rings' stages
     int H = 0, Hkv = 0, D = 0, n_ctx = 0, q8 = 0;
     float eps = 0.0f;
     RopeParams rope{};
@@ -507,8 +508,13 @@ __device__ void run_item(const Task &t, const Frame &f, int64_t it, uint8_t *sme
             // shared memory (the previous item's reduction, another phase's rows) before it
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
-            if (t.type == TYPE_Q4_K) mvf16::matvec_block<TYPE_Q4_K, WARPS, 2, true>(*t.mv, (unsigned)it, smem);
-            else mvf16::matvec_block<TYPE_Q6_K, WARPS, 2, true>(*t.mv, (unsigned)it, smem);
+            if (t.ksize == 3) {   // the program's ring depth (program_for)
+                if (t.type == TYPE_Q4_K) mvf16::matvec_block<TYPE_Q4_K, WARPS, 3, true>(*t.mv, (unsigned)it, smem);
+                else mvf16::matvec_block<TYPE_Q6_K, WARPS, 3, true>(*t.mv, (unsigned)it, smem);
+            } else {
+                if (t.type == TYPE_Q4_K) mvf16::matvec_block<TYPE_Q4_K, WARPS, 2, true>(*t.mv, (unsigned)it, smem);
+                else mvf16::matvec_block<TYPE_Q6_K, WARPS, 2, true>(*t.mv, (unsigned)it, smem);
+            }
             __syncthreads();   // the rings are the next item's
             break;
         case K_CONV_QK:
@@ -715,7 +721,8 @@ struct Builder {
             Task t;
             t.kind = K_MATVEC;
             t.type = ts[i];
-            args.push_back(mvf16::persistent_args(mw.data(), my.data(), (int)mw.size(), e.persistent->ws[i], n, accumulate, t.items));
+            args.push_back(mvf16::persistent_args(mw.data(), my.data(), (int)mw.size(), e.persistent->ws[i], n, accumulate,
+                                                  e.persistent->n_sm, t.items));
             tasks.push_back(t);
             arg_of.push_back((int)args.size() - 1);
         }
@@ -879,6 +886,25 @@ Persistent::Program &program_for(Engine &e, int n) {
     if (it != P.programs.end()) return it->second;
     Builder b{e, n, {}, {}, {}, {}, {}, {}, ""};
     build(e, b, e.slot, e.replay_slot);
+    // shared memory: the matvec rings of the types present, attention's per-warp rows and merge.
+    // The rings take 3 stages where they fit (two super-blocks in flight per warp while one is
+    // computed: one block of 8 warps per SM holds as many bytes in flight as the multi-kernel
+    // path's 4 blocks of 4 warps with 2 stages), else 2.
+    size_t base = std::max((size_t)WARPS * (e.dims.hp.head_dim + 2) * 4 + 64, (size_t)THREADS * 8);
+    auto rings = [&](int stages) {
+        size_t m = base;
+        for (const Task &t : b.tasks)
+            if (t.kind == K_MATVEC) {
+                const bool q4 = t.type == TYPE_Q4_K;
+                m = std::max(m, stages == 3 ? (q4 ? mvf16::smem_bytes<TYPE_Q4_K, WARPS, 3>(n) : mvf16::smem_bytes<TYPE_Q6_K, WARPS, 3>(n))
+                                            : (q4 ? mvf16::smem_bytes<TYPE_Q4_K, WARPS, 2>(n) : mvf16::smem_bytes<TYPE_Q6_K, WARPS, 2>(n)));
+            }
+        return m;
+    };
+    const int stages = rings(3) <= (size_t)P.optin ? 3 : 2;
+    const size_t smem = rings(stages);
+    for (Task &t : b.tasks)
+        if (t.kind == K_MATVEC) t.ksize = stages;
     // one allocation: the Args (64-byte aligned tensor maps), then the tasks, then the phases
     const size_t a_bytes = b.args.size() * sizeof(Args), t_bytes = b.tasks.size() * sizeof(Task);
     const size_t t_off = (a_bytes + 255) / 256 * 256, p_off = t_off + (t_bytes + 255) / 256 * 256;
@@ -899,13 +925,6 @@ Persistent::Program &program_for(Engine &e, int n) {
     pr.n_phases = (int)b.phases.size();
     pr.labels = b.labels;
     pr.bytes = b.bytes;
-    // shared memory: the matvec rings of the types present, attention's per-warp rows and merge
-    size_t smem = (size_t)WARPS * (e.dims.hp.head_dim + 2) * 4 + 64;
-    smem = std::max(smem, (size_t)THREADS * 8);
-    for (const Task &t : b.tasks)
-        if (t.kind == K_MATVEC)
-            smem = std::max(smem, t.type == TYPE_Q4_K ? mvf16::smem_bytes<TYPE_Q4_K, WARPS, 2>(n)
-                                                      : mvf16::smem_bytes<TYPE_Q6_K, WARPS, 2>(n));
     if (smem > (size_t)P.optin)
         fail(OJ_ERR_UNSUPPORTED, "persistent kernel: needs " + std::to_string(smem) + " bytes of shared memory per block, the GPU gives " +
                                      std::to_string(P.optin));
