@@ -24,7 +24,8 @@
 //
 // OJ_PERSISTENT (read at engine creation): unset or "0" the multi-kernel path; "1" this kernel where
 // the model and GPU fit (else the multi-kernel path; oj_persistent_info says why); "require" an
-// error at creation where they do not.
+// error at creation where they do not. OJ_PERSISTENT_STAGES=3: the matvec rings 3 deep (default 2).
+// OJ_PERSISTENT_PROFILE=FILE: a line of per-phase times per launch (scripts/persistent_profile.py).
 #include <cuda.h>
 
 #include <algorithm>
@@ -594,6 +595,7 @@ struct Persistent {
     Sync *sync = nullptr;
     int *host_error = nullptr;   // pinned: Sync.error and .phase after each launch
     int n_sm = 0, optin = 0, regs = 0;
+    int stages = 2;                    // OJ_PERSISTENT_STAGES: the matvec rings' depth (2 or 3)
     size_t smem_attr = 0;
     struct Program {
         void *dev = nullptr;
@@ -887,9 +889,10 @@ Persistent::Program &program_for(Engine &e, int n) {
     Builder b{e, n, {}, {}, {}, {}, {}, {}, ""};
     build(e, b, e.slot, e.replay_slot);
     // shared memory: the matvec rings of the types present, attention's per-warp rows and merge.
-    // The rings take 3 stages where they fit (two super-blocks in flight per warp while one is
-    // computed: one block of 8 warps per SM holds as many bytes in flight as the multi-kernel
-    // path's 4 blocks of 4 warps with 2 stages), else 2.
+    // The rings take 2 stages; OJ_PERSISTENT_STAGES=3 takes 3 where they fit. Measured on the q27b
+    // (f833631, scripts/persistent_profile.py): 3 stages made the FFN's matvecs ~10% slower (gate +
+    // up 3.60 -> 3.99 ms per token, down 2.61 -> 2.87), as the multi-kernel harness had shown for
+    // 8 warps x 3 stages on every group, so more bytes in flight per warp is not what they lack.
     size_t base = std::max((size_t)WARPS * (e.dims.hp.head_dim + 2) * 4 + 64, (size_t)THREADS * 8);
     auto rings = [&](int stages) {
         size_t m = base;
@@ -901,7 +904,7 @@ Persistent::Program &program_for(Engine &e, int n) {
             }
         return m;
     };
-    const int stages = rings(3) <= (size_t)P.optin ? 3 : 2;
+    const int stages = P.stages == 3 && rings(3) <= (size_t)P.optin ? 3 : 2;
     const size_t smem = rings(stages);
     for (Task &t : b.tasks)
         if (t.kind == K_MATVEC) t.ksize = stages;
@@ -975,6 +978,11 @@ void persistent_init(Engine &e) {
     else if (mode == "1") P->mode = 1;
     else if (mode == "require") P->mode = 2;
     else fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT must be 0, 1 or require, not '" + mode + "'");
+    if (const char *st = std::getenv("OJ_PERSISTENT_STAGES")) {
+        const std::string v = st;
+        if (v != "2" && v != "3") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_STAGES must be 2 or 3, not '" + v + "'");
+        P->stages = v[0] - '0';
+    }
     e.persistent = P;
     if (P->mode == 0) {
         P->why = "OJ_PERSISTENT is not set (the multi-kernel path is the default)";

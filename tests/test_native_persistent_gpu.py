@@ -122,7 +122,8 @@ def test_persistent_matches_the_multi_kernel_path(native, workdir, monkeypatch, 
 
 
 def test_persistent_switch_values(native, workdir, monkeypatch):
-    """A bad OJ_PERSISTENT is refused at creation with the variable and value in the message;
+    """A bad OJ_PERSISTENT (or OJ_PERSISTENT_STAGES) is refused at creation with the variable and
+    value in the message;
     `require` on a model with F32 matrices is refused naming a tensor; `1` there falls back to the
     multi-kernel path and says why."""
     from openjet_plugin.errors import NativeEngineError
@@ -134,6 +135,10 @@ def test_persistent_switch_values(native, workdir, monkeypatch):
     monkeypatch.setenv("OJ_PERSISTENT", "require")
     with pytest.raises(NativeEngineError, match=r"OJ_PERSISTENT=require: tensor \S+ is F32"):
         tg._backend(path, n_ctx=64)
+    monkeypatch.setenv("OJ_PERSISTENT_STAGES", "4")
+    with pytest.raises(NativeEngineError, match="OJ_PERSISTENT_STAGES must be 2 or 3, not '4'"):
+        tg._backend(path, n_ctx=64)
+    monkeypatch.delenv("OJ_PERSISTENT_STAGES")
     monkeypatch.setenv("OJ_PERSISTENT", "1")
     mf, be = tg._backend(path, n_ctx=64)
     try:
