@@ -1184,8 +1184,9 @@ inline int persistent_split(int64_t tiles, int64_t nb, int64_t slots) {
 
 // The persistent kernel's form of run / run_group (persistent.cu): the Args of y_i (+)= W_i x for
 // the n (1..GROUP_MAX) matrices of one type and one K from workspace ws, every member on the copy
-// engine (its tensor maps filled here), split by persistent_split for `slots` resident blocks; the
-// kernel runs matvec_block<TYPE, 8, STAGES, true> over items 0..blocks-1. Needs sm_90+ code and device.
+// engine (its tensor maps filled here), split by persistent_split for `slots` resident blocks, or
+// (slots 0) as run_group would (pick); the kernel runs matvec_block<TYPE, 8, STAGES, true> over items
+// 0..blocks-1. Needs sm_90+ code and device.
 inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate,
                             int64_t slots, int64_t &blocks) {
     if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
@@ -1205,7 +1206,7 @@ inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, i
         a.more.n_out[i - 1] = w[i].M;
         a.more.tile0[i - 1] = tile0[i];
     }
-    a.split = persistent_split(tiles, w[0].K / QK_K, slots);
+    a.split = slots > 0 ? persistent_split(tiles, w[0].K / QK_K, slots) : pick(device(), w[0].type, tiles * ROWS, w[0].K, n_vec).split;
     a.tma = true;
     maps_for(w[0], &a.map[0], &a.map_sc[0]);
     for (int i = 1; i < n; ++i) maps_for(w[i], &a.map[i], &a.map_sc[i]);

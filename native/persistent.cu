@@ -24,7 +24,10 @@
 //
 // OJ_PERSISTENT (read at engine creation): unset or "0" the multi-kernel path; "1" this kernel where
 // the model and GPU fit (else the multi-kernel path; oj_persistent_info says why); "require" an
-// error at creation where they do not. OJ_PERSISTENT_STAGES=3: the matvec rings 3 deep (default 2).
+// error at creation where they do not. OJ_PERSISTENT_STAGES=3: the matvec rings 3 deep (default 2);
+// OJ_PERSISTENT_SPLIT=model: each matvec's split-K from persistent_split (one 8-warp block per SM)
+// instead of the multi-kernel path's pick. Run on the GPU: the default (bb68e4e) and both switches
+// together (f833631); each alone has not run.
 // OJ_PERSISTENT_PROFILE=FILE: a line of per-phase times per launch (scripts/persistent_profile.py).
 #include <cuda.h>
 
@@ -596,6 +599,7 @@ struct Persistent {
     int *host_error = nullptr;   // pinned: Sync.error and .phase after each launch
     int n_sm = 0, optin = 0, regs = 0;
     int stages = 2;                    // OJ_PERSISTENT_STAGES: the matvec rings' depth (2 or 3)
+    bool split_model = false;          // OJ_PERSISTENT_SPLIT=model: persistent_split, else pick's
     size_t smem_attr = 0;
     struct Program {
         void *dev = nullptr;
@@ -724,7 +728,7 @@ struct Builder {
             t.kind = K_MATVEC;
             t.type = ts[i];
             args.push_back(mvf16::persistent_args(mw.data(), my.data(), (int)mw.size(), e.persistent->ws[i], n, accumulate,
-                                                  e.persistent->n_sm, t.items));
+                                                  e.persistent->split_model ? e.persistent->n_sm : 0, t.items));
             tasks.push_back(t);
             arg_of.push_back((int)args.size() - 1);
         }
@@ -982,6 +986,11 @@ void persistent_init(Engine &e) {
         const std::string v = st;
         if (v != "2" && v != "3") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_STAGES must be 2 or 3, not '" + v + "'");
         P->stages = v[0] - '0';
+    }
+    if (const char *sp = std::getenv("OJ_PERSISTENT_SPLIT")) {
+        const std::string v = sp;
+        if (v != "pick" && v != "model") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_SPLIT must be pick or model, not '" + v + "'");
+        P->split_model = v == "model";
     }
     e.persistent = P;
     if (P->mode == 0) {

@@ -122,7 +122,7 @@ def test_persistent_matches_the_multi_kernel_path(native, workdir, monkeypatch, 
 
 
 def test_persistent_switch_values(native, workdir, monkeypatch):
-    """A bad OJ_PERSISTENT (or OJ_PERSISTENT_STAGES) is refused at creation with the variable and
+    """A bad OJ_PERSISTENT (or OJ_PERSISTENT_STAGES / _SPLIT, not yet run on a GPU) is refused at creation with the variable and
     value in the message;
     `require` on a model with F32 matrices is refused naming a tensor; `1` there falls back to the
     multi-kernel path and says why."""
@@ -139,6 +139,10 @@ def test_persistent_switch_values(native, workdir, monkeypatch):
     with pytest.raises(NativeEngineError, match="OJ_PERSISTENT_STAGES must be 2 or 3, not '4'"):
         tg._backend(path, n_ctx=64)
     monkeypatch.delenv("OJ_PERSISTENT_STAGES")
+    monkeypatch.setenv("OJ_PERSISTENT_SPLIT", "auto")
+    with pytest.raises(NativeEngineError, match="OJ_PERSISTENT_SPLIT must be pick or model, not 'auto'"):
+        tg._backend(path, n_ctx=64)
+    monkeypatch.delenv("OJ_PERSISTENT_SPLIT")
     monkeypatch.setenv("OJ_PERSISTENT", "1")
     mf, be = tg._backend(path, n_ctx=64)
     try:
