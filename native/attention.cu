@@ -431,14 +431,6 @@ void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, i
         n_splits, scale);
 }
 
-RopeParams rope_params(const ModelDims &d) {
-    RopeParams rp;
-    rp.n_rot = d.hp.n_rot;
-    for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
-    rp.freq_base = d.hp.rope_freq_base;
-    return rp;
-}
-
 template <bool Q8>
 void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v, float *q_rot, int n,
                 int pos0, int n_ctx, cudaStream_t st) {

@@ -4,6 +4,8 @@
 
 #include <cuda_fp16.h>
 
+#include "model_dims.h"
+
 namespace oj {
 namespace {
 
@@ -12,6 +14,14 @@ struct RopeParams {
     int sections[4];
     float freq_base;
 };
+
+inline RopeParams rope_params(const ModelDims &d) {
+    RopeParams rp;
+    rp.n_rot = d.hp.n_rot;
+    for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
+    rp.freq_base = d.hp.rope_freq_base;
+    return rp;
+}
 
 // Angle of pair i at text position pos (ggml_mrope_cache_init with is_imrope).
 __device__ float imrope_angle(const RopeParams &rp, int i, int pos) {

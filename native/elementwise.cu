@@ -38,21 +38,8 @@ __global__ void argmax_kernel(const float *__restrict__ x, int32_t *__restrict__
     }
     __shared__ float sv[1024];
     __shared__ int si[1024];
-    sv[threadIdx.x] = best;
-    si[threadIdx.x] = idx;
-    __syncthreads();
-    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            const float ov = sv[threadIdx.x + s];
-            const int oi = si[threadIdx.x + s];
-            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-                sv[threadIdx.x] = ov;
-                si[threadIdx.x] = oi;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) out[blockIdx.x] = si[0] == 0x7fffffff ? 0 : si[0];
+    const int i = block_argmax(best, idx, sv, si);
+    if (threadIdx.x == 0) out[blockIdx.x] = i == 0x7fffffff ? 0 : i;
 }
 
 // Reads through an address no allocation covers: the test of how a kernel fault surfaces.

@@ -1141,15 +1141,14 @@ inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate,
     launch(a, n_out, pdl, st);
 }
 
-// y_i[v][:] = W_i x[v] for the n (2..GROUP_MAX) matrices of one type and one K that read the same x
-// (a layer's projections of one normed input), from one prepared workspace, in ONE launch: the
-// members' row tiles one after the other in the grid, the split decided on their sum. Each output
-// is what run() gives for that matrix alone at the group's split (the split sets the summation
-// order, the group only which blocks run together).
-inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
-    if (n < 2 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
+// The Args of the n (1..GROUP_MAX) matrices of one type and one K reading one prepared x from
+// workspace ws: the members' row tiles one after the other (run_group, persistent_args); tiles: their
+// sum. The split and the copy engine are the caller's.
+inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate, int64_t &tiles) {
+    if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
     check_call(w[0].type, w[0].K, n_vec);
-    int64_t tiles = 0, tile0[GROUP_MAX];
+    int64_t tile0[GROUP_MAX];
+    tiles = 0;
     for (int i = 0; i < n; ++i) {
         if (w[i].type != w[0].type || w[i].K != w[0].K)
             fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group's matrices must share type and K");
@@ -1157,7 +1156,7 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
         tile0[i] = tiles;
         tiles += (w[i].M + ROWS - 1) / ROWS;
     }
-    Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, false);
+    Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, accumulate);
     a.n_more = n - 1;
     for (int i = 1; i < n; ++i) {
         a.more.w[i - 1] = w[i];
@@ -1165,6 +1164,18 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
         a.more.n_out[i - 1] = w[i].M;
         a.more.tile0[i - 1] = tile0[i];
     }
+    return a;
+}
+
+// y_i[v][:] = W_i x[v] for the n (2..GROUP_MAX) matrices of one type and one K that read the same x
+// (a layer's projections of one normed input), from one prepared workspace, in ONE launch: the
+// members' row tiles one after the other in the grid, the split decided on their sum. Each output
+// is what run() gives for that matrix alone at the group's split (the split sets the summation
+// order, the group only which blocks run together).
+inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
+    if (n < 2) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
+    int64_t tiles = 0;
+    Args a = group_args(w, y, n, ws, n_vec, false, tiles);
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
 }
 
@@ -1189,23 +1200,8 @@ inline int persistent_split(int64_t tiles, int64_t nb, int64_t slots) {
 // 0..blocks-1. Needs sm_90+ code and device.
 inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate,
                             int64_t slots, int64_t &blocks) {
-    if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
-    check_call(w[0].type, w[0].K, n_vec);
-    int64_t tiles = 0, tile0[GROUP_MAX];
-    for (int i = 0; i < n; ++i) {
-        if (w[i].type != w[0].type || w[i].K != w[0].K)
-            fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group's matrices must share type and K");
-        tile0[i] = tiles;
-        tiles += (w[i].M + ROWS - 1) / ROWS;
-    }
-    Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, accumulate);
-    a.n_more = n - 1;
-    for (int i = 1; i < n; ++i) {
-        a.more.w[i - 1] = w[i];
-        a.more.y[i - 1] = y[i];
-        a.more.n_out[i - 1] = w[i].M;
-        a.more.tile0[i - 1] = tile0[i];
-    }
+    int64_t tiles = 0;
+    Args a = group_args(w, y, n, ws, n_vec, accumulate, tiles);
     a.split = slots > 0 ? persistent_split(tiles, w[0].K / QK_K, slots) : pick(device(), w[0].type, tiles * ROWS, w[0].K, n_vec).split;
     a.tma = true;
     maps_for(w[0], &a.map[0], &a.map_sc[0]);

@@ -477,23 +477,8 @@ __device__ void argmax_item(const Task &t, const Frame &f, int64_t row, float *s
         const float v = xr[i];
         if (v > best) { best = v; idx = i; }
     }
-    float *sv = smem;
-    int *si = reinterpret_cast<int *>(smem + THREADS);
-    sv[threadIdx.x] = best;
-    si[threadIdx.x] = idx;
-    __syncthreads();
-    for (int s = THREADS / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) {
-            const float ov = sv[threadIdx.x + s];
-            const int oi = si[threadIdx.x + s];
-            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
-                sv[threadIdx.x] = ov;
-                si[threadIdx.x] = oi;
-            }
-        }
-        __syncthreads();
-    }
-    if (threadIdx.x == 0) t.iout[row] = si[0] == 0x7fffffff ? 0 : si[0];
+    const int i = block_argmax(best, idx, smem, reinterpret_cast<int *>(smem + THREADS));
+    if (threadIdx.x == 0) t.iout[row] = i == 0x7fffffff ? 0 : i;
     __syncthreads();
 }
 
@@ -749,14 +734,6 @@ struct Builder {
     }
 };
 
-RopeParams rope_of(const ModelDims &d) {
-    RopeParams rp;
-    rp.n_rot = d.hp.n_rot;
-    for (int i = 0; i < 4; ++i) rp.sections[i] = d.hp.rope_sections[i];
-    rp.freq_base = d.hp.rope_freq_base;
-    return rp;
-}
-
 void build(Engine &e, Builder &b, int slot, int rslot) {
     const ModelDims &d = e.dims;
     Scratch &s = e.s;
@@ -840,7 +817,7 @@ void build(Engine &e, Builder &b, int slot, int rslot) {
             k.q8 = L.kv_type == OJ_KV_Q8_0;
             k.H = d.hp.n_head, k.Hkv = d.hp.n_head_kv, k.D = d.hp.head_dim, k.n_ctx = e.n_ctx;
             k.eps = d.hp.rms_eps;
-            k.rope = rope_of(d);
+            k.rope = rope_params(d);
             k.items = ((int64_t)n * (k.H + k.Hkv) + WARPS - 1) / WARPS;
             b.phase({k}, "kv");
             Task p = k;

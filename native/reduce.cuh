@@ -22,6 +22,27 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
+// The block's best (value, index) pairs (one per thread, blockDim.x a power of two) reduced through
+// sv / si (blockDim.x entries each): the largest value, the smallest index among equals; thread 0
+// gets it (argmax_kernel and the persistent kernel's argmax).
+__device__ __forceinline__ int block_argmax(float best, int idx, float *sv, int *si) {
+    sv[threadIdx.x] = best;
+    si[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            const float ov = sv[threadIdx.x + s];
+            const int oi = si[threadIdx.x + s];
+            if (ov > sv[threadIdx.x] || (ov == sv[threadIdx.x] && oi < si[threadIdx.x])) {
+                sv[threadIdx.x] = ov;
+                si[threadIdx.x] = oi;
+            }
+        }
+        __syncthreads();
+    }
+    return si[0];
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
