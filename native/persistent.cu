@@ -496,6 +496,18 @@ __device__ void run_item(const Task &t, const Frame &f, int64_t it, uint8_t *sme
             // the copy engine writes the rings next: order the block's earlier generic use of this
             // shared memory (the previous item's reduction, another phase's rows) before it
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            // The tensor maps live in global memory (the program), written by a host copy: the
+            // tensormap proxy may hold a descriptor cached from an earlier program at the same
+            // address (a freed engine's), so each issuing lane acquires the maps it will use
+            // (PTX ISA: fence.proxy.tensormap, "modifying tensor maps in global memory").
+            if ((threadIdx.x & 31) == 0) {
+                const Args &a = *t.mv;
+                for (int i = 0; i <= a.n_more; ++i) {
+                    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&a.map[i]) : "memory");
+                    if (t.type == TYPE_Q6_K)
+                        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&a.map_sc[i]) : "memory");
+                }
+            }
 #endif
             if (t.ksize == 3) {   // the program's ring depth (program_for)
                 if (t.type == TYPE_Q4_K) mvf16::matvec_block<TYPE_Q4_K, WARPS, 3, true>(*t.mv, (unsigned)it, smem);

@@ -1,0 +1,68 @@
+"""native/persistent.cu's safety properties, read from its PTX for sm_90a (nvcc here and in CI; no GPU):
+
+- the grid barrier is bounded: the kernel reads %globaltimer (a barrier that waits past its limit
+  records the phase and every block leaves; the engine reports an error instead of hanging);
+- the tensor maps, which live in global memory written by a host copy, are acquired by the
+  tensormap proxy before the copy engine uses them (fence.proxy.tensormap::generic.acquire: without
+  it a descriptor cached from a freed engine's program at the same address may be used);
+- writes of one phase are ordered before the copy engine's reads of the next
+  (fence.proxy.async.global at the barrier) and the barrier's fences are gpu-scoped.
+The GPU behaviour is tests/test_native_persistent_gpu.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+
+
+@pytest.fixture(scope="module")
+def kernel_ptx(tmp_path_factory) -> str:
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the check reads the kernel's PTX")
+    out = tmp_path_factory.mktemp("pptx") / "persistent.ptx"
+    r = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90a", "-Inative", "-ptx", "native/persistent.cu", "-o", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
+    ptx = out.read_text()
+    entries = [m.start() for m in re.finditer(r"^(?:\.visible )?\.entry ", ptx, re.M)]
+    for i, at in enumerate(entries):
+        header = ptx[at:ptx.index("(", at)]
+        if "persistent_kernel" in header:
+            end = entries[i + 1] if i + 1 < len(entries) else len(ptx)
+            return ptx[at:end]
+    pytest.fail("no persistent_kernel entry in the PTX")
+
+
+def test_the_barrier_is_bounded_by_the_global_timer(kernel_ptx):
+    assert "%globaltimer" in kernel_ptx
+    assert re.search(r"ld\.acquire\.gpu\.global\.u32", kernel_ptx)   # the generation spin
+    assert re.search(r"st\.release\.gpu\.global\.u32", kernel_ptx)   # the last arrival's release
+    assert "membar.gl" in kernel_ptx or "fence.sc.gpu" in kernel_ptx or "fence.acq_rel.gpu" in kernel_ptx
+
+
+def test_tensor_maps_are_acquired_before_the_copy_engine_reads(kernel_ptx):
+    fence = kernel_ptx.find("fence.proxy.tensormap::generic.acquire.gpu")
+    copy = kernel_ptx.find("cp.async.bulk.tensor")
+    assert fence >= 0, "no tensormap acquire in the persistent kernel"
+    assert copy >= 0, "the persistent kernel issues no tensor copy (its matvec is not on the copy engine?)"
+
+
+def test_phase_writes_are_fenced_for_the_copy_engine(kernel_ptx):
+    assert kernel_ptx.count("fence.proxy.async.global") >= 2           # writer side and reader side
+    assert "fence.proxy.async.shared::cta" in kernel_ptx                # rings reused across items
