@@ -13,6 +13,10 @@
 #                                            # (OJ_ATTN_CHUNK) and Q6_K matvecs on the copy engine
 #                                            # (OJ_MVF16_TMA=all), their harnesses (~6 minutes)
 #   bash scripts/gpu_first_runs.sh opt-in-suite  # the GPU suite with both switches on (carry .whl; ~3 minutes)
+#   bash scripts/gpu_first_runs.sh persistent    # the persistent kernel after 44c901d's tensormap acquire (not yet
+#                                                # run on a GPU): the whole GPU suite under OJ_PERSISTENT=1 with 6
+#                                                # workers (7 failed at bb68e4e), then the q27b A/B with its profile,
+#                                                # default and OJ_PERSISTENT_SPLIT=model (carry .whl; ~6 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-first-runs}
@@ -53,7 +57,17 @@ case "$what" in
         run opt_in_suite 300 env OJ_MVF16_TMA=all OJ_ATTN_CHUNK=1 PYTEST_TIMEOUT=240 OPENJET_GPU_POSITIONS=256 \
             bash scripts/gpu_check.sh
         ;;
+    persistent)
+        run persistent_suite 300 env OJ_PERSISTENT=1 PYTEST_TIMEOUT=240 OPENJET_GPU_POSITIONS=256 bash scripts/gpu_check.sh
+        q27b=build/cache/bench/q27b-Q4_K_M-seed0.gguf
+        [ -f "$q27b" ] || python3 -c "from pathlib import Path; from openjet_plugin.bench.runner import default_model; default_model(Path('build/cache/bench'), print)"
+        run persistent_time 150 env OJ_PERSISTENT_PROFILE="$OUT/profile.jsonl" python3 scripts/persistent_time.py "$q27b"
+        python3 scripts/persistent_profile.py "$OUT/profile.jsonl" > "$OUT/profile.md" 2>&1
+        run persistent_time_split 150 env OJ_PERSISTENT_SPLIT=model OJ_PERSISTENT_PROFILE="$OUT/profile_split.jsonl" \
+            python3 scripts/persistent_time.py "$q27b"
+        python3 scripts/persistent_profile.py "$OUT/profile_split.jsonl" > "$OUT/profile_split.md" 2>&1
+        ;;
     *)
-        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement, opt-in, opt-in-suite)"; exit 2 ;;
+        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement, opt-in, opt-in-suite, persistent)"; exit 2 ;;
 esac
 printf '%s\n' "${summary[@]}"
