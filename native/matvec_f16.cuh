@@ -529,6 +529,14 @@ __device__ __forceinline__ void tensor_2d(void *dst, const CUtensorMap *map, int
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(su32(bar))
                  : "memory");
 }
+__device__ __forceinline__ void prefetch_2d(const CUtensorMap *map, int c0, int c1) {   // a box into L2 only
+    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global [%0, {%1, %2}];\n" ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0),
+                 "r"(c1)
+                 : "memory");
+}
+__device__ __forceinline__ void tensormap_acquire(const CUtensorMap *map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
+}
 __device__ __forceinline__ void bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(su32(dst)),
                  "l"(src), "r"(bytes), "r"(su32(bar))
@@ -777,6 +785,32 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             *dst = a.accumulate ? *dst + v : v;
         }
     }
+}
+
+// Into L2, ahead of its phase (the persistent kernel, OJ_PERSISTENT_PREFETCH=1): the weight boxes
+// that block `bid` of a copy-engine launch over args streams, by this block's threads (one box per
+// super-block and plane). The weights do not depend on the activations, so this can run while the
+// phase before the launch computes them.
+template <int TYPE>
+__device__ __forceinline__ void prefetch_block(const Args &args, unsigned bid) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr bool Q6 = TYPE == TYPE_Q6_K;
+    const int64_t tile = bid / (unsigned)args.split, part = bid % (unsigned)args.split;
+    int member = 0;   // the last member whose tiles start at or before this one
+    for (int i = 0; i < args.n_more; ++i) member = tile >= args.more.tile0[i] ? i + 1 : member;
+    const Matrix &w = member ? args.more.w[member - 1] : args.w;
+    const int row0 = (int)((tile - (member ? args.more.tile0[member - 1] : 0)) * ROWS);
+    const int64_t nb = w.K / QK_K, ub = part * nb / args.split, ue = (part + 1) * nb / args.split;
+    const CUtensorMap *map = &args.map[member], *map_sc = &args.map_sc[member];
+    if (ub + (int64_t)threadIdx.x < ue) {
+        tensormap_acquire(map);
+        if constexpr (Q6) tensormap_acquire(map_sc);
+    }
+    for (int64_t u = ub + threadIdx.x; u < ue; u += blockDim.x) {
+        prefetch_2d(map, (int)(u * (Q6 ? 192 : 144)), row0);
+        if constexpr (Q6) prefetch_2d(map_sc, (int)(u * 16), row0);
+    }
+#endif
 }
 
 template <int TYPE, int WARPS, int STAGES, bool TMA>

@@ -27,7 +27,9 @@
 // error at creation where they do not. OJ_PERSISTENT_STAGES=3: the matvec rings 3 deep (default 2);
 // OJ_PERSISTENT_SPLIT=model: each matvec's split-K from persistent_split (one 8-warp block per SM)
 // instead of the multi-kernel path's pick. Run on the GPU: the default (bb68e4e) and both switches
-// together (f833631); each alone has not run.
+// together (f833631); each alone has not run. OJ_PERSISTENT_PREFETCH=1: the phase before each matvec
+// phase first prefetches into L2 the weights of the item each block takes first there (not yet run
+// on a GPU).
 // OJ_PERSISTENT_PROFILE=FILE: a line of per-phase times per launch (scripts/persistent_profile.py).
 #include <cuda.h>
 
@@ -101,6 +103,7 @@ struct Task {
 
 struct Phase {
     int first = 0, count = 0;   // tasks [first, first + count)
+    int prefetch = -1;          // the next matvec phase, whose weights this one prefetches into L2 (or -1)
 };
 
 // What changes from call to call of one program.
@@ -109,6 +112,7 @@ struct Frame {
     int pos0;       // first position
     int n_replay;   // accepted positions of the replay slot owed to the DeltaNet state
     int n_splits;   // attention split-K blocks per (head, position)
+    int prefetch;   // OJ_PERSISTENT_PREFETCH: phases prefetch their next matvec phase's first items
 };
 
 struct Sync {
@@ -503,9 +507,8 @@ __device__ void run_item(const Task &t, const Frame &f, int64_t it, uint8_t *sme
             if ((threadIdx.x & 31) == 0) {
                 const Args &a = *t.mv;
                 for (int i = 0; i <= a.n_more; ++i) {
-                    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&a.map[i]) : "memory");
-                    if (t.type == TYPE_Q6_K)
-                        asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&a.map_sc[i]) : "memory");
+                    mvf16::tensormap_acquire(&a.map[i]);
+                    if (t.type == TYPE_Q6_K) mvf16::tensormap_acquire(&a.map_sc[i]);
                 }
             }
 #endif
@@ -563,6 +566,19 @@ persistent_kernel(const Phase *phases, int n_phases, const Task *tasks, Frame f,
     if (stamp) prof[0] = globaltimer();
     for (int ph = 0; ph < n_phases; ++ph) {
         const Phase P = phases[ph];
+        if (f.prefetch && P.prefetch >= 0) {   // the item this block takes first in the next matvec phase
+            const Phase Q = phases[P.prefetch];
+            int64_t r = blockIdx.x;
+            for (int i = 0; i < Q.count; ++i) {
+                const Task &t = tasks[Q.first + i];
+                if (r < t.items) {
+                    if (t.type == TYPE_Q4_K) mvf16::prefetch_block<TYPE_Q4_K>(*t.mv, (unsigned)r);
+                    else mvf16::prefetch_block<TYPE_Q6_K>(*t.mv, (unsigned)r);
+                    break;
+                }
+                r -= t.items;
+            }
+        }
         int64_t total = 0;
         for (int i = 0; i < P.count; ++i) total += task_items(tasks[P.first + i], f);
         for (int64_t it = blockIdx.x; it < total; it += gridDim.x) {
@@ -597,6 +613,7 @@ struct Persistent {
     int n_sm = 0, optin = 0, regs = 0;
     int stages = 2;                    // OJ_PERSISTENT_STAGES: the matvec rings' depth (2 or 3)
     bool split_model = false;          // OJ_PERSISTENT_SPLIT=model: persistent_split, else pick's
+    bool prefetch = false;             // OJ_PERSISTENT_PREFETCH=1: next matvec phase's weights into L2
     size_t smem_attr = 0;
     struct Program {
         void *dev = nullptr;
@@ -730,6 +747,7 @@ struct Builder {
             arg_of.push_back((int)args.size() - 1);
         }
         phases.push_back(p);
+        if (phases.size() >= 2) phases[phases.size() - 2].prefetch = (int)phases.size() - 1;
     }
 
     Task norm_prep(const float *x, const float *w, float *store, const std::vector<const Matrix *> &consumers) {
@@ -981,6 +999,11 @@ void persistent_init(Engine &e) {
         if (v != "pick" && v != "model") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_SPLIT must be pick or model, not '" + v + "'");
         P->split_model = v == "model";
     }
+    if (const char *pf = std::getenv("OJ_PERSISTENT_PREFETCH")) {
+        const std::string v = pf;
+        if (v != "0" && v != "1") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_PREFETCH must be 0 or 1, not '" + v + "'");
+        P->prefetch = v == "1";
+    }
     e.persistent = P;
     if (P->mode == 0) {
         P->why = "OJ_PERSISTENT is not set (the multi-kernel path is the default)";
@@ -1028,6 +1051,7 @@ bool persistent_forward(Engine &e, int n) {
     f.pos0 = e.n_past;
     f.n_replay = e.replay_n;
     f.n_splits = (e.n_past + n + ATTN_SPLIT - 1) / ATTN_SPLIT;
+    f.prefetch = P.prefetch ? 1 : 0;
     if (f.n_splits > e.s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const Phase *phases = pr.phases;
     const Task *tasks = pr.tasks;

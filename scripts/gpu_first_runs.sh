@@ -15,8 +15,9 @@
 #   bash scripts/gpu_first_runs.sh opt-in-suite  # the GPU suite with both switches on (carry .whl; ~3 minutes)
 #   bash scripts/gpu_first_runs.sh persistent    # the persistent kernel after 44c901d's tensormap acquire (not yet
 #                                                # run on a GPU): the whole GPU suite under OJ_PERSISTENT=1 with 6
-#                                                # workers (7 failed at bb68e4e), then the q27b A/B with its profile,
-#                                                # default and OJ_PERSISTENT_SPLIT=model (carry .whl; ~6 minutes)
+#                                                # workers (7 failed at bb68e4e), then the q27b A/B with its profile:
+#                                                # default, OJ_PERSISTENT_SPLIT=model, OJ_PERSISTENT_PREFETCH=1
+#                                                # (carry .whl; ~8 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-first-runs}
@@ -66,6 +67,9 @@ case "$what" in
         run persistent_time_split 150 env OJ_PERSISTENT_SPLIT=model OJ_PERSISTENT_PROFILE="$OUT/profile_split.jsonl" \
             python3 scripts/persistent_time.py "$q27b"
         python3 scripts/persistent_profile.py "$OUT/profile_split.jsonl" > "$OUT/profile_split.md" 2>&1
+        run persistent_time_prefetch 150 env OJ_PERSISTENT_PREFETCH=1 OJ_PERSISTENT_PROFILE="$OUT/profile_prefetch.jsonl" \
+            python3 scripts/persistent_time.py "$q27b"
+        python3 scripts/persistent_profile.py "$OUT/profile_prefetch.jsonl" > "$OUT/profile_prefetch.md" 2>&1
         ;;
     *)
         echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement, opt-in, opt-in-suite, persistent)"; exit 2 ;;

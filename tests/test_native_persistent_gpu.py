@@ -121,8 +121,29 @@ def test_persistent_matches_the_multi_kernel_path(native, workdir, monkeypatch, 
     assert worst[1] < 2e-3, worst
 
 
+def test_prefetch_changes_no_result(native, workdir, monkeypatch):
+    """OJ_PERSISTENT_PREFETCH=1 (each phase before a matvec phase prefetches the weights its block
+    reads first there into L2) only moves data earlier: logits, argmax and state bit-identical."""
+    path, _ = tg.model_path("w256", "Q4_K_M", workdir)
+    rng = np.random.default_rng(11)
+    from openjet_plugin.model_file import open_model
+
+    with open_model(path) as mf:
+        n_vocab = mf.config.n_vocab
+    tokens = [int(t) for t in rng.integers(0, n_vocab, 80)]
+    monkeypatch.setenv("OJ_PERSISTENT_PREFETCH", "0")
+    plain = _run(path, tokens, "require", monkeypatch)
+    monkeypatch.setenv("OJ_PERSISTENT_PREFETCH", "1")
+    fetched = _run(path, tokens, "require", monkeypatch)
+    assert plain["active"] and fetched["active"]
+    assert np.array_equal(plain["logits"], fetched["logits"])
+    assert np.array_equal(plain["argmax"], fetched["argmax"])
+    for k, v in plain["state"].items():
+        assert np.array_equal(v, fetched["state"][k]), k
+
+
 def test_persistent_switch_values(native, workdir, monkeypatch):
-    """A bad OJ_PERSISTENT (or OJ_PERSISTENT_STAGES / _SPLIT, not yet run on a GPU) is refused at creation with the variable and
+    """A bad OJ_PERSISTENT (or OJ_PERSISTENT_STAGES / _SPLIT / _PREFETCH, not yet run on a GPU) is refused at creation with the variable and
     value in the message;
     `require` on a model with F32 matrices is refused naming a tensor; `1` there falls back to the
     multi-kernel path and says why."""
@@ -143,6 +164,10 @@ def test_persistent_switch_values(native, workdir, monkeypatch):
     with pytest.raises(NativeEngineError, match="OJ_PERSISTENT_SPLIT must be pick or model, not 'auto'"):
         tg._backend(path, n_ctx=64)
     monkeypatch.delenv("OJ_PERSISTENT_SPLIT")
+    monkeypatch.setenv("OJ_PERSISTENT_PREFETCH", "yes")
+    with pytest.raises(NativeEngineError, match="OJ_PERSISTENT_PREFETCH must be 0 or 1, not 'yes'"):
+        tg._backend(path, n_ctx=64)
+    monkeypatch.delenv("OJ_PERSISTENT_PREFETCH")
     monkeypatch.setenv("OJ_PERSISTENT", "1")
     mf, be = tg._backend(path, n_ctx=64)
     try:

@@ -5,6 +5,7 @@
 - the tensor maps, which live in global memory written by a host copy, are acquired by the
   tensormap proxy before the copy engine uses them (fence.proxy.tensormap::generic.acquire: without
   it a descriptor cached from a freed engine's program at the same address may be used);
+- the optional L2 prefetch of the next matvec phase's weights (OJ_PERSISTENT_PREFETCH) is in it;
 - writes of one phase are ordered before the copy engine's reads of the next
   (fence.proxy.async.global at the barrier) and the barrier's fences are gpu-scoped.
 The GPU behaviour is tests/test_native_persistent_gpu.py's.
@@ -61,6 +62,11 @@ def test_tensor_maps_are_acquired_before_the_copy_engine_reads(kernel_ptx):
     copy = kernel_ptx.find("cp.async.bulk.tensor")
     assert fence >= 0, "no tensormap acquire in the persistent kernel"
     assert copy >= 0, "the persistent kernel issues no tensor copy (its matvec is not on the copy engine?)"
+
+
+def test_the_l2_prefetch_of_the_next_matvec_phase_is_there(kernel_ptx):
+    """OJ_PERSISTENT_PREFETCH=1's tensor prefetches (into L2, no shared memory, no barrier)."""
+    assert "cp.async.bulk.prefetch.tensor.2d.L2.global" in kernel_ptx
 
 
 def test_phase_writes_are_fenced_for_the_copy_engine(kernel_ptx):
