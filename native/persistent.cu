@@ -22,9 +22,10 @@
 // and read in a later one is never read through the read-only (non-coherent) path: the barrier's
 // acquire makes other SMs' writes visible to plain loads, and a proxy fence to the copy engine.
 //
-// OJ_PERSISTENT (read at engine creation): unset or "0" the multi-kernel path; "1" this kernel where
-// the model and GPU fit (else the multi-kernel path; oj_persistent_info says why); "require" an
-// error at creation where they do not. OJ_PERSISTENT_STAGES=3: the matvec rings 3 deep (default 2);
+// Switches (persistent_settings.h, read at engine creation): OJ_PERSISTENT unset or "0" the
+// multi-kernel path; "1" this kernel where the model and GPU fit (else the multi-kernel path;
+// oj_persistent_info says why); "require" an error at creation where they do not.
+// OJ_PERSISTENT_STAGES=3: the matvec rings 3 deep (default 2);
 // OJ_PERSISTENT_SPLIT=model: each matvec's split-K from persistent_split (one 8-warp block per SM)
 // instead of the multi-kernel path's pick. Run on the GPU: the default (bb68e4e) and both switches
 // together (f833631); each alone has not run. OJ_PERSISTENT_PREFETCH=1: the phase before each matvec
@@ -46,6 +47,7 @@
 #include "dequant.cuh"
 #include "engine.cuh"
 #include "matvec_f16.cuh"
+#include "persistent_settings.h"
 #include "reduce.cuh"
 
 namespace oj {
@@ -622,10 +624,13 @@ struct Persistent {
         int n_phases = 0;
         size_t smem = 0;
         int grid = 0, per_sm = 0;
+        std::string shape;                 // oj_persistent_info's text for this program's launches
+        int shape_grid = -1;               // the grid `shape` describes
         std::vector<std::string> labels;   // per phase (the profile's names)
         std::vector<double> bytes;         // per phase: weight bytes its matvecs stream
     };
-    std::map<int, Program> programs;   // key: n * 4 + slot * 2 + replay_slot
+    std::map<int, Program> programs;   // key: n * 4 + slot * 2 + replay_slot (nodes stay put)
+    const std::string *shape = nullptr;    // the last launch's program's shape
     std::string prof_path;             // OJ_PERSISTENT_PROFILE: a JSON line per launch appended there
     unsigned long long *prof = nullptr, *prof_host = nullptr;
     ~Persistent() {
@@ -983,27 +988,11 @@ void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f)
 
 void persistent_init(Engine &e) {
     auto P = std::make_shared<Persistent>();
-    const char *v = std::getenv("OJ_PERSISTENT");
-    const std::string mode = v ? v : "0";
-    if (mode == "0") P->mode = 0;
-    else if (mode == "1") P->mode = 1;
-    else if (mode == "require") P->mode = 2;
-    else fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT must be 0, 1 or require, not '" + mode + "'");
-    if (const char *st = std::getenv("OJ_PERSISTENT_STAGES")) {
-        const std::string v = st;
-        if (v != "2" && v != "3") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_STAGES must be 2 or 3, not '" + v + "'");
-        P->stages = v[0] - '0';
-    }
-    if (const char *sp = std::getenv("OJ_PERSISTENT_SPLIT")) {
-        const std::string v = sp;
-        if (v != "pick" && v != "model") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_SPLIT must be pick or model, not '" + v + "'");
-        P->split_model = v == "model";
-    }
-    if (const char *pf = std::getenv("OJ_PERSISTENT_PREFETCH")) {
-        const std::string v = pf;
-        if (v != "0" && v != "1") fail(OJ_ERR_INVALID_ARGUMENT, "OJ_PERSISTENT_PREFETCH must be 0 or 1, not '" + v + "'");
-        P->prefetch = v == "1";
-    }
+    const PersistentSettings st = persistent_settings();
+    P->mode = st.mode;
+    P->stages = st.stages;
+    P->split_model = st.split_model;
+    P->prefetch = st.prefetch;
     e.persistent = P;
     if (P->mode == 0) {
         P->why = "OJ_PERSISTENT is not set (the multi-kernel path is the default)";
@@ -1030,8 +1019,8 @@ void persistent_init(Engine &e) {
     P->sync = static_cast<Sync *>(e.alloc(sizeof(Sync), e.memory.activations));
     check_cuda(cudaMemset(P->sync, 0, sizeof(Sync)), "persistent kernel: barrier");
     check_cuda(cudaMallocHost(&P->host_error, 2 * sizeof(int)), "persistent kernel: error word");
-    if (const char *pp = std::getenv("OJ_PERSISTENT_PROFILE")) {
-        P->prof_path = pp;
+    if (!st.profile.empty()) {
+        P->prof_path = st.profile;
         constexpr size_t STAMPS = 8192;
         P->prof = static_cast<unsigned long long *>(e.alloc(STAMPS * 8, e.memory.activations));
         check_cuda(cudaMallocHost(&P->prof_host, STAMPS * 8), "persistent kernel: profile");
@@ -1075,10 +1064,14 @@ bool persistent_forward(Engine &e, int n) {
         pr.grid = pr.grid > P.n_sm ? P.n_sm : pr.grid - std::max(1, P.n_sm / 16);
         if (pr.grid < 1) pr.grid = 1;
     }
-    P.why = "active: " + std::to_string(pr.grid) + " blocks of " + std::to_string(THREADS) + " threads (" +
-            std::to_string(pr.per_sm) + " per SM by the occupancy calculator, " + std::to_string(P.n_sm) + " SMs), " +
-            std::to_string(pr.smem) + " bytes of shared memory, " + std::to_string(P.regs) + " registers, " +
-            std::to_string(pr.n_phases) + " phases at " + std::to_string(n) + " positions";
+    if (pr.shape_grid != pr.grid) {   // written once per program (and grid), not per launch
+        pr.shape = "active: " + std::to_string(pr.grid) + " blocks of " + std::to_string(THREADS) + " threads (" +
+                   std::to_string(pr.per_sm) + " per SM by the occupancy calculator, " + std::to_string(P.n_sm) + " SMs), " +
+                   std::to_string(pr.smem) + " bytes of shared memory, " + std::to_string(P.regs) + " registers, " +
+                   std::to_string(pr.n_phases) + " phases at " + std::to_string(n) + " positions";
+        pr.shape_grid = pr.grid;
+    }
+    P.shape = &pr.shape;
     check_cuda(cudaMemcpyAsync(P.host_error, &P.sync->error, 2 * sizeof(int), cudaMemcpyDeviceToHost, e.stream),
                "persistent kernel: error word");
     check_cuda(cudaStreamSynchronize(e.stream), "persistent kernel");
@@ -1094,7 +1087,10 @@ bool persistent_forward(Engine &e, int n) {
     return true;
 }
 
-const char *persistent_why(const Engine &e) { return e.persistent ? e.persistent->why.c_str() : "not initialised"; }
+const char *persistent_why(const Engine &e) {
+    if (!e.persistent) return "not initialised";
+    return e.persistent->shape ? e.persistent->shape->c_str() : e.persistent->why.c_str();
+}
 bool persistent_active(const Engine &e) { return e.persistent && e.persistent->active; }
 
 }  // namespace oj

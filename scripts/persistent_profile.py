@@ -15,6 +15,30 @@ import sys
 from collections import defaultdict
 
 
+def read_profile(path: str) -> list[dict]:
+    """The launches of an OJ_PERSISTENT_PROFILE file; a line that is not one raises ValueError
+    naming the file and the line."""
+    out = []
+    with open(path) as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                ok = isinstance(r, dict) and isinstance(r.get("n"), int) and all(
+                    isinstance(ph, list) and len(ph) == 3 and isinstance(ph[0], str) and ph[1] >= 0 and ph[2] >= 0
+                    for ph in r["phases"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{no}: not a persistent-kernel profile line ({e})") from None
+            if not ok:
+                raise ValueError(f"{path}:{no}: not a persistent-kernel profile line "
+                                 "(want n and phases of [label, ns, bytes])")
+            out.append(r)
+    if not out:
+        raise ValueError(f"{path}: no launches (was OJ_PERSISTENT=1 active when it was written?)")
+    return out
+
+
 def summarise(lines: list[dict], bandwidth_gbs: float) -> dict[int, dict]:
     by_n: dict[int, list[dict]] = defaultdict(list)
     for r in lines:
@@ -50,8 +74,11 @@ def main() -> int:
     ap.add_argument("--bandwidth", type=float, default=4470.0, help="read bandwidth, GB/s (gpu.md: 4,470)")
     ap.add_argument("--skip", type=int, default=5, help="first launches per position count left out (warm-up)")
     a = ap.parse_args()
-    with open(a.file) as f:
-        lines = [json.loads(x) for x in f if x.strip()]
+    try:
+        lines = read_profile(a.file)
+    except (OSError, ValueError) as e:
+        print(f"persistent_profile: {e}", file=sys.stderr)
+        return 2
     seen: dict[int, int] = defaultdict(int)
     kept = []
     for r in lines:

@@ -13,13 +13,13 @@ OJ_ATTN_CHUNK=1) without a GPU.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from cuda_tools import build_host_tool, find_nvcc
 
 REPO = Path(__file__).resolve().parent.parent
 SPLIT = 256          # attention.cu: cached positions per split-K block
@@ -157,15 +157,8 @@ def test_chunked_softmax_with_one_dominant_score_late_in_a_chunk():
 
 # --- the GPU harness compiles ----------------------------------------------------------------------
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-
-
 def test_attn_decode_bench_compiles_for_sm90(tmp_path):
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the CUDA harness compile check needs it")
     exe = tmp_path / "attn_decode_bench"
@@ -195,13 +188,8 @@ def test_oj_attn_chunk_values_and_a_bad_one_refused_by_name(tmp_path):
     """attention.cu's attention_chunk_setting, what partial_chunk reads OJ_ATTN_CHUNK with: unset and
     "1" take the default chunk (4), "0" keeps the one-position kernel, "4" / "8" that chunk; anything
     else is refused with the variable and the value in the message (exit 2 from harness.cuh's fail)."""
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the setting check is a CUDA host program")
-    exe = tmp_path / "acs"
-    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Inative", "native/tools/attn_chunk_setting_check.cu",
-                        "native/attention.cu", "-o", str(exe)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
+    exe = build_host_tool(tmp_path / "acs", ["native/tools/attn_chunk_setting_check.cu", "native/attention.cu"],
+                          "the setting check")
     r = subprocess.run([str(exe), "unset", "0", "1", "4", "8"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["unset", "4", "0", "0", "1", "4", "4", "4", "8", "8"]

@@ -21,6 +21,8 @@ import pytest
 from openjet_plugin.bench import manifest, peer, report, roofline, runner, smi, stats
 from openjet_plugin.bench.store import ResumeMismatch, Store
 
+from cuda_tools import find_nvcc
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -353,7 +355,7 @@ def test_state_bytes_for_the_27b_shapes():
 
 
 def test_roofline_probe_compiles_to_16_byte_loads(tmp_path):
-    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").is_file() else None)
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not installed")
     src = tmp_path / "probe.cu"

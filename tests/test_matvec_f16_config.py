@@ -17,34 +17,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from cuda_tools import build_host_tool
 
 REPO = Path(__file__).resolve().parent.parent
 Q4_K, Q6_K = 12, 14
 W_BYTES = {Q4_K: 32 * 144, Q6_K: 32 * (192 + 16 + 4)}
 
 
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-
-
 @pytest.fixture(scope="module")
 def exe(tmp_path_factory) -> Path:
-    nvcc = _nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the configuration check is a CUDA host program")
-    out = tmp_path_factory.mktemp("mvcfg") / "mvcfg"
-    r = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-Inative", "native/tools/matvec_f16_config_check.cu",
-                        "-o", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"nvcc failed:\n{r.stdout}\n{r.stderr}"
-    return out
+    return build_host_tool(tmp_path_factory.mktemp("mvcfg") / "mvcfg", ["native/tools/matvec_f16_config_check.cu"],
+                           "the configuration check")
 
 
 def _run(exe: Path, tma: str | None) -> list[dict]:

@@ -13,27 +13,20 @@ The GPU behaviour is tests/test_native_persistent_gpu.py's.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from cuda_tools import find_nvcc
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _nvcc() -> str | None:
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    return "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
 
 
 @pytest.fixture(scope="module")
 def kernel_ptx(tmp_path_factory) -> str:
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (PATH or /usr/local/cuda/bin): the check reads the kernel's PTX")
     out = tmp_path_factory.mktemp("pptx") / "persistent.ptx"

@@ -32,81 +32,22 @@
 #include "tools/harness.cuh"
 
 #include "deltanet_chunked.cuh"
+#include "deltanet_step.cuh"
 
 using namespace oj;
 
-// ---- COPY of native/deltanet.cu's prefill recurrence (deltanet_recurrence_kernel with
-// n_replay = 0, commit = true), for comparison only: the engine's copy lives in an anonymous
-// namespace. Keep it in step with deltanet.cu (load_step / delta_step arithmetic unchanged).
-namespace seqcopy {
-template <int R>
-struct StepIn {
-    float k[R], q[R];
-    float v, beta_raw, alpha_raw;
-};
-template <int R>
-__device__ __forceinline__ void load_step(StepIn<R> &in, const float *__restrict__ base, const float *__restrict__ beta,
-                                          const float *__restrict__ alpha, int kh, int h, int j, int lane, int key_dim) {
-    constexpr int S = R * 32;
-    const float *q = base + kh * S;
-    const float *k = base + key_dim + kh * S;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        in.k[r] = k[r * 32 + lane];
-        in.q[r] = q[r * 32 + lane];
-    }
-    in.v = base[2 * key_dim + h * S + j];
-    in.beta_raw = *beta;
-    in.alpha_raw = *alpha;
-}
-template <int R>
-__device__ __forceinline__ float delta_step(float (&s)[R], const StepIn<R> &in, float bias, float a) {
-    const float beta = sigmoid(in.beta_raw);
-    const float x = in.alpha_raw + bias;
-    const float softplus = x > 20.0f ? x : log1pf(expf(x));
-    const float decay = expf(softplus * a);
-    float kv = 0.0f;
-#pragma unroll
-    for (int r = 0; r < R; ++r) kv += s[r] * in.k[r];
-    kv = warp_sum(kv);
-    const float delta = (in.v - decay * kv) * beta;
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = decay * s[r] + in.k[r] * delta;
-    float o = 0.0f;
-#pragma unroll
-    for (int r = 0; r < R; ++r) o += s[r] * in.q[r];
-    return warp_sum(o);
-}
+// The engine's sequential recurrence (deltanet_step.cuh's recurrence_row, as
+// deltanet_recurrence_kernel runs it for a prefill pass: nothing to replay, commit).
+namespace sequential {
 template <int S>
 __global__ void __launch_bounds__(128)
 recurrence(const float *__restrict__ conv_out, const float *__restrict__ beta_raw, const float *__restrict__ alpha_raw, int n,
            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a, float *__restrict__ state,
            float *__restrict__ out, int C, int key_dim, int n_key_heads, int n_v_heads) {
-    constexpr int R = S / 32;
-    const int h = blockIdx.x, lane = threadIdx.x & 31;
-    const int j = blockIdx.y * 4 + (threadIdx.x >> 5);
-    const int kh = h % n_key_heads;
-    float *row = state + ((int64_t)h * S + j) * S;
-    float s[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) s[r] = row[r * 32 + lane];
-    const float bias = dt_bias[h], a = ssm_a[h];
-    StepIn<R> cur, nxt;
-    if (n > 0) load_step<R>(cur, conv_out, beta_raw + h, alpha_raw + h, kh, h, j, lane, key_dim);
-    for (int t = 0; t < n; ++t) {
-        if (t + 1 < n)
-            load_step<R>(nxt, conv_out + (int64_t)(t + 1) * C, beta_raw + (t + 1) * n_v_heads + h,
-                         alpha_raw + (t + 1) * n_v_heads + h, kh, h, j, lane, key_dim);
-        const float o = delta_step<R>(s, cur, bias, a);
-        if (lane == 0) out[(int64_t)t * n_v_heads * S + h * S + j] = o;
-        cur = nxt;
-    }
-    if (n > 0) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) row[r * 32 + lane] = s[r];
-    }
+    recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, nullptr, nullptr, nullptr, 0, conv_out,
+                      beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim, n_key_heads, n_v_heads, true);
 }
-}  // namespace seqcopy
+}  // namespace sequential
 
 static int g_failures = 0;
 
@@ -185,7 +126,7 @@ int main() {
     CK(cudaEventCreate(&e1));
 
     auto run_seq = [&](int P) {
-        seqcopy::recurrence<D><<<dim3(Hv, D / 4), 128, 0, st>>>(d_conv, d_beta, d_alpha, P, d_bias, d_a, d_state, d_out_seq,
+        sequential::recurrence<D><<<dim3(Hv, D / 4), 128, 0, st>>>(d_conv, d_beta, d_alpha, P, d_bias, d_a, d_state, d_out_seq,
                                                                  conv_dim, key_dim, Hk, Hv);
         check_launch("sequential recurrence (copy)");
     };
