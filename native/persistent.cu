@@ -936,7 +936,11 @@ Persistent::Program &program_for(Engine &e, int n) {
     if (a_bytes) std::memcpy(host.data(), b.args.data(), a_bytes);
     std::memcpy(host.data() + t_off, b.tasks.data(), t_bytes);
     std::memcpy(host.data() + p_off, b.phases.data(), b.phases.size() * sizeof(Phase));
-    check_cuda(cudaMemcpy(dev, host.data(), bytes, cudaMemcpyHostToDevice), "persistent kernel: program upload");
+    // on the engine's stream: a plain cudaMemcpy from pageable memory returns once the bytes are
+    // staged, and the legacy stream it runs on does not order the non-blocking engine stream, so the
+    // first launch could read the program before it lands (seen: wrong results with 6 processes
+    // sharing the GPU). The async copy stages the bytes before it returns and is stream-ordered.
+    check_cuda(cudaMemcpyAsync(dev, host.data(), bytes, cudaMemcpyHostToDevice, e.stream), "persistent kernel: program upload");
     Persistent::Program pr;
     pr.dev = dev;
     pr.tasks = reinterpret_cast<const Task *>(dev + t_off);
@@ -968,8 +972,10 @@ namespace {
 
 // One JSON line per launch: {"n", "pos0", "grid", "phases": [[label, ns, weight bytes], ...]}
 // (scripts/persistent_profile.py sums them per label).
-void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f) {
-    check_cuda(cudaMemcpy(P.prof_host, P.prof, (size_t)(pr.n_phases + 1) * 8, cudaMemcpyDeviceToHost), "persistent kernel: profile");
+void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f, cudaStream_t st) {
+    check_cuda(cudaMemcpyAsync(P.prof_host, P.prof, (size_t)(pr.n_phases + 1) * 8, cudaMemcpyDeviceToHost, st),
+               "persistent kernel: profile");
+    check_cuda(cudaStreamSynchronize(st), "persistent kernel: profile");
     std::string line = "{\"n\": " + std::to_string(f.n) + ", \"pos0\": " + std::to_string(f.pos0) + ", \"grid\": " +
                        std::to_string(pr.grid) + ", \"phases\": [";
     for (int i = 0; i < pr.n_phases; ++i) {
@@ -1014,10 +1020,10 @@ void persistent_init(Engine &e) {
     for (uint8_t *&w : P->ws) {
         const size_t bytes = mvf16::workspace_bytes(K);
         w = static_cast<uint8_t *>(e.alloc(bytes, e.memory.activations));
-        check_cuda(cudaMemset(w, 0, bytes), "persistent kernel: workspace");
+        check_cuda(cudaMemsetAsync(w, 0, bytes, e.stream), "persistent kernel: workspace");
     }
     P->sync = static_cast<Sync *>(e.alloc(sizeof(Sync), e.memory.activations));
-    check_cuda(cudaMemset(P->sync, 0, sizeof(Sync)), "persistent kernel: barrier");
+    check_cuda(cudaMemsetAsync(P->sync, 0, sizeof(Sync), e.stream), "persistent kernel: barrier");
     check_cuda(cudaMallocHost(&P->host_error, 2 * sizeof(int)), "persistent kernel: error word");
     if (!st.profile.empty()) {
         P->prof_path = st.profile;
@@ -1078,12 +1084,12 @@ bool persistent_forward(Engine &e, int n) {
     if (P.host_error[0]) {
         const int phase = P.host_error[1];
         // a left barrier leaves counters behind: start the next launch from zero
-        check_cuda(cudaMemset(P.sync, 0, sizeof(Sync)), "persistent kernel: barrier reset");
-        for (uint8_t *w : P.ws) check_cuda(cudaMemset(w, 0, mvf16::PART_OFF), "persistent kernel: counters reset");
+        check_cuda(cudaMemsetAsync(P.sync, 0, sizeof(Sync), e.stream), "persistent kernel: barrier reset");
+        for (uint8_t *w : P.ws) check_cuda(cudaMemsetAsync(w, 0, mvf16::PART_OFF, e.stream), "persistent kernel: counters reset");
         fail(OJ_ERR_CUDA, "persistent kernel: a grid barrier timed out after phase " + std::to_string(phase) + " of " +
                               std::to_string(pr.n_phases) + " (blocks not co-resident, or a phase did not finish)");
     }
-    if (prof) write_profile(P, pr, f);
+    if (prof) write_profile(P, pr, f, e.stream);
     return true;
 }
 

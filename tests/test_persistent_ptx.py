@@ -65,3 +65,19 @@ def test_the_l2_prefetch_of_the_next_matvec_phase_is_there(kernel_ptx):
 def test_phase_writes_are_fenced_for_the_copy_engine(kernel_ptx):
     assert kernel_ptx.count("fence.proxy.async.global") >= 2           # writer side and reader side
     assert "fence.proxy.async.shared::cta" in kernel_ptx                # rings reused across items
+
+
+def test_host_copies_are_ordered_on_the_engine_stream():
+    """The engine's stream is non-blocking: a plain cudaMemcpy / cudaMemset runs on the legacy stream,
+    unordered with it, and a pageable host-to-device cudaMemcpy returns once the bytes are staged. The
+    program upload did that at bb68e4e, and the first launch read a program still in flight when other
+    processes shared the GPU (wrong logits, all-zero logits). Every copy and fill in persistent.cu goes
+    on the engine's stream."""
+    src = (REPO / "native" / "persistent.cu").read_text()
+    code = re.sub(r"//[^\n]*", "", src)
+    bad = [m.group(0) for m in re.finditer(r"\bcuda(?:Memcpy|Memset)\s*\(", code)]
+    assert not bad, f"synchronous legacy-stream copies in persistent.cu: {bad}"
+    asyncs = re.findall(r"\bcuda(?:Memcpy|Memset)Async\s*\(([^;]*)\)\s*,\s*\"", code)
+    assert asyncs, "no async copy found: the check reads nothing"
+    for args in asyncs:
+        assert re.search(r",\s*(?:e\.stream|st)\s*$", args.strip()), f"an async copy not on the engine stream: {args}"
