@@ -180,6 +180,13 @@ int32_t oj_commit(oj_engine *engine, int32_t n_accept) {
     return guarded(engine, [&] { oj::engine_commit(engine->e, n_accept); });
 }
 
+int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
+                 int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    if (!n_accepted) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "n_accepted is NULL");
+    return guarded(engine, [&] { *n_accepted = oj::engine_cycle(engine->e, tokens, n_tokens, n_draft, out_tokens, out_drafts); });
+}
+
 int32_t oj_checkpoint_save(oj_engine *engine, int32_t slot) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] { oj::engine_checkpoint_save(engine->e, slot); });

@@ -443,7 +443,16 @@ void engine_reset(Engine &e) {
     e.last_mtp_n = 0;
 }
 
-void engine_verify(Engine &e, const int32_t *tokens, int n) {
+namespace {
+
+// oj_verify, or (cycle set) oj_cycle's launch where the persistent kernel takes the whole cycle:
+// returns whether it did (k, argmax, drafts are then the cycle's).
+struct CycleLaunch {
+    int n_draft = 0, k = 0;
+    int32_t *argmax = nullptr, *drafts = nullptr;
+};
+
+bool verify(Engine &e, const int32_t *tokens, int n, CycleLaunch *cycle) {
     check_tokens(e, tokens, n);
     if (e.n_past + n > e.n_ctx)
         fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
@@ -460,7 +469,10 @@ void engine_verify(Engine &e, const int32_t *tokens, int n) {
     else if (e.prev_row != 0)
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
-    if (!persistent_forward(e, n)) {
+    const bool whole = cycle && persistent_cycle_fits(e, cycle->n_draft);
+    if (whole) {
+        persistent_cycle(e, n, cycle->n_draft, cycle->k, cycle->argmax, cycle->drafts);
+    } else if (!persistent_forward(e, n)) {
         embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
         for (int il = 0; il < d.hp.n_layer; ++il) {
             Layer &L = e.layers[il];
@@ -482,6 +494,60 @@ void engine_verify(Engine &e, const int32_t *tokens, int n) {
     e.last_start = e.n_past;
     e.last_n = n;
     e.uncommitted = n;
+    return whole;
+}
+
+}  // namespace
+
+void engine_verify(Engine &e, const int32_t *tokens, int n) { verify(e, tokens, n, nullptr); }
+
+int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
+    check_tokens(e, tokens, n);
+    if (n_draft < 0 || n_draft > OJ_MAX_POSITIONS - 1)
+        fail(OJ_ERR_INVALID_ARGUMENT, "n_draft is " + std::to_string(n_draft) + "; oj_cycle drafts 0.." + std::to_string(OJ_MAX_POSITIONS - 1));
+    if (!out_tokens) fail(OJ_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
+    if (n_draft > 0 && !out_drafts) fail(OJ_ERR_INVALID_ARGUMENT, "out_drafts is NULL with n_draft " + std::to_string(n_draft));
+    if (n_draft > 0 && !e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "n_draft " + std::to_string(n_draft) + ": the model has no MTP block");
+    if (n_draft > 0 && e.mtp_n_past <= e.n_past)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle drafts from the MTP row of the current token (position " + std::to_string(e.n_past) +
+                                          "), but the MTP rows end at " + std::to_string(e.mtp_n_past));
+    // the verify's positions, then MTP rows up to n_past + n + n_draft - 1
+    if (e.n_past + n + n_draft > e.n_ctx)
+        fail(OJ_ERR_CONTEXT_FULL, "oj_cycle at n_past " + std::to_string(e.n_past) + " with " + std::to_string(n) + " tokens and " +
+                                      std::to_string(n_draft) + " drafts needs positions past n_ctx " + std::to_string(e.n_ctx));
+    const int P = e.n_past;
+    int32_t argmax[OJ_MAX_POSITIONS], drafts[OJ_MAX_POSITIONS];
+    CycleLaunch c;
+    c.n_draft = n_draft;
+    c.argmax = argmax;
+    c.drafts = drafts;
+    const bool whole = verify(e, tokens, n, &c);
+    int k = c.k;
+    if (!whole) {   // the same steps as separate launches
+        check_cuda(cudaMemcpyAsync(argmax, e.s.argmax, n * sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle argmax");
+        finish(e, "oj_cycle argmax");
+        k = 0;
+        while (k + 1 < n && tokens[k + 1] == argmax[k]) ++k;
+    }
+    engine_commit(e, k + 1);
+    if (n_draft > 0) {
+        if (!whole) {
+            engine_mtp_eval(e, argmax, k + 1, P + 1, OJ_H_MAIN, nullptr);
+            check_cuda(cudaMemcpyAsync(drafts, e.s.draft_argmax + k, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
+            finish(e, "oj_cycle draft");
+            for (int j = 1; j < n_draft; ++j) {
+                engine_mtp_eval(e, drafts + j - 1, 1, P + k + 1 + j, OJ_H_DRAFT, nullptr);
+                check_cuda(cudaMemcpyAsync(drafts + j, e.s.draft_argmax, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
+                finish(e, "oj_cycle draft");
+            }
+        }
+        e.mtp_n_past = e.n_past + 1;   // the next token's row; the draft rows past it are provisional
+        e.last_mtp_n = 0;
+        for (int j = 0; j < n_draft; ++j) out_drafts[j] = drafts[j];
+    }
+    for (int i = 0; i < k; ++i) out_tokens[i] = tokens[i + 1];
+    out_tokens[k] = argmax[k];
+    return k;
 }
 
 void engine_commit(Engine &e, int n_accept) {
@@ -557,6 +623,7 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {
         finish(e, "draft vocabulary");
     }
     e.n_draft_ids = n;
+    persistent_draft_vocab(e, n);
     e.last_mtp_n = 0;   // draft results of the old vocabulary are gone
 }
 

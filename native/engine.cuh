@@ -178,6 +178,8 @@ void engine_load(Engine &e, const oj_model_desc &desc);
 void engine_reset(Engine &e);
 void engine_verify(Engine &e, const int32_t *tokens, int n);   // provisional: commits nothing
 void engine_commit(Engine &e, int n_accept);                    // keep the first n_accept
+// oj_cycle: returns the accepted drafts' count; out_tokens[0..k], out_drafts[0..n_draft)
+int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts);
 void engine_eval(Engine &e, const int32_t *tokens, int n);     // verify + commit all
 void engine_flush(Engine &e);                                   // replay pending positions now
 void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
@@ -194,6 +196,12 @@ void alloc_prefill(Engine &e, int chunk);
 // engine takes the multi-kernel path.
 void persistent_init(Engine &e);
 bool persistent_forward(Engine &e, int n);
+// oj_cycle in the same launch: whether it can with n_draft drafts, the launch (k, the main argmax
+// and the next drafts back on the host), and the restricted draft head's gathered rows
+// (engine_set_draft_vocab, after the ids are on the device).
+bool persistent_cycle_fits(const Engine &e, int n_draft);
+void persistent_cycle(Engine &e, int n, int n_draft, int &k, int32_t *argmax, int32_t *drafts);
+void persistent_draft_vocab(Engine &e, int n_ids);
 bool persistent_active(const Engine &e);
 const char *persistent_why(const Engine &e);
 

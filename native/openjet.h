@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 3, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
+enum { OJ_ABI_VERSION = 4, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -178,6 +178,23 @@ int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
 /* Keep the first n_accept (0..n_tokens) positions of the last oj_verify: n_past += n_accept. */
 int32_t oj_commit(oj_engine *engine, int32_t n_accept);
+/* One greedy speculative cycle (issue 8). tokens[0..n_tokens) are the current token and its
+   n_tokens - 1 drafts, placed at n_past as oj_verify places them. The cycle accepts the leading
+   drafts equal to the main model's argmax at the position before them, commits the current token
+   and the accepted drafts (as oj_commit(1 + accepted)), and takes the main model's argmax after the
+   last accepted position as the next token. With n_draft > 0 it then makes the MTP rows of the
+   accepted drafts and of the next token (OJ_H_MAIN) and drafts n_draft tokens from the next token
+   (chained on the MTP block's own output, the draft head's argmax; the draft vocabulary applies).
+   Needs, for n_draft > 0, an MTP block whose rows reach the current token's position
+   (oj_mtp_n_past > n_past on entry). Outputs: *n_accepted (0..n_tokens - 1); out_tokens[0..
+   *n_accepted] the accepted drafts then the next token (room for n_tokens); out_drafts[0..n_draft)
+   (may be NULL when n_draft is 0). Afterwards n_past grows by 1 + *n_accepted; oj_get_argmax /
+   logits / hidden read the verify's positions; oj_mtp_n_past is the new n_past + 1 when n_draft > 0
+   (the next token's row; the draft rows past it are provisional), else as before; the draft results
+   (oj_get_draft_*) are not readable. On the persistent kernel (OJ_PERSISTENT, oj_persistent_info)
+   the whole cycle is one launch; otherwise the same steps run as separate launches. */
+int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
+                 int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts);
 /* Results of the last oj_eval: argmax per position, one position's logits or final hidden
    state (after output_norm). */
 int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n);

@@ -40,6 +40,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_common.cuh"
@@ -71,7 +72,17 @@ enum Kind : int {
     K_ATTN_PARTIAL,   // split-K partial of (head, position, split); items from the frame
     K_COMBINE_PREP,   // merge the splits x sigmoid(gate), prep; items: q_dim / 256
     K_SWIGLU_PREP,    // SiLU(gate) x up, prep; items: n_ff / 256
-    K_ARGMAX,         // first index of the largest logit of a row; items: n
+    K_ARGMAX,         // first index of the largest logit of a row (mapped through ids); items: n
+    K_ACCEPT,         // oj_cycle: the drafts the main argmax confirms -> Cycle.k; one item
+    K_PICK,           // oj_cycle: draft 1 and its MTP hidden row from catch-up row k; one item
+};
+
+// oj_cycle's results, written by the launch and read back by the host (and by later phases: k sets
+// the chained draft steps' positions).
+struct Cycle {
+    int k;                        // drafts accepted
+    int argmax[OJ_MAX_POSITIONS]; // the main model's argmax per verified position
+    int drafts[OJ_MAX_POSITIONS]; // the next drafts
 };
 
 struct PrepTo {
@@ -101,6 +112,10 @@ struct Task {
     int H = 0, Hkv = 0, D = 0, n_ctx = 0, q8 = 0;
     float eps = 0.0f;
     RopeParams rope{};
+    int seg = 0;                // whose positions (seg_of): 0 the verify, 1 the MTP catch-up, 2 a chained draft step
+    int step = 0;               // seg 2: the step's offset past the next token's MTP position (1..)
+    int rec_off = 0;            // K_NORM_PREP: super-block offset of its records (eh_proj's second half)
+    int dyn_width = 0;          // K_ARGMAX: the width is the frame's n_ids (the restricted draft head)
 };
 
 struct Phase {
@@ -115,7 +130,25 @@ struct Frame {
     int n_replay;   // accepted positions of the replay slot owed to the DeltaNet state
     int n_splits;   // attention split-K blocks per (head, position)
     int prefetch;   // OJ_PERSISTENT_PREFETCH: phases prefetch their next matvec phase's first items
+    int n_ids;      // oj_cycle with a restricted draft vocabulary: the draft head's live rows
+    Cycle *cyc;     // oj_cycle's results (null for a verify)
 };
+
+// The positions a task works on. The verify's: the frame's. The MTP catch-up's: one row per verified
+// position at MTP positions pos0 + 1..; a chained draft step's: one row at the next token's MTP
+// position (pos0 + 1 + k, k from the acceptance phase) + step.
+struct Seg {
+    int n, pos0, n_splits;
+};
+__device__ __forceinline__ Seg seg_of(const Task &t, const Frame &f) {
+    if (t.seg == 0) return {f.n, f.pos0, f.n_splits};
+    int n = f.n, pos0 = f.pos0 + 1;
+    if (t.seg == 2) {
+        n = 1;
+        pos0 += *reinterpret_cast<volatile const int *>(&f.cyc->k) + t.step;
+    }
+    return {n, pos0, (pos0 + n + ATTN_SPLIT - 1) / ATTN_SPLIT};
+}
 
 struct Sync {
     unsigned count, gen;
@@ -183,6 +216,7 @@ __device__ bool grid_barrier(Sync *s, int phase) {
 // fused preps: this lane's 8 values of super-block u for vector v -> every record the task writes
 
 __device__ __forceinline__ void prep_emit(const Task &t, const float (&xv)[8], int64_t u, int v, int lane) {
+    u += t.rec_off;
     for (int i = 0; i < t.n_prep; ++i) {
         float c[8];
 #pragma unroll
@@ -195,6 +229,7 @@ __device__ __forceinline__ void prep_emit(const Task &t, const float (&xv)[8], i
 
 // vectors past n: inverse scale 1, as prep_kernel leaves them
 __device__ __forceinline__ void prep_pad(const Task &t, int64_t u, int v, int lane) {
+    u += t.rec_off;
     if (lane == 0)
         for (int i = 0; i < t.n_prep; ++i) reinterpret_cast<float *>(t.prep[i].rec + u * mvf16::REC + mvf16::INV_OFF)[v] = 1.0f;
 }
@@ -216,7 +251,7 @@ __device__ void embed_item(const Task &t, const Frame &f, int64_t it) {
 // rms_norm_kernel's formula: x * (1 / sqrt(mean(x^2) + eps)) * w.
 __device__ void norm_prep_item(const Task &t, const Frame &f, int64_t u) {
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    if (v >= seg_of(t, f).n) { prep_pad(t, u, v, lane); return; }
     const float *xr = t.in[0] + (int64_t)v * t.width;
     float ss = 0.0f;
     for (int i = lane * 4; i < t.width; i += 128) {
@@ -243,7 +278,7 @@ __device__ void norm_prep_item(const Task &t, const Frame &f, int64_t u) {
 // deltanet_gated_norm_kernel's formula per head of S values: o / sqrt(mean(o^2) + eps) * w * silu(z).
 __device__ void gated_prep_item(const Task &t, const Frame &f, int64_t u) {
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    if (v >= seg_of(t, f).n) { prep_pad(t, u, v, lane); return; }
     const int64_t base = u * QK_K + 8 * lane;
     float o[8], z[8];
     load8(t.in[0] + (int64_t)v * t.width + base, o);
@@ -263,7 +298,7 @@ __device__ void gated_prep_item(const Task &t, const Frame &f, int64_t u) {
 // K_SWIGLU_PREP: in[0] gate, in[1] up ([n][width]): silu(gate) * up.
 __device__ void swiglu_prep_item(const Task &t, const Frame &f, int64_t u) {
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    if (v >= seg_of(t, f).n) { prep_pad(t, u, v, lane); return; }
     const int64_t base = (int64_t)v * t.width + u * QK_K + 8 * lane;
     float g[8], up[8], xv[8];
     load8(t.in[0] + base, g);
@@ -277,14 +312,15 @@ __device__ void swiglu_prep_item(const Task &t, const Frame &f, int64_t u) {
 // half): attention_combine_kernel's merge, out = sum / L * sigmoid(gate).
 __device__ void combine_prep_item(const Task &t, const Frame &f, int64_t u) {
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (v >= f.n) { prep_pad(t, u, v, lane); return; }
+    const Seg g = seg_of(t, f);
+    if (v >= g.n) { prep_pad(t, u, v, lane); return; }
     const int64_t col = u * QK_K + 8 * lane;
     const int h = (int)(col / t.D), d0 = (int)(col % t.D);
-    const int64_t base = ((int64_t)v * t.H + h) * f.n_splits;
+    const int64_t base = ((int64_t)v * t.H + h) * g.n_splits;
     float M = -INFINITY;
-    for (int s = 0; s < f.n_splits; ++s) M = fmaxf(M, t.part_ml[(base + s) * 2]);
+    for (int s = 0; s < g.n_splits; ++s) M = fmaxf(M, t.part_ml[(base + s) * 2]);
     float L = 0.0f, a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    for (int s = 0; s < f.n_splits; ++s) {
+    for (int s = 0; s < g.n_splits; ++s) {
         const float ms = t.part_ml[(base + s) * 2];
         if (ms == -INFINITY) continue;
         const float fct = expf(ms - M);
@@ -348,7 +384,8 @@ template <int D>
 __device__ void attn_kv_item(const Task &t, const Frame &f, int64_t it, float *smem) {
     constexpr int PER = D / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int pairs = f.n * (t.H + t.Hkv);
+    const Seg sg = seg_of(t, f);
+    const int pairs = sg.n * (t.H + t.Hkv);
     const int p = (int)it * WARPS + warp;
     if (p >= pairs) return;
     float *buf = smem + warp * D;
@@ -368,7 +405,7 @@ __device__ void attn_kv_item(const Task &t, const Frame &f, int64_t it, float *s
 #pragma unroll
     for (int r = 0; r < PER; ++r) buf[r * 32 + lane] = x[r] / sqrtf(ss / D + t.eps) * nw[r * 32 + lane];
     __syncwarp();
-    const int pos = f.pos0 + pos_i, half = t.rope.n_rot / 2;
+    const int pos = sg.pos0 + pos_i, half = t.rope.n_rot / 2;
 #pragma unroll
     for (int r = 0; r < PER; ++r) {
         const int i = r * 32 + lane;
@@ -405,11 +442,12 @@ template <int D, bool Q8>
 __device__ void attn_partial_item(const Task &t, const Frame &f, int64_t it, float *smem) {
     constexpr int PER = D / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int split = (int)(it % f.n_splits);
-    const int64_t rest = it / f.n_splits;
-    const int pos_i = (int)(rest % f.n), h = (int)(rest / f.n);
+    const Seg sg = seg_of(t, f);
+    const int split = (int)(it % sg.n_splits);
+    const int64_t rest = it / sg.n_splits;
+    const int pos_i = (int)(rest % sg.n), h = (int)(rest / sg.n);
     const int g = h / (t.H / t.Hkv);
-    const int len = f.pos0 + pos_i + 1;
+    const int len = sg.pos0 + pos_i + 1;
     const int begin = split * ATTN_SPLIT, end = min(begin + ATTN_SPLIT, len);
     const float scale = 1.0f / sqrtf((float)D);
     float q[PER];
@@ -457,7 +495,7 @@ __device__ void attn_partial_item(const Task &t, const Frame &f, int64_t it, flo
     float M = -INFINITY;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w]);
-    const int64_t slot = ((int64_t)pos_i * t.H + h) * f.n_splits + split;
+    const int64_t slot = ((int64_t)pos_i * t.H + h) * sg.n_splits + split;
     for (int d = threadIdx.x; d < D; d += THREADS) {
         float a = 0.0f;
         if (M != -INFINITY)
@@ -474,22 +512,47 @@ __device__ void attn_partial_item(const Task &t, const Frame &f, int64_t it, flo
     __syncthreads();   // smem is the next item's
 }
 
-// K_ARGMAX: in[0] logits [n][width], iout: argmax_kernel's rule (first index of the largest; NaN never wins).
+// K_ARGMAX: in[0] logits [n][width], iout: argmax_kernel's rule (first index of the largest; NaN never
+// wins); through tokens (the draft vocabulary's ids) when set, as map_ids does. dyn_width: the row's
+// live width is the frame's n_ids (a restricted draft head keeps spare rows).
 __device__ void argmax_item(const Task &t, const Frame &f, int64_t row, float *smem) {
     const float *xr = t.in[0] + row * t.width;
+    const int width = t.dyn_width ? f.n_ids : t.width;
     float best = -FLT_MAX;
     int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < t.width; i += THREADS) {
+    for (int i = threadIdx.x; i < width; i += THREADS) {
         const float v = xr[i];
         if (v > best) { best = v; idx = i; }
     }
     const int i = block_argmax(best, idx, smem, reinterpret_cast<int *>(smem + THREADS));
-    if (threadIdx.x == 0) t.iout[row] = i == 0x7fffffff ? 0 : i;
+    if (threadIdx.x == 0) {
+        const int best_i = i == 0x7fffffff ? 0 : i;
+        t.iout[row] = t.tokens ? t.tokens[best_i] : best_i;
+    }
     __syncthreads();
 }
 
+// K_ACCEPT: tokens the verified tokens, iout the main argmax (n rows): k = the leading drafts equal to
+// the argmax at the position before them (speculative.verify_greedy); the argmax rows are copied for
+// the host.
+__device__ void accept_item(const Task &t, const Frame &f) {
+    if (threadIdx.x != 0) return;
+    int k = 0;
+    while (k + 1 < f.n && t.tokens[k + 1] == t.iout[k]) ++k;
+    for (int i = 0; i < f.n; ++i) f.cyc->argmax[i] = t.iout[i];
+    f.cyc->k = k;
+}
+
+// K_PICK: iout the catch-up's draft argmax (token ids), in[0] its normed outputs [n][width]: draft 1
+// is row k's argmax, and row k is the first chained step's hidden input (out).
+__device__ void pick_item(const Task &t, const Frame &f) {
+    const int k = *reinterpret_cast<volatile const int *>(&f.cyc->k);
+    for (int i = threadIdx.x; i < t.width; i += THREADS) t.out[i] = t.in[0][(int64_t)k * t.width + i];
+    if (threadIdx.x == 0) f.cyc->drafts[0] = t.iout[k];
+}
+
 __device__ __forceinline__ int64_t task_items(const Task &t, const Frame &f) {
-    return t.kind == K_ATTN_PARTIAL ? t.items * f.n_splits : t.items;
+    return t.kind == K_ATTN_PARTIAL ? t.items * seg_of(t, f).n_splits : t.items;
 }
 
 __device__ void run_item(const Task &t, const Frame &f, int64_t it, uint8_t *smem) {
@@ -554,6 +617,8 @@ __device__ void run_item(const Task &t, const Frame &f, int64_t it, uint8_t *sme
         case K_COMBINE_PREP: combine_prep_item(t, f, it); break;
         case K_SWIGLU_PREP: swiglu_prep_item(t, f, it); break;
         case K_ARGMAX: argmax_item(t, f, it, fs); break;
+        case K_ACCEPT: accept_item(t, f); break;
+        case K_PICK: pick_item(t, f); break;
         default: break;
     }
 }
@@ -629,13 +694,22 @@ struct Persistent {
         std::vector<std::string> labels;   // per phase (the profile's names)
         std::vector<double> bytes;         // per phase: weight bytes its matvecs stream
     };
-    std::map<int, Program> programs;   // key: n * 4 + slot * 2 + replay_slot (nodes stay put)
+    // key: positions, ring slot, replay slot, drafts (-1: a verify), draft head generation
+    std::map<std::tuple<int, int, int, int, int>, Program> programs;   // (nodes stay put)
     const std::string *shape = nullptr;    // the last launch's program's shape
     std::string prof_path;             // OJ_PERSISTENT_PROFILE: a JSON line per launch appended there
     unsigned long long *prof = nullptr, *prof_host = nullptr;
+    // oj_cycle (the MTP block in the same launch)
+    bool cycle_fits = false;           // the MTP block's matrices fit too
+    std::string cycle_why;             // why not
+    Cycle *cyc = nullptr, *cyc_host = nullptr;
+    float *h_chain = nullptr;          // [E]: a chained draft step's hidden input
+    Matrix draft_head;                 // the restricted draft head's rows gathered (spare rows past n_ids), or absent
+    int draft_gen = 0;                 // bumped when draft_head moves (the programs holding its maps are stale)
     ~Persistent() {
         if (host_error) cudaFreeHost(host_error);
         if (prof_host) cudaFreeHost(prof_host);
+        if (cyc_host) cudaFreeHost(cyc_host);
     }
 };
 
@@ -687,7 +761,9 @@ std::string unfit_reason(const Engine &e) {
 
 struct Builder {
     Engine &e;
-    int n;
+    int n;                     // verified positions
+    int nv = 0;                // vectors of the phases being built (n, or 1 for a chained draft step)
+    int seg = 0, step = 0;     // their Task::seg / step
     std::vector<Phase> phases;
     std::vector<Task> tasks;
     std::vector<Args> args;
@@ -702,7 +778,9 @@ struct Builder {
         Phase p;
         p.first = (int)tasks.size();
         p.count = (int)ts.size();
-        for (const Task &t : ts) {
+        for (Task t : ts) {
+            t.seg = seg;
+            t.step = step;
             tasks.push_back(t);
             arg_of.push_back(-1);
         }
@@ -746,7 +824,7 @@ struct Builder {
             Task t;
             t.kind = K_MATVEC;
             t.type = ts[i];
-            args.push_back(mvf16::persistent_args(mw.data(), my.data(), (int)mw.size(), e.persistent->ws[i], n, accumulate,
+            args.push_back(mvf16::persistent_args(mw.data(), my.data(), (int)mw.size(), e.persistent->ws[i], nv, accumulate,
                                                   e.persistent->split_model ? e.persistent->n_sm : 0, t.items));
             tasks.push_back(t);
             arg_of.push_back((int)args.size() - 1);
@@ -769,10 +847,83 @@ struct Builder {
     }
 };
 
+// A gated-attention layer's phases (the main model's or the MTP block's): norm + prep, q / k / v,
+// q / k norms + RoPE + K/V append, split-K partials, combine + prep, output projection into s.x.
+void attention_block(Engine &e, Builder &b, Layer &L) {
+    const ModelDims &d = e.dims;
+    Scratch &s = e.s;
+    const std::vector<const Matrix *> in_w = {&L.wq, &L.wk, &L.wv};
+    b.phase({b.norm_prep(s.x, L.attn_norm, nullptr, in_w)}, "norm_prep");
+    b.matvecs(in_w, {s.qg, s.k, s.v}, false, "proj");
+    Task k;
+    k.kind = K_ATTN_KV;
+    k.in[0] = s.qg, k.in[1] = s.k, k.in[2] = s.v;
+    k.w0 = L.q_norm;
+    k.w1 = L.k_norm;
+    k.out = s.q_rot;
+    k.kc = L.k_cache, k.vc = L.v_cache, k.ks = L.k_scale, k.vs = L.v_scale;
+    k.q8 = L.kv_type == OJ_KV_Q8_0;
+    k.H = d.hp.n_head, k.Hkv = d.hp.n_head_kv, k.D = d.hp.head_dim, k.n_ctx = e.n_ctx;
+    k.eps = d.hp.rms_eps;
+    k.rope = rope_params(d);
+    k.items = ((int64_t)b.nv * (k.H + k.Hkv) + WARPS - 1) / WARPS;
+    b.phase({k}, "kv");
+    Task p = k;
+    p.kind = K_ATTN_PARTIAL;
+    p.in[0] = s.q_rot;
+    p.part_ml = s.part_ml, p.part_acc = s.part_acc;
+    p.items = (int64_t)k.H * b.nv;   // x the segment's splits
+    b.phase({p}, "partial");
+    Task c;
+    c.kind = K_COMBINE_PREP;
+    c.in[0] = s.qg;
+    c.part_ml = s.part_ml, c.part_acc = s.part_acc;
+    c.H = k.H, c.D = k.D;
+    c.items = (int64_t)d.q_dim() / QK_K;
+    b.prep_for(c, {&L.wo});
+    b.phase({c}, "combine_prep");
+    b.matvecs({&L.wo}, {s.x}, true, "out");
+}
+
+// The FFN's phases: norm + prep, gate / up, SwiGLU + prep, down into s.x.
+void ffn_block(Engine &e, Builder &b, Layer &L) {
+    Scratch &s = e.s;
+    b.phase({b.norm_prep(s.x, L.post_norm, nullptr, {&L.ffn_gate, &L.ffn_up})}, "norm_prep");
+    b.matvecs({&L.ffn_gate, &L.ffn_up}, {s.ffn_gate, s.ffn_up}, false, "gate_up");
+    Task w;
+    w.kind = K_SWIGLU_PREP;
+    w.in[0] = s.ffn_gate;
+    w.in[1] = s.ffn_up;
+    w.width = e.dims.hp.n_ff;
+    w.items = w.width / QK_K;
+    b.prep_for(w, {&L.ffn_down});
+    b.phase({w}, "swiglu_prep");
+    b.matvecs({&L.ffn_down}, {s.x}, true, "down");
+}
+
+// A head: norm of s.x (stored to `store`) + prep, the matvec into logits, the argmax of each row
+// into iout (through ids when set; dyn: the width is the frame's n_ids).
+void head_block(Engine &e, Builder &b, const float *norm_w, float *store, const Matrix *head, float *logits, int32_t *iout,
+                const int32_t *ids, bool dyn) {
+    b.phase({b.norm_prep(e.s.x, norm_w, store, {head})}, "norm_prep");
+    b.matvecs({head}, {logits}, false, "matvec");
+    Task a;
+    a.kind = K_ARGMAX;
+    a.in[0] = logits;
+    a.iout = iout;
+    a.tokens = ids;
+    a.dyn_width = dyn ? 1 : 0;
+    a.width = (int)head->M;
+    a.items = b.nv;
+    b.phase({a}, "argmax");
+}
+
 void build(Engine &e, Builder &b, int slot, int rslot) {
     const ModelDims &d = e.dims;
     Scratch &s = e.s;
     const int n = b.n, E = d.hp.n_embd;
+    b.nv = n;
+    b.seg = 0;
     {
         Task t;
         t.kind = K_EMBED;
@@ -784,126 +935,148 @@ void build(Engine &e, Builder &b, int slot, int rslot) {
         b.phase({t}, "embed");
     }
     for (Layer &L : e.layers) {
-        b.prefix = L.recurrent ? "dn." : "at.";
-        std::vector<const Matrix *> in_w;
-        std::vector<float *> in_y;
+        if (!L.recurrent) {
+            b.prefix = "at.";
+            attention_block(e, b, L);
+            b.prefix = "ffn.";
+            ffn_block(e, b, L);
+            continue;
+        }
+        b.prefix = "dn.";
         const RingSlot &cur = L.ring[slot], &rep = L.ring[rslot];
-        if (L.recurrent) {
-            in_w = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
-            in_y = {cur.qkv, s.z, cur.beta, cur.alpha};
-        } else {
-            in_w = {&L.wq, &L.wk, &L.wv};
-            in_y = {s.qg, s.k, s.v};
-        }
+        const std::vector<const Matrix *> in_w = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
         b.phase({b.norm_prep(s.x, L.attn_norm, nullptr, in_w)}, "norm_prep");
-        b.matvecs(in_w, in_y, false, "proj");
-        if (L.recurrent) {
-            const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state;
-            Task c;
-            c.kind = K_CONV_QK;
-            c.in[0] = cur.qkv;
-            c.in[1] = rep.qkv;
-            c.w0 = L.conv1d;
-            c.state = L.conv_state;
-            c.out = cur.conv;
-            c.C = C;
-            c.ksize = d.hp.ssm_conv_kernel;
-            c.S = S;
-            c.key_dim = d.ssm_key_dim();
-            c.Hk = d.hp.ssm_n_group;
-            c.eps = d.hp.rms_eps;
-            c.items = (C + THREADS - 1) / THREADS;
-            b.phase({c}, "conv_qk");
-            Task r;
-            r.kind = K_RECUR;
-            r.in[0] = cur.conv, r.in[1] = cur.beta, r.in[2] = cur.alpha;
-            r.in[3] = rep.conv, r.in[4] = rep.beta, r.in[5] = rep.alpha;
-            r.w0 = L.dt_bias;
-            r.w1 = L.ssm_a;
-            r.state = L.ssm_state;
-            r.out = s.dn_out;
-            r.C = C;
-            r.S = S;
-            r.key_dim = d.ssm_key_dim();
-            r.Hk = d.hp.ssm_n_group;
-            r.Hv = d.hp.ssm_dt_rank;
-            r.items = (int64_t)r.Hv * (S / WARPS);
-            b.phase({r}, "recurrence");
-            Task g;
-            g.kind = K_GATED_PREP;
-            g.in[0] = s.dn_out;
-            g.in[1] = s.z;
-            g.w0 = L.ssm_norm;
-            g.width = d.ssm_value_dim();
-            g.S = S;
-            g.eps = d.hp.rms_eps;
-            g.items = g.width / QK_K;
-            b.prep_for(g, {&L.wssm_out});
-            b.phase({g}, "gated_prep");
-            b.matvecs({&L.wssm_out}, {s.x}, true, "out");
-        } else {
-            Task k;
-            k.kind = K_ATTN_KV;
-            k.in[0] = s.qg, k.in[1] = s.k, k.in[2] = s.v;
-            k.w0 = L.q_norm;
-            k.w1 = L.k_norm;
-            k.out = s.q_rot;
-            k.kc = L.k_cache, k.vc = L.v_cache, k.ks = L.k_scale, k.vs = L.v_scale;
-            k.q8 = L.kv_type == OJ_KV_Q8_0;
-            k.H = d.hp.n_head, k.Hkv = d.hp.n_head_kv, k.D = d.hp.head_dim, k.n_ctx = e.n_ctx;
-            k.eps = d.hp.rms_eps;
-            k.rope = rope_params(d);
-            k.items = ((int64_t)n * (k.H + k.Hkv) + WARPS - 1) / WARPS;
-            b.phase({k}, "kv");
-            Task p = k;
-            p.kind = K_ATTN_PARTIAL;
-            p.in[0] = s.q_rot;
-            p.part_ml = s.part_ml, p.part_acc = s.part_acc;
-            p.items = (int64_t)k.H * n;   // x the frame's splits
-            b.phase({p}, "partial");
-            Task c;
-            c.kind = K_COMBINE_PREP;
-            c.in[0] = s.qg;
-            c.part_ml = s.part_ml, c.part_acc = s.part_acc;
-            c.H = k.H, c.D = k.D;
-            c.items = (int64_t)d.q_dim() / QK_K;
-            b.prep_for(c, {&L.wo});
-            b.phase({c}, "combine_prep");
-            b.matvecs({&L.wo}, {s.x}, true, "out");
-        }
+        b.matvecs(in_w, {cur.qkv, s.z, cur.beta, cur.alpha}, false, "proj");
+        const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state;
+        Task c;
+        c.kind = K_CONV_QK;
+        c.in[0] = cur.qkv;
+        c.in[1] = rep.qkv;
+        c.w0 = L.conv1d;
+        c.state = L.conv_state;
+        c.out = cur.conv;
+        c.C = C;
+        c.ksize = d.hp.ssm_conv_kernel;
+        c.S = S;
+        c.key_dim = d.ssm_key_dim();
+        c.Hk = d.hp.ssm_n_group;
+        c.eps = d.hp.rms_eps;
+        c.items = (C + THREADS - 1) / THREADS;
+        b.phase({c}, "conv_qk");
+        Task r;
+        r.kind = K_RECUR;
+        r.in[0] = cur.conv, r.in[1] = cur.beta, r.in[2] = cur.alpha;
+        r.in[3] = rep.conv, r.in[4] = rep.beta, r.in[5] = rep.alpha;
+        r.w0 = L.dt_bias;
+        r.w1 = L.ssm_a;
+        r.state = L.ssm_state;
+        r.out = s.dn_out;
+        r.C = C;
+        r.S = S;
+        r.key_dim = d.ssm_key_dim();
+        r.Hk = d.hp.ssm_n_group;
+        r.Hv = d.hp.ssm_dt_rank;
+        r.items = (int64_t)r.Hv * (S / WARPS);
+        b.phase({r}, "recurrence");
+        Task g;
+        g.kind = K_GATED_PREP;
+        g.in[0] = s.dn_out;
+        g.in[1] = s.z;
+        g.w0 = L.ssm_norm;
+        g.width = d.ssm_value_dim();
+        g.S = S;
+        g.eps = d.hp.rms_eps;
+        g.items = g.width / QK_K;
+        b.prep_for(g, {&L.wssm_out});
+        b.phase({g}, "gated_prep");
+        b.matvecs({&L.wssm_out}, {s.x}, true, "out");
         b.prefix = "ffn.";
-        b.phase({b.norm_prep(s.x, L.post_norm, nullptr, {&L.ffn_gate, &L.ffn_up})}, "norm_prep");
-        b.matvecs({&L.ffn_gate, &L.ffn_up}, {s.ffn_gate, s.ffn_up}, false, "gate_up");
-        Task w;
-        w.kind = K_SWIGLU_PREP;
-        w.in[0] = s.ffn_gate;
-        w.in[1] = s.ffn_up;
-        w.width = d.hp.n_ff;
-        w.items = w.width / QK_K;
-        b.prep_for(w, {&L.ffn_down});
-        b.phase({w}, "swiglu_prep");
-        b.matvecs({&L.ffn_down}, {s.x}, true, "down");
+        ffn_block(e, b, L);
     }
-    const Matrix *head = e.output.present() ? &e.output : &e.tok_embd;
     b.prefix = "head.";
-    b.phase({b.norm_prep(s.x, e.output_norm, s.hidden + E, {head})}, "norm_prep");
-    b.matvecs({head}, {s.logits}, false, "matvec");
-    Task a;
-    a.kind = K_ARGMAX;
-    a.in[0] = s.logits;
-    a.iout = s.argmax;
-    a.width = d.hp.n_vocab;
-    a.items = n;
-    b.phase({a}, "argmax");
+    head_block(e, b, e.output_norm, s.hidden + E, e.output.present() ? &e.output : &e.tok_embd, s.logits, s.argmax, nullptr,
+               false);
 }
 
-Persistent::Program &program_for(Engine &e, int n) {
+// oj_cycle's phases after the verify's (issue 8): acceptance, the MTP block over one row per verified
+// position (catch-up: MTP position pos0 + 1 + i from the main argmax i and the main hidden state of
+// position pos0 + i; the rows up to the accepted k are the committed drafts' and the next token's,
+// the rows past it are overwritten later and never read), draft 1 from row k, then n_draft - 1
+// chained steps (one row each, h = the previous step's normed output). engine_mtp_eval's arithmetic.
+void build_cycle(Engine &e, Builder &b, int n_draft, Cycle *cyc, float *h_chain) {
+    const ModelDims &d = e.dims;
+    Scratch &s = e.s;
+    Mtp &m = e.mtp;
+    const int E = d.hp.n_embd;
+    const Persistent &P = *e.persistent;
+    const bool restricted = P.draft_head.present();
+    const Matrix *head = restricted ? &P.draft_head : m.head;
+    const int32_t *ids = restricted ? s.draft_ids : nullptr;
+    for (int j = 1; j <= n_draft; ++j) {
+        b.seg = j == 1 ? 1 : 2;
+        b.step = j - 1;
+        b.nv = j == 1 ? b.n : 1;
+        b.prefix = j == 1 ? "mtp." : "draft.";
+        Task t;
+        t.kind = K_EMBED;
+        t.mat = *m.embed;
+        t.tokens = j == 1 ? s.argmax : &cyc->drafts[j - 2];
+        t.out = s.xn;
+        t.width = E;
+        t.items = (int64_t)b.nv * ((E + THREADS - 1) / THREADS);
+        if (j == 1) {
+            Task a;
+            a.kind = K_ACCEPT;
+            a.tokens = s.tokens;
+            a.iout = s.argmax;
+            a.items = 1;
+            b.phase({a, t}, "accept_embed");
+        } else {
+            b.phase({t}, "embed");
+        }
+        // enorm(embedding) and hnorm(h) into the two halves of eh_proj's prepared x
+        Task ne = b.norm_prep(s.xn, m.enorm, nullptr, {&m.eh_proj});
+        Task nh = b.norm_prep(j == 1 ? s.hidden + E : h_chain, m.hnorm, nullptr, {&m.eh_proj});
+        nh.rec_off = E / QK_K;
+        b.phase({ne, nh}, "cat_prep");
+        b.matvecs({&m.eh_proj}, {s.x}, false, "eh_proj");
+        attention_block(e, b, m.block);
+        ffn_block(e, b, m.block);
+        if (j == 1) {
+            head_block(e, b, m.head_norm, s.draft_hidden, head, s.draft_logits, s.draft_argmax, ids, restricted);
+            Task k;
+            k.kind = K_PICK;
+            k.in[0] = s.draft_hidden;
+            k.iout = s.draft_argmax;
+            k.out = h_chain;
+            k.width = E;
+            k.items = 1;
+            b.phase({k}, "pick");
+        } else {
+            head_block(e, b, m.head_norm, h_chain, head, s.draft_logits, &cyc->drafts[j - 1], ids, restricted);
+        }
+    }
+    if (n_draft == 0) {   // acceptance alone
+        b.seg = 0;
+        b.prefix = "cycle.";
+        Task a;
+        a.kind = K_ACCEPT;
+        a.tokens = s.tokens;
+        a.iout = s.argmax;
+        a.items = 1;
+        b.phase({a}, "accept");
+    }
+}
+
+// n_draft -1: oj_verify's forward; 0..: oj_cycle's with that many drafts
+Persistent::Program &program_for(Engine &e, int n, int n_draft) {
     Persistent &P = *e.persistent;
-    const int key = n * 4 + e.slot * 2 + e.replay_slot;
+    const auto key = std::make_tuple(n, e.slot, e.replay_slot, n_draft, n_draft > 0 ? P.draft_gen : 0);
     auto it = P.programs.find(key);
     if (it != P.programs.end()) return it->second;
-    Builder b{e, n, {}, {}, {}, {}, {}, {}, ""};
+    Builder b{e, n};
     build(e, b, e.slot, e.replay_slot);
+    if (n_draft >= 0) build_cycle(e, b, n_draft, P.cyc, P.h_chain);
     // shared memory: the matvec rings of the types present, attention's per-warp rows and merge.
     // The rings take 2 stages; OJ_PERSISTENT_STAGES=3 takes 3 where they fit. Measured on the q27b
     // (f833631, scripts/persistent_profile.py): 3 stages made the FFN's matvecs ~10% slower (gate +
@@ -970,13 +1143,14 @@ Persistent::Program &program_for(Engine &e, int n) {
 
 namespace {
 
-// One JSON line per launch: {"n", "pos0", "grid", "phases": [[label, ns, weight bytes], ...]}
+// One JSON line per launch: {"n", "drafts" (-1: a verify), "pos0", "grid", "phases": [[label, ns, weight bytes], ...]}
 // (scripts/persistent_profile.py sums them per label).
-void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f, cudaStream_t st) {
+void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f, int n_draft, cudaStream_t st) {
     check_cuda(cudaMemcpyAsync(P.prof_host, P.prof, (size_t)(pr.n_phases + 1) * 8, cudaMemcpyDeviceToHost, st),
                "persistent kernel: profile");
     check_cuda(cudaStreamSynchronize(st), "persistent kernel: profile");
-    std::string line = "{\"n\": " + std::to_string(f.n) + ", \"pos0\": " + std::to_string(f.pos0) + ", \"grid\": " +
+    std::string line = "{\"n\": " + std::to_string(f.n) + ", \"drafts\": " + std::to_string(n_draft) + ", \"pos0\": " +
+                       std::to_string(f.pos0) + ", \"grid\": " +
                        std::to_string(pr.grid) + ", \"phases\": [";
     for (int i = 0; i < pr.n_phases; ++i) {
         const unsigned long long ns = P.prof_host[i + 1] - P.prof_host[i];
@@ -992,6 +1166,49 @@ void write_profile(Persistent &P, const Persistent::Program &pr, const Frame &f,
 
 }  // namespace
 
+namespace {
+
+// Why oj_cycle cannot run the MTP block in the launch ("" when it can).
+std::string cycle_unfit_reason(const Engine &e) {
+    if (!e.has_mtp) return "the model has no MTP block";
+    const Mtp &m = e.mtp;
+    const std::string p = "blk." + std::to_string(e.dims.hp.n_layer) + ".";
+    const std::vector<std::pair<const Matrix *, std::string>> ms = {
+        {&m.eh_proj, "nextn.eh_proj"}, {&m.block.wq, "attn_q"}, {&m.block.wk, "attn_k"}, {&m.block.wv, "attn_v"},
+        {&m.block.wo, "attn_output"}, {&m.block.ffn_gate, "ffn_gate"}, {&m.block.ffn_up, "ffn_up"},
+        {&m.block.ffn_down, "ffn_down"}, {m.head, "the draft head"}};
+    for (auto &w : ms) {
+        if (w.first->type != TYPE_Q4_K && w.first->type != TYPE_Q6_K)
+            return "MTP tensor " + p + w.second + " is " + type_name(w.first->type) + "; the persistent kernel takes Q4_K and Q6_K";
+        if (w.first->K % QK_K) return "MTP tensor " + p + w.second + " has K = " + std::to_string(w.first->K) + ", not a multiple of 256";
+    }
+    return "";
+}
+
+// The restricted draft head's rows ids[0..n) of `head`, gathered into rows 0..n of `out` (same type
+// and K, out.M rows). Q4_K: rows of K / 256 blocks of 144 bytes; Q6_K: three planes (quant_blocks.cuh),
+// each row-major.
+__global__ void gather_rows_kernel(Matrix head, Matrix out, const int32_t *ids, int n) {
+    const int r = blockIdx.x;
+    if (r >= n) return;
+    const int64_t nb = head.K / QK_K, src = ids[r];
+    auto copy = [&](size_t src_off, size_t dst_off, size_t row_bytes) {
+        const uint8_t *a = head.data + src_off + (size_t)src * row_bytes;
+        uint8_t *b = out.data + dst_off + (size_t)r * row_bytes;
+        for (size_t i = threadIdx.x; i < row_bytes; i += blockDim.x) b[i] = a[i];   // rare: bytes, any alignment
+    };
+    if (head.type == TYPE_Q4_K) {
+        copy(0, 0, (size_t)nb * 144);
+    } else {
+        const Q6Planes ps = q6_K_planes(head.M, head.K), pd = q6_K_planes(out.M, out.K);
+        copy(ps.q, pd.q, (size_t)nb * 192);
+        copy(ps.sc, pd.sc, (size_t)nb * 16);
+        copy(ps.d, pd.d, (size_t)nb * 2);
+    }
+}
+
+}  // namespace
+
 void persistent_init(Engine &e) {
     auto P = std::make_shared<Persistent>();
     const PersistentSettings st = persistent_settings();
@@ -1002,13 +1219,17 @@ void persistent_init(Engine &e) {
     e.persistent = P;
     if (P->mode == 0) {
         P->why = "OJ_PERSISTENT is not set (the multi-kernel path is the default)";
+        P->cycle_why = P->why;
         return;
     }
     P->why = unfit_reason(e);
     if (!P->why.empty()) {
+        P->cycle_why = P->why;
         if (P->mode == 2) fail(OJ_ERR_UNSUPPORTED, "OJ_PERSISTENT=require: " + P->why);
         return;
     }
+    P->cycle_why = cycle_unfit_reason(e);
+    P->cycle_fits = P->cycle_why.empty();
     check_cuda(cudaDeviceGetAttribute(&P->n_sm, cudaDevAttrMultiProcessorCount, e.device), "persistent kernel: SM count");
     check_cuda(cudaDeviceGetAttribute(&P->optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, e.device), "persistent kernel: smem");
     int64_t K = e.dims.hp.n_embd;
@@ -1017,6 +1238,7 @@ void persistent_init(Engine &e) {
         if (L.recurrent) K = std::max<int64_t>(K, L.wssm_out.K);
         else K = std::max<int64_t>(K, L.wo.K);
     }
+    if (P->cycle_fits) K = std::max<int64_t>({K, e.mtp.eh_proj.K, e.mtp.block.ffn_down.K, e.mtp.block.wo.K});
     for (uint8_t *&w : P->ws) {
         const size_t bytes = mvf16::workspace_bytes(K);
         w = static_cast<uint8_t *>(e.alloc(bytes, e.memory.activations));
@@ -1025,6 +1247,10 @@ void persistent_init(Engine &e) {
     P->sync = static_cast<Sync *>(e.alloc(sizeof(Sync), e.memory.activations));
     check_cuda(cudaMemsetAsync(P->sync, 0, sizeof(Sync), e.stream), "persistent kernel: barrier");
     check_cuda(cudaMallocHost(&P->host_error, 2 * sizeof(int)), "persistent kernel: error word");
+    P->cyc = static_cast<Cycle *>(e.alloc(sizeof(Cycle), e.memory.activations));
+    check_cuda(cudaMemsetAsync(P->cyc, 0, sizeof(Cycle), e.stream), "persistent kernel: cycle");
+    check_cuda(cudaMallocHost(&P->cyc_host, sizeof(Cycle)), "persistent kernel: cycle");
+    P->h_chain = static_cast<float *>(e.alloc((size_t)e.dims.hp.n_embd * 4, e.memory.activations));
     if (!st.profile.empty()) {
         P->prof_path = st.profile;
         constexpr size_t STAMPS = 8192;
@@ -1037,17 +1263,23 @@ void persistent_init(Engine &e) {
     P->active = true;
 }
 
-bool persistent_forward(Engine &e, int n) {
-    if (!e.persistent || !e.persistent->active) return false;
+namespace {
+
+// One launch of program (n, n_draft); waits for it and reports a timed-out barrier as an error.
+void launch(Engine &e, int n, int n_draft) {
     Persistent &P = *e.persistent;
-    Persistent::Program &pr = program_for(e, n);
+    Persistent::Program &pr = program_for(e, n, n_draft);
     Frame f;
     f.n = n;
     f.pos0 = e.n_past;
     f.n_replay = e.replay_n;
     f.n_splits = (e.n_past + n + ATTN_SPLIT - 1) / ATTN_SPLIT;
     f.prefetch = P.prefetch ? 1 : 0;
-    if (f.n_splits > e.s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
+    f.n_ids = e.n_draft_ids;
+    f.cyc = P.cyc;
+    // the MTP rows reach position n_past + n + n_draft - 1 at most (oj_cycle checks it fits n_ctx)
+    const int last = e.n_past + n + std::max(n_draft, 0);
+    if ((last + ATTN_SPLIT - 1) / ATTN_SPLIT > e.s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const Phase *phases = pr.phases;
     const Task *tasks = pr.tasks;
     int n_phases = pr.n_phases;
@@ -1074,12 +1306,15 @@ bool persistent_forward(Engine &e, int n) {
         pr.shape = "active: " + std::to_string(pr.grid) + " blocks of " + std::to_string(THREADS) + " threads (" +
                    std::to_string(pr.per_sm) + " per SM by the occupancy calculator, " + std::to_string(P.n_sm) + " SMs), " +
                    std::to_string(pr.smem) + " bytes of shared memory, " + std::to_string(P.regs) + " registers, " +
-                   std::to_string(pr.n_phases) + " phases at " + std::to_string(n) + " positions";
+                   std::to_string(pr.n_phases) + " phases at " + std::to_string(n) + " positions" +
+                   (n_draft >= 0 ? " (a speculative cycle with " + std::to_string(n_draft) + " drafts)" : "");
         pr.shape_grid = pr.grid;
     }
     P.shape = &pr.shape;
     check_cuda(cudaMemcpyAsync(P.host_error, &P.sync->error, 2 * sizeof(int), cudaMemcpyDeviceToHost, e.stream),
                "persistent kernel: error word");
+    if (n_draft >= 0)
+        check_cuda(cudaMemcpyAsync(P.cyc_host, P.cyc, sizeof(Cycle), cudaMemcpyDeviceToHost, e.stream), "persistent kernel: cycle");
     check_cuda(cudaStreamSynchronize(e.stream), "persistent kernel");
     if (P.host_error[0]) {
         const int phase = P.host_error[1];
@@ -1089,8 +1324,53 @@ bool persistent_forward(Engine &e, int n) {
         fail(OJ_ERR_CUDA, "persistent kernel: a grid barrier timed out after phase " + std::to_string(phase) + " of " +
                               std::to_string(pr.n_phases) + " (blocks not co-resident, or a phase did not finish)");
     }
-    if (prof) write_profile(P, pr, f, e.stream);
+    if (prof) write_profile(P, pr, f, n_draft, e.stream);
+}
+
+}  // namespace
+
+bool persistent_forward(Engine &e, int n) {
+    if (!e.persistent || !e.persistent->active) return false;
+    launch(e, n, -1);
     return true;
+}
+
+bool persistent_cycle_fits(const Engine &e, int n_draft) {
+    return e.persistent && e.persistent->active && (n_draft == 0 || e.persistent->cycle_fits);
+}
+
+void persistent_cycle(Engine &e, int n, int n_draft, int &k, int32_t *argmax, int32_t *drafts) {
+    launch(e, n, n_draft);
+    const Cycle &c = *e.persistent->cyc_host;
+    k = c.k;
+    for (int i = 0; i < n; ++i) argmax[i] = c.argmax[i];
+    for (int i = 0; i < n_draft; ++i) drafts[i] = c.drafts[i];
+}
+
+void persistent_draft_vocab(Engine &e, int n_ids) {
+    if (!e.persistent || !e.persistent->active || !e.persistent->cycle_fits) return;
+    Persistent &P = *e.persistent;
+    if (n_ids == 0) {   // the whole vocabulary again: the programs of generation 0 take m.head
+        P.draft_head = Matrix{};
+        P.draft_gen = 0;
+        return;
+    }
+    const Matrix &head = *e.mtp.head;
+    if (!P.draft_head.present() || P.draft_head.M < n_ids) {
+        // room for growth (the speculator adds the tokens it meets): whole 32-row tiles, 1/4 spare;
+        // the programs of the old generation keep their memory (one per growth, a few hundred KB)
+        const int64_t rows = std::min<int64_t>(head.M, ((int64_t)n_ids * 5 / 4 + 31) / 32 * 32);
+        Matrix m = head;
+        m.M = rows;
+        const size_t bytes = device_layout_bytes(head.type, head.K, rows);
+        m.data = static_cast<uint8_t *>(e.alloc(bytes, e.memory.weights));
+        check_cuda(cudaMemsetAsync(m.data, 0, bytes, e.stream), "draft head");
+        P.draft_head = m;
+        P.draft_gen = P.draft_gen + 1 + (P.draft_gen == 0);   // never 0 (the whole vocabulary's)
+    }
+    gather_rows_kernel<<<n_ids, 256, 0, e.stream>>>(head, P.draft_head, e.s.draft_ids, n_ids);
+    check_cuda(cudaGetLastError(), "draft head gather");
+    check_cuda(cudaStreamSynchronize(e.stream), "draft head gather");
 }
 
 const char *persistent_why(const Engine &e) {

@@ -12,6 +12,14 @@ The rules and the invariant are speculative.py's; this module only drives the na
 (backends/native.py), whose verify/commit/draft_* calls keep the MTP cache in step. Greedy
 requests without penalties or bias verify on the GPU's argmax (one copy of D + 1 ints); otherwise
 the target's rows are copied only as far as verification reads them.
+
+Fused cycles (issue 8): where the library has oj_cycle (backend.supports_cycle), those greedy
+requests run each cycle as one call that verifies, commits, makes the next token's MTP row and
+drafts from it; the next cycle verifies those drafts (`_next`). A cycle drafts on the host
+(draft_first/draft_next) only where no call left drafts for its token: the first of a request, or
+after a call with no room left in the context to draft.
+The in-call drafts see the draft vocabulary of the call: the tokens a cycle emits join it for the
+next call, one cycle later than on the host path (acceptance may differ, never the output).
 """
 
 from __future__ import annotations
@@ -80,11 +88,14 @@ class NativeSpeculator:
         self.rule = rule
         self.oracle = oracle
         self.stats = SpeculativeStats(self.policy.depth)
+        # (n_past, token, drafts) from the last fused call: its next token's MTP row and drafts
+        self._next: tuple[int, int, list[int]] | None = None
 
     def begin(self, history: Sequence[int]) -> None:
         """A new request whose tokens so far (prompt) are `history`."""
         self.policy.reset()
         self.stats = SpeculativeStats(self.policy.depth)
+        self._next = None
         if self.restricted:
             self.vocab = self.base_vocab.copy()
             self.vocab.add(history)
@@ -128,6 +139,12 @@ class NativeSpeculator:
         """One cycle from `token` (the last of `history`, not yet in the state). Returns (emitted:
         the accepted drafts and one more token, depth, accepted); the state then holds `token`
         and the accepted drafts, and the last emitted token starts the next cycle."""
+        if (params.greedy and not params.has_penalties and not params.logit_bias
+                and getattr(self.b, "supports_cycle", False)):
+            out = self._cycle_fused(int(token), history, params, rng, max_emit)
+            if out is not None:
+                return out
+        self._next = None
         b = self.b
         pos = b.n_past
         room = b.n_ctx - pos - 1                       # positions left after the current token's
@@ -161,3 +178,43 @@ class NativeSpeculator:
         if self.restricted:
             self.vocab.add(emitted)
         return emitted, depth, v.n_accepted
+
+    def _cycle_fused(self, token: int, history: Sequence[int], params: SamplingParams,
+                     rng: np.random.Generator, max_emit: int) -> tuple[list[int], int, int] | None:
+        """cycle() through oj_cycle; None (nothing done) where the host path is the one to take:
+        no drafts this cycle and no MTP row for the token, which a draft-less cycle would not make."""
+        b = self.b
+        pos = b.n_past
+        room = b.n_ctx - pos - 1
+        depth = max(0, min(self.policy.next_depth(), max_emit - 1, room))
+        last, self._next = self._next, None
+        # the last call left this token's MTP row, and drafts from it, in the engine
+        row = last is not None and last[:2] == (pos, token)
+        if depth == 0 and not row:
+            return None
+        if row and self.oracle is None:
+            drafts = last[2][:depth]
+        elif depth > 0:
+            # the host's drafts; the MTP head's first step makes the token's row (not the oracle's)
+            drafts = self._drafts(token, pos, depth, [int(t) for t in history], params, rng)[0]
+            row = row or self.oracle is None
+        else:
+            drafts = []
+        # drafts for the next cycle, which verifies 1 + n_draft positions after up to 1 + len(drafts)
+        # committed here: pos + 1 + len(drafts) + n_draft < n_ctx
+        n_draft = 0
+        if b.supports_speculative:
+            n_draft = max(0, min(self.policy.depth, b.n_ctx - pos - 2 - len(drafts)))
+        if n_draft and not row:
+            b.draft_first(token)                       # oracle drafts: the head's row of the token only
+        if n_draft:
+            self._upload()                             # the tokens emitted so far draft with this call
+        k, emitted, nxt = b.cycle([token] + drafts, n_draft)
+        if n_draft:
+            self._next = (pos + 1 + k, emitted[-1], nxt)
+        depth = len(drafts)
+        self.policy.update(depth, k)
+        self.stats.record(depth, k, len(emitted))
+        if self.restricted:
+            self.vocab.add(emitted)
+        return emitted, depth, k

@@ -1,7 +1,7 @@
 """Per-phase time of the persistent kernel (native/persistent.cu) from OJ_PERSISTENT_PROFILE's file:
 each launch's phases (block 0's timer at the end of each phase, the grid barrier included) summed
-per label (dn.proj, ffn.down, at.partial, ...), averaged over the launches of each position count,
-with the weight bytes each matvec phase streams, its rate and its floor at the read bandwidth.
+per label (dn.proj, ffn.down, at.partial, mtp.eh_proj, draft.head.matvec ...), averaged over the
+launches of each program (position count, and drafts for oj_cycle's launches), with the weight bytes each matvec phase streams, its rate and its floor at the read bandwidth.
 
     OJ_PERSISTENT=1 OJ_PERSISTENT_PROFILE=/tmp/prof.jsonl python scripts/persistent_time.py MODEL
     python scripts/persistent_profile.py /tmp/prof.jsonl [--bandwidth 4470] [--skip 5]
@@ -39,10 +39,15 @@ def read_profile(path: str) -> list[dict]:
     return out
 
 
-def summarise(lines: list[dict], bandwidth_gbs: float) -> dict[int, dict]:
-    by_n: dict[int, list[dict]] = defaultdict(list)
+def program(r: dict) -> tuple[int, int]:
+    """(positions, drafts): drafts -1 for a verify's launch (and in files written before oj_cycle)."""
+    return int(r["n"]), int(r.get("drafts", -1))
+
+
+def summarise(lines: list[dict], bandwidth_gbs: float) -> dict[tuple[int, int], dict]:
+    by_n: dict[tuple[int, int], list[dict]] = defaultdict(list)
     for r in lines:
-        by_n[int(r["n"])].append(r)
+        by_n[program(r)].append(r)
     out = {}
     for n, runs in sorted(by_n.items()):
         ns: dict[str, float] = defaultdict(float)
@@ -79,14 +84,15 @@ def main() -> int:
     except (OSError, ValueError) as e:
         print(f"persistent_profile: {e}", file=sys.stderr)
         return 2
-    seen: dict[int, int] = defaultdict(int)
+    seen: dict[tuple[int, int], int] = defaultdict(int)
     kept = []
     for r in lines:
-        seen[r["n"]] += 1
-        if seen[r["n"]] > a.skip:
+        seen[program(r)] += 1
+        if seen[program(r)] > a.skip:
             kept.append(r)
-    for n, s in summarise(kept, a.bandwidth).items():
-        print(f"## {n} position(s): {s['launches']} launches, {s['ms']:.3f} ms per launch, {s['phases']} phases, "
+    for (n, drafts), s in summarise(kept, a.bandwidth).items():
+        what = f"{n} position(s)" + (f", a cycle drafting {drafts}" if drafts >= 0 else "")
+        print(f"## {what}: {s['launches']} launches, {s['ms']:.3f} ms per launch, {s['phases']} phases, "
               f"weight-byte floor {s['floor_ms']:.3f} ms")
         print("| phase | per launch | ms | share | GB | GB/s | floor ms |")
         print("|---|---|---|---|---|---|---|")

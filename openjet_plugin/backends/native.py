@@ -16,6 +16,10 @@ Batched prefill (issue 9): spans of more than PREFILL_MIN_SPAN prompt tokens go 
 oj_prefill (passes of `prefill_chunk` positions on the tensor cores); shorter ones, and everything
 when prefill_chunk is 0, through oj_eval, 8 positions a call. The engine makes the MTP rows of a
 prefill itself when its MTP cache ends at n_past on entry; a speculating backend arranges that.
+
+Fused cycles (issue 8): `cycle` is oj_cycle, a greedy cycle in one call (verify, accept, commit,
+then the next token's MTP row and its drafts); one launch on the persistent kernel. The engine's
+MTP cache then runs a row ahead of `_mtp_upto`: `_token_row` says for which (position, token).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ MAX_PREFILL_CHUNK = 4096     # OJ_MAX_PREFILL_CHUNK
 DELTANET_CHUNK = 64          # deltanet_chunked.cuh's chunk C
 DELTANET_CHUNK_COEF_BYTES = 2 * DELTANET_CHUNK * DELTANET_CHUNK * 2 + 3 * DELTANET_CHUNK * 4   # its ChunkCoef::bytes
 PREFILL_ABI = 3              # the first oj_abi_version() with oj_prefill
+CYCLE_ABI = 4                # the first oj_abi_version() with oj_cycle
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -244,6 +249,7 @@ class NativeBackend:
         self.batched_prefill = (self.prefill_chunk > 0
                                 and int(self._nl.lib.oj_abi_version()) >= PREFILL_ABI)
         self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
+        self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
         self._engine = self._create(model_file, kv_type, device)
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
@@ -252,6 +258,10 @@ class NativeBackend:
         self.supports_speculative = self.has_mtp and self.draft_depth > 0
         self._mtp_upto = 0          # MTP rows of positions < this are made from main hiddens
         self._uncaught: list[int] = []   # committed tokens at positions _mtp_upto.. without a row
+        # (position, token) of the current token's MTP row made ahead of the committed rows, by
+        # draft_first or by the last cycle for its next token: what oj_cycle drafts from. It stays
+        # valid while n_past is that position and no MTP call rewrites the row.
+        self._token_row: tuple[int, int] | None = None
         self._verify_tokens: list[int] = []
         self._draft_vocab_len = 0
 
@@ -458,6 +468,7 @@ class NativeBackend:
         self._last_n = 0
         self._checkpoints = []
         self._mtp_upto, self._uncaught, self._verify_tokens = 0, [], []
+        self._token_row = None
 
     # --- checkpoints (backends/base.py's optional protocol) ------------------------------------
     def save_checkpoint(self) -> None:
@@ -486,6 +497,7 @@ class NativeBackend:
         self._checkpoints = keep
         self._last_n = 0
         self._mtp_upto, self._uncaught, self._verify_tokens = min(self._mtp_upto, n), [], []
+        self._cut_rows(n)                               # the engine cut the MTP cache to n
         return int(out[0])
 
     # --- speculative cycles (used by speculative_native.NativeSpeculator) ----------------------
@@ -514,7 +526,75 @@ class NativeBackend:
             skip = max(0, self._mtp_upto - start)      # the first draft step made position start's row
             self._uncaught += kept[skip:]
 
+    def cycle(self, tokens: list[int], n_draft: int) -> tuple[int, list[int], list[int]]:
+        """One greedy cycle in one call (oj_cycle): verify tokens = [current token, drafts] at
+        n_past, accept the drafts equal to the main model's argmax before them, commit the current
+        token and those, and with n_draft > 0 draft n_draft tokens from the next token. Returns
+        (n_accepted, emitted: the accepted drafts then the next token, the next token's drafts).
+        n_draft > 0 drafts from the current token's MTP row: draft_first(token) makes it, and so
+        does a cycle whose next token it was. Results read afterwards (argmax, logits) are the
+        verify's positions."""
+        toks = [int(t) for t in tokens]
+        if not 1 <= len(toks) <= MAX_POSITIONS:
+            raise ValueError(f"cycle takes 1..{MAX_POSITIONS} tokens (the current token and up to "
+                             f"{MAX_POSITIONS - 1} drafts), got {len(toks)}")
+        if (isinstance(n_draft, bool) or not isinstance(n_draft, (int, np.integer))
+                or not 0 <= n_draft < MAX_POSITIONS):
+            raise ValueError(f"n_draft must be an integer in [0, {MAX_POSITIONS - 1}] (the drafts of the "
+                             f"next verify), got {n_draft!r}")
+        n_draft = int(n_draft)
+        if n_draft and not self.supports_speculative:
+            raise ValueError(f"n_draft {n_draft} needs the MTP head (this backend: MTP block "
+                             f"{'present' if self.has_mtp else 'absent'}, draft_depth {self.draft_depth})")
+        self._chunks(toks)                             # ids, the verify's positions in the context
+        pos = self.n_past
+        if pos + len(toks) + n_draft > self.n_ctx:
+            # the last draft comes from MTP row pos + len(toks) + n_draft - 1 when all are accepted
+            raise ContextOverflowError(pos + len(toks) + n_draft, self.n_ctx, (
+                f"a cycle of {len(toks)} tokens with n_draft {n_draft} at n_past {pos} needs "
+                f"{pos + len(toks) + n_draft} positions; the context window has {self.n_ctx}"))
+        # rows still owed need the last verify's hiddens, which the cycle's own verify replaces
+        self._flush_mtp()
+        if n_draft and self._token_row != (pos, toks[0]):
+            row = self._token_row
+            upto, why = self._mtp_upto, ""
+            if row is not None and row[0] == pos:
+                upto, why = pos + 1, f" (the row at {pos} was made for token {row[1]}, not {toks[0]})"
+            raise RuntimeError(f"cycle with n_draft {n_draft} drafts from the current token's MTP row: "
+                               f"MTP rows reach {upto}{why}, they must reach n_past + 1 = {pos + 1} "
+                               f"(draft_first(token) makes the row)")
+        ffi = self._nl.ffi
+        buf = ffi.new("int32_t[]", toks)
+        n_acc = ffi.new("int32_t *")
+        out = ffi.new("int32_t[]", len(toks))
+        drafts = ffi.new("int32_t[]", n_draft) if n_draft else ffi.NULL
+        self._check(self._nl.lib.oj_cycle(self._handle(), buf, len(toks), n_draft, n_acc, out, drafts), "cycle")
+        k = int(n_acc[0])
+        emitted = [int(out[i]) for i in range(k + 1)]
+        self._last_n = len(toks)
+        self._verify_tokens = []
+        if n_draft:
+            # the engine made the rows of the accepted drafts and of the next token; the next
+            # token's row counts as not made, so a host draft_first remakes it (the same row) and
+            # only a cycle from that very token relies on it
+            self._uncaught = []
+            self._mtp_upto = pos + 1 + k
+            self._token_row = (pos + 1 + k, emitted[-1])
+        else:
+            # the MTP cache is as before: the committed tokens owe their rows, as after commit()
+            self._token_row = None
+            if self.supports_speculative:
+                skip = max(0, self._mtp_upto - pos)
+                self._uncaught += toks[:1 + k][skip:]
+        return k, emitted, [int(drafts[i]) for i in range(n_draft)]
+
+    def _cut_rows(self, pos0: int) -> None:
+        """MTP rows from pos0 on are dropped or rewritten: a current token's row there is gone."""
+        if self._token_row is not None and self._token_row[0] >= pos0:
+            self._token_row = None
+
     def _mtp_call(self, tokens: list[int], pos0: int, h: str) -> None:
+        self._cut_rows(pos0)
         buf = self._nl.ffi.new("int32_t[]", tokens)
         self._check(self._nl.lib.oj_mtp_eval(self._handle(), buf, len(tokens), int(pos0), _H_SOURCES[h],
                                              self._nl.ffi.NULL), "mtp_eval")
@@ -543,6 +623,7 @@ class NativeBackend:
         self._mtp_call(toks, self._mtp_upto, "main")
         self._uncaught = []
         self._mtp_upto = pos + 1
+        self._token_row = (pos, int(token))
         self._mtp_last = len(toks)
         out = self._nl.ffi.new("int32_t[]", len(toks))
         self._check(self._nl.lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
@@ -601,6 +682,7 @@ class NativeBackend:
             h_ptr = ffi.from_buffer("float[]", arr)
             source = 2
         buf = ffi.new("int32_t[]", toks)
+        self._cut_rows(int(pos0))
         self._check(lib.oj_mtp_eval(self._handle(), buf, len(toks), int(pos0), source, h_ptr), "mtp_eval")
         self._mtp_last = len(toks)
         self._mtp_upto = min(self._mtp_upto, int(pos0))   # rows from here on are the caller's
