@@ -626,3 +626,20 @@ def test_the_bookkeeping_tests_with_oj_cycle(cycle_native, template, test, args,
     test(cycle_native, template, *args)
     calls = sum(len(lib.cycles) for lib in cycle_native)
     assert (calls > 0) == fused, calls
+
+
+def test_bench_oracle_rows_say_whether_the_draft_pass_is_timed():
+    """openjet bench's spec_tps rows: with oj_cycle every cycle also runs the MTP head's draft pass
+    (timed, its drafts unused); without it the oracle costs no MTP pass. The note says which."""
+    from openjet_plugin.bench import spec
+
+    class Fused:
+        supports_cycle = True
+        supports_speculative = True
+
+    class Host:
+        supports_cycle = False
+        supports_speculative = True
+
+    assert spec.oracle_note(Fused()) == spec.ORACLE_CYCLE_NOTE and "draft pass are timed" in spec.ORACLE_CYCLE_NOTE
+    assert spec.oracle_note(Host()) == spec.ORACLE_NOTE and "no MTP draft pass" in spec.ORACLE_NOTE

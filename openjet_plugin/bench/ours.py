@@ -197,7 +197,7 @@ def spec_phase(be, args, out: Emitter, history: list[int], rng: np.random.Genera
         D = params["drafts"]
         if metric == "spec_tps":
             make = spec.oracle_factory(be, point, params["acceptance"], D)
-            note = spec.ORACLE_NOTE
+            note = spec.oracle_note(be)
         elif not getattr(be, "has_mtp", False):
             out.skip(metric, params, f"{Path(args.model).name} has no MTP block: nothing drafts")
             continue

@@ -280,8 +280,10 @@ def _spec_section(side, by_key, status, details, pending, median_of) -> list[str
         return []
     out = ["", "## Speculative decoding (bench model, greedy)", "",
            "spec_tps: drafts from an oracle over the model's own greedy continuation, each right with "
-           "probability a (forced acceptance), D drafts every cycle; the oracle costs no MTP pass, so the "
-           "draft cost is not included (the MTP catch-up on accepted positions is). spec_mtp_tps: the "
+           "probability a (forced acceptance), D drafts every cycle; where the engine has oj_cycle, each "
+           "cycle still runs and times the MTP head's draft pass (a real cycle's cost, its drafts unused), "
+           "elsewhere the oracle costs no MTP pass (the MTP catch-up on accepted positions is timed; the "
+           "row's drafts_from says which). spec_mtp_tps: the "
            "model's MTP head drafts, at whatever acceptance it gets. tokens/cycle, acceptance per draft "
            "slot and ms/cycle are over all repetitions; ×: ratio of medians to plain decode at the same "
            "depth (openjet's, llama.cpp's); of roofline: over the plain-decode roofline at that depth "

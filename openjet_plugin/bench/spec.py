@@ -29,6 +29,16 @@ import numpy as np
 
 ORACLE_NOTE = ("oracle drafts (forced acceptance): no MTP draft pass is timed; the MTP catch-up on "
                "accepted positions is")
+# with oj_cycle (NativeBackend.supports_cycle) every cycle also drafts from the MTP head, as a real
+# cycle does, and the oracle's drafts are the ones verified
+ORACLE_CYCLE_NOTE = ("oracle drafts (forced acceptance) verified by oj_cycle: each cycle's MTP catch-up and "
+                     "its D-step MTP draft pass are timed (their drafts unused)")
+
+
+def oracle_note(be) -> str:
+    """What a spec_tps row times on this backend."""
+    fused = getattr(be, "supports_cycle", False) and getattr(be, "supports_speculative", False)
+    return ORACLE_CYCLE_NOTE if fused else ORACLE_NOTE
 MTP_NOTE = "the model's MTP head drafts (its passes are timed)"
 # the history handed to each cycle: greedy verification without penalties reads none of it, and
 # copying the whole 8K-token history every cycle would time host list copies
