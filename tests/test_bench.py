@@ -1233,6 +1233,11 @@ def test_rows_left_out_by_only_are_listed_not_failed(tmp_path, monkeypatch, tiny
     reasons = {m["reason"] for m in got["manifest"]["not_measured"]}
     assert reasons == {runner.NOT_SELECTED}
     assert {r["metric"] for r in got["results"]} == {"prefill_tps"}
+    # --no-peer too: the peer's rows are asked not to be measured (listed with that reason, exit 0)
+    rc = runner.main(base + ["--no-peer", "--resume", str(tmp_path / "r3"), "--json", str(tmp_path / "3.json")])
+    assert rc == 0
+    got = json.loads((tmp_path / "3.json").read_text())
+    assert runner.NO_PEER in {m["reason"] for m in got["manifest"]["not_measured"]}
     broken["on"] = True
     rc = runner.main(base + ["--resume", str(tmp_path / "r2"), "--json", str(tmp_path / "2.json")])
     assert rc == runner.EXIT_INCOMPLETE_FAILED

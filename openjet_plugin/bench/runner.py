@@ -372,6 +372,8 @@ def group_peer_prefill(run: Run, new_tokens: int, depth: int) -> None:
 
 
 NOT_SELECTED = "not selected (--only)"   # the reason given to rows that --only leaves out
+NO_OURS, NO_PEER = "disabled by --no-ours", "disabled by --no-peer"
+ASKED_NOT_TO = (NOT_SELECTED, NO_OURS, NO_PEER)   # rows the command line left out: not failures
 
 
 def groups(run: Run) -> list[tuple[str, float, list, object]]:
@@ -667,9 +669,9 @@ def main(argv: list[str] | None = None) -> int:
               peer_proc=proc, peer_problem=peer_problem, t0=t_start)
     planned, pending = plan(settings)
     if args.no_ours:
-        run.mark([r for r in planned if r[1] == OURS and r[0] not in ("read_gbps", "copy_gbps")], "disabled by --no-ours")
+        run.mark([r for r in planned if r[1] == OURS and r[0] not in ("read_gbps", "copy_gbps")], NO_OURS)
     if args.no_peer:
-        run.mark([r for r in planned if r[1] == PEER], "disabled by --no-peer")
+        run.mark([r for r in planned if r[1] == PEER], NO_PEER)
     try:
         run_groups(run)
     finally:
@@ -712,8 +714,8 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(text)
     sys.stdout.write(md)
     log(f"wrote {json_path} and {md_path}")
-    # rows left out by --only were asked not to be measured: they are listed, not failures
-    missing = [m for m in man["not_measured"] if m["reason"] != NOT_SELECTED]
+    # rows left out by --only, --no-ours or --no-peer were asked not to be measured: listed, not failures
+    missing = [m for m in man["not_measured"] if m["reason"] not in ASKED_NOT_TO]
     if not missing:
         return 0
     if any(is_time_reason(m["reason"]) for m in missing):
