@@ -454,39 +454,18 @@ __device__ void attn_partial_item(const Task &t, const Frame &f, int64_t it, flo
 #pragma unroll
     for (int i = 0; i < PER; ++i) q[i] = t.in[0][((int64_t)pos_i * t.H + h) * D + lane * PER + i];
     const int64_t row0 = (int64_t)g * t.n_ctx;
-    float m = -INFINITY, l = 0.0f, acc[PER];
-#pragma unroll
-    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
-    for (int p = begin + warp; p < end; p += WARPS) {
-        float kk[PER], vv[PER], ks = 1.0f, vs = 1.0f;
-        if constexpr (Q8) {
-            const int8_t *kb = static_cast<const int8_t *>(t.kc) + (row0 + p) * D + lane * PER;
-            const int8_t *vb = static_cast<const int8_t *>(t.vc) + (row0 + p) * D + lane * PER;
-#pragma unroll
-            for (int i = 0; i < PER; ++i) kk[i] = kb[i], vv[i] = vb[i];
-            ks = __half2float(t.ks[(row0 + p) * (D / 32) + lane * PER / 32]);
-            vs = __half2float(t.vs[(row0 + p) * (D / 32) + lane * PER / 32]);
-        } else {
-            const __half2 *kp = reinterpret_cast<const __half2 *>(static_cast<const __half *>(t.kc) + (row0 + p) * D + lane * PER);
-            const __half2 *vp = reinterpret_cast<const __half2 *>(static_cast<const __half *>(t.vc) + (row0 + p) * D + lane * PER);
-#pragma unroll
-            for (int i = 0; i < PER / 2; ++i) {
-                const float2 a = __half22float2(kp[i]), b = __half22float2(vp[i]);
-                kk[2 * i] = a.x, kk[2 * i + 1] = a.y, vv[2 * i] = b.x, vv[2 * i + 1] = b.y;
-            }
-        }
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) dot += q[i] * kk[i];
-        const float sc = warp_sum(dot * ks) * scale;
-        const float m_new = fmaxf(m, sc);
-        const float corr = expf(m - m_new), w = expf(sc - m_new);
-        l = l * corr + w;
-        const float wd = w * vs;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) acc[i] = acc[i] * corr + wd * vv[i];
-        m = m_new;
-    }
+    // each warp's positions 4 at a time, double buffered (chunked_scan, attention_common.cuh: the
+    // multi-kernel chunked partial's arithmetic with this block's 8 warps interleaving): 8 rows in
+    // flight per warp instead of one dependent row (bench/results/2026-11-30-cycle-profile-q27b-
+    // depth8192-60999ef.md: the one-row loop made at.partial 27% of a cycle at depth 8192)
+    using Bits = RowBits<Q8 ? PER : 2 * PER>;
+    const size_t elem = Q8 ? 1 : 2;
+    const Bits *kb = reinterpret_cast<const Bits *>(static_cast<const char *>(t.kc) + (row0 * D + lane * PER) * elem);
+    const Bits *vb = reinterpret_cast<const Bits *>(static_cast<const char *>(t.vc) + (row0 * D + lane * PER) * elem);
+    const __half *ksb = t.ks + row0 * (D / 32) + lane * PER / 32;   // q8_0 only
+    const __half *vsb = t.vs + row0 * (D / 32) + lane * PER / 32;
+    float m, l, acc[PER];
+    chunked_scan<D, Q8, 4, WARPS>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc);
     float *sm_m = smem, *sm_l = smem + WARPS, *sm_acc = smem + 2 * WARPS;
     if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
 #pragma unroll

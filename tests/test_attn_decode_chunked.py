@@ -1,5 +1,6 @@
 """The chunked decode-attention partial kernel (native/attention.cu, attention_partial_chunked_kernel,
-OJ_ATTN_CHUNK=1) without a GPU.
+OJ_ATTN_CHUNK=1; its scan, chunked_scan in attention_common.cuh, is also the persistent kernel's
+partial phase with 8 warps) without a GPU.
 
 - Its algorithm transcribed in numpy, step for step: split-K blocks of SPLIT = 256 cached positions,
   4 warps per block interleaving row by row, each warp taking its positions C at a time (positions
@@ -64,21 +65,22 @@ def test_butterfly_lane_holds_sum_of_its_chunk_position(c):
 
 # --- the chunked split-K online softmax ------------------------------------------------------------
 
-def chunked_attention(scores: np.ndarray, values: np.ndarray, length: int, c: int):
+def chunked_attention(scores: np.ndarray, values: np.ndarray, length: int, c: int, warps: int = WARPS):
     """One (head, position) of attention_partial_chunked_kernel + attention_combine_kernel (without
     the gate): scores [>= length] (already times 1/sqrt(D)), values [>= length][D]; rows at or past
-    `length` must never be read (the caller fills them with NaN)."""
+    `length` must never be read (the caller fills them with NaN). warps: the block's warps that
+    interleave row by row (chunked_scan's STEP: 4 in attention.cu, 8 in the persistent kernel)."""
     d = values.shape[1]
     n_splits = (length + SPLIT - 1) // SPLIT
     part_m, part_l, part_acc = [], [], []
     for split in range(n_splits):
         begin, end = split * SPLIT, min(split * SPLIT + SPLIT, length)
         wm, wl, wacc = [], [], []
-        for warp in range(WARPS):
+        for warp in range(warps):
             m, l, acc = -np.inf, 0.0, np.zeros(d)
             p0 = begin + warp
             while p0 < end:
-                ps = p0 + WARPS * np.arange(c)
+                ps = p0 + warps * np.arange(c)
                 valid = ps < end
                 # masked positions load nothing: zero rows, score -inf
                 sc = np.where(valid, scores[np.minimum(ps, end - 1)], -np.inf)
@@ -90,7 +92,7 @@ def chunked_attention(scores: np.ndarray, values: np.ndarray, length: int, c: in
                 acc = acc * corr + w @ vr
                 l = l * corr + w.sum()
                 m = m_new
-                p0 += WARPS * c
+                p0 += warps * c
             wm.append(m)
             wl.append(l)
             wacc.append(acc)
@@ -124,9 +126,10 @@ def boundary_lengths():
     return sorted(ls)
 
 
-@pytest.mark.parametrize("c", [4, 8])
-def test_chunked_online_softmax_equals_direct_softmax(c):
-    rng = np.random.default_rng(100 + c)
+@pytest.mark.parametrize("c,warps", [(4, 4), (8, 4), (4, 8)])
+def test_chunked_online_softmax_equals_direct_softmax(c, warps):
+    """(4, 8): the persistent kernel's partial phase (chunked_scan with its 8 warps)."""
+    rng = np.random.default_rng(100 + c + warps)
     d = 8
     for length in boundary_lengths():
         rows = length + 40
@@ -134,12 +137,12 @@ def test_chunked_online_softmax_equals_direct_softmax(c):
         values = rng.standard_normal((rows, d))
         scores[length:] = np.nan              # a read past the causal length would show
         values[length:] = np.nan
-        got = chunked_attention(scores, values, length, c)
+        got = chunked_attention(scores, values, length, c, warps)
         s = scores[:length]
         w = np.exp(s - s.max())
         want = (w / w.sum()) @ values[:length]
-        assert np.all(np.isfinite(got)), f"length {length}, C {c}: non-finite output"
-        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"length {length}, C {c}")
+        assert np.all(np.isfinite(got)), f"length {length}, C {c}, {warps} warps: non-finite output"
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12, err_msg=f"length {length}, C {c}, {warps} warps")
 
 
 def test_chunked_softmax_with_one_dominant_score_late_in_a_chunk():
