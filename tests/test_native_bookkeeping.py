@@ -238,20 +238,25 @@ class FakeLib:
         return 0
 
 
-@pytest.fixture()
-def fake_native(monkeypatch):
-    # the source tree's header (ABI 3), not a stale copy a local build left beside the library
+def install_fake(monkeypatch, lib_class) -> list:
+    """_native.load gives a fresh lib_class(ffi) per backend (collected in the returned list), over
+    the source tree's header, not a stale copy a local build left beside the library."""
     monkeypatch.setattr(_native, "header_path", lambda: _native.SOURCE_HEADER)
     ffi = _native.make_ffi()
-    libs: list[FakeLib] = []
+    libs: list = []
 
     def load():
-        lib = FakeLib(ffi)
+        lib = lib_class(ffi)
         libs.append(lib)
         return SimpleNamespace(ffi=ffi, lib=lib)
 
     monkeypatch.setattr(_native, "load", load)
     return libs
+
+
+@pytest.fixture()
+def fake_native(monkeypatch):
+    return install_fake(monkeypatch, FakeLib)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -387,17 +386,7 @@ class CycleLib(nb.FakeLib):
 
 @pytest.fixture()
 def cycle_native(monkeypatch):
-    monkeypatch.setattr(_native, "header_path", lambda: _native.SOURCE_HEADER)
-    ffi = _native.make_ffi()
-    libs: list[CycleLib] = []
-
-    def load():
-        lib = CycleLib(ffi)
-        libs.append(lib)
-        return SimpleNamespace(ffi=ffi, lib=lib)
-
-    monkeypatch.setattr(_native, "load", load)
-    return libs
+    return nb.install_fake(monkeypatch, CycleLib)
 
 
 @pytest.fixture(scope="module")

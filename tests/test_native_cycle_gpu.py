@@ -94,13 +94,7 @@ def test_greedy_fused_cycles_equal_plain(native, workdir, name):
             assert be.supports_cycle
             _counting(be, calls)
             where = _path(be)
-            outs, cycles, acc, prop = [], 0, 0, 0
-            for p in prompts:
-                r = eng.generate(p, max_tokens=ts.N_TOKENS, temperature=0)
-                outs.append(list(r.tokens))
-                cycles += r.stats.cycles
-                acc += r.stats.drafts_accepted
-                prop += r.stats.drafts_proposed
+            outs, cycles, acc, prop = ts._generate_greedy(eng, prompts, ts.N_TOKENS)
         finally:
             eng.close()
         ties = ts._compare(f"{name} D={depth} fused", path, prompts, outs, plain)

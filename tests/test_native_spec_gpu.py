@@ -105,6 +105,18 @@ def _top2_gap(path: Path, tokens: list[int]) -> float:
     return float(two[1] - two[0]) / max(1.0, float(np.abs(row).max()))
 
 
+def _generate_greedy(eng, prompts, n_tokens: int) -> tuple[list[list[int]], int, int, int]:
+    """Greedy generations of every prompt: (tokens per prompt, cycles, drafts accepted, proposed)."""
+    outs, cycles, acc, prop = [], 0, 0, 0
+    for p in prompts:
+        r = eng.generate(p, max_tokens=n_tokens, temperature=0)
+        outs.append(list(r.tokens))
+        cycles += r.stats.cycles
+        acc += r.stats.drafts_accepted
+        prop += r.stats.drafts_proposed
+    return outs, cycles, acc, prop
+
+
 def _compare(label, path, prompts, spec_outs, plain_outs) -> int:
     """Assert spec == plain except from a near-tie on; returns the number of near-tie divergences."""
     ties = 0
@@ -132,13 +144,7 @@ def test_greedy_speculative_equals_plain(native, workdir, name):
     for depth in (1, 2, 3, 4):
         eng = _engine(path, depth)
         try:
-            outs, cycles, acc, prop = [], 0, 0, 0
-            for p in prompts:
-                r = eng.generate(p, max_tokens=N_TOKENS, temperature=0)
-                outs.append(list(r.tokens))
-                cycles += r.stats.cycles
-                acc += r.stats.drafts_accepted
-                prop += r.stats.drafts_proposed
+            outs, cycles, acc, prop = _generate_greedy(eng, prompts, N_TOKENS)
         finally:
             eng.close()
         ties = _compare(f"{name} D={depth}", path, prompts, outs, plain)
