@@ -13,11 +13,10 @@
 #                                            # (OJ_ATTN_CHUNK) and Q6_K matvecs on the copy engine
 #                                            # (OJ_MVF16_TMA=all), their harnesses (~6 minutes)
 #   bash scripts/gpu_first_runs.sh opt-in-suite  # the GPU suite with both switches on (carry .whl; ~3 minutes)
-#   bash scripts/gpu_first_runs.sh persistent    # the persistent kernel after 44c901d's tensormap acquire (not yet
-#                                                # run on a GPU): the whole GPU suite under OJ_PERSISTENT=1 with 6
-#                                                # workers (7 failed at bb68e4e), then the q27b A/B with its profile:
-#                                                # default, OJ_PERSISTENT_SPLIT=model, OJ_PERSISTENT_PREFETCH=1
-#                                                # (carry .whl; ~8 minutes)
+#   bash scripts/gpu_first_runs.sh persistent    # the whole GPU suite under OJ_PERSISTENT=1 with 6 workers (green
+#                                                # since 5f9e375), then the q27b A/B with its profile: default,
+#                                                # OJ_PERSISTENT_SPLIT=model, OJ_PERSISTENT_PREFETCH=1 (carry .whl;
+#                                                # ~8 minutes); scripts/cycle_time.py times oj_cycle on both paths
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-first-runs}
