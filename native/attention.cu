@@ -235,10 +235,147 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     store_partial<D>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split);
 }
 
+// K/V rows shared by the query heads of a KV group and the positions of the call (OJ_ATTN_CHUNK=group,
+// opt-in, written 2026-11-30 without a GPU at hand; tools/attn_decode_bench.cu checks and times it
+// as "grp"). The kernels above run a block per (query head, position, split), so every K/V row is
+// read G * n times (G = n_head / n_head_kv: 30 times for the 27B's 6 heads and 5 positions), from
+// L2 at best: at depth 30,000 one position's K/V (126 MB a layer) does not fit it. Here a block per
+// (KV head, split) copies each tile of GT rows of K and V into shared memory once (cp.async, double
+// buffered, rows past the block's last position zero-filled), and its 8 warps take the G * n
+// queries (warp w: queries w, w + 8, ...; query j = position j / G, head g * G + j % G), each warp
+// walking every row of the split for its queries C at a time (chunked_scan's arithmetic, rows in
+// order instead of interleaved over warps). A query owns its whole split in one warp, so its state
+// goes to the partial without a warp merge. Causal: query j's rows end at pos0 + j / G + 1; chunks
+// at or past it are skipped (the chunk's first row is always inside). Same partials and combine.
+constexpr int GT = 32;            // rows per shared-memory tile
+constexpr int GROUP_WARPS = 8;
+constexpr int GROUP_PATH = 16;    // partial_chunk's value for this kernel
+
+__device__ __forceinline__ void cp_async16(void *dst, const void *src, bool valid) {
+    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// dynamic shared memory: 2 buffers x (K tile, V tile) of GT rows x D values
+template <int D, bool Q8>
+constexpr size_t group_smem_bytes() { return (size_t)2 * 2 * GT * D * (Q8 ? 1 : 2); }
+
+template <int D, bool Q8, int QPW>
+__global__ void __launch_bounds__(32 * GROUP_WARPS, 1)
+attention_partial_group_kernel(const float *__restrict__ q_rot, const void *__restrict__ k_cache,
+                               const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
+                               const __half *__restrict__ v_scale, float *__restrict__ part_ml,
+                               float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx, int pos0, int n,
+                               int n_splits, float scale) {
+    constexpr int PER = D / 32, C = 4, GROUP = 32 / C;
+    constexpr size_t ELEM = Q8 ? 1 : 2, ROW = (size_t)D * ELEM, TILE = GT * ROW;
+    using Bits = RowBits<Q8 ? PER : 2 * PER>;
+    extern __shared__ __align__(16) uint8_t gsm[];
+    const int g = blockIdx.x, split = blockIdx.y;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int G = n_head / n_head_kv, nq = G * n;
+    const int begin = split * SPLIT, end = min(begin + SPLIT, pos0 + n);   // the block's last query's end
+    const int64_t row0 = (int64_t)g * n_ctx;
+    const uint8_t *kc = static_cast<const uint8_t *>(k_cache) + row0 * ROW;
+    const uint8_t *vc = static_cast<const uint8_t *>(v_cache) + row0 * ROW;
+    // this warp's queries: registers for q, the online-softmax state
+    float q[QPW][PER], m[QPW], l[QPW], acc[QPW][PER];
+    int qend[QPW];
+#pragma unroll
+    for (int k = 0; k < QPW; ++k) {
+        const int j = warp + k * GROUP_WARPS;
+        const int i = j < nq ? j / G : 0, h = g * G + (j < nq ? j % G : 0);
+        qend[k] = j < nq ? min(begin + SPLIT, pos0 + i + 1) : begin;   // a missing query: no rows
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            q[k][e] = j < nq ? q_rot[((int64_t)i * n_head + h) * D + lane * PER + e] : 0.0f;
+            acc[k][e] = 0.0f;
+        }
+        m[k] = -INFINITY;
+        l[k] = 0.0f;
+    }
+    auto load_tile = [&](int t0, int buf) {   // rows t0 .. t0 + GT into buffer buf, 16 bytes per copy
+        uint8_t *kd = gsm + (size_t)buf * 2 * TILE, *vd = kd + TILE;
+        for (int c = threadIdx.x; c < (int)(TILE / 16); c += 32 * GROUP_WARPS) {
+            const int r = c / (int)(ROW / 16);
+            const bool valid = t0 + r < end;
+            const size_t off = (size_t)(valid ? t0 + r : begin) * ROW + (size_t)(c % (int)(ROW / 16)) * 16;
+            cp_async16(kd + (size_t)c * 16, kc + off, valid);
+            cp_async16(vd + (size_t)c * 16, vc + off, valid);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    };
+    int buf = 0;
+    if (begin < end) load_tile(begin, 0);
+    for (int t0 = begin; t0 < end; t0 += GT, buf ^= 1) {
+        if (t0 + GT < end) {
+            load_tile(t0 + GT, buf ^ 1);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncthreads();   // the tile is every thread's copies
+        const Bits *kt = reinterpret_cast<const Bits *>(gsm + (size_t)buf * 2 * TILE + lane * PER * ELEM);
+        const Bits *vt = reinterpret_cast<const Bits *>(gsm + (size_t)buf * 2 * TILE + TILE + lane * PER * ELEM);
+#pragma unroll
+        for (int k = 0; k < QPW; ++k) {
+            for (int r0 = 0; r0 < GT && t0 + r0 < qend[k]; r0 += C) {
+                float dot[C];
+#pragma unroll
+                for (int c = 0; c < C; ++c) {
+                    dot[c] = row_dot<PER, Q8>(q[k], kt[(size_t)(r0 + c) * 32]);   // a row is 32 lanes' Bits
+                    if constexpr (Q8) {   // rows past the block's end hold zeros; their scale row is clamped inside
+                        const int64_t r = min(t0 + r0 + c, end - 1);
+                        dot[c] *= __half2float(k_scale[(row0 + r) * (D / 32) + lane * PER / 32]);
+                    }
+                }
+                const float sum = warp_sum_scatter<C>(dot);
+                const int mine = lane / GROUP;
+                const float sc = t0 + r0 + mine < qend[k] ? sum * scale : -INFINITY;
+                float m_chunk = sc;
+#pragma unroll
+                for (int o = GROUP; o < 32; o <<= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
+                const float m_new = fmaxf(m[k], m_chunk);
+                const float corr = expf(m[k] - m_new);
+                const float w_mine = expf(sc - m_new);
+                float w_sum = 0.0f;
+#pragma unroll
+                for (int e = 0; e < PER; ++e) acc[k][e] *= corr;
+#pragma unroll
+                for (int c = 0; c < C; ++c) {
+                    const float w = __shfl_sync(0xffffffffu, w_mine, c * GROUP);
+                    w_sum += w;
+                    // masked rows weigh 0: their scale is never read
+                    const float wv = Q8 && w != 0.0f
+                                         ? w * __half2float(v_scale[(row0 + t0 + r0 + c) * (D / 32) + lane * PER / 32])
+                                         : w;
+                    row_accumulate<PER, Q8>(acc[k], wv, vt[(size_t)(r0 + c) * 32]);
+                }
+                l[k] = l[k] * corr + w_sum;
+                m[k] = m_new;
+            }
+        }
+        __syncthreads();   // every warp is done with this buffer before the next tile's copies land in it
+    }
+#pragma unroll
+    for (int k = 0; k < QPW; ++k) {
+        const int j = warp + k * GROUP_WARPS;
+        if (j >= nq) continue;
+        const int64_t slot = ((int64_t)(j / G) * n_head + g * G + j % G) * n_splits + split;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) part_acc[slot * D + lane * PER + e] = acc[k][e];
+        if (lane == 0) {
+            part_ml[slot * 2] = m[k];
+            part_ml[slot * 2 + 1] = l[k];
+        }
+    }
+}
+
 // OJ_ATTN_CHUNK, read at the first decode: unset or "1" the chunked kernel with CHUNK_DEFAULT (the
 // default since its first GPU run, 2026-11-30 seventh session: partial + combine at depth 8,192
 // 45.0 us against 82.9, at 30,000 132.5 against 187.8; bench/results/2026-11-30-attn-decode-chunk-*),
-// "4" / "8" that chunk, "0" the one-position kernel. attention_force_chunk (the
+// "4" / "8" that chunk, "0" the one-position kernel, "group" attention_partial_group_kernel (opt-in, not
+// yet run on a GPU). attention_force_chunk (the
 // harness tools/attn_decode_bench.cu) overrides it. Why 4: double buffered, a chunk's rows are
 // held twice; at D = 256 fp16 that is 2 x 2 x C x 4 registers of raw rows, and ptxas gives C = 4
 // 96 registers (5 blocks of 4 warps per SM, 4 KB of K/V in flight per warp) and C = 8 164 (3
@@ -273,10 +410,34 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
     out[((int64_t)n * n_head + h) * D + t] = a / L * sigmoid(gate);
 }
 
+template <int D, bool Q8, int QPW>
+void launch_group(const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0, int n,
+                  int n_splits, float scale, cudaStream_t st) {
+    constexpr size_t bytes = group_smem_bytes<D, Q8>();
+    static const bool attr = [] {   // once per instance: past 48 KB of dynamic shared memory
+        check_cuda(cudaFuncSetAttribute(attention_partial_group_kernel<D, Q8, QPW>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                   "attention_partial_group: shared memory attribute");
+        return true;
+    }();
+    (void)attr;
+    attention_partial_group_kernel<D, Q8, QPW><<<dim3(Hkv, n_splits), 32 * GROUP_WARPS, bytes, st>>>(
+        q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n, n_splits,
+        scale);
+}
+
 template <int D, bool Q8>
 void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
                     int n_splits, float scale, cudaStream_t st) {
-    switch (partial_chunk()) {
+    int path = partial_chunk();
+    if (path == GROUP_PATH) {
+        // a warp holds the q and state of up to 6 queries (G * n of them over 8 warps); more take c4
+        const int qpw = (H / Hkv * (int)grid.y + GROUP_WARPS - 1) / GROUP_WARPS;
+        if (qpw <= 2) return launch_group<D, Q8, 2>(L, q_rot, s, H, Hkv, n_ctx, pos0, (int)grid.y, n_splits, scale, st);
+        if (qpw <= 6) return launch_group<D, Q8, 6>(L, q_rot, s, H, Hkv, n_ctx, pos0, (int)grid.y, n_splits, scale, st);
+        path = 4;
+    }
+    switch (path) {
         case 4:
             attention_partial_chunked_kernel<D, Q8, 4><<<grid, 32 * PARTIAL_WARPS, 0, st>>>(
                 q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
@@ -372,12 +533,14 @@ int attention_chunk_setting(const char *value) {
     if (v == "0") return 0;
     if (v == "1") return CHUNK_DEFAULT;
     if (v == "4" || v == "8") return v[0] - '0';
-    fail(OJ_ERR_INVALID_ARGUMENT, "OJ_ATTN_CHUNK must be 0, 1, 4 or 8, not '" + v + "'");
+    if (v == "group") return GROUP_PATH;
+    fail(OJ_ERR_INVALID_ARGUMENT, "OJ_ATTN_CHUNK must be 0, 1, 4, 8 or group, not '" + v + "'");
 }
 
 void attention_force_chunk(int c) {
-    if (c != -1 && c != 0 && c != 4 && c != 8)
-        fail(OJ_ERR_INVALID_ARGUMENT, "attention_force_chunk: chunk must be -1, 0, 4 or 8, not " + std::to_string(c));
+    if (c != -1 && c != 0 && c != 4 && c != 8 && c != GROUP_PATH)
+        fail(OJ_ERR_INVALID_ARGUMENT, "attention_force_chunk: chunk must be -1, 0, 4, 8 or " + std::to_string(GROUP_PATH) +
+                                          " (group), not " + std::to_string(c));
     g_chunk = c;
 }
 

@@ -1,6 +1,8 @@
 // attn_decode_bench.cu: the chunked decode-attention partial kernel (attention.cu,
-// attention_partial_chunked_kernel, OJ_ATTN_CHUNK=1) against the one-position kernel it may
-// replace (attention_partial_kernel) and a float64 CPU reference, then both timed.
+// attention_partial_chunked_kernel, OJ_ATTN_CHUNK=1) and the KV-group kernel (attention_partial_
+// group_kernel, OJ_ATTN_CHUNK=group: K/V tiles in shared memory shared by a group's query heads and
+// positions) against the one-position kernel (attention_partial_kernel) and a float64 CPU
+// reference, then all timed.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Xptxas -v -Inative native/tools/attn_decode_bench.cu \
 //        native/attention.cu -o attn_decode_bench
@@ -9,13 +11,13 @@
 // Each case (head_dim D, n_head, n_head_kv, KV type, n new positions at depth pos0) goes through
 // attention_by_decode (split-K partials + combine + sigmoid gate), the same entry the engine's
 // decode uses, once per partial kernel: "old" (chunk 0), "c4" and "c8" (the chunked kernel at
-// chunk 4 and 8), chosen with attention_force_chunk. Inputs: cache rows [0, pos0 + n) random fp16
+// chunk 4 and 8), "grp" (the group kernel; 16), chosen with attention_force_chunk. Inputs: cache rows [0, pos0 + n) random fp16
 // (or q8_0 quants + scales), rows past them NaN (a read past a position's causal length shows);
 // q_rot and qg random. Before every run the outputs (plus one guard row past n) and the split-K
 // partials are poisoned with NaN. Checks, each failure counted and the exit status 1:
 //   - every output finite, the guard row still NaN;
-//   - c4 and c8 against old, every output: max |new - old| / rms(old) <= 1e-4;
-//   - old, c4 and c8 against a float64 CPU reference (softmax over exactly len = pos0 + i + 1
+//   - c4, c8 and grp against old, every output: max |new - old| / rms(old) <= 1e-4;
+//   - old, c4, c8 and grp against a float64 CPU reference (softmax over exactly len = pos0 + i + 1
 //     rows) on a few heads of every KV group, all n positions: max |x - ref| / rms(ref) <= 1e-4.
 // Then (27B shape: n_head 24, n_head_kv 4, D 256) the kernels are timed at depths 1024, 8192 and
 // 30000 for n = 1 and 5, fp16 and q8_0: CUDA events around attention_by_decode, median of 20 after
@@ -39,7 +41,7 @@
 
 namespace oj {
 // attention.cu: the decode partial kernel, 0 one position per warp step, 4 / 8 the chunked
-// kernel at that chunk, -1 back to OJ_ATTN_CHUNK.
+// kernel at that chunk, 16 the group kernel, -1 back to OJ_ATTN_CHUNK.
 void attention_force_chunk(int c);
 }  // namespace oj
 
@@ -47,8 +49,9 @@ using namespace oj;
 
 static int g_failures = 0;
 static const double BAR = 1e-4;   // of the rms of the output compared with
-static const int PATHS[3] = {0, 4, 8};
-static const char *PATH_NAME[3] = {"old", "c4", "c8"};
+constexpr int NP = 4;
+static const int PATHS[NP] = {0, 4, 8, 16};
+static const char *PATH_NAME[NP] = {"old", "c4", "c8", "grp"};
 
 // ---- one case's buffers ---------------------------------------------------------------------
 struct Case {
@@ -227,15 +230,15 @@ static double rms(const std::vector<float> &y, size_t count) {
 
 static void check_case(const Case &c, uint64_t seed, bool header) {
     if (header)
-        std::printf("%-36s %10s %10s %10s %10s %10s  %s\n", "check", "c4/old", "c8/old", "old/ref", "c4/ref", "c8/ref",
-                    "status");
+        std::printf("%-36s %10s %10s %10s %10s %10s %10s %10s  %s\n", "check", "c4/old", "c8/old", "grp/old", "old/ref",
+                    "c4/ref", "c8/ref", "grp/ref", "status");
     Buffers b = make_buffers(c, seed);
-    std::vector<float> y[3];
-    for (int k = 0; k < 3; ++k) y[k] = run_path(c, b, PATHS[k]);
+    std::vector<float> y[NP];
+    for (int k = 0; k < NP; ++k) y[k] = run_path(c, b, PATHS[k]);
     attention_force_chunk(-1);
     bool ok = true;
     std::string why;
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < NP; ++k) {
         size_t bad = 0, guard = 0;
         for (size_t i = 0; i < b.n_out; ++i) bad += !std::isfinite(y[k][i]);
         for (size_t i = b.n_out; i < y[k].size(); ++i) guard += !std::isnan(y[k][i]);
@@ -246,9 +249,9 @@ static void check_case(const Case &c, uint64_t seed, bool header) {
         }
     }
     // new against old, every output
-    double vs_old[3] = {0, 0, 0};
+    double vs_old[NP] = {0, 0, 0, 0};
     const double r_old = rms(y[0], b.n_out);
-    for (int k = 1; k < 3; ++k) {
+    for (int k = 1; k < NP; ++k) {
         double e = 0;
         for (size_t i = 0; i < b.n_out; ++i) {
             const double d = std::fabs((double)y[k][i] - y[0][i]);
@@ -266,8 +269,8 @@ static void check_case(const Case &c, uint64_t seed, bool header) {
     double r_ref = 0;
     for (double v : ref) r_ref += v * v;
     r_ref = std::sqrt(r_ref / ref.size());
-    double vs_ref[3];
-    for (int k = 0; k < 3; ++k) {
+    double vs_ref[NP];
+    for (int k = 0; k < NP; ++k) {
         double e = 0;
         for (int i = 0; i < c.n; ++i)
             for (size_t hi = 0; hi < heads.size(); ++hi)
@@ -282,8 +285,8 @@ static void check_case(const Case &c, uint64_t seed, bool header) {
             why += std::string(" ") + PATH_NAME[k] + " vs float64 reference " + std::to_string(vs_ref[k]) + ";";
         }
     }
-    std::printf("%-36s %10.2e %10.2e %10.2e %10.2e %10.2e  %s\n", case_name(c).c_str(), vs_old[1], vs_old[2], vs_ref[0],
-                vs_ref[1], vs_ref[2], ok ? "ok" : "FAIL");
+    std::printf("%-36s %10.2e %10.2e %10.2e %10.2e %10.2e %10.2e %10.2e  %s\n", case_name(c).c_str(), vs_old[1], vs_old[2],
+                vs_old[3], vs_ref[0], vs_ref[1], vs_ref[2], vs_ref[3], ok ? "ok" : "FAIL");
     if (!ok) {
         std::printf("FAIL %s:%s\n", case_name(c).c_str(), why.c_str());
         ++g_failures;
@@ -322,18 +325,19 @@ static double median_ms(const Case &c, Buffers &b, int path, int warm = 3, int r
 
 static void time_case(const Case &c, uint64_t seed, bool header) {
     if (header)
-        std::printf("%-36s %9s %9s %9s %8s %8s %8s %8s %8s\n", "timing (partial + combine)", "old us", "c4 us",
-                    "c8 us", "old GB/s", "c4 GB/s", "c8 GB/s", "old/c4", "old/c8");
+        std::printf("%-36s %9s %9s %9s %9s %8s %8s %8s %8s %8s %8s %8s\n", "timing (partial + combine)", "old us",
+                    "c4 us", "c8 us", "grp us", "old GB/s", "c4 GB/s", "c8 GB/s", "grp GB/s", "old/c4", "old/c8", "c4/grp");
     Buffers b = make_buffers(c, seed);
     const bool q8 = c.kv == OJ_KV_Q8_0;
     // K and V rows of the deepest position, read once per query head group (L2 serves the rest)
     const double row_bytes = q8 ? c.D + c.D / 32 * 2 : c.D * 2;
     const double bytes = 2.0 * c.Hkv * (c.pos0 + c.n) * row_bytes;
-    double ms[3];
-    for (int k = 0; k < 3; ++k) ms[k] = median_ms(c, b, PATHS[k]);
-    std::printf("%-36s %9.1f %9.1f %9.1f %8.0f %8.0f %8.0f %7.2fx %7.2fx\n", case_name(c).c_str(), ms[0] * 1e3,
-                ms[1] * 1e3, ms[2] * 1e3, bytes / (ms[0] * 1e-3) / 1e9, bytes / (ms[1] * 1e-3) / 1e9,
-                bytes / (ms[2] * 1e-3) / 1e9, ms[0] / ms[1], ms[0] / ms[2]);
+    double ms[NP];
+    for (int k = 0; k < NP; ++k) ms[k] = median_ms(c, b, PATHS[k]);
+    std::printf("%-36s %9.1f %9.1f %9.1f %9.1f %8.0f %8.0f %8.0f %8.0f %7.2fx %7.2fx %7.2fx\n", case_name(c).c_str(),
+                ms[0] * 1e3, ms[1] * 1e3, ms[2] * 1e3, ms[3] * 1e3, bytes / (ms[0] * 1e-3) / 1e9,
+                bytes / (ms[1] * 1e-3) / 1e9, bytes / (ms[2] * 1e-3) / 1e9, bytes / (ms[3] * 1e-3) / 1e9,
+                ms[0] / ms[1], ms[0] / ms[2], ms[1] / ms[3]);
     std::fflush(stdout);
     free_buffers(b);
 }
