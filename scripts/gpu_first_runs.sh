@@ -17,6 +17,9 @@
 #                                                # since 5f9e375), then the q27b A/B with its profile: default,
 #                                                # OJ_PERSISTENT_SPLIT=model, OJ_PERSISTENT_PREFETCH=1 (carry .whl;
 #                                                # ~8 minutes); scripts/cycle_time.py times oj_cycle on both paths
+#   bash scripts/gpu_first_runs.sh attn-group    # written 2026-11-30 without a GPU: OJ_ATTN_CHUNK=group (the KV-group
+#                                                # decode partial): its harness against old / c4 / c8 and float64,
+#                                                # then the GPU suite with it (carry .whl; ~6 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/openjet-first-runs}
@@ -70,7 +73,11 @@ case "$what" in
             python3 scripts/persistent_time.py "$q27b"
         python3 scripts/persistent_profile.py "$OUT/profile_prefetch.jsonl" > "$OUT/profile_prefetch.md" 2>&1
         ;;
+    attn-group)
+        run attn_decode 200 env AB_TIMEOUT=170 bash scripts/gpu_attn_decode.sh
+        run attn_group_suite 300 env OJ_ATTN_CHUNK=group PYTEST_TIMEOUT=240 OPENJET_GPU_POSITIONS=256 bash scripts/gpu_check.sh
+        ;;
     *)
-        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement, opt-in, opt-in-suite, persistent)"; exit 2 ;;
+        echo "gpu_first_runs: unknown group '$what' (kernels, f16, phases, agreement, opt-in, opt-in-suite, persistent, attn-group)"; exit 2 ;;
 esac
 printf '%s\n' "${summary[@]}"
