@@ -522,9 +522,13 @@ class NativeBackend:
         self._check(self._nl.lib.oj_commit(self._handle(), int(n_accept)), "commit")
         kept = self._verify_tokens[:n_accept]
         self._verify_tokens = []
+        self._owe_rows(start, kept)
+
+    def _owe_rows(self, start: int, kept: list[int]) -> None:
+        """Committed tokens at start.. owe their MTP rows, but for those the first draft step
+        already made (rows below _mtp_upto)."""
         if self.supports_speculative:
-            skip = max(0, self._mtp_upto - start)      # the first draft step made position start's row
-            self._uncaught += kept[skip:]
+            self._uncaught += kept[max(0, self._mtp_upto - start):]
 
     def cycle(self, tokens: list[int], n_draft: int) -> tuple[int, list[int], list[int]]:
         """One greedy cycle in one call (oj_cycle): verify tokens = [current token, drafts] at
@@ -583,9 +587,7 @@ class NativeBackend:
         else:
             # the MTP cache is as before: the committed tokens owe their rows, as after commit()
             self._token_row = None
-            if self.supports_speculative:
-                skip = max(0, self._mtp_upto - pos)
-                self._uncaught += toks[:1 + k][skip:]
+            self._owe_rows(pos, toks[:1 + k])
         return k, emitted, [int(drafts[i]) for i in range(n_draft)]
 
     def _cut_rows(self, pos0: int) -> None:
