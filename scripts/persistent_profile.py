@@ -25,14 +25,14 @@ def read_profile(path: str) -> list[dict]:
                 continue
             try:
                 r = json.loads(line)
-                ok = isinstance(r, dict) and isinstance(r.get("n"), int) and all(
+                ok = isinstance(r, dict) and isinstance(r.get("n"), int) and isinstance(r.get("drafts", -1), int) and all(
                     isinstance(ph, list) and len(ph) == 3 and isinstance(ph[0], str) and ph[1] >= 0 and ph[2] >= 0
                     for ph in r["phases"])
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ValueError(f"{path}:{no}: not a persistent-kernel profile line ({e})") from None
             if not ok:
                 raise ValueError(f"{path}:{no}: not a persistent-kernel profile line "
-                                 "(want n and phases of [label, ns, bytes])")
+                                 "(want n, an integer drafts if any, and phases of [label, ns, bytes])")
             out.append(r)
     if not out:
         raise ValueError(f"{path}: no launches (was OJ_PERSISTENT=1 active when it was written?)")

@@ -48,6 +48,7 @@ def test_sums_per_label_and_averages_per_position_count(tmp_path):
     (_launch(1, [["x", 1, 0]]) + json.dumps({"n": 1}) + "\n", "p.jsonl:2: not a persistent-kernel profile line"),
     (json.dumps({"n": 1, "phases": [["x", -5, 0]]}) + "\n", "p.jsonl:1:"),
     ("\n", "no launches"),
+    (json.dumps({"n": 5, "drafts": "4", "phases": [["x", 1, 0]]}) + "\n", "p.jsonl:1: not a persistent-kernel profile line"),
 ])
 def test_a_file_that_is_not_a_profile_is_refused(tmp_path, content, what):
     f = tmp_path / "p.jsonl"
