@@ -15,7 +15,15 @@ import threading
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
 
-from openjet_plugin.parsing import THINK_CLOSE, THINK_OPEN, TOOL_OPEN, parse_tool_calls, split_reasoning
+from openjet_plugin.parsing import (
+    THINK_CLOSE,
+    THINK_OPEN,
+    TOOL_OPEN,
+    ToolCallEvent,
+    ToolCallStreamer,
+    parse_tool_calls,
+    split_reasoning,
+)
 
 # Names that mean "the embedded default model" wherever a model name is accepted.
 DEFAULT_ALIASES = ("default", "openjet-default")
@@ -197,9 +205,14 @@ def select_tools(tools: list[dict] | None, tool_choice: Any) -> list[dict] | Non
 # --- replies ----------------------------------------------------------------------------------------
 
 class Reply:
-    """A finished reply split into its parts (the non-streaming view)."""
+    """A finished reply split into its parts (the non-streaming view).
 
-    def __init__(self, text: str, *, thinking: bool, tools: bool, prompt_opens_think: bool = False):
+    `tools`: the tool definitions the model was shown (they type the XML form's parameter
+    values), or a bool saying whether it was shown any.
+    """
+
+    def __init__(self, text: str, *, thinking: bool, tools: bool | list[dict] | None,
+                 prompt_opens_think: bool = False):
         self.raw = text
         body = (THINK_OPEN + text) if (thinking and prompt_opens_think) else text
         reasoning, content = split_reasoning(body) if thinking else (None, text)
@@ -207,7 +220,7 @@ class Reply:
         calls: list[dict] = []
         invalid: list[dict] = []
         if tools and TOOL_OPEN in content:
-            content, calls, invalid = parse_tool_calls(content)
+            content, calls, invalid = parse_tool_calls(content, tools if isinstance(tools, list) else None)
         elif tools:
             # parse_tool_calls strips the text around the calls; strip a call-less reply alike, so
             # that a stream (which cannot know whether a call is coming) agrees with the whole
@@ -229,17 +242,36 @@ class ReplyStreamer:
     A delta is emitted only once it can no longer change: a tail that could be the start of a
     marker (<think>, </think>, <tool_call>) waits for the next piece; with thinking on, text with no
     opening <think> waits until </think> or the end decides whether it was reasoning; with tools,
-    everything from <tool_call> on waits for the end, where `Reply` parses the calls, and the
-    content is stripped of surrounding whitespace as the parsed reply is.
+    each <tool_call> block is parsed when it closes (`take_tool_events`), the content outside
+    the blocks streams on, stripped of surrounding whitespace as the parsed reply is.
     """
 
     _MARKERS = (THINK_OPEN, THINK_CLOSE, TOOL_OPEN)
 
-    def __init__(self, *, thinking: bool, tools: bool, prompt_opens_think: bool = False):
+    def __init__(self, *, thinking: bool, tools: bool | list[dict] | None, prompt_opens_think: bool = False):
         self.thinking, self.tools, self.opens = thinking, tools, prompt_opens_think
         self.raw = ""
         self.sent_reasoning = ""
         self.sent_content = ""
+        # tool calls are parsed as they complete (parsing.ToolCallStreamer); their events wait in
+        # tool_events until the adapter takes them (take_tool_events)
+        self._calls = ToolCallStreamer(tools=tools if isinstance(tools, list) else None) if tools else None
+        self._fed = ""
+        self.tool_events: list[ToolCallEvent] = []
+
+    def take_tool_events(self) -> list[ToolCallEvent]:
+        """The tool-call events (a call's name, its whole arguments, or its being malformed) since
+        the last take, in order."""
+        events, self.tool_events = self.tool_events, []
+        return events
+
+    def _feed_calls(self, content: str) -> str:
+        """Feed the content's new text to the tool-call parser; the content outside calls so far."""
+        if content.startswith(self._fed):
+            _, events = self._calls.feed(content[len(self._fed):])
+            self._fed = content
+            self.tool_events += events
+        return self._calls.content.strip()
 
     def feed(self, text: str) -> tuple[str, str]:
         self.raw += text
@@ -253,17 +285,24 @@ class ReplyStreamer:
             reasoning, content = split_reasoning(body)
         else:
             reasoning, content = None, safe
-        if self.tools:
-            if TOOL_OPEN in content:
-                content = content[:content.index(TOOL_OPEN)]
-            # the whole reply is stripped around its calls: hold leading and trailing whitespace
-            content = content.strip()
+        if self._calls is not None:
+            # the whole reply is stripped around its calls: leading and trailing whitespace waits
+            content = self._feed_calls(content)
         return self._deltas(reasoning or "", content)
 
     def finish(self, text: str = "") -> tuple[str, str, Reply]:
         """The last piece of text: the remaining deltas and the whole reply, parsed."""
         self.raw += text
-        reply = Reply(self.raw, thinking=self.thinking, tools=self.tools, prompt_opens_think=self.opens)
+        reply = Reply(self.raw, thinking=self.thinking, tools=None, prompt_opens_think=self.opens)
+        if self._calls is not None:
+            # the calls as streamed (same parser, same ids), not parsed a second time
+            if not reply.content.startswith(self._fed):     # cannot happen: content only grows
+                raise AssertionError(f"reply content {reply.content!r} does not extend {self._fed!r}")
+            self._feed_calls(reply.content)
+            _, events = self._calls.finish()
+            self.tool_events += events
+            reply.content = self._calls.content.strip()
+            reply.tool_calls, reply.invalid_tool_calls = self._calls.calls, self._calls.invalid
         r, c = self._deltas(reply.reasoning or "", reply.content)
         return r, c, reply
 
