@@ -32,9 +32,21 @@ def _source_tree_adapters() -> None:
 
 _source_tree_adapters()
 
-from . import errors  # noqa: E402
-from .defaults import default_model_path  # noqa: E402
-from .engine import Chunk, Engine, GenerationResult, GenerationStats, load  # noqa: E402
+# The public names load on first use: `python -m openjet_plugin.setup_llama` and
+# `openjet_plugin.cpu_features` run in a bare environment, before numpy and the rest are installed.
+_LAZY = {"load": "engine", "Engine": "engine", "GenerationResult": "engine", "GenerationStats": "engine",
+         "Chunk": "engine", "default_model_path": "defaults", "errors": None}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    module = importlib.import_module(f"{__name__}.{_LAZY[name] or name}")
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["load", "Engine", "GenerationResult", "GenerationStats", "Chunk", "default_model_path",
            "errors", "__version__"]

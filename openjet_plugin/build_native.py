@@ -4,9 +4,12 @@ Compiles `native/*.cu` with nvcc into `openjet_plugin/native/libopenjet.so` and 
 `native/openjet.h` beside it (the cffi binding reads that copy when the package is installed).
 
 Architectures: the environment variable `OPENJET_CUDA_ARCHS` (e.g. "90" or "86;89;90;120"); by
-default the local GPU's compute capability (nvidia-smi), or 86;89;90;120 when no GPU is visible.
+default the local GPU's compute capability (nvidia-smi). With no GPU visible and no architecture
+asked for, the command builds nothing and says how to force it: a library for a GPU this machine
+does not have only costs minutes (tests/test_native_build.py compile-checks sm_90 in CI).
 Without nvcc this prints why and exits 0, so that installation still succeeds and the engine
-falls back to llama.cpp.
+falls back to llama.cpp. `--if-stale` keeps a library built from the same sources for the same
+architectures.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -78,6 +84,24 @@ def local_gpu_archs() -> list[str]:
     return archs
 
 
+@contextmanager
+def heartbeat(what: str, every: float = 30.0):
+    """Print `what` with the elapsed time every `every` seconds while the block runs, and once
+    at the end: long set-up steps show they are alive without printing their whole output."""
+    start, done = time.monotonic(), threading.Event()
+
+    def tick():
+        while not done.wait(every):
+            print(f"  ... {what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+    threading.Thread(target=tick, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+        print(f"  {what}: {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
 def choose_archs() -> tuple[list[str], str]:
     env = os.environ.get(ARCH_ENV)
     if env:
@@ -104,10 +128,18 @@ def stamp_path(out_dir: Path = OUT_DIR) -> Path:
     return out_dir / (LIB_NAME + ".sources")
 
 
-def is_current(out_dir: Path = OUT_DIR) -> bool:
-    """True when the library exists and was built from the current sources."""
+def _stamp_text(archs: list[str]) -> str:
+    return f"{sources_digest()} sm_{','.join(archs)}"
+
+
+def is_current(out_dir: Path = OUT_DIR, archs: list[str] | None = None) -> bool:
+    """True when the library exists and was built from the current sources (for `archs`, when
+    given; else for whatever architectures it was built)."""
     stamp = stamp_path(out_dir)
-    return (out_dir / LIB_NAME).is_file() and stamp.is_file() and stamp.read_text().strip() == sources_digest()
+    if not ((out_dir / LIB_NAME).is_file() and stamp.is_file()):
+        return False
+    text = stamp.read_text().strip()
+    return text == _stamp_text(archs) if archs else text.split(" ")[0] == sources_digest()
 
 
 def nvcc_flags(archs: list[str]) -> list[str]:
@@ -156,12 +188,12 @@ def build(out_dir: Path = OUT_DIR, archs: list[str] | None = None, verbose: bool
     obj_dir.mkdir(parents=True)
     jobs = compile_commands(nvcc, archs, obj_dir)
     if verbose:
-        print(f"openjet build_native: sm_{', sm_'.join(archs)} ({how}), {len(jobs)} sources side by side", file=sys.stderr)
-        for _, cmd in jobs:
-            print(" ".join(cmd), file=sys.stderr)
+        print(f"openjet build_native: compiling {len(jobs)} CUDA sources for sm_{', sm_'.join(archs)} ({how}); "
+              "a few minutes", file=sys.stderr, flush=True)
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        procs = list(pool.map(lambda job: subprocess.run(job[1], capture_output=True, text=True), jobs))
+    with heartbeat("compiling CUDA") if verbose else nullcontext():
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            procs = list(pool.map(lambda job: subprocess.run(job[1], capture_output=True, text=True), jobs))
     failed = [(job, p) for job, p in zip(jobs, procs) if p.returncode != 0]
     if not failed:
         link = link_command(nvcc, archs, [o for o, _ in jobs], tmp)
@@ -176,7 +208,7 @@ def build(out_dir: Path = OUT_DIR, archs: list[str] | None = None, verbose: bool
     shutil.rmtree(obj_dir, ignore_errors=True)
     os.replace(tmp, output)
     shutil.copyfile(NATIVE_SRC / "openjet.h", out_dir / "openjet.h")
-    stamp_path(out_dir).write_text(sources_digest() + "\n")
+    stamp_path(out_dir).write_text(_stamp_text(archs) + "\n")
     if verbose:
         print(f"openjet build_native: wrote {output}", file=sys.stderr)
     return output
@@ -189,11 +221,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--if-stale", action="store_true",
                     help="do nothing when the library was already built from the current sources")
     args = ap.parse_args(argv)
-    if args.if_stale and is_current(args.out_dir):
-        print(f"openjet build_native: {args.out_dir / LIB_NAME} is current", file=sys.stderr)
-        return 0
     try:
-        archs = parse_archs(args.archs) if args.archs else None
+        if args.archs:
+            archs = parse_archs(args.archs)
+        elif os.environ.get(ARCH_ENV) or local_gpu_archs():
+            archs, _ = choose_archs()
+        else:
+            print("openjet build_native: no NVIDIA GPU visible, so the native CUDA engine is not built "
+                  "(the llama.cpp backend runs); to build it anyway: "
+                  f"{ARCH_ENV}=90 make native  (or '86;89;90;120')", file=sys.stderr)
+            return 0
+        if args.if_stale and is_current(args.out_dir, archs):
+            print(f"openjet build_native: {args.out_dir / LIB_NAME} is current (sm_{', sm_'.join(archs)})", file=sys.stderr)
+            return 0
         build(args.out_dir, archs)
     except (RuntimeError, ValueError) as e:
         print(f"openjet build_native: {e}", file=sys.stderr)

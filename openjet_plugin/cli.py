@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 from .errors import OpenJetError
 
@@ -258,10 +259,15 @@ def cmd_info(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from . import __version__
+    """What this machine runs and why: the instruction sets llama.cpp may use (probed), whether
+    llama.cpp really decodes here (in a child process), the GPU, and which backend runs the model,
+    where, and why."""
+    from . import __version__, cpu_features
+    from .backends.llama_cpp import check_runs
     from .backends.select import choose_backend, native_verdict
     from .defaults import default_model_path
-    from .model_file import open_model
+    from .errors import WrongArchitectureError
+    from .model_file import open_model, read_foreign
 
     rows: list[tuple[str, str]] = [
         ("openjet-plugin", __version__),
@@ -269,25 +275,48 @@ def cmd_doctor(args) -> int:
         ("platform", f"{platform.system()} {platform.release()} {platform.machine()}"),
         ("cpu cores", str(os.cpu_count())),
     ]
+    verdicts = cpu_features.host_verdicts()
+    rows.append(("cpu: llama.cpp uses", ", ".join(n for n, v in verdicts.items() if v.usable) or "baseline x86-64 only"))
+    for v in verdicts.values():
+        if v.advertised and not v.usable:
+            rows.append((f"cpu: {v.name} off", v.why))
+    if cpu_features.amx_faults():
+        rows.append(("cpu: AMX guard", "llama.cpp's extra buffer types (its AMX path) are turned off"))
     try:
         import llama_cpp
-        rows.append(("llama-cpp-python", llama_cpp.__version__))
+        from .setup_llama import installed_record
+        rec = installed_record()
+        build = f"built by openjet setup: {rec['gpu']}" if rec else "not built by openjet setup (its own build options)"
+        rows.append(("llama-cpp-python", f"{llama_cpp.__version__}, GPU offload "
+                     f"{'yes' if llama_cpp.llama_supports_gpu_offload() else 'no'}; {build}"))
     except ImportError as exc:
         rows.append(("llama-cpp-python", f"NOT INSTALLED ({exc})"))
     rows += _gpu_rows()
     rows.append(("CUDA toolkit", _nvcc_version()))
 
     model = args.model or str(default_model_path())
-    with open_model(model) as mf:
-        ok, why = native_verdict(mf, args.n_ctx)
-        rows.append(("native backend", ("usable: " if ok else "not usable: ") + why))
-        name, reason = choose_backend("auto", mf, args.n_ctx)
+    ok_run, how = check_runs(model)
+    rows.append(("llama.cpp runs here", ("yes: " if ok_run else "NO: ") + how))
+    try:
+        with open_model(model) as mf:
+            ok, why = native_verdict(mf, args.n_ctx)
+            rows.append(("native backend", ("usable: " if ok else "not usable: ") + why))
+            name, reason = choose_backend("auto", mf, args.n_ctx)
+    except WrongArchitectureError as exc:
+        arch = read_foreign(model).architecture
+        rows.append(("native backend", f"not usable: {Path(model).name} is a {arch!r} model, "
+                     f"the native engine runs only {exc.expected!r}"))
+        name, reason = "llama.cpp", "another architecture: llama.cpp runs it"
     rows.append(("model checked", model))
-    rows.append(("backend=auto picks", f"{name} ({reason})"))
+    if name == "llama.cpp":
+        where = how.rsplit(" on the ", 1)[-1] if ok_run else "nowhere: llama.cpp does not run here (above)"
+        rows.append(("backend=auto runs", f"llama.cpp on the {where} ({reason})"))
+    else:
+        rows.append(("backend=auto runs", f"native on the GPU ({reason})"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    return 0
+    return 0 if ok_run or name == "native" else 1
 
 
 def _run(cmd: list[str]) -> str | None:

@@ -237,6 +237,43 @@ def open_model(path: str | os.PathLike[str]) -> ModelFile:
     return inspection.model_file()
 
 
+@dataclass
+class ForeignModel:
+    """What the engine needs of a GGUF the native engine does not take (another architecture),
+    which llama.cpp then runs: its metadata, chat template, vocabulary (for the end-of-generation
+    tokens) and sizes."""
+
+    architecture: str
+    metadata: dict[str, Any]
+    chat_template: str | None
+    tokenizer: TokenizerFields
+    n_layers: int | None            # <arch>.block_count
+    n_ctx_train: int | None         # <arch>.context_length
+
+
+def read_foreign(path: str | os.PathLike[str]) -> ForeignModel:
+    """Read any readable GGUF without checking it as a qwen35 model. Raises the ModelFileError
+    that makes it unusable as a GGUF at all (not a GGUF, cut short, a broken tokenizer)."""
+    insp = _Inspection(os.fspath(path))
+    try:
+        layout = _open_layout(insp)
+    except _Stop:
+        raise insp.report.errors[0] from None
+    try:
+        arch = layout.string_or_none("general.architecture") or "unknown"
+
+        def int_or_none(key: str) -> int | None:
+            f = layout.fields.get(key)
+            v = layout.value(f) if f is not None else None
+            return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+        return ForeignModel(arch, layout.metadata_dict(), layout.string_or_none(CHAT_TEMPLATE_KEY),
+                            layout.tokenizer_fields(), int_or_none(f"{arch}.block_count"),
+                            int_or_none(f"{arch}.context_length"))
+    finally:
+        layout.close()
+
+
 def validate(path: str | os.PathLike[str]) -> ValidationReport:
     """Check `path` and collect every problem. Raises only OSError (no such file, no permission)."""
     inspection = _inspect(path)

@@ -1,17 +1,27 @@
-"""LlamaCppBackend: llama.cpp (through llama-cpp-python) on the CPU, the backend that works everywhere.
+"""LlamaCppBackend: llama.cpp (through llama-cpp-python), the backend that works everywhere.
 
 It only turns tokens into logits; the engine samples. One `llama_cpp.Llama` holds the model and
 one sequence's memory (KV cache for the attention layers, recurrent state for the DeltaNet layers).
 Logits are requested for the last token of each batch only.
+
+Where it runs (`gpu_placement`): on the GPU when llama-cpp-python was built with GPU support
+(setup_llama.py builds it so where a GPU and a CUDA toolkit are present) and one is visible —
+every layer when the model fits in the free memory, else as many as fit — with flash attention,
+as llama.cpp runs at its best; otherwise on the CPU. On a host that advertises AMX but does not
+run it (cpu_features.py), llama.cpp's extra CPU buffer types (its AMX path) are turned off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import importlib
 import os
+from dataclasses import dataclass
 
 import numpy as np
 
+from .. import cpu_features, gpus
 from ..errors import BackendUnavailableError
 
 KV_TYPES = {"f16": 1, "q8_0": 8}   # GGML_TYPE_F16, GGML_TYPE_Q8_0
@@ -34,12 +44,68 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
+# Free GPU memory kept back from the weights for the KV cache, recurrent state and llama.cpp's
+# compute buffers when deciding how many layers fit.
+GPU_RESERVE_BYTES = 1536 << 20
+
+
+@dataclass(frozen=True)
+class Placement:
+    n_gpu_layers: int      # llama.cpp's n_gpu_layers: -1 all, 0 none
+    where: str             # "GPU (...)" or "CPU (...)", with the reason
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.n_gpu_layers != 0
+
+
+def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers: int | None) -> Placement:
+    """How many layers llama.cpp puts on the GPU, and why."""
+    gpu = gpus.first_gpu()
+    if gpu is None:
+        return Placement(0, "CPU (no NVIDIA GPU visible)")
+    name, free = gpu
+    if not llama_cpp_module.llama_supports_gpu_offload():
+        return Placement(0, f"CPU ({name} is here, but this llama-cpp-python build has no GPU support: "
+                            "`python -m openjet_plugin.setup_llama --force` builds one where a CUDA toolkit is present)")
+    size = os.path.getsize(model_path)
+    if size + GPU_RESERVE_BYTES <= free:
+        return Placement(-1, f"GPU ({name}: every layer, {free / 2**30:.1f} GiB free)")
+    if not n_layers:
+        return Placement(0, f"CPU ({name} has {free / 2**30:.1f} GiB free, the model is {size / 2**30:.1f} GiB)")
+    fit = max(0, int(n_layers * (free - GPU_RESERVE_BYTES) / size))
+    if fit == 0:
+        return Placement(0, f"CPU ({name} has {free / 2**30:.1f} GiB free: no layer fits)")
+    return Placement(fit, f"GPU and CPU ({name}: {fit} of {n_layers} layers fit in {free / 2**30:.1f} GiB free)")
+
+
+@contextlib.contextmanager
+def _without_extra_buffers(llama_cpp_module):
+    """Llama() takes no use_extra_bufts; its model parameters start from
+    llama_model_default_params(), so that is where the flag is turned off, for one construction."""
+    low = importlib.import_module(llama_cpp_module.__name__ + ".llama_cpp")
+    original = low.llama_model_default_params
+
+    def params():
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = original
+
+
 class LlamaCppBackend:
     name = "llama.cpp"
     supports_speculative = False
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int, *, kv_type: str = "f16",
-                 n_threads: int | None = None, n_batch: int = 512):
+                 n_threads: int | None = None, n_batch: int = 512, n_layers: int | None = None):
+        """n_layers: the model's block count (from its metadata), to split a model that does not
+        fit in GPU memory."""
         try:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - a dependency of the package
@@ -48,15 +114,23 @@ class LlamaCppBackend:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self._lib = llama_cpp
         threads = n_threads or default_threads()
+        self.placement = gpu_placement(llama_cpp, model_path, n_layers)
         kwargs = {}
         if kv_type != "f16":
             # a quantised V cache needs flash attention in llama.cpp
             kwargs = dict(type_k=KV_TYPES[kv_type], type_v=KV_TYPES[kv_type], flash_attn=True)
+        if self.placement.on_gpu:
+            kwargs["flash_attn"] = True      # llama.cpp's fastest GPU path (llama-bench -fa 1)
+        # llama.cpp's AMX buffer type executes tile instructions that fault where they are only
+        # advertised (cpu_features.py): no extra buffer types there
+        self.extra_buffers = not cpu_features.amx_faults()
+        guard = contextlib.nullcontext() if self.extra_buffers else _without_extra_buffers(llama_cpp)
         try:
-            self._llm = llama_cpp.Llama(
-                model_path=os.fspath(model_path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
-                n_threads=threads, n_threads_batch=threads, n_gpu_layers=0,
-                logits_all=False, verbose=False, **kwargs)
+            with guard:
+                self._llm = llama_cpp.Llama(
+                    model_path=os.fspath(model_path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
+                    n_threads=threads, n_threads_batch=threads, n_gpu_layers=self.placement.n_gpu_layers,
+                    logits_all=False, verbose=False, **kwargs)
         except (ValueError, RuntimeError) as exc:
             raise BackendUnavailableError(
                 f"llama.cpp could not load {os.fspath(model_path)}: {exc}") from None
@@ -155,3 +229,59 @@ class LlamaCppBackend:
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.close()
+
+
+# --- does llama.cpp run here? -------------------------------------------------------------------
+# `openjet doctor` asks in a child process: an instruction the host cannot execute kills the
+# child (SIGILL), not the caller.
+
+def check_runs(model_path: str | os.PathLike[str], timeout: float = 300.0) -> tuple[bool, str]:
+    """(True, what ran) when llama.cpp loads `model_path` and decodes one token in a child
+    process, else (False, why)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "openjet_plugin.backends.llama_cpp", os.fspath(model_path)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"a one-token decode did not finish in {timeout:.0f} s"
+    if p.returncode < 0:
+        try:
+            sig = signal.Signals(-p.returncode).name
+        except ValueError:
+            sig = f"signal {-p.returncode}"
+        hint = (" (an instruction this machine does not run: see the cpu rows)" if sig == "SIGILL" else "")
+        return False, f"the one-token decode was killed by {sig}{hint}"
+    lines = p.stdout.strip().splitlines()
+    if p.returncode != 0 or not lines:
+        last = (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        return False, f"the one-token decode failed: {last}"
+    r = json.loads(lines[-1])
+    return True, f"a one-token decode took {r['seconds']:.2f} s on the {r['where']}"
+
+
+def _check_main(argv: list[str]) -> int:
+    import json
+    import time
+
+    from ..model_file import read_foreign
+
+    path = argv[0]
+    t0 = time.perf_counter()
+    n_layers = read_foreign(path).n_layers
+    be = LlamaCppBackend(path, 64, n_threads=None, n_layers=n_layers)
+    logits = be.eval([0])
+    if not np.isfinite(logits).all():
+        raise SystemExit("llama.cpp returned non-finite logits")
+    print(json.dumps({"where": be.placement.where, "seconds": time.perf_counter() - t0}))
+    be.close()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(_check_main(sys.argv[1:]))

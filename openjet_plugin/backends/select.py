@@ -70,11 +70,23 @@ def choose_backend(backend: str, model_file, n_ctx: int, kv_type: str = "f16") -
 def create_backend(backend: str, model_path: str | os.PathLike[str], model_file, *, n_ctx: int,
                    draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None,
                    checkpoints: dict | None = None,
-                   n_threads: int | None = None):
-    """Start the chosen backend; returns (backend object, reason)."""
+                   n_threads: int | None = None, declined: str | None = None, n_layers: int | None = None):
+    """Start the chosen backend; returns (backend object, reason).
+
+    declined: why the native engine cannot take this file at all (another architecture:
+    model_file is then None); the model goes to llama.cpp, or backend="native" raises.
+    n_layers: the model's block count, for llama.cpp's GPU placement."""
     from .llama_cpp import LlamaCppBackend
 
-    name, reason = choose_backend(backend, model_file, n_ctx, kv_type)
+    if declined is not None:
+        check_backend_name(backend)
+        if backend == "native":
+            raise BackendUnavailableError(f"backend='native' is not available: {declined}")
+        name = "llama.cpp"
+        reason = ("llama.cpp requested (backend='llama.cpp')" if backend == "llama.cpp"
+                  else f"native backend unavailable: {declined}; using llama.cpp")
+    else:
+        name, reason = choose_backend(backend, model_file, n_ctx, kv_type)
     if name == "native":
         mod, _ = _native_module()
         try:
@@ -85,7 +97,11 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
                 raise BackendUnavailableError(
                     f"backend='native' failed to start: {type(exc).__name__}: {exc}") from exc
             reason = f"native backend failed to start ({type(exc).__name__}: {exc}); using llama.cpp"
+    if n_layers is None and model_file is not None:
+        n_layers = model_file.config.n_layer + model_file.config.n_layer_nextn
+    be = LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads, n_layers=n_layers)
+    reason = f"{reason}; llama.cpp runs on the {be.placement.where}"
     if backend == "auto":
         # no GPU is the normal case on many machines: say it, but do not warn about it
         (log.warning if "failed to start" in reason else log.info)("openjet: %s", reason)
-    return LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads), reason
+    return be, reason
