@@ -12,14 +12,24 @@ Chat specifics:
 - Thinking: `enable_thinking=True` (a field, or per call) renders the template in thinking mode;
   the `<think>` part of the reply goes to `additional_kwargs["reasoning_content"]` (streamed too),
   the rest to `content`.
-- Tools: `bind_tools(...)` renders the tools into the Qwen template's tools section; the model's
-  `<tool_call>{json}</tool_call>` blocks become `AIMessage.tool_calls`, malformed ones
-  `invalid_tool_calls` (never an exception). `AIMessage.tool_calls` and `ToolMessage`s in the
-  history go back in as the template expects. `tool_choice`: "none" hides the tools, a tool name
-  shows only that tool, "auto"/"any"/"required" show all: there is no grammar-constrained decoding,
-  so a forced choice is a request to the model, not a guarantee.
-- `with_structured_output`: LangChain's default tool-calling path (bind the schema as a tool,
-  parse the call), which works as well as the model follows the tools section.
+- Tools: `bind_tools(...)` renders the tools into the chat template's tools section; the model's
+  `<tool_call>` blocks (Qwen3.5's `<function=...><parameter=...>` form or the JSON form, see
+  `openjet_plugin.parsing`) become `AIMessage.tool_calls`, streamed as `tool_call_chunks` as each
+  call completes; malformed ones become `invalid_tool_calls` (never an exception).
+  `AIMessage.tool_calls` and `ToolMessage`s in the history go back in as the template expects.
+  `tool_choice`: "none" hides the tools; a tool name, "any", "required" or True force a call (the
+  engine constrains decoding to a call of that tool / of one of the tools); "auto" lets the model
+  decide.
+- Constrained output: `response_format` (OpenAI's {"type": "json_object"} or {"type":
+  "json_schema", "json_schema": {"schema": ...}}, per call or via `bind`) makes the engine decode
+  only text that matches. `with_structured_output(schema, method=...)` uses it:
+  "function_calling" (default: the schema as a forced tool), "json_schema", "json_mode". A reply
+  that still does not parse (cut short by max_tokens) raises `OutputParserException`, or with
+  `include_raw=True` comes back as `parsing_error`.
+- `logprobs=True` / `top_logprobs=N` (fields or per call): `response_metadata["logprobs"]` in
+  langchain-openai's shape ({"content": [{"token", "bytes", "logprob", "top_logprobs"}]}).
+- Token counts (`get_token_ids`, `get_num_tokens`, `get_num_tokens_from_messages`, hence
+  `trim_messages(token_counter=chat)`) come from the model's own tokenizer and chat template.
 - `usage_metadata` on every reply (`input_token_details.cache_read` = prompt tokens reused from
   the previous request), `response_metadata` with the model name, backend, finish reason,
   timings and, on the native backend, the speculative-decoding counters.
@@ -28,12 +38,14 @@ Chat specifics:
 from __future__ import annotations
 
 import json
+from operator import itemgetter
 from typing import Any, AsyncIterator, Iterator, Literal, Sequence
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     CallbackManagerForLLMRun,
 )
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.language_models.llms import LLM
 from langchain_core.messages import (
@@ -56,10 +68,13 @@ from langchain_core.outputs import (
     GenerationChunk,
     LLMResult,
 )
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableLambda, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
-from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import BaseModel, ConfigDict, Field
+from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from openjet_plugin.parsing import TOOL_OPEN
 
 from ._shared import (
     Reply,
@@ -214,8 +229,8 @@ def _template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
 
 def _lc_tool_calls(reply: Reply) -> tuple[list, list]:
     calls = [tool_call(name=c["name"], args=c["arguments"], id=c["id"]) for c in reply.tool_calls]
-    invalid = [invalid_tool_call(name=c["name"], args=c["arguments"], id=c["id"], error=c["error"])
-               for c in reply.invalid_tool_calls]
+    invalid = [invalid_tool_call(name=c["name"], args=_invalid_args(c["arguments"]), id=c["id"],
+                                 error=c["error"]) for c in reply.invalid_tool_calls]
     return calls, invalid
 
 
@@ -258,22 +273,111 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params
 
-    # --- tools -----------------------------------------------------------------------------------
+    logprobs: bool = False
+    """Return each generated token's log-probability in `response_metadata["logprobs"]`."""
+
+    top_logprobs: int | None = None
+    """With logprobs: also the most likely alternatives at each position (0-20)."""
+
+    # --- tools ---------------------------------------------------------------------------------
     def bind_tools(
         self,
         tools: Sequence[dict[str, Any] | type | Any | BaseTool],
         *,
         tool_choice: str | dict | bool | None = None,
+        strict: bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
         """Offer tools to the model (rendered into the template's tools section).
 
-        tool_choice: None/"auto" (the model decides), "any"/"required"/True (asked to call one),
-        "none"/False (tools hidden), or a tool name / {"function": {"name": ...}} (only that tool).
+        tool_choice: None/"auto" (the model decides), "any"/"required"/True (a call to one of the
+        tools is forced), "none"/False (tools hidden), or a tool name / {"function": {"name": ...}}
+        (a call to that tool is forced). A forced call's arguments match the tool's schema.
         """
-        formatted = [convert_to_openai_tool(t) for t in tools]
+        formatted = [convert_to_openai_tool(t, strict=strict) for t in tools]
         select_tools(formatted, _normalise_tool_choice(tool_choice))   # validates a named choice now
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    # --- structured output -----------------------------------------------------------------------
+    def with_structured_output(
+        self,
+        schema: dict | type | None = None,
+        *,
+        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        include_raw: bool = False,
+        strict: bool | None = None,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """A runnable whose output is `schema` filled in by the model (a pydantic instance for a
+        pydantic class, else a dict).
+
+        method: "function_calling" forces a call of the schema as a tool; "json_schema" constrains
+        the reply to the schema; "json_mode" to any JSON object (the prompt should then ask for the
+        fields). Decoding is constrained in all three, so a reply fails to parse only when it is
+        cut short (max_tokens): that raises `OutputParserException`, or with include_raw=True
+        returns {"raw": message, "parsed": None, "parsing_error": the exception}.
+        """
+        if kwargs:
+            raise ValueError(f"with_structured_output got unknown keyword arguments {sorted(kwargs)}")
+        if method not in ("function_calling", "json_schema", "json_mode"):
+            raise ValueError(f"with_structured_output: unknown method {method!r}; expected "
+                             f"'function_calling', 'json_schema' or 'json_mode'")
+        if schema is None and method != "json_mode":
+            raise ValueError(f"with_structured_output: method {method!r} needs a schema")
+        model_class = schema if isinstance(schema, type) and is_basemodel_subclass(schema) else None
+        ls_format = {"kwargs": {"method": method, "strict": strict},
+                     "schema": convert_to_json_schema(schema) if schema is not None else None}
+        if method == "function_calling":
+            tool = convert_to_openai_tool(schema, strict=strict)
+            name = tool["function"]["name"]
+            llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=ls_format)
+            parser = RunnableLambda(lambda msg: _parse_tool_output(msg, name, model_class))
+        else:
+            if method == "json_schema":
+                json_schema = convert_to_json_schema(schema)
+                fmt = {"type": "json_schema", "json_schema": {
+                    "name": json_schema.get("title", "output"), "schema": json_schema, "strict": strict}}
+            else:
+                fmt = {"type": "json_object"}
+            llm = self.bind(response_format=fmt, ls_structured_output_format=ls_format)
+            parser = RunnableLambda(lambda msg: _parse_json_output(msg, model_class))
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
+    # --- token counts --------------------------------------------------------------------------
+    def get_token_ids(self, text: str) -> list[int]:
+        """The model's own tokens for `text` (special-token text such as <|im_end|> is one token)."""
+        return self._engine_for(None).tokenize(text, add_special=False)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Sequence | None = None) -> int:
+        """Prompt tokens these messages (and tools) take in the model's chat template.
+
+        The count is a sum over the messages, each measured as the template renders it after a
+        user turn (minus that turn), so that it adds up over any slice of a conversation, as
+        `trim_messages` needs (it counts slices, even reversed ones, which a template that checks
+        the order of turns would refuse to render as a whole).
+        """
+        eng = self._engine_for(None)
+
+        def size(msgs: list[dict], tools_: list[dict] | None = None) -> int:
+            return len(eng.tokenize(eng.render_chat(msgs, tools=tools_, add_generation_prompt=False),
+                                    add_special=False))
+
+        anchor = [{"role": "user", "content": "?"}]
+        base = size(anchor)
+        total = 0
+        for m in _template_messages(messages):
+            if m["role"] == "system":
+                total += size([m] + anchor) - base
+            else:
+                total += size(anchor + [m]) - base
+        if tools:
+            total += size(anchor, [convert_to_openai_tool(t) for t in tools]) - base
+        return total
 
     # --- generation ------------------------------------------------------------------------------
     def _prepare(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]):
@@ -282,15 +386,24 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
             kwargs.pop(k, None)
         model = kwargs.pop("model", None)
         thinking = bool(kwargs.pop("enable_thinking", self.enable_thinking))
-        tools = select_tools(kwargs.pop("tools", None), _normalise_tool_choice(kwargs.pop("tool_choice", None)))
+        choice = _normalise_tool_choice(kwargs.pop("tool_choice", None))
+        tools = select_tools(kwargs.pop("tools", None), choice)
+        constraint = _constraint(kwargs.pop("response_format", None), tools, choice)
+        logprobs = bool(kwargs.pop("logprobs", self.logprobs))
+        top_logprobs = kwargs.pop("top_logprobs", self.top_logprobs)
         params = self._sampling(stop, kwargs)
         if kwargs:
             raise ValueError(f"ChatOpenJet got unknown keyword arguments {sorted(kwargs)}; sampling "
                              f"options are {', '.join(SAMPLING_KEYS)}, plus enable_thinking, tools, "
-                             f"tool_choice and model")
+                             f"tool_choice, response_format, logprobs, top_logprobs and model")
+        if constraint is not None:
+            params["constraint"] = constraint
+        if logprobs or top_logprobs:
+            params["logprobs"] = True
+            params["top_logprobs"] = int(top_logprobs or 0)
         eng = self._engine_for(model)
         prompt = eng.render_chat(_template_messages(messages), tools=tools, enable_thinking=thinking)
-        shape = dict(thinking=thinking, tools=bool(tools), prompt_opens_think=prompt_opens_think(prompt))
+        shape = dict(thinking=thinking, tools=tools or None, prompt_opens_think=prompt_opens_think(prompt))
         return eng, prompt, params, shape, self._label(model)
 
     def _generate(
@@ -306,6 +419,8 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
         calls, invalid = _lc_tool_calls(reply)
         additional = {"reasoning_content": reply.reasoning} if reply.reasoning is not None else {}
         meta = _response_metadata(eng, label, result.finish_reason, result.stats)
+        if params.get("logprobs"):
+            meta["logprobs"] = _openai_logprobs(getattr(result, "logprobs", None))
         message = AIMessage(
             content=reply.content,
             additional_kwargs=additional,
@@ -327,34 +442,40 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
         eng, prompt, params, shape, label = self._prepare(messages, stop, kwargs)
         streamer = ReplyStreamer(**shape)
         n_tokens = 0
+        pending_logprobs: list = []      # logprobs of tokens whose text has not gone out yet
+        named: set[int] = set()          # tool calls whose name has gone out
         stream = eng.generate(prompt, stream=True, **params)
         try:
             for piece in stream:
                 n_tokens += len(piece.tokens)
+                pending_logprobs += getattr(piece, "logprobs", None) or []
                 if piece.finish_reason is None:
                     dr, dc = streamer.feed(piece.text)
-                    if dr or dc:
-                        chunk = _chunk(dc, dr)
+                    calls = _tool_call_chunks(streamer.take_tool_events(), named)
+                    if dr or dc or calls:
+                        info = None
+                        if params.get("logprobs"):
+                            info = {"logprobs": _openai_logprobs(pending_logprobs)}
+                            pending_logprobs = []
+                        chunk = _chunk(dc, dr, calls, info)
                         if run_manager:
                             run_manager.on_llm_new_token(dc, chunk=chunk)
                         yield chunk
                     continue
                 dr, dc, reply = streamer.finish(piece.text)
-                calls, invalid = _lc_tool_calls(reply)
-                chunks = [tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
-                          for i, c in enumerate(calls)]
-                chunks += [tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=len(chunks) + i)
-                           for i, c in enumerate(invalid)]
+                info: dict[str, Any] = {"finish_reason": piece.finish_reason}
+                if params.get("logprobs"):
+                    info["logprobs"] = _openai_logprobs(pending_logprobs)
                 last = ChatGenerationChunk(
                     message=AIMessageChunk(
                         content=dc,
                         additional_kwargs={"reasoning_content": dr} if dr else {},
-                        tool_call_chunks=chunks,
+                        tool_call_chunks=_tool_call_chunks(streamer.take_tool_events(), named),
                         usage_metadata=_usage(piece.stats, n_tokens),
                         response_metadata=_response_metadata(eng, label, piece.finish_reason, piece.stats),
                         chunk_position="last",
                     ),
-                    generation_info={"finish_reason": piece.finish_reason},
+                    generation_info=info,
                 )
                 if run_manager:
                     run_manager.on_llm_new_token(dc, chunk=last)
@@ -384,9 +505,122 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
             yield chunk
 
 
-def _chunk(content: str, reasoning: str) -> ChatGenerationChunk:
-    return ChatGenerationChunk(message=AIMessageChunk(
-        content=content, additional_kwargs={"reasoning_content": reasoning} if reasoning else {}))
+def _chunk(content: str, reasoning: str, tool_calls: list | None = None,
+           info: dict | None = None) -> ChatGenerationChunk:
+    return ChatGenerationChunk(
+        message=AIMessageChunk(content=content,
+                               additional_kwargs={"reasoning_content": reasoning} if reasoning else {},
+                               tool_call_chunks=tool_calls or []),
+        generation_info=info)
+
+
+def _invalid_args(raw: str) -> str:
+    """A malformed call's args as LangChain sees them: the block as the model wrote it, which no
+    JSON parser (LangChain's partial one included) mistakes for arguments, so a streamed
+    malformed call stays invalid as it is in invoke."""
+    return f"{TOOL_OPEN}\n{raw}"
+
+
+def _tool_call_chunks(events, named: set[int]) -> list:
+    """parsing.ToolCallEvents -> LangChain tool_call_chunks: the name (with the id) when the call
+    begins, its whole arguments when it completes; a call read at once carries both. `named`: the
+    indices whose name went out already (kept by the caller across a stream)."""
+    out = []
+    for e in events:
+        if e.kind == "name":
+            named.add(e.index)
+            out.append(tool_call_chunk(name=e.name, args="", id=e.id, index=e.index))
+            continue
+        args = e.arguments if e.kind == "arguments" else _invalid_args(e.arguments)
+        first = e.index not in named
+        out.append(tool_call_chunk(name=e.name if first else None, args=args,
+                                   id=e.id if first else None, index=e.index))
+    return out
+
+
+def _constraint(response_format: Any, tools: list[dict] | None, choice: Any) -> dict | None:
+    """The engine constraint (openjet_plugin.constraints' plain-dict form) for this call's
+    response_format and tool_choice."""
+    forced = None
+    if tools and choice in ("any", "required", True):
+        forced = {"type": "tool_call", "tools": tools, "name": None}
+    elif tools and isinstance(choice, dict):
+        forced = {"type": "tool_call", "tools": tools,
+                  "name": (choice.get("function") or {}).get("name") or choice.get("name")}
+    fmt = _response_format_constraint(response_format)
+    if fmt is not None and forced is not None:
+        raise ValueError("response_format and a forced tool_choice cannot both apply to one reply; "
+                         "pass one of them")
+    return fmt if fmt is not None else forced
+
+
+def _response_format_constraint(fmt: Any) -> dict | None:
+    """OpenAI's response_format (or a pydantic class / JSON schema dict) -> a constraint."""
+    if fmt is None:
+        return None
+    if isinstance(fmt, type) and is_basemodel_subclass(fmt):
+        return {"type": "json_schema", "schema": fmt.model_json_schema()}
+    if not isinstance(fmt, dict):
+        raise ValueError(f"response_format must be a dict such as {{'type': 'json_object'}}, "
+                         f"got {type(fmt).__name__}")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, str)):
+            raise ValueError("response_format of type 'json_schema' needs json_schema.schema "
+                             "(a JSON Schema object)")
+        return {"type": "json_schema", "schema": schema}
+    if "properties" in fmt or "$schema" in fmt or kind == "object":
+        return {"type": "json_schema", "schema": fmt}       # a bare JSON schema
+    raise ValueError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+
+
+def _parse_tool_output(message: AIMessage, name: str, model_class: type | None) -> Any:
+    """The arguments of the message's call to `name`, validated by `model_class`; raises
+    OutputParserException when there is none or they do not validate."""
+    for call in message.tool_calls:
+        if call["name"] == name:
+            return _validated(call["args"], model_class, message)
+    errors = [f"{c.get('name')}: {c.get('error') or 'malformed'}" for c in message.invalid_tool_calls]
+    why = f"the model wrote a malformed tool call ({'; '.join(errors)})" if errors else \
+        f"the model did not call {name!r}"
+    raise OutputParserException(f"{why}; reply: {_text(message)[:200]!r}", llm_output=_text(message))
+
+
+def _parse_json_output(message: AIMessage, model_class: type | None) -> Any:
+    text = _text(message).strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise OutputParserException(f"the reply is not valid JSON ({exc.msg} at character {exc.pos}): "
+                                    f"{text[:200]!r}", llm_output=text) from None
+    return _validated(value, model_class, message)
+
+
+def _validated(value: Any, model_class: type | None, message: AIMessage) -> Any:
+    if model_class is None:
+        return value
+    try:
+        return model_class.model_validate(value)
+    except ValidationError as exc:
+        raise OutputParserException(f"the reply does not match {model_class.__name__}: {exc}",
+                                    llm_output=_text(message)) from None
+
+
+def _text(message: BaseMessage) -> str:
+    return message.content if isinstance(message.content, str) else text_of(message.content)
+
+
+def _openai_logprobs(entries) -> dict:
+    """engine TokenLogprobs -> langchain-openai's response_metadata["logprobs"]."""
+    def one(e) -> dict:
+        return {"token": e.text, "bytes": list(e.bytes), "logprob": float(e.logprob)}
+    return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top_logprobs]} for e in entries or []]}
 
 
 def _normalise_tool_choice(choice: Any) -> Any:
