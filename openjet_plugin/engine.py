@@ -32,6 +32,8 @@ from . import chat_template
 from .errors import ContextOverflowError, OpenJetError
 from .sampling import Sampler, SamplingParams
 
+MAX_TOP_LOGPROBS = 20      # OpenAI's limit on top_logprobs
+
 log = logging.getLogger("openjet_plugin")
 
 # Token texts llama.cpp treats as end-of-generation when the vocabulary has them (llama-vocab.cpp).
@@ -73,11 +75,28 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One token's log-probability under the model: the log-softmax of the raw logits at its
+    position over the whole vocabulary (before bias, penalties, a constraint's mask, temperature
+    and top-k/p, as llama.cpp reports it); with speculation, the target model's logits."""
+
+    token: int
+    bytes: bytes                 # the token's bytes (may be part of a UTF-8 character)
+    logprob: float
+    top_logprobs: list["TokenLogprob"] = field(default_factory=list)   # most likely first
+
+    @property
+    def text(self) -> str:
+        return self.bytes.decode("utf-8", errors="replace")
+
+
+@dataclass
 class GenerationResult:
     text: str
     tokens: list[int]            # generated tokens; the end-of-generation token is not included
     finish_reason: str           # "stop" (EOS or a stop string) | "length" (max_tokens or n_ctx)
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None    # with logprobs=True: one per entry of tokens
 
 
 @dataclass
@@ -86,6 +105,7 @@ class Chunk:
     tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] | None = None    # with logprobs=True: one per entry of tokens
 
 
 # Engines still open when the interpreter exits are closed first: llama-cpp-python's own finaliser
@@ -131,6 +151,7 @@ class Engine:
         self._logits: np.ndarray | None = None   # logits after _tokens[-1], when known
         self._closed = False
         self._stream_ref: weakref.ref | None = None
+        self._constraints = None                 # constraints.ConstraintCompiler, built at first use
         self._speculator = self._make_speculator(backend)
         _LIVE_ENGINES.add(self)
 
@@ -180,15 +201,21 @@ class Engine:
                  seed: int | None = None, stop: str | Sequence[str] | None = None,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                  repeat_penalty: float = 1.0, logit_bias: dict[int, float] | None = None,
+                 constraint=None, logprobs: bool = False, top_logprobs: int = 0,
                  stream: bool = False):
         """Continue `prompt` (text, tokenised with the model's special tokens, or token ids).
 
         Returns a GenerationResult, or with stream=True an iterator of Chunks whose last one carries
         finish_reason and stats. max_tokens=None generates until the context is full.
+        constraint: a constraints.Constraint (or its dict form): the output must match it; when
+        the prompt leaves a <think> block open it applies after </think>.
+        logprobs: report each generated token's log-probability (TokenLogprob), with its
+        top_logprobs (0..20) most likely alternatives, in the result and in every chunk.
         Raises ValueError for a bad parameter and ContextOverflowError when the prompt plus
         max_tokens cannot fit n_ctx.
         """
         self._check_open()
+        n_top = _check_logprobs(logprobs, top_logprobs)
         prompt_tokens = self._prompt_tokens(prompt)
         room = self.n_ctx - len(prompt_tokens)
         if max_tokens is None:
@@ -210,19 +237,25 @@ class Engine:
                 f"prompt of {len(prompt_tokens)} tokens plus max_tokens={params.max_tokens} needs "
                 f"{len(prompt_tokens) + params.max_tokens} positions, more than the context window "
                 f"n_ctx={self.n_ctx}; shorten the prompt, lower max_tokens or load with a larger n_ctx")
-        events = self._run(prompt_tokens, params)
+        grammar = None
+        if constraint is not None:
+            grammar = self._grammar_state(constraint, prompt, prompt_tokens)
+        events = self._run(prompt_tokens, params, grammar, n_top)
         if stream:
             self._stream_ref = weakref.ref(events)
             return events
         parts: list[str] = []
         tokens: list[int] = []
+        lps: list[TokenLogprob] | None = [] if n_top is not None else None
         last = None
         for chunk in events:
             parts.append(chunk.text)
             tokens += chunk.tokens
+            if lps is not None:
+                lps += chunk.logprobs
             last = chunk
         assert last is not None and last.stats is not None
-        return GenerationResult("".join(parts), tokens, last.finish_reason or "stop", last.stats)
+        return GenerationResult("".join(parts), tokens, last.finish_reason or "stop", last.stats, lps)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None,
                     enable_thinking: bool = False, add_generation_prompt: bool = True) -> str:
@@ -239,6 +272,38 @@ class Engine:
         """
         prompt = self.render_chat(messages, tools=tools, enable_thinking=enable_thinking)
         return self.generate(prompt, stream=stream, **sampling)
+
+    # --- constraints ---------------------------------------------------------------------------
+    @property
+    def tool_call_format(self) -> str:
+        """The tool-call form the chat template asks for: "qwen_xml" or "json" (parsing.py)."""
+        from .parsing import tool_call_format
+        return tool_call_format(self.chat_template)
+
+    def _constraint_compiler(self):
+        """The vocabulary as llguidance sees it: built from the GGUF's own tokenizer once."""
+        if self._constraints is None:
+            from .constraints import ConstraintCompiler
+            from .errors import ModelFileError
+            from .tokenizer import Tokenizer
+            try:
+                tok = Tokenizer.from_gguf(self.model_path)
+            except ModelFileError as exc:
+                raise ValueError(f"constraint: constrained decoding needs the model's byte-level BPE "
+                                 f"vocabulary, which this model does not have ({exc})") from None
+            self._constraints = ConstraintCompiler.from_tokenizer(tok, self.eog_tokens, self.n_vocab,
+                                                                  self.tool_call_format)
+        return self._constraints
+
+    def _grammar_state(self, constraint, prompt, prompt_tokens: list[int]):
+        from .constraints import Constraint, prompt_opens_think
+        c = constraint if isinstance(constraint, Constraint) else Constraint.from_dict(constraint)
+        if isinstance(prompt, str):
+            head = prompt
+        else:
+            # where the prompt ends is all that decides whether a think block is open
+            head = self._backend.detokenize(prompt_tokens[-256:]).decode("utf-8", errors="replace")
+        return self._constraint_compiler().state(c, thinking=prompt_opens_think(head))
 
     # --- lifecycle ----------------------------------------------------------------------------
     def close(self) -> None:
@@ -371,13 +436,14 @@ class Engine:
         b.save_checkpoint()
         return common
 
-    def _run(self, prompt: list[int], params: SamplingParams) -> Iterator[Chunk]:
+    def _run(self, prompt: list[int], params: SamplingParams, grammar=None,
+             n_top: int | None = None) -> Iterator[Chunk]:
         """The generation loop, as a generator: the lock is taken at the first next() and released
         when it finishes or is closed (a stream dropped early leaves `_tokens` equal to the state)."""
         self._acquire()
         try:
             self._check_open()
-            yield from self._generate_locked(prompt, params)
+            yield from self._generate_locked(prompt, params, grammar, n_top)
         except Exception:
             # a backend that failed mid-call may hold a partial state: forget it
             self._forget_state()
@@ -385,16 +451,24 @@ class Engine:
         finally:
             self._release()
 
-    def _generate_locked(self, prompt: list[int], params: SamplingParams) -> Iterator[Chunk]:
+    def _generate_locked(self, prompt: list[int], params: SamplingParams, grammar=None,
+                         n_top: int | None = None) -> Iterator[Chunk]:
+        """grammar: a constraints.GrammarState that masks every draw and takes every emitted
+        token (on a speculative backend the speculator feeds it, drafts included); n_top: None
+        (no logprobs) or the number of alternatives per token."""
         b = self._backend
         stats = GenerationStats(prompt_tokens=len(prompt), backend=b.name)
         self.last_stats = stats
         sampler = Sampler(params)
-        # greedy without penalties needs only the argmax: a GPU backend keeps the logits on the device
-        argmax_only = params.greedy and not params.has_penalties and not params.logit_bias
+        want_rows = n_top is not None
+        # greedy without penalties needs only the argmax: a GPU backend keeps the logits on the
+        # device (not when a mask or the logprobs need the row)
+        argmax_only = (params.greedy and not params.has_penalties and not params.logit_bias
+                       and grammar is None and not want_rows)
 
         spec = self._speculator
         queue: list[int] = []       # tokens a speculative cycle emitted, still to hand out
+        rows: list[np.ndarray] = []  # with logprobs: the target's logits row of each queued token
         t0 = time.perf_counter()
         if spec is not None:
             cached = self._prefill_before_last(prompt)
@@ -413,22 +487,37 @@ class Engine:
         history = list(prompt)
         generated: list[int] = []
         unreported: list[int] = []
+        unreported_lp: list[TokenLogprob] | None = [] if want_rows else None
         finish: str | None = None
         paused = 0.0          # time the caller spent between stream chunks is not decode time
         chosen = top if argmax_only else None     # the next token when it is known without sampling
         if spec is not None:
-            queue = self._cycle(spec, top, history, params, rng, params.max_tokens, stats)
+            queue = self._cycle(spec, top, history, params, rng, params.max_tokens, stats, grammar,
+                                rows if want_rows else None)
             chosen = queue.pop(0)
         try:
             while True:
-                tok = chosen if chosen is not None else sampler.sample(logits, history)
+                if spec is not None:
+                    row = rows.pop(0) if want_rows else None
+                    tok = chosen
+                else:
+                    row = logits
+                    if chosen is not None:
+                        tok = chosen
+                    else:
+                        tok = sampler.sample(grammar.mask_logits(logits) if grammar is not None else logits,
+                                             history)
                 stats.generated_tokens += 1
                 if tok in self.eog_tokens:
                     finish = "stop"
                     break
+                if grammar is not None and spec is None:
+                    grammar.consume(tok)
                 generated.append(tok)
                 history.append(tok)
                 unreported.append(tok)
+                if want_rows:
+                    unreported_lp.append(self._token_logprob(row, tok, n_top))
                 hit = text.feed(b.detokenize([tok]))
                 if hit:
                     finish = "stop"
@@ -439,14 +528,16 @@ class Engine:
                 out = text.take()
                 if out:
                     t_yield = time.perf_counter()
-                    yield Chunk(out, unreported)
+                    yield Chunk(out, unreported, logprobs=unreported_lp)
                     paused += time.perf_counter() - t_yield
                     unreported = []
+                    unreported_lp = [] if want_rows else None
                 # evaluate the token just sampled to get the next logits
                 self._logits = None
                 if spec is not None:
                     if not queue:
-                        queue = self._cycle(spec, tok, history, params, rng, params.max_tokens - len(generated), stats)
+                        queue = self._cycle(spec, tok, history, params, rng, params.max_tokens - len(generated),
+                                            stats, grammar, rows if want_rows else None)
                     chosen = queue.pop(0)
                 elif argmax_only:
                     chosen = b.eval_argmax([tok])
@@ -459,19 +550,49 @@ class Engine:
             stats.decode_seconds = time.perf_counter() - t1 - paused
             stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
                                        if stats.decode_seconds > 0 else 0.0)
-        yield Chunk(text.finish(), unreported, finish, stats)
+        yield Chunk(text.finish(), unreported, finish, stats, logprobs=unreported_lp)
 
+    def _token_logprob(self, logits: np.ndarray, tok: int, n_top: int) -> TokenLogprob:
+        """tok's log-softmax under `logits` (the whole vocabulary), with the n_top most likely."""
+        logp = log_softmax(logits)
+        top: list[TokenLogprob] = []
+        if n_top:
+            ids = np.argpartition(-logp, n_top - 1)[:n_top]
+            ids = ids[np.lexsort((ids, -logp[ids]))]
+            top = [TokenLogprob(int(i), self._backend.detokenize([int(i)]), float(logp[i])) for i in ids]
+        return TokenLogprob(int(tok), self._backend.detokenize([int(tok)]), float(logp[tok]), top)
 
     def _cycle(self, spec, tok: int, history: list[int], params: SamplingParams, rng, max_emit: int,
-               stats: GenerationStats) -> list[int]:
+               stats: GenerationStats, grammar=None, rows: list | None = None) -> list[int]:
         """One speculative cycle from tok: the state takes tok and the accepted drafts; returns
-        the emitted tokens (the last is the next cycle's current token)."""
-        emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit)
+        the emitted tokens (the last is the next cycle's current token). grammar (the request's
+        GrammarState) is left after the emitted tokens; rows, when given, gets the target's
+        logits row of each emitted token."""
+        emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit, grammar=grammar, rows_out=rows)
         self._tokens += [tok] + emitted[:-1]
         stats.cycles += 1
         stats.drafts_proposed += depth
         stats.drafts_accepted += accepted
         return emitted
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """log p over the vocabulary, in float64 (a 248K-row's sum loses digits in float32)."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def _check_logprobs(logprobs: object, top_logprobs: object) -> int | None:
+    """None when logprobs are off, else the number of alternatives per token."""
+    if not isinstance(logprobs, bool):
+        raise ValueError(f"logprobs must be True or False, got {logprobs!r}")
+    if isinstance(top_logprobs, bool) or not isinstance(top_logprobs, (int, np.integer)) \
+            or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    if top_logprobs and not logprobs:
+        raise ValueError("top_logprobs needs logprobs=True")
+    return int(top_logprobs) if logprobs else None
 
 
 class _TextAssembler:

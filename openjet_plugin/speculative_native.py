@@ -52,10 +52,13 @@ class _LazyRows:
 
 
 class _Targets:
-    """p[i]: the target distribution after position i, built when verification asks for it."""
+    """p[i]: the target distribution after position i, built when verification asks for it;
+    masks[i] (a constraint's allowed tokens there, or None) applied first."""
 
-    def __init__(self, rows: _LazyRows, params: SamplingParams, histories: list[list[int]]):
+    def __init__(self, rows: _LazyRows, params: SamplingParams, histories: list[list[int]],
+                 grammar=None, masks: list | None = None):
         self.rows, self.params, self.histories, self._d = rows, params, histories, {}
+        self.grammar, self.masks = grammar, masks
 
     def __len__(self) -> int:
         return len(self.histories)
@@ -63,8 +66,14 @@ class _Targets:
     def __getitem__(self, i: int) -> TokenDistribution:
         i = range(len(self))[i]
         if i not in self._d:
-            self._d[i] = TokenDistribution.from_logits(self.rows[i], self.params, self.histories[i])
+            self._d[i] = TokenDistribution.from_logits(self.row(i), self.params, self.histories[i])
         return self._d[i]
+
+    def row(self, i: int) -> np.ndarray:
+        """The target's logits after position i, the constraint's mask applied."""
+        if self.masks is None or self.masks[i] is None:
+            return self.rows[i]
+        return self.grammar.mask_logits(self.rows[i], self.masks[i])
 
 
 class NativeSpeculator:
@@ -108,10 +117,23 @@ class NativeSpeculator:
             self.b.set_draft_vocab(self.vocab.ids)
 
     def _drafts(self, token: int, pos: int, depth: int, history: list[int], params: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], list[TokenDistribution]]:
+                rng: np.random.Generator, grammar=None,
+                masks: list | None = None) -> tuple[list[int], list[TokenDistribution]]:
+        """Up to `depth` drafts after `token`. With a grammar (a constraint's GrammarState, left
+        after `token`), each draft is drawn under the mask of its position and consumed; the
+        drafts end at the first one the grammar forbids (it could never be accepted). masks gets
+        the mask after token and after each draft (None while the grammar is not active)."""
+        if masks is not None:
+            masks.append(grammar.allowed())
         if self.oracle is not None:
             drafts, qs = self.oracle.propose(pos, token, None, history, depth, params, rng)
             drafts = [int(t) for t in drafts][:depth]
+            if grammar is not None:
+                n = 0
+                while n < len(drafts) and grammar.try_consume(drafts[n]):
+                    masks.append(grammar.allowed())
+                    n += 1
+                drafts = drafts[:n]
             return drafts, list(qs)[:len(drafts)]
         if self.restricted:
             self.vocab.add([token])
@@ -122,24 +144,48 @@ class NativeSpeculator:
         hist = list(history)
         for i in range(depth):
             top = self.b.draft_first(token) if i == 0 else self.b.draft_next(drafts[-1], pos + i)
-            if params.greedy:
+            allowed = masks[-1] if masks is not None else None
+            if allowed is not None:
+                x = self.b.draft_logits(-1)
+                x = np.where(allowed[ids] if ids is not None else allowed[:len(x)], x, -np.inf)
+                if not np.isfinite(x).any():
+                    break                              # the draft vocabulary has no allowed token
+                if params.greedy:
+                    top = int(ids[int(np.argmax(x))]) if ids is not None else int(np.argmax(x))
+                    q = TokenDistribution.point(top, self.b.n_vocab)
+                    tok = top
+                else:
+                    q = TokenDistribution.from_logits(x, params, hist, vocab_ids=ids, n_vocab=self.b.n_vocab)
+                    tok = q.draw(rng.random())
+            elif params.greedy:
                 # greedy verification never reads q: the head's plain argmax is the draft
                 tok, q = top, TokenDistribution.point(top, self.b.n_vocab)
             else:
                 q = TokenDistribution.from_logits(self.b.draft_logits(-1), params, hist, vocab_ids=ids,
                                                   n_vocab=self.b.n_vocab)
                 tok = q.draw(rng.random())
+            if grammar is not None:
+                if not grammar.try_consume(int(tok)):
+                    break
+                masks.append(grammar.allowed())
             drafts.append(int(tok))
             qs.append(q)
             hist.append(int(tok))
         return drafts, qs
 
     def cycle(self, token: int, history: Sequence[int], params: SamplingParams, rng: np.random.Generator,
-              max_emit: int) -> tuple[list[int], int, int]:
+              max_emit: int, grammar=None, rows_out: list | None = None) -> tuple[list[int], int, int]:
         """One cycle from `token` (the last of `history`, not yet in the state). Returns (emitted:
         the accepted drafts and one more token, depth, accepted); the state then holds `token`
-        and the accepted drafts, and the last emitted token starts the next cycle."""
+        and the accepted drafts, and the last emitted token starts the next cycle.
+
+        grammar: a constraint's GrammarState, after `token`: drafts and every verified position
+        are drawn under its masks, the rejected drafts are rolled back out of it, and it is left
+        after the emitted tokens. rows_out: gets the target's logits row of each emitted token
+        (for logprobs). Either one takes the host path: the fused oj_cycle picks its tokens on
+        the GPU from unmasked logits and keeps the rows there."""
         if (params.greedy and not params.has_penalties and not params.logit_bias
+                and grammar is None and rows_out is None
                 and getattr(self.b, "supports_cycle", False)):
             out = self._cycle_fused(int(token), history, params, rng, max_emit)
             if out is not None:
@@ -150,26 +196,40 @@ class NativeSpeculator:
         room = b.n_ctx - pos - 1                       # positions left after the current token's
         depth = max(0, min(self.policy.next_depth(), max_emit - 1, room))
         history = [int(t) for t in history]
-        drafts, qs = self._drafts(int(token), pos, depth, history, params, rng) if depth > 0 else ([], [])
-        depth = len(drafts)                            # an oracle may run out of continuation
+        masks: list | None = [] if grammar is not None else None
+        if depth > 0:
+            drafts, qs = self._drafts(int(token), pos, depth, history, params, rng, grammar, masks)
+        else:
+            drafts, qs = [], []
+            if masks is not None:
+                masks.append(grammar.allowed())
+        depth = len(drafts)                            # an oracle or the grammar may end them early
         tokens = [int(token)] + drafts
         b.verify(tokens)
-        if params.greedy and not params.has_penalties and not params.logit_bias:
+        rows = _LazyRows(b, len(tokens))
+        if (params.greedy and not params.has_penalties and not params.logit_bias
+                and grammar is None):
             v = verify_greedy(b.argmax(), drafts)
         else:
-            rows = _LazyRows(b, len(tokens))
             hists = [history + drafts[:i] for i in range(len(tokens))]
+            targets_p = _Targets(rows, params, hists, grammar, masks)
             if params.greedy:
                 targets, j = [], 0
                 while True:                            # rows only up to the first mismatch
-                    targets.append(int(token_distribution(rows[j], params, hists[j])[0][0]))
+                    targets.append(int(token_distribution(targets_p.row(j), params, hists[j])[0][0]))
                     if j == depth or targets[j] != drafts[j]:
                         break
                     j += 1
                 v = verify_greedy(targets + [0] * (depth + 1 - len(targets)), drafts)
             else:
-                v = verify_sampled(_Targets(rows, params, hists), qs, drafts, rng, self.rule)
+                v = verify_sampled(targets_p, qs, drafts, rng, self.rule)
+        if grammar is not None:
+            # the grammar took every draft: the rejected ones go, the correction comes in
+            grammar.rollback(depth - v.n_accepted)
+            grammar.consume(v.token)
         emitted = drafts[:v.n_accepted] + [v.token]
+        if rows_out is not None:
+            rows_out.extend(rows[i] for i in range(len(emitted)))
         b.commit(v.n_accepted + 1)
         if self.oracle is not None and b.supports_speculative:
             b._flush_mtp()                             # keep the MTP cache in step while the window holds
