@@ -1,0 +1,294 @@
+"""A generated qwen35 GGUF whose weights are scripted to write given replies (greedy decoding): an
+agent's tool call first, then an answer once a tool result is in the context.
+
+A random-weight model never writes a tool call; a trained one cannot be fetched here. This file
+is a real model all the same: the engine loads it, renders the real chat template (Qwen3.5's, in
+`openjet_plugin/data/qwen35_chat_template.jinja`), tokenizes, prefills and decodes it on its
+backend; only the weights are set by hand, so that the whole path from a prompt to a parsed tool
+call runs as it would on a trained model.
+
+How the weights script a reply (shape: `tiny`; every residual branch writes zero except one):
+- Each reply is cut into tokens that all differ from each other, so that "the next token" is a
+  function of the current one: a bigram chain from the prompt's last token to <|im_end|>. The
+  markup of a tool call repeats "<" and "\n" more often than the vocabulary has distinct tokens
+  for them, so a reply is cut into lines (keeping their newline) and special tokens, and a line
+  that is not a token of the vocabulary takes the place of one of its rarest tokens (one that no
+  merge builds on; the merge that formed it is dropped, so the tokenizer never writes it and
+  prompts tokenize as before). The text still detokenizes to the reply exactly.
+- The output head's row of each next token is the current token's embedding (token half), one of
+  mutually orthogonal +-1 rows (a Hadamard matrix), so the chain's token leads every other by
+  ~20 nats.
+- Which chain starts depends on one bit of context: is a `trigger` token (<tool_response>) in the
+  prompt? The embedding has two context dims: a constant 1 (every token) and a marker (1 for the
+  trigger only). In the attention layer, head 0's query is the constant and its key the marker
+  (on dims RoPE leaves alone), with q/k-norm weights that make the trigger's score ~90 above any
+  other: the head attends to the trigger when there is one, and its value (the marker) is then 1,
+  else 0. attn_output writes it to a "flag" dim that the head reads: +flag for the second chain's
+  first token, -flag for the first chain's, sized so that the flag flips the first choice but
+  never outweighs a chain's own next token.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+from typing import Sequence
+
+import numpy as np
+
+from .. import chat_template
+from ..config import PRESETS
+from . import bpe
+from .synth import RESIDUAL_OUTPUTS, synth_specs, tensor_values, token_dims, write_gguf
+
+QWEN35_TEMPLATE_FILE = bpe.DATA_DIR / "qwen35_chat_template.jinja"
+PRESET = "tiny"
+TRIGGER = "<tool_response>"
+END = "<|im_end|>"
+
+# logit of a chain's next token (head row . normalised token half = CHAIN_GAIN * sqrt(2))
+CHAIN_GAIN = 16.0
+# the flag's share of a chain step's logit: > 1/2 flips the first choice, < 1 never overrides a step
+FLAG_SHARE = 0.75
+# q/k-norm weight on the flag head's dims: the trigger's score is Q_K_NORM^2 * sqrt(head_dim / 2)
+Q_K_NORM = 4.0
+
+
+def _token_texts(vocab: "bpe.VocabArrays") -> tuple[list[bytes | None], dict[str, int]]:
+    """Each token's bytes (None for control tokens a reply cannot contain) and the special tokens' ids."""
+    texts: list[bytes | None] = []
+    special: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(vocab.tokens, vocab.token_types)):
+        if kind == bpe.TOKEN_NORMAL:      # GPT-2 byte-level characters
+            texts.append(bytes(bpe.CHAR_TO_BYTE[c] for c in tok))
+        elif kind == 4:                   # user-defined (<tool_call>, <think>, ...): written as their text
+            texts.append(tok.encode())
+            special[tok] = i
+        else:
+            texts.append(None)
+            special[tok] = i
+    return texts, special
+
+
+def distinct_tokenization(text: str, texts: Sequence[bytes | None], banned: set[int]) -> list[int]:
+    """Tokens whose bytes concatenate to `text`, no token twice and none in `banned` (longest
+    tokens first, backtracking). Raises ValueError when there is none."""
+    data = text.encode()
+    by_first: dict[int, list[int]] = {}
+    for i, t in enumerate(texts):
+        if t and i not in banned:
+            by_first.setdefault(t[0], []).append(i)
+    for ids in by_first.values():
+        ids.sort(key=lambda i: -len(texts[i]))
+    used: set[int] = set()
+    out: list[int] = []
+
+    def walk(pos: int) -> bool:
+        if pos == len(data):
+            return True
+        for i in by_first.get(data[pos], ()):
+            t = texts[i]
+            if i not in used and data.startswith(t, pos):
+                used.add(i)
+                out.append(i)
+                if walk(pos + len(t)):
+                    return True
+                used.discard(i)
+                out.pop()
+        return False
+
+    if not walk(0):
+        raise ValueError(f"no tokenization of {text!r} uses each token at most once")
+    return out
+
+
+class _Vocab:
+    """The shipped vocabulary, with rare tokens given over to reply lines on demand."""
+
+    def __init__(self, n_vocab: int):
+        self.arrays = bpe.vocab_arrays(n_vocab)
+        self.texts, self.special = _token_texts(self.arrays)
+        parts = {p for m in self.arrays.merges for p in m.split(" ")}
+        # spare: regular tokens no merge builds on, rarest (highest id) first
+        self._spare = [i for i in range(len(self.texts) - 1, 255, -1)
+                       if self.arrays.token_types[i] == bpe.TOKEN_NORMAL and self.arrays.tokens[i] not in parts]
+        self.renamed: dict[int, str] = {}
+
+    def token_for(self, piece: str, used: set[int]) -> int:
+        data = piece.encode()
+        for i, t in enumerate(self.texts):
+            if t == data and i not in used:
+                return i
+        i = self._spare.pop(0)
+        while i in used:
+            i = self._spare.pop(0)
+        self.renamed[i] = bpe.byte_encode(piece)
+        self.texts[i] = data
+        return i
+
+    def tokens_and_merges(self) -> tuple[list[str], list[str]]:
+        tokens = list(self.arrays.tokens)
+        gone = {tokens[i] for i in self.renamed}
+        for i, text in self.renamed.items():
+            tokens[i] = text
+        merges = [m for m in self.arrays.merges if m.replace(" ", "", 1) not in gone]
+        return tokens, merges
+
+
+def _reply_tokens(reply: str, vocab: _Vocab, used: set[int]) -> list[int]:
+    """Distinct tokens spelling `reply`: its special tokens, and each line (with its newline) a
+    token of its own, from the vocabulary or given a spare one."""
+    specials = sorted((k for k, i in vocab.special.items() if vocab.texts[i]), key=len, reverse=True)
+    pieces = [p for p in re.split("(" + "|".join(map(re.escape, specials)) + r"|[^\n]*\n)", reply) if p]
+    out: list[int] = []
+    for piece in pieces:
+        if piece in vocab.special:
+            i = vocab.special[piece]
+        else:
+            i = vocab.token_for(piece, used)
+        if i in used:
+            raise ValueError(f"{piece!r} occurs twice in the scripted replies; each line must be unique")
+        used.add(i)
+        out.append(i)
+    return out
+
+
+def generation_prompt_last_token(eng_tokenize, enable_thinking: bool = False) -> int:
+    """The last token of the Qwen3.5 template's generation prompt (where both chains start)."""
+    template = QWEN35_TEMPLATE_FILE.read_text(encoding="utf-8")
+    prompt = chat_template.render(template, [{"role": "user", "content": "hi"}],
+                                  enable_thinking=enable_thinking)
+    return eng_tokenize(prompt)[-1]
+
+
+def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, after_tool_reply: str,
+                        *, start_token_text: str = "\n\n", force: bool = False) -> pathlib.Path:
+    """Write the scripted model to `out_path`: greedy decoding after the Qwen3.5 template's
+    generation prompt (thinking off: it ends in "</think>\\n\\n", whose last token is
+    `start_token_text`) writes `first_reply` when no <tool_response> is in the prompt and
+    `after_tool_reply` when one is, each followed by <|im_end|>."""
+    out = pathlib.Path(out_path)
+    if out.exists() and not force:
+        raise FileExistsError(f"{out}: file exists; pass force=True to overwrite it")
+    cfg = PRESETS[PRESET]
+    t = token_dims(cfg)
+    vocab = _Vocab(cfg.n_vocab)
+    start = vocab.texts.index(start_token_text.encode())
+    trigger, end = vocab.special[TRIGGER], vocab.special[END]
+    used = {start, trigger, end}
+    first = _reply_tokens(first_reply, vocab, used)
+    second = _reply_tokens(after_tool_reply, vocab, used)
+    chain_tokens = [start] + first + second
+    if len(chain_tokens) > t - 1:
+        raise ValueError(f"the replies take {len(chain_tokens)} tokens; at most {t - 1} fit this shape")
+
+    arrays = {s.name: tensor_values(s, 0, cfg) for s in synth_specs(cfg)}
+    for name, a in arrays.items():
+        if name.endswith(RESIDUAL_OUTPUTS):
+            a[...] = 0.0                       # no branch writes, except the flag below
+        if name.endswith("norm.weight"):
+            a[...] = 1.0
+    const_dim, marker_dim, flag_dim = t, t + 1, t + 2
+
+    emb = arrays["token_embd.weight"]          # [n_vocab, n_embd]
+    hadamard = _hadamard(t)
+    for k, tok in enumerate(chain_tokens):
+        emb[tok, :t] = hadamard[k + 1]         # row 0 is all ones: not orthogonal to a constant
+    emb[:, t:] = 0.0
+    emb[:, const_dim] = 1.0
+    emb[trigger, marker_dim] = 1.0
+
+    il = cfg.attention_layers()[0]
+    D, j0 = cfg.head_dim, cfg.n_rot            # dims from n_rot on are not rotated
+    p = f"blk.{il}."
+    q = arrays[p + "attn_q.weight"]
+    q[...] = 0.0
+    q[j0, const_dim] = 1.0                     # head 0's query: the constant (gate rows 0: sigmoid 1/2)
+    k = arrays[p + "attn_k.weight"]
+    k[...] = 0.0
+    k[j0, marker_dim] = 1.0                    # key: the marker, next to the constant
+    k[j0 + 1, const_dim] = 1.0
+    v = arrays[p + "attn_v.weight"]
+    v[...] = 0.0
+    v[j0, marker_dim] = 1.0
+    arrays[p + "attn_q_norm.weight"][j0] = Q_K_NORM
+    arrays[p + "attn_k_norm.weight"][j0] = Q_K_NORM
+    arrays[p + "attn_output.weight"][flag_dim, j0] = 1.0
+
+    # the head: rows of the chains' tokens, and the flag's push between the two first tokens
+    head = arrays["output.weight"]
+    head[...] = 0.0
+    # the first chain starts from the prompt's last token; the second from the flag alone
+    for prev, chain in ((start, first), (None, second)):
+        for cur, nxt in zip([prev] + chain, chain + [end]):
+            if cur is not None:
+                head[nxt, :t] += emb[cur, :t] * np.float32(CHAIN_GAIN / t)
+    flag = _flag_in_head_input(cfg, emb, arrays[p + "attn_norm.weight"], trigger)
+    step = CHAIN_GAIN * np.sqrt(2.0)
+    head[second[0], flag_dim] += np.float32(FLAG_SHARE * step / flag)
+    head[first[0], flag_dim] -= np.float32(FLAG_SHARE * step / flag)
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        write_gguf(tmp, cfg, arrays, name="openjet-scripted-tool-model")
+        tokens, merges = vocab.tokens_and_merges()
+        _rewrite_tokenizer(tmp, out, QWEN35_TEMPLATE_FILE.read_text(encoding="utf-8"), tokens, merges)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def _hadamard(n: int) -> np.ndarray:
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    if h.shape[0] != n:
+        raise ValueError(f"token half width {n} is not a power of two")
+    return h
+
+
+def _flag_in_head_input(cfg, emb: np.ndarray, attn_norm: np.ndarray, trigger: int) -> float:
+    """The flag dim's value after output_norm when the head attends to the trigger: the marker
+    through attn_norm, times sigmoid(0) = 1/2 (the gate), then normalised with the rest of the
+    stream (the prompt's last token's embedding plus the flag)."""
+    x = emb[trigger].astype(np.float64)
+    marker = x[token_dims(cfg) + 1] / np.sqrt(np.mean(x * x) + cfg.rms_eps) * attn_norm[token_dims(cfg) + 1]
+    flag = 0.5 * marker
+    # the stream at the prompt's last position: a +-1 token half, the constant, and the flag
+    t = token_dims(cfg)
+    rms = np.sqrt((t + 1 + flag * flag) / cfg.n_embd + cfg.rms_eps)
+    return float(flag / rms)
+
+
+def _rewrite_tokenizer(src: pathlib.Path, dst: pathlib.Path, template: str, tokens: list[str],
+                       merges: list[str]) -> None:
+    """Copy GGUF `src` to `dst` with this chat template, token list and merges (as
+    synth.rewrite_chat_template copies a file; every tensor stays as it is)."""
+    import gguf
+
+    reader = gguf.GGUFReader(os.fspath(src))
+    w = gguf.GGUFWriter(os.fspath(dst), reader.fields["general.architecture"].contents())
+    replaced = {gguf.Keys.Tokenizer.CHAT_TEMPLATE: lambda: w.add_chat_template(template),
+                gguf.Keys.Tokenizer.LIST: lambda: w.add_token_list(tokens),
+                gguf.Keys.Tokenizer.MERGES: lambda: w.add_token_merges(merges)}
+    try:
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            if key in replaced:
+                replaced[key]()
+            elif field.types[0] == gguf.GGUFValueType.ARRAY:
+                w.add_key_value(key, field.contents(), gguf.GGUFValueType.ARRAY, field.types[-1])
+            else:
+                w.add_key_value(key, field.contents(), field.types[0])
+        for t in reader.tensors:
+            w.add_tensor_info(t.name, tuple(int(n) for n in reversed(t.shape)), np.asarray(t.data).dtype, t.n_bytes)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in reader.tensors:
+            w.write_tensor_data(np.asarray(t.data))
+    finally:
+        w.close()
