@@ -26,6 +26,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "copy_gbps": ("GB/s", (), True),
     "roofline_tps": ("tokens/s", ("depth",), True),
     "decode_tps": ("tokens/s", ("depth",), True),
+    # openjet's llama.cpp backend (the fallback) on the same CUDA libllama, engine "llama.cpp"
+    "fallback_decode_tps": ("tokens/s", ("depth",), True),
     "verify_ms": ("ms", ("positions", "depth"), False),
     "spec_tps": ("tokens/s", ("acceptance", "drafts", "depth"), True),
     "spec_mtp_tps": ("tokens/s", ("drafts", "depth"), True),
@@ -37,6 +39,7 @@ CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
 # shown in their own tables under the main one (their columns differ)
 SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
 ACCEPT_METRICS = ("accepted_per_cycle",)
+FALLBACK_METRICS = ("fallback_decode_tps",)
 DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
 
 
@@ -173,7 +176,7 @@ def markdown(report: dict) -> str:
     for src in (results, man.get("not_measured", [])):
         for r in src:
             rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
-    side = {k: v for k, v in rows.items() if k[0] in SPEC_METRICS + ACCEPT_METRICS}
+    side = {k: v for k, v in rows.items() if k[0] in SPEC_METRICS + ACCEPT_METRICS + FALLBACK_METRICS}
     rows = {k: v for k, v in rows.items() if k not in side}
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
@@ -219,6 +222,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {metric} | {params_text} | {reason} | | {METRICS[metric][0]} | | | |")
     details = man.get("info", {}).get(DETAILS_KEY, {})
     pending = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in side]
+    lines += _fallback_section(man, cell, median_of)
     lines += _prefill_section(man.get("prefill"), median_of)
     lines += _spec_section(side, by_key, status, details, pending, median_of)
     lines += _accept_section(side, by_key, status, details, pending)
@@ -226,6 +230,21 @@ def markdown(report: dict) -> str:
         lines.append("")
         lines += [f"({i}) {n}" for i, n in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"
+
+
+def _fallback_section(man: dict, cell, median_of) -> list[str]:
+    """openjet's llama.cpp backend against llama-bench on the same file and libllama."""
+    params = {"depth": 0}
+    fb = median_of("fallback_decode_tps", "llama.cpp", params)
+    text = cell("fallback_decode_tps", "llama.cpp", params)
+    if text == "—":
+        return []
+    bench = median_of("decode_tps", "llama.cpp", params)
+    where = man.get("info", {}).get("fallback", {}).get("where", "?")
+    return ["", "## The fallback (backend=\"llama.cpp\") against llama-bench", "",
+            "| decode, depth 0 | openjet's llama.cpp backend | llama-bench | fallback/llama-bench | placement |",
+            "|---|---|---|---|---|",
+            f"| tokens/s | {text} | {cell('decode_tps', 'llama.cpp', params)} | {_ratio(fb, bench)} | {where} |"]
 
 
 def _ratio(a, b) -> str:

@@ -120,6 +120,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
         rows += [("verify_ms", eng, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
         rows += prefill_rows(s, eng)
     rows += [("peak_mem_gb", eng, {"max_depth": max(s.depths)}) for eng in (OURS, PEER)]
+    rows += [("fallback_decode_tps", PEER, {"depth": 0})]
     rows += spec_rows(s) + accept_rows(s)
     return rows, []
 
@@ -371,6 +372,32 @@ def group_peer_prefill(run: Run, new_tokens: int, depth: int) -> None:
             run.add("prefill_tps", PEER, {"new_tokens": t.n_prompt, "depth": t.n_depth}, t.tokens_per_second())
 
 
+def group_fallback(run: Run) -> None:
+    """openjet's llama.cpp backend on the peer's CUDA libllama: decode at depth 0 (bench/fallback.py)."""
+    s = run.settings
+    row = ("fallback_decode_tps", PEER, {"depth": 0})
+    if run.store.has(*row):
+        return
+    _peer_binary(run)
+    assert run.peer_build is not None
+    out = run.cache / f"fallback-{run.session}.jsonl"
+    log_path = run.cache / f"fallback-{run.session}.log"
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(run.peer_build.lib_dir)}
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.fallback", "--model", str(run.model),
+           "--tokens", str(s.decode_tokens), "--reps", str(s.reps), "--out", str(out)]
+    run.log(f"openjet fallback (llama.cpp backend): decode {s.decode_tokens} tokens at depth 0")
+    with open(log_path, "a") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=run.timeout()).returncode
+    for line in (out.read_text().splitlines() if out.is_file() else []):
+        obj = json.loads(line)
+        if "metric" in obj:
+            run.add(obj["metric"], PEER, obj["params"], obj["samples"])
+        elif "info" in obj:
+            run.store.update_info(**obj["info"])
+    if not run.store.has(*row):
+        run.mark([row], f"the fallback child failed (exit {rc}, see {log_path})")
+
+
 NOT_SELECTED = "not selected (--only)"   # the reason given to rows that --only leaves out
 NO_OURS, NO_PEER = "disabled by --no-ours", "disabled by --no-peer"
 ASKED_NOT_TO = (NOT_SELECTED, NO_OURS, NO_PEER)   # rows the command line left out: not failures
@@ -402,7 +429,10 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         dec = load + sum(d / pp + (s.reps + 1) * s.decode_tokens / tg for d in s.depths)
         ver = load + s.verify_depth / pp + len(s.verify_positions) * (s.reps + 1) * 0.05
         out += [("llama.cpp decode", dec, pdec, group_peer_decode),
-                ("llama.cpp verify", ver, pver, group_peer_verify)]
+                ("llama.cpp verify", ver, pver, group_peer_verify),
+                # the fallback backend through our API on the same CUDA libllama (issue 24)
+                ("llama.cpp fallback", load + (s.reps + 1) * s.decode_tokens / tg,
+                 [("fallback_decode_tps", PEER, {"depth": 0})], group_fallback)]
         for n, d in s.prefill:
             need = load + (d + (s.reps + 1) * n) / pp
             out.append((f"llama.cpp prefill {n}@{d}", need, [("prefill_tps", PEER, {"new_tokens": n, "depth": d})],
