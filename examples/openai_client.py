@@ -1,7 +1,8 @@
 """The official `openai` client against `openjet serve` (an OpenAI-compatible server on 127.0.0.1).
 
-    openjet serve --api-key sk-local &                         # in one shell
-    python examples/openai_client.py --base-url http://127.0.0.1:4000/v1 --api-key sk-local
+    export OPENJET_API_KEY=...                                 # the key clients send (never on argv)
+    openjet serve &                                            # in one shell
+    python examples/openai_client.py --base-url http://127.0.0.1:4000/v1
 
     python examples/openai_client.py --start                   # starts and stops a server itself
 """
@@ -30,8 +31,8 @@ def local_server(timeout: float = 180.0):
         port = s.getsockname()[1]
     key = "sk-example-" + secrets.token_hex(8)
     log = tempfile.TemporaryFile()          # a file, not a pipe: a full pipe would stall the server
-    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port), "--api-key", key],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OPENJET_API_KEY=key))
     try:
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=5)
         deadline = time.monotonic() + timeout
@@ -75,7 +76,8 @@ def ask(base_url: str, api_key: str, model: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:4000/v1")
-    ap.add_argument("--api-key", default=os.environ.get("LITELLM_MASTER_KEY", ""))
+    ap.add_argument("--api-key", default=os.environ.get("OPENJET_API_KEY", ""),
+                    help="the server's client key (default: $OPENJET_API_KEY)")
     ap.add_argument("--model", default="openjet-default")
     ap.add_argument("--start", action="store_true", help="start (and stop) a local `openjet serve`")
     args = ap.parse_args()

@@ -298,16 +298,17 @@ class WorkerProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
-def worker_argv(spec: WorkerSpec, serve_args: list[str], worker_key: str) -> list[str]:
-    """An `openjet serve` on the worker's loopback port with the internal key; serve_args carry
-    --model/--backend/--n-ctx/--draft-depth through unchanged."""
+def worker_argv(spec: WorkerSpec, serve_args: list[str]) -> list[str]:
+    """An `openjet serve` on the worker's loopback port; serve_args carry
+    --model/--backend/--n-ctx/--draft-depth through unchanged (the key is in worker_env)."""
     return [sys.executable, "-m", "openjet_plugin.serve", "--host", spec.host, "--port", str(spec.port),
-            "--api-key", worker_key, *serve_args]
+            *serve_args]
 
 
-def worker_env(spec: WorkerSpec, base: dict[str, str] | None = None) -> dict[str, str]:
+def worker_env(spec: WorkerSpec, worker_key: str, base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    env.pop("LITELLM_MASTER_KEY", None)           # the worker's key is the internal one on its argv
+    env.pop("LITELLM_MASTER_KEY", None)           # the front's keys never reach a worker
+    env["OPENJET_API_KEY"] = worker_key           # the worker's client key: the internal one (not on argv)
     env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
     env["PYTHONUNBUFFERED"] = "1"
     if spec.gpu is not None:
@@ -321,7 +322,7 @@ class Cluster:
     def __init__(self, specs: list[WorkerSpec], serve_args: list[str], worker_key: str, log_dir: Path,
                  restart: bool = True, poll_seconds: float = 0.5, health_interval: float = 10.0,
                  health_failures: int = 3, health_timeout: float = 5.0):
-        self.workers = [WorkerProcess(s, worker_argv(s, serve_args, worker_key), worker_env(s),
+        self.workers = [WorkerProcess(s, worker_argv(s, serve_args), worker_env(s, worker_key),
                                       Path(log_dir) / f"{s.name}.log") for s in specs]
         self.restart = restart
         self.poll_seconds = poll_seconds

@@ -2,7 +2,8 @@
 provider registered, listening on the loopback interface only.
 
     openjet serve                                  # the embedded default model, port 4000
-    openjet serve --model /models/q27b.gguf --port 8080 --api-key sk-mine
+    OPENJET_API_KEY=sk-mine openjet serve --model /models/q27b.gguf --port 8080
+    openjet serve --api-key-file ~/.config/openjet/key --host 0.0.0.0
     openjet serve --config examples/litellm_proxy.yaml
     openjet serve --print-config                   # the generated LiteLLM config, then exit
     openjet serve --gpus all --model /models/q27b.gguf   # one worker per GPU behind a router (cluster.py)
@@ -12,8 +13,22 @@ Without `--config` the LiteLLM config is generated: one entry per model, `openje
 (the embedded model) first unless `--model` names others. The proxy's handler
 (`openjet_plugin.adapters.litellm.proxy_handler`) knows only those names: a request naming a
 file path as its model is refused by the proxy's router, and would be refused by the handler too,
-so clients cannot make the server open files. The proxy insists on an API key (its "master key"):
-`--api-key`, else $LITELLM_MASTER_KEY, else a random one printed at start.
+so clients cannot make the server open files.
+
+Keys: clients send the client key, read from `--api-key-file` or $OPENJET_API_KEY (never from the
+command line, where every user of the machine can read it in `ps`); on the loopback interface a
+random one is made and printed when neither is given; on any other address a key of at least 32
+characters with at least 12 distinct ones is required. The LiteLLM proxy's own "master key" is
+another one ($LITELLM_MASTER_KEY, else random and never shown), which the front door
+(serve_gate.Gate) puts on a request it admitted; only with `--admin` does the master key reach
+LiteLLM's admin routes (UI, key management, /openapi.json, /routes), which are closed otherwise.
+
+Requests: a body that breaks the OpenAI API's rules is answered 400 naming the field before
+anything is queued; an omitted max_tokens generates to the end of the context window for chat
+(OpenAI's rule) and 16 tokens for text completions (OpenAI's default there); at most one request
+per engine runs and `--max-queue` more wait, beyond that 503 with Retry-After; `/metrics`
+(Prometheus text) shows the queue and per-request engine stats. Deterministic errors are not
+retried (num_retries 0).
 """
 
 from __future__ import annotations
@@ -28,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MIN_KEY_LENGTH, MIN_KEY_DISTINCT = 32, 12
 HANDLER = "openjet_plugin.adapters.litellm.proxy_handler"
 DEFAULT_MODEL_NAME = "openjet-default"
 
@@ -53,18 +69,24 @@ def build_config(models: list[tuple[str, str]]) -> dict:
         "model_list": [{"model_name": n, "litellm_params": {"model": f"openjet/{n}"}} for n in names],
         "litellm_settings": {
             "custom_provider_map": [{"provider": "openjet", "custom_handler": HANDLER}],
+            # a request the engine refuses fails the same way every time: never retried
+            "num_retries": 0,
         },
+        "router_settings": {"num_retries": 0},
     }
 
 
-def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, api_key: str) -> dict[str, str]:
+def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, master_key: str) -> dict[str, str]:
     """Environment the proxy and its openjet handler read (see adapters/litellm.py)."""
     env = {
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",   # no network fetch of the cost map
         "LITELLM_EVENT_LOOP": "asyncio",          # the proxy's default, uvloop, is not a dependency
-        "LITELLM_MASTER_KEY": api_key,
+        "LITELLM_MASTER_KEY": master_key,
         "OPENJET_MODELS": ",".join(f"{n}={p}" for n, p in models),
     }
+    if not args.admin:
+        # no Swagger UI, ReDoc or /openapi.json (2 MB, seconds to build) unless asked for
+        env.update(NO_DOCS="True", NO_REDOC="True", NO_OPENAPI="True")
     if not models:
         env["OPENJET_MODELS"] = ""
     if args.backend:
@@ -78,7 +100,8 @@ def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, a
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="openjet serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); anything but loopback needs --api-key")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); anything but "
+                   "loopback needs a strong client key ($OPENJET_API_KEY or --api-key-file)")
     p.add_argument("--port", type=int, default=4000)
     p.add_argument("--model", action="append", default=[], metavar="[NAME=]PATH",
                    help="serve this GGUF (repeatable); default: the embedded model as 'openjet-default'")
@@ -86,7 +109,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("auto", "llama.cpp", "native"), default=None)
     p.add_argument("--n-ctx", type=int, default=None, help="context window of every served model")
     p.add_argument("--draft-depth", type=int, default=None, help="MTP draft tokens per cycle (native)")
-    p.add_argument("--api-key", help="the key clients must send (default: $LITELLM_MASTER_KEY or a random one)")
+    p.add_argument("--api-key", help=argparse.SUPPRESS)      # refused with the reason: see _client_key
+    p.add_argument("--api-key-file", help="file holding the key clients must send (default: $OPENJET_API_KEY, "
+                   "else a random one on loopback)")
+    p.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for a busy engine; more get 503 with Retry-After (default 16)")
+    p.add_argument("--admin", action="store_true", help="open LiteLLM's admin routes (UI, key management, "
+                   "/openapi.json, /routes) to the master key ($LITELLM_MASTER_KEY)")
+    p.add_argument("--no-metrics", action="store_true", help="do not serve /metrics")
     p.add_argument("--print-config", action="store_true", help="print the generated config and exit")
     p.add_argument("--preload", action="store_true", help="load the models before listening (default: on "
                    "the first request)")
@@ -111,18 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     args = _parser().parse_args(argv)
+    try:
+        client_key = _client_key(args)
+    except ValueError as exc:
+        print(f"openjet serve: {exc}", file=sys.stderr)
+        return 2
     if args.host not in LOOPBACK:
-        # Outside the loopback interface every client must authenticate: only with a key of the
-        # caller's choosing (a generated one would be printed where others may not see it).
-        if not (args.api_key or os.environ.get("LITELLM_MASTER_KEY")):
-            print(f"openjet serve: refusing to bind {args.host!r} without an API key: outside the loopback "
-                  f"interface every client must authenticate; pass --api-key (or set LITELLM_MASTER_KEY)",
-                  file=sys.stderr)
-            return 2
         print(f"openjet serve: listening on {args.host!r}: reachable from other machines; clients must "
               f"send the API key", file=sys.stderr)
     if not 0 < args.port < 65536:
         print(f"openjet serve: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
+    if args.max_queue < 0:
+        print(f"openjet serve: --max-queue must be >= 0, got {args.max_queue}", file=sys.stderr)
         return 2
     models = [parse_model(m) for m in args.model]
     if args.gpus is not None or args.workers is not None:
@@ -146,13 +177,17 @@ def main(argv: list[str] | None = None) -> int:
         config_path = Path(tmp.name) / "litellm_config.yaml"
         config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
-    api_key = _api_key(args)
-    os.environ.update(proxy_environment(models, args, api_key))
+    client_key = _announce(client_key)
+    master_key = os.environ.get("LITELLM_MASTER_KEY") or "sk-master-" + secrets.token_hex(24)
+    os.environ.update(proxy_environment(models, args, master_key))
 
     from .adapters import litellm as openjet_litellm   # after the environment: it configures the handler
     from .adapters._shared import close_shared_engines
+    from .serve_gate import ServerMetrics
 
     handler = openjet_litellm.configure_proxy_handler()
+    metrics = ServerMetrics()
+    handler.observer = metrics
     atexit.register(close_shared_engines)
     if args.preload:
         # load every served model before listening, so "answers /health/liveliness" means "ready"
@@ -163,13 +198,23 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
     print(f"openjet serve: http://{args.host}:{args.port}/v1 (config {config_path})", file=sys.stderr, flush=True)
 
-    _run_proxy(config_path, args.host, args.port)
+    n_engines = max(1, len(models))
+    _run_proxy(config_path, args.host, args.port,
+               gate=dict(client_keys=[client_key], master_key=master_key, capacity=n_engines + args.max_queue,
+                         metrics=metrics, admin=args.admin, serve_metrics=not args.no_metrics))
     return 0
 
 
-def _run_proxy(config_path: Path, host: str, port: int) -> None:
-    """The LiteLLM proxy in this process until SIGTERM/SIGINT (then it returns)."""
+def _run_proxy(config_path: Path, host: str, port: int, gate: dict) -> None:
+    """The LiteLLM proxy in this process, behind the front door (serve_gate.Gate, with these
+    settings), until SIGTERM/SIGINT (then it returns)."""
     from litellm.proxy.proxy_cli import run_server
+    from litellm.proxy.proxy_server import app
+
+    from .serve_gate import Gate
+
+    # outermost of the app's middleware: the proxy sees only what the gate admitted
+    app.add_middleware(Gate, **gate)
 
     # uvicorn shuts down gracefully on SIGTERM and then re-raises the signal to the handler that
     # was there before; make that a normal exit (status 0, atexit hooks run: engines are closed)
@@ -181,12 +226,48 @@ def _run_proxy(config_path: Path, host: str, port: int) -> None:
         pass
 
 
-def _api_key(args: argparse.Namespace) -> str:
-    api_key = args.api_key or os.environ.get("LITELLM_MASTER_KEY")
-    if not api_key:
-        api_key = "sk-openjet-" + secrets.token_hex(16)
-        print(f"openjet serve: API key for this run: {api_key}", file=sys.stderr, flush=True)
-    return api_key
+def weak_key_reason(key: str) -> str | None:
+    """Why a client key is too weak for a non-loopback address (None: strong enough)."""
+    if len(key) < MIN_KEY_LENGTH:
+        return f"it has {len(key)} characters, fewer than {MIN_KEY_LENGTH}"
+    if len(set(key)) < MIN_KEY_DISTINCT:
+        return f"it has only {len(set(key))} distinct characters (at least {MIN_KEY_DISTINCT} needed)"
+    return None
+
+
+def _client_key(args: argparse.Namespace) -> str | None:
+    """The client key from --api-key-file or $OPENJET_API_KEY (None: make one); raises ValueError
+    for a key on the command line, an unreadable or empty file, or a weak key off loopback."""
+    if args.api_key is not None:
+        raise ValueError("--api-key is refused: a key on the command line is visible to every user of this "
+                         "machine (ps); put it in $OPENJET_API_KEY or in a file named by --api-key-file")
+    key = None
+    if args.api_key_file:
+        path = Path(args.api_key_file).expanduser()
+        try:
+            key = path.read_text().strip()
+        except OSError as exc:
+            raise ValueError(f"--api-key-file {str(path)!r}: {exc.strerror or exc}") from None
+        if not key or "\n" in key:
+            raise ValueError(f"--api-key-file {str(path)!r}: expected one line holding the key")
+    elif os.environ.get("OPENJET_API_KEY"):
+        key = os.environ["OPENJET_API_KEY"].strip()
+    if args.host not in LOOPBACK:
+        if key is None:
+            raise ValueError(f"refusing to bind {args.host!r} without an API key: outside the loopback interface "
+                             f"every client must authenticate; set $OPENJET_API_KEY or pass --api-key-file")
+        why = weak_key_reason(key)
+        if why:
+            raise ValueError(f"refusing to bind {args.host!r} with a weak client key ({why}); make one with "
+                             f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+    return key
+
+
+def _announce(client_key: str | None) -> str:
+    if client_key is None:
+        client_key = "sk-openjet-" + secrets.token_hex(16)
+        print(f"openjet serve: API key for this run: {client_key}", file=sys.stderr, flush=True)
+    return client_key
 
 
 def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> int:
@@ -232,6 +313,11 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
                                   cooldown_time=args.cooldown, session_affinity=not args.no_affinity)
     worker_key = cluster.new_worker_key()
     names = [n for n, _ in models]
+    try:
+        client_key = _client_key(args)
+    except ValueError as exc:
+        print(f"openjet serve: {exc}", file=sys.stderr)
+        return 2
     config = cluster.front_config(specs, names, worker_key, policy)
     if args.print_config:
         shown = yaml.safe_dump(config, sort_keys=False).replace(worker_key, "<internal worker key>")
@@ -239,7 +325,8 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
         return 0
 
     serve_args = ["--preload"] + [a for m in args.model for a in ("--model", m)]
-    for flag, value in (("--backend", args.backend), ("--n-ctx", args.n_ctx), ("--draft-depth", args.draft_depth)):
+    for flag, value in (("--backend", args.backend), ("--n-ctx", args.n_ctx), ("--draft-depth", args.draft_depth),
+                        ("--max-queue", args.max_queue)):
         if value is not None:
             serve_args += [flag, str(value)]
     tmp = tempfile.TemporaryDirectory(prefix="openjet-cluster-")
@@ -247,9 +334,13 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
     config_path = Path(tmp.name) / "front_config.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     os.chmod(config_path, 0o600)                  # it holds the internal worker key
-    api_key = _api_key(args)
+    client_key = _announce(client_key)
+    master_key = os.environ.get("LITELLM_MASTER_KEY") or "sk-master-" + secrets.token_hex(24)
     os.environ.update({"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_EVENT_LOOP": "asyncio",
-                       "LITELLM_MASTER_KEY": api_key})
+                       "LITELLM_MASTER_KEY": master_key})
+    if not args.admin:
+        os.environ.update(NO_DOCS="True", NO_REDOC="True", NO_OPENAPI="True")
+    from .serve_gate import ServerMetrics
 
     if not models:
         from . import default_model_path
@@ -263,7 +354,11 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
         group.wait_ready(args.startup_timeout)
         print(f"openjet serve: {len(specs)} workers ready; front http://{args.host}:{args.port}/v1 "
               f"(config {config_path})", file=sys.stderr, flush=True)
-        _run_proxy(config_path, args.host, args.port)
+        # the front has no engine: its queue is the workers' (each refuses beyond its own)
+        _run_proxy(config_path, args.host, args.port,
+                   gate=dict(client_keys=[client_key], master_key=master_key,
+                             capacity=len(specs) * (1 + args.max_queue), metrics=ServerMetrics(),
+                             admin=args.admin, serve_metrics=not args.no_metrics))
     except RuntimeError as exc:
         print(f"openjet serve: {exc}", file=sys.stderr)
         return 1

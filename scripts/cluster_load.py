@@ -66,7 +66,7 @@ class Front:
         self.dir = logs / f"logs-{n}w"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log = self.dir / "front.log"
-        cmd = [sys.executable, "-m", "openjet_plugin.serve", "--port", str(self.port), "--api-key", API_KEY,
+        cmd = [sys.executable, "-m", "openjet_plugin.serve", "--port", str(self.port),
                "--log-dir", str(self.dir), "--startup-timeout", str(args.startup_timeout)]
         # a trailing comma keeps one index an index list ("--gpus 1" would mean "the first GPU")
         cmd += ["--gpus", ",".join(args.gpus.split(",")[:n]) + ","] if args.gpus else ["--workers", str(n)]
@@ -79,7 +79,7 @@ class Front:
         if args.no_affinity:
             cmd += ["--no-affinity"]
         self.model = MODEL_NAME if model else "openjet-default"
-        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, LITELLM_LOCAL_MODEL_COST_MAP="True", PYTHONUNBUFFERED="1", OPENJET_API_KEY=API_KEY)
         env.pop("LITELLM_MASTER_KEY", None)
         self.t0 = time.monotonic()
         from openjet_plugin.cluster import _pdeathsig

@@ -53,11 +53,12 @@ def start_server(log_path: Path, port: int | None = None, threads: str | None = 
     port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
     env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    env["OPENJET_API_KEY"] = API_KEY
     if threads:
         env["OPENJET_THREADS"] = threads
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port),
-                             "--api-key", API_KEY], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()
     deadline = time.monotonic() + startup_s
     while True:

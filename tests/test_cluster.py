@@ -77,15 +77,16 @@ def test_front_config_one_deployment_per_worker():
 def test_worker_pinning_and_keys(monkeypatch):
     monkeypatch.setenv("LITELLM_MASTER_KEY", "sk-front")
     spec = WorkerSpec(1, 5002, "1")
-    env = cluster.worker_env(spec)
+    env = cluster.worker_env(spec, "sk-internal")
     assert env["CUDA_VISIBLE_DEVICES"] == "1"
     assert "LITELLM_MASTER_KEY" not in env                 # the front's key never reaches a worker
     assert env["LITELLM_LOCAL_MODEL_COST_MAP"] == "True"
-    argv = cluster.worker_argv(spec, ["--backend", "native"], "sk-internal")
-    assert argv[argv.index("--port") + 1] == "5002" and argv[argv.index("--api-key") + 1] == "sk-internal"
+    assert env["OPENJET_API_KEY"] == "sk-internal"         # the worker's key: in its environment
+    argv = cluster.worker_argv(spec, ["--backend", "native"])
+    assert argv[argv.index("--port") + 1] == "5002" and "sk-internal" not in argv   # never on the command line
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert "CUDA_VISIBLE_DEVICES" in cluster.worker_env(WorkerSpec(0, 1, None))   # CPU workers: untouched
+    assert "CUDA_VISIBLE_DEVICES" in cluster.worker_env(WorkerSpec(0, 1, None), "k")   # CPU workers: untouched
 
 
 def test_conversation_key_is_the_same_on_every_turn():
@@ -222,9 +223,10 @@ def front(tmp_path_factory):
     work = tmp_path_factory.mktemp("cluster")
     log_path = work / "front.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
-    env.update(OPENJET_THREADS="1", LITELLM_LOCAL_MODEL_COST_MAP="True", PYTHONUNBUFFERED="1")
+    env.update(OPENJET_THREADS="1", LITELLM_LOCAL_MODEL_COST_MAP="True", PYTHONUNBUFFERED="1",
+               OPENJET_API_KEY=API_KEY)
     cmd = [sys.executable, "-m", "openjet_plugin.serve", "--workers", "2", "--backend", "llama.cpp",
-           "--port", str(port), "--api-key", API_KEY, "--log-dir", str(work / "logs"),
+           "--port", str(port), "--log-dir", str(work / "logs"),
            "--cooldown", str(COOLDOWN), "--health-interval", "2"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

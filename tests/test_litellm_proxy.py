@@ -1,11 +1,15 @@
-"""`openjet serve`: the real LiteLLM proxy in a subprocess, called with the official openai client.
+"""`openjet serve`: the real LiteLLM proxy in a subprocess, called with the official openai client
+(sync, async, streaming), LiteLLM (SDK and Router) and raw HTTP.
 
 One proxy process (started from examples/litellm_proxy.yaml, so the example is what is tested)
 serves every test in this module; it is stopped with SIGTERM at the end and must exit cleanly.
+Conformance (issue 27): bad bodies get 400 at once naming the field, a wrong key 401, the admin
+routes are closed, text completions continue the raw prompt, usage is the engine's.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -19,6 +23,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 API_KEY = "sk-openjet-test-" + "0" * 16
 STARTUP_SECONDS = 120
+N_CTX = 512             # small, so a request without max_tokens (to the context's end) is quick
 
 pytestmark = pytest.mark.slow
 
@@ -54,8 +59,9 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
     env["OPENJET_THREADS"] = env.get("OPENJET_THREADS", "2")
+    env["OPENJET_API_KEY"] = API_KEY
     cmd = [sys.executable, "-m", "openjet_plugin.serve", "--config", str(REPO / "examples" / "litellm_proxy.yaml"),
-           "--port", str(port), "--api-key", API_KEY]
+           "--port", str(port), "--n-ctx", str(N_CTX)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -99,6 +105,17 @@ def engine():
 
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
+
+
+def test_example_config_keeps_keys_out_and_separate():
+    import yaml
+
+    text = (REPO / "examples" / "litellm_proxy.yaml").read_text()
+    config = yaml.safe_load(text)
+    assert config["general_settings"]["master_key"] == "os.environ/LITELLM_MASTER_KEY"   # not a literal key
+    assert config["litellm_settings"]["num_retries"] == 0 == config["router_settings"]["num_retries"]
+    assert "sk-" not in text.replace("sk-mine", "")
+    assert "--api-key " not in text and "--host 0.0.0.0" not in text
 
 
 def test_binds_loopback_only(server):
@@ -176,14 +193,216 @@ def test_a_file_path_as_model_is_never_opened(client, server, tmp_path):
 
 
 def test_requests_need_the_key(server):
+    import httpx
     import openai
     from openai import OpenAI
 
     bad = OpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key="sk-wrong", max_retries=0)
-    # LiteLLM refuses an unknown key (401, or 400 "No connected db" when it has no key database)
-    with pytest.raises(openai.APIStatusError) as info:
+    with pytest.raises(openai.AuthenticationError) as info:
         bad.chat.completions.create(model="openjet-default", messages=MESSAGES, max_tokens=2)
-    assert 400 <= info.value.status_code < 500
+    assert info.value.status_code == 401
+    url = f"http://127.0.0.1:{server['port']}"
+    body = {"model": "openjet-default", "messages": MESSAGES, "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401          # no key
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"x-api-key": "sk-wrong"}).status_code == 401
+    assert httpx.get(f"{url}/v1/models", headers={"x-api-key": API_KEY}).status_code == 200   # other header
+
+
+# --- conformance (issue 27) -----------------------------------------------------------------------
+
+def _post(server, path: str, body, *, raw: bytes | None = None, key: str = API_KEY):
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    t0 = time.monotonic()
+    r = httpx.post(f"http://127.0.0.1:{server['port']}{path}", headers=headers, timeout=30,
+                   content=raw if raw is not None else json.dumps(body).encode())
+    return r, time.monotonic() - t0
+
+
+def _assert_clean_refusal(r, seconds: float, status: int = 400, param: str | None = "-") -> dict:
+    assert r.status_code == status, r.text
+    assert seconds < 1.0, f"refused after {seconds:.2f} s"
+    assert "Traceback" not in r.text and 'File "' not in r.text and ".py" not in r.text, r.text
+    err = r.json()["error"]
+    assert err["message"]
+    if param != "-":
+        assert err["param"] == param, err
+    return err
+
+
+GOOD = {"model": "openjet-default", "messages": MESSAGES, "max_tokens": 2, "temperature": 0}
+BAD_BODIES = [
+    ({**GOOD, "messages": [{"role": "user", "content": 42}]}, "messages[0].content"),
+    ({**GOOD, "messages": "hello"}, "messages"),
+    ({**GOOD, "messages": []}, "messages"),
+    ({**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({**GOOD, "messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({**GOOD, "messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id"),
+    ({**GOOD, "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({**GOOD, "tools": "get_weather"}, "tools"),
+    ({**GOOD, "tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({**GOOD, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+     "tools[0].function.parameters"),
+    ({**GOOD, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({**GOOD, "n": 2}, "n"),
+    ({**GOOD, "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({**GOOD, "logit_bias": {"5": 1000}}, "logit_bias"),
+    ({**GOOD, "temperature": "hot"}, "temperature"),
+    ({**GOOD, "temperature": 5}, "temperature"),
+    ({**GOOD, "max_tokens": 0}, "max_tokens"),
+    ({**GOOD, "max_tokens": 2.5}, "max_tokens"),
+    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({**GOOD, "stream": "yes"}, "stream"),
+    ({**GOOD, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({**GOOD, "top_logprobs": 3}, "top_logprobs"),
+    ({**GOOD, "frobnicate": 1}, "frobnicate"),
+    ({k: v for k, v in GOOD.items() if k != "model"}, "model"),
+    ({k: v for k, v in GOOD.items() if k != "messages"}, "messages"),
+    ([GOOD], None),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_BODIES, ids=[p or "array" for _, p in BAD_BODIES])
+def test_bad_chat_bodies_get_400_at_once_naming_the_field(server, body, param):
+    r, seconds = _post(server, "/v1/chat/completions", body)
+    _assert_clean_refusal(r, seconds, 400, param)
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b'{"model": "openjet-default", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "UTF-8"),
+    (b'{"model": "openjet-default", "messages": [', "JSON"),
+    (b"", "JSON"),
+])
+def test_undecodable_bodies_get_400(server, raw, words):
+    r, seconds = _post(server, "/v1/chat/completions", None, raw=raw)
+    assert words in _assert_clean_refusal(r, seconds)["message"]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "openjet-default", "prompt": 42}, "prompt"),
+    ({"model": "openjet-default", "prompt": [1, 2, 3]}, "prompt"),
+    ({"model": "openjet-default", "prompt": "a", "echo": True}, "echo"),
+    ({"model": "openjet-default", "prompt": "a", "suffix": "b"}, "suffix"),
+    ({"model": "openjet-default", "prompt": "a", "best_of": 3}, "best_of"),
+    ({"model": "openjet-default", "prompt": "a", "n": 3}, "n"),
+])
+def test_bad_completion_bodies_get_400(server, body, param):
+    r, seconds = _post(server, "/v1/completions", body)
+    _assert_clean_refusal(r, seconds, 400, param)
+
+
+def test_engine_refusals_are_400_and_not_retried(server):
+    # context overflow is found by the engine, behind LiteLLM: still 400 at once (LiteLLM retrying
+    # a deterministic error waits seconds between attempts)
+    r, seconds = _post(server, "/v1/chat/completions", {**GOOD, "max_tokens": N_CTX * 4})
+    err = _assert_clean_refusal(r, seconds, 400, param="-")
+    assert "context window" in err["message"]
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/routes", "/ui/", "/docs", "/redoc", "/key/generate",
+                                  "/model/info", "/config/yaml", "/spend/logs"])
+def test_admin_and_docs_routes_are_closed(server, path):
+    import httpx
+
+    r = httpx.get(f"http://127.0.0.1:{server['port']}{path}", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 404, (path, r.status_code, r.text[:200])
+
+
+def test_logit_bias_reaches_the_engine(client, engine):
+    # a +100 bias on one token makes greedy decoding write only that token
+    tok = engine.tokenize(" sea", add_special=False)[0]
+    r = client.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0, max_tokens=4,
+                                       logit_bias={str(tok): 100})
+    assert r.choices[0].message.content == engine.detokenize([tok] * 4)
+
+
+def test_omitted_max_tokens_generates_to_the_end_of_the_context(client):
+    r = client.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0)
+    # OpenAI's rule: no max_tokens, no cap but the context window (not a hidden default)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    if r.choices[0].finish_reason == "length":
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == N_CTX
+    else:
+        assert r.usage.completion_tokens > 0
+
+
+def test_text_completion_continues_the_raw_prompt(client, engine):
+    prompt = "def fibonacci(n):"
+    r = client.completions.create(model="openjet-default", prompt=prompt, temperature=0, max_tokens=10)
+    direct = engine.generate(prompt, temperature=0, max_tokens=10)
+    assert r.choices[0].text == direct.text                     # no chat template around the prompt
+    assert r.usage.prompt_tokens == len(engine.tokenize(prompt, add_special=True))
+    assert r.usage.completion_tokens == len(direct.tokens)
+    chunks = list(client.completions.create(model="openjet-default", prompt=prompt, temperature=0, max_tokens=10,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == direct.text
+    last = [c for c in chunks if c.choices][-1]
+    assert last.choices[0].finish_reason == direct.finish_reason
+    assert last.choices[0].text is not None                    # every chunk has its text, the last included
+
+
+def test_text_completion_default_max_tokens_is_openais_16(client):
+    r = client.completions.create(model="openjet-default", prompt="import os\n", temperature=0)
+    assert r.usage.completion_tokens <= 16
+    assert r.choices[0].finish_reason == "stop" or r.usage.completion_tokens == 16
+
+
+def test_async_openai_client(server, engine):
+    import asyncio
+
+    from openai import AsyncOpenAI
+
+    async def run():
+        c = AsyncOpenAI(base_url=f"http://127.0.0.1:{server['port']}/v1", api_key=API_KEY, max_retries=0)
+        whole = await c.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0,
+                                                max_tokens=8)
+        parts = []
+        async for ch in await c.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0,
+                                                        max_tokens=8, stream=True):
+            if ch.choices:
+                parts.append(ch.choices[0].delta.content or "")
+        await c.close()
+        return whole.choices[0].message.content, "".join(parts)
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed == engine.chat(MESSAGES, temperature=0, max_tokens=8).text
+
+
+def test_litellm_sdk_and_router_against_the_server(server, engine):
+    import litellm
+
+    base = f"http://127.0.0.1:{server['port']}/v1"
+    expected = engine.chat(MESSAGES, temperature=0, max_tokens=8).text
+    r = litellm.completion(model="openai/openjet-default", api_base=base, api_key=API_KEY, messages=MESSAGES,
+                           temperature=0, max_tokens=8)
+    assert r.choices[0].message.content == expected
+    router = litellm.Router(model_list=[{"model_name": "local", "litellm_params": {
+        "model": "openai/openjet-default", "api_base": base, "api_key": API_KEY}}], num_retries=0)
+    chunks = list(router.completion(model="local", messages=MESSAGES, temperature=0, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    with pytest.raises(litellm.BadRequestError):
+        litellm.completion(model="openai/openjet-default", api_base=base, api_key=API_KEY,
+                           messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=3)
+
+
+def test_metrics_in_prometheus_format(server, client):
+    import httpx
+
+    client.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0, max_tokens=3)
+    r = httpx.get(f"http://127.0.0.1:{server['port']}/metrics", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["openjet_queue_depth"] == 0 and values["openjet_requests_running"] == 0
+    assert values["openjet_engine_requests_total"] >= 1
+    assert values["openjet_engine_generated_tokens_total"] >= 3
+    assert values["openjet_request_decode_seconds_count"] == values["openjet_engine_requests_total"]
+    assert values['openjet_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
 
 
 def test_zz_clean_shutdown(server):

@@ -404,6 +404,7 @@ def test_serve_refuses_other_addresses_without_a_key(host, capsys, monkeypatch):
     from openjet_plugin import serve
 
     monkeypatch.delenv("LITELLM_MASTER_KEY", raising=False)
+    monkeypatch.delenv("OPENJET_API_KEY", raising=False)
     monkeypatch.setattr(serve, "_run_proxy", lambda *a: pytest.fail("the server started"))
     assert serve.main(["--host", host]) == 2
     err = capsys.readouterr().err
@@ -416,11 +417,16 @@ def test_serve_allows_another_address_only_with_an_api_key(capsys, monkeypatch):
     # serve.main exports the proxy's settings into the environment: keep them inside this test
     monkeypatch.setattr(os, "environ", dict(os.environ))
     monkeypatch.delenv("LITELLM_MASTER_KEY", raising=False)
+    monkeypatch.delenv("OPENJET_API_KEY", raising=False)
     started = []
-    monkeypatch.setattr(serve, "_run_proxy", lambda path, host, port: started.append(host))
+    monkeypatch.setattr(serve, "_run_proxy", lambda path, host, port, gate: started.append(host))
     assert serve.main(["--host", "0.0.0.0"]) == 2
     assert "api key" in capsys.readouterr().err.lower()
-    assert serve.main(["--host", "0.0.0.0", "--api-key", "sk-long-enough-key-123"]) == 0
+    monkeypatch.setenv("OPENJET_API_KEY", "sk-short-key-123")      # weak: refused off loopback
+    assert serve.main(["--host", "0.0.0.0"]) == 2
+    assert "weak" in capsys.readouterr().err
+    monkeypatch.setenv("OPENJET_API_KEY", "sk-" + "abcdefghijklmnopqrstuvwxyz0123456789")
+    assert serve.main(["--host", "0.0.0.0"]) == 0
     assert started == ["0.0.0.0"]
 
 
