@@ -115,17 +115,26 @@ class _Vocab:
                        if self.arrays.token_types[i] == bpe.TOKEN_NORMAL and self.arrays.tokens[i] not in parts]
         self.renamed: dict[int, str] = {}
 
-    def token_for(self, piece: str, used: set[int]) -> int:
+    def spell(self, piece: str, used: set[int]) -> list[int]:
+        """Distinct tokens, none in `used`, for `piece`: the token with its text, a new token with
+        its text when there is none (token texts must stay unique: llama.cpp refuses a vocabulary
+        with a text twice), else the piece cut in two and each half spelt alike."""
         data = piece.encode()
-        for i, t in enumerate(self.texts):
-            if t == data and i not in used:
-                return i
-        i = self._spare.pop(0)
-        while i in used:
-            i = self._spare.pop(0)
-        self.renamed[i] = bpe.byte_encode(piece)
-        self.texts[i] = data
-        return i
+        have = [i for i, t in enumerate(self.texts) if t == data]
+        if have and have[0] not in used:
+            used.add(have[0])
+            return have[:1]
+        if not have:
+            i = next(i for i in self._spare if i not in used)
+            self._spare.remove(i)
+            self.renamed[i] = bpe.byte_encode(piece)
+            self.texts[i] = data
+            used.add(i)
+            return [i]
+        if len(piece) < 2:
+            raise ValueError(f"{piece!r} occurs more often in the scripted replies than the vocabulary can spell")
+        cut = len(piece) // 2
+        return self.spell(piece[:cut], used) + self.spell(piece[cut:], used)
 
     def tokens_and_merges(self) -> tuple[list[str], list[str]]:
         tokens = list(self.arrays.tokens)
@@ -138,19 +147,18 @@ class _Vocab:
 
 def _reply_tokens(reply: str, vocab: _Vocab, used: set[int]) -> list[int]:
     """Distinct tokens spelling `reply`: its special tokens, and each line (with its newline) a
-    token of its own, from the vocabulary or given a spare one."""
+    token of its own, from the vocabulary or given a spare one (`_Vocab.spell`)."""
     specials = sorted((k for k, i in vocab.special.items() if vocab.texts[i]), key=len, reverse=True)
     pieces = [p for p in re.split("(" + "|".join(map(re.escape, specials)) + r"|[^\n]*\n)", reply) if p]
     out: list[int] = []
     for piece in pieces:
         if piece in vocab.special:
-            i = vocab.special[piece]
+            if vocab.special[piece] in used:
+                raise ValueError(f"the special token {piece!r} occurs twice in the scripted replies")
+            used.add(vocab.special[piece])
+            out.append(vocab.special[piece])
         else:
-            i = vocab.token_for(piece, used)
-        if i in used:
-            raise ValueError(f"{piece!r} occurs twice in the scripted replies; each line must be unique")
-        used.add(i)
-        out.append(i)
+            out += vocab.spell(piece, used)
     return out
 
 
