@@ -217,7 +217,7 @@ def test_other_architecture_through_every_adapter(llama_model):
         provider = OpenJetProvider()
         litellm.custom_provider_map = [{"provider": "openjet", "custom_handler": provider}]
         resp = litellm.completion(model=f"openjet/{llama_model}", max_tokens=4, temperature=0,
-                                  messages=[{"role": "user", "content": "hi"}], n_ctx=256)
+                                  messages=[{"role": "user", "content": "hi"}])
         assert resp.usage.completion_tokens >= 1
 
         llm = Llama(model_path=str(llama_model), n_ctx=256, verbose=False)
@@ -274,3 +274,18 @@ def test_doctor_says_when_llama_cpp_does_not_run(monkeypatch, capsys, cache_dir)
     monkeypatch.setattr(llama_backend, "check_runs", lambda model: (False, "the one-token decode was killed by SIGILL"))
     rc, rows, out = _doctor_rows(capsys, [])
     assert rc == 1 and rows["llama.cpp runs here"].startswith("NO:") and "SIGILL" in out
+
+
+def test_fallback_bench_child_measures_the_llama_cpp_backend(tmp_path):
+    from openjet_plugin.bench import report
+
+    out = tmp_path / "fallback.jsonl"
+    subprocess.run([sys.executable, "-m", "openjet_plugin.bench.fallback", "--model", str(default_model_path()),
+                    "--tokens", "4", "--reps", "2", "--out", str(out)], check=True, timeout=300)
+    objs = [json.loads(line) for line in out.read_text().splitlines()]
+    row = next(o for o in objs if "metric" in o)
+    assert row["metric"] == "fallback_decode_tps" and len(row["samples"]) == 2 and min(row["samples"]) > 0
+    info = next(o for o in objs if "info" in o)["info"]["fallback"]
+    assert info["where"].startswith(("CPU", "GPU")) and isinstance(info["n_gpu_layers"], int)
+    r = report.result(row["metric"], "llama.cpp", row["params"], row["samples"])
+    assert r["median"] > 0
