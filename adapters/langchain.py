@@ -312,8 +312,8 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
         pydantic class, else a dict).
 
         method: "function_calling" forces a call of the schema as a tool; "json_schema" constrains
-        the reply to the schema; "json_mode" to any JSON object (the prompt should then ask for the
-        fields). Decoding is constrained in all three, so a reply fails to parse only when it is
+        the reply to the schema; "json_mode" to any JSON object, or to the schema when one is given
+        (the prompt should ask for JSON either way: the model then writes it as it was trained to). Decoding is constrained in all three, so a reply fails to parse only when it is
         cut short (max_tokens): that raises `OutputParserException`, or with include_raw=True
         returns {"raw": message, "parsed": None, "parsing_error": the exception}.
         """
@@ -333,7 +333,9 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
             llm = self.bind_tools([tool], tool_choice=name, ls_structured_output_format=ls_format)
             parser = RunnableLambda(lambda msg: _parse_tool_output(msg, name, model_class))
         else:
-            if method == "json_schema":
+            # json_mode with a schema is held to the schema too: the engine can enforce it, and a
+            # caller who passes a schema wants output that matches it
+            if schema is not None:
                 json_schema = convert_to_json_schema(schema)
                 fmt = {"type": "json_schema", "json_schema": {
                     "name": json_schema.get("title", "output"), "schema": json_schema, "strict": strict}}

@@ -193,7 +193,8 @@ def _json_call(body: str) -> tuple[str, dict]:
         obj = json.loads(body)
     except (json.JSONDecodeError, RecursionError) as exc:
         msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
-        raise MalformedToolCall(f"not valid JSON: {msg}") from None
+        named = re.match(r'\{\s*"name"\s*:\s*"([^"\\]+)"', body)     # the name of a call cut short
+        raise MalformedToolCall(f"not valid JSON: {msg}", named.group(1) if named else None) from None
     name = obj.get("name") if isinstance(obj, dict) else None
     args = obj.get("arguments", obj.get("parameters", {})) if isinstance(obj, dict) else None
     if isinstance(args, str):
