@@ -405,6 +405,90 @@ def test_metrics_in_prometheus_format(server, client):
     assert values['openjet_requests_total{route="/v1/chat/completions",status="200"}'] >= 1
 
 
+# --- constraints and logprobs (issue 26) ----------------------------------------------------------
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+    "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema(client, stream):
+    import jsonschema
+
+    kw = dict(model="openjet-default", messages=MESSAGES, temperature=1.0, max_tokens=120, seed=3,
+              response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                      "strict": True}})
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason == "stop"
+        text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_response_format_json_object(client):
+    r = client.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=1.0, max_tokens=120,
+                                       seed=5, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_choice(client, choice, stream):
+    import jsonschema
+
+    kw = dict(model="openjet-default", messages=MESSAGES, temperature=1.0, max_tokens=120, seed=1, tools=WEATHER,
+              tool_choice=choice)
+    if stream:
+        calls: dict[int, dict] = {}
+        finish = None
+        for c in client.chat.completions.create(stream=True, **kw):
+            if not c.choices:
+                continue
+            finish = c.choices[0].finish_reason or finish
+            for d in c.choices[0].delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or d.id
+                call["name"] += d.function.name or "" if d.function else ""
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+        got = list(calls.values())
+    else:
+        r = client.chat.completions.create(**kw)
+        finish = r.choices[0].finish_reason
+        got = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+               for c in r.choices[0].message.tool_calls or []]
+    assert finish == "tool_calls" and len(got) == 1 and got[0]["id"]
+    if isinstance(choice, dict):
+        assert got[0]["name"] == "get_time"
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in WEATHER}[got[0]["name"]]
+    jsonschema.validate(json.loads(got[0]["arguments"]), schema)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_and_top_logprobs(client, engine, stream):
+    import math
+
+    kw = dict(model="openjet-default", messages=MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    direct = engine.chat(MESSAGES, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3)
+    if stream:
+        content = [e for c in client.chat.completions.create(stream=True, **kw)
+                   if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        content = client.chat.completions.create(**kw).choices[0].logprobs.content
+    assert [e.bytes for e in content] == [list(lp.bytes) for lp in direct.logprobs]
+    for e, lp in zip(content, direct.logprobs):
+        assert math.isclose(e.logprob, lp.logprob, rel_tol=1e-6, abs_tol=1e-6)
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob + 1e-9
+
+
 def test_zz_clean_shutdown(server):
     # runs last in the module (name order): stop the server the way a service manager would
     proc = server["proc"]
