@@ -8,8 +8,7 @@ import os
 
 import numpy as np
 
-from . import bpe
-from .synth import CHAT_TEMPLATE_FILE
+from .synth import add_tokenizer
 
 
 def write_llama_gguf(path: str | os.PathLike[str], *, n_vocab: int = 4352, n_embd: int = 64,
@@ -29,16 +28,7 @@ def write_llama_gguf(path: str | os.PathLike[str], *, n_vocab: int = 4352, n_emb
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(0)
-    vocab = bpe.vocab_arrays(n_vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(bpe.PRE_TOKENIZER)
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.token_types)
-    w.add_token_merges(vocab.merges)
-    w.add_eos_token_id(vocab.eos_id)
-    w.add_bos_token_id(vocab.bos_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"))
+    add_tokenizer(w, n_vocab)
 
     def mat(rows: int, cols: int) -> np.ndarray:     # numpy shape (rows, cols) = ggml ne (cols, rows)
         return (g.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32)

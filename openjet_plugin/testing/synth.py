@@ -425,6 +425,21 @@ def _quantize_q6_k(blocks: np.ndarray) -> np.ndarray:
 
 # --- GGUF writing ----------------------------------------------------------------------------------
 
+def add_tokenizer(w, n_vocab: int) -> None:
+    """The project's BPE tokenizer (padded to n_vocab tokens) and chat template, into GGUFWriter w."""
+    vocab = bpe.vocab_arrays(n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(bpe.PRE_TOKENIZER)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.token_types)
+    w.add_token_merges(vocab.merges)
+    w.add_eos_token_id(vocab.eos_id)
+    w.add_bos_token_id(vocab.bos_id)
+    w.add_pad_token_id(vocab.bos_id)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"))
+
+
 def _add_metadata(w, config: ModelConfig, name: str, file_type: int,
                   extra_metadata: Mapping[str, object] | None) -> None:
     import gguf
@@ -443,17 +458,7 @@ def _add_metadata(w, config: ModelConfig, name: str, file_type: int,
             w.add_array(key, list(value))
         else:
             raise TypeError(f"metadata key {key!r}: cannot write a value of type {type(value).__name__}")
-    vocab = bpe.vocab_arrays(config.n_vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(bpe.PRE_TOKENIZER)
-    w.add_token_list(vocab.tokens)
-    w.add_token_types(vocab.token_types)
-    w.add_token_merges(vocab.merges)
-    w.add_eos_token_id(vocab.eos_id)
-    w.add_bos_token_id(vocab.bos_id)
-    w.add_pad_token_id(vocab.bos_id)
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE_FILE.read_text(encoding="utf-8"))
+    add_tokenizer(w, config.n_vocab)
     # provenance and the like (llama.cpp ignores keys it does not know)
     for key, value in (extra_metadata or {}).items():
         if isinstance(value, bool):
