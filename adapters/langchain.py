@@ -337,6 +337,8 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
             # caller who passes a schema wants output that matches it
             if schema is not None:
                 json_schema = convert_to_json_schema(schema)
+                if strict:
+                    json_schema = _closed_objects(json_schema)
                 fmt = {"type": "json_schema", "json_schema": {
                     "name": json_schema.get("title", "output"), "schema": json_schema, "strict": strict}}
             else:
@@ -525,19 +527,18 @@ def _invalid_args(raw: str) -> str:
 
 def _tool_call_chunks(events, named: set[int]) -> list:
     """parsing.ToolCallEvents -> LangChain tool_call_chunks: the name (with the id) when the call
-    begins, its whole arguments when it completes; a call read at once carries both. `named`: the
-    indices whose name went out already (kept by the caller across a stream)."""
-    out = []
+    begins, its whole arguments when it completes; one chunk per call and message (LangChain
+    merges chunks by index across messages, not within one). `named`: the indices whose name
+    went out already (kept by the caller across a stream)."""
+    by_index: dict[int, dict] = {}
     for e in events:
-        if e.kind == "name":
+        out = by_index.setdefault(e.index, {"name": None, "args": "", "id": None})
+        if e.index not in named:
             named.add(e.index)
-            out.append(tool_call_chunk(name=e.name, args="", id=e.id, index=e.index))
-            continue
-        args = e.arguments if e.kind == "arguments" else _invalid_args(e.arguments)
-        first = e.index not in named
-        out.append(tool_call_chunk(name=e.name if first else None, args=args,
-                                   id=e.id if first else None, index=e.index))
-    return out
+            out["name"], out["id"] = e.name, e.id
+        if e.kind != "name":
+            out["args"] += e.arguments if e.kind == "arguments" else _invalid_args(e.arguments)
+    return [tool_call_chunk(name=c["name"], args=c["args"], id=c["id"], index=i) for i, c in by_index.items()]
 
 
 def _constraint(response_format: Any, tools: list[dict] | None, choice: Any) -> dict | None:
@@ -580,6 +581,19 @@ def _response_format_constraint(fmt: Any) -> dict | None:
     if "properties" in fmt or "$schema" in fmt or kind == "object":
         return {"type": "json_schema", "schema": fmt}       # a bare JSON schema
     raise ValueError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that does not say (OpenAI's
+    strict mode: only the declared fields)."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed_objects(v) for k, v in schema.items()}
+    if out.get("type") == "object" or "properties" in out:
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def _parse_tool_output(message: AIMessage, name: str, model_class: type | None) -> Any:

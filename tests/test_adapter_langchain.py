@@ -13,6 +13,7 @@ import json
 
 import pytest
 from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.exceptions import OutputParserException
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from pydantic import BaseModel, Field
 
@@ -245,6 +246,10 @@ def test_structured_output_that_does_not_parse_is_reported(scripted):
     scripted("I would rather not.")
     raw = ChatOpenJet().with_structured_output(Person, include_raw=True).invoke("?")
     assert raw["parsed"] is None and raw["raw"].content == "I would rather not."
+    assert isinstance(raw["parsing_error"], OutputParserException)
+    assert "did not call 'Person'" in str(raw["parsing_error"])
+    with pytest.raises(OutputParserException, match="did not call 'Person'"):
+        ChatOpenJet().with_structured_output(Person).invoke("?")
 
 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
@@ -331,3 +336,169 @@ def test_stream_splitter_agrees_with_the_whole_reply(thinking, tools):
             assert (reply.reasoning, reply.content) == (whole.reasoning, whole.content)
             assert r_out == (whole.reasoning or ""), (text, pieces)
             assert c_out == whole.content, (text, pieces)
+
+
+# --- Qwen3.5's XML calls, structured output, constraints, logprobs, token counts ---------------------
+
+XML_ADD = "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000])
+def test_xml_tool_call_streams_as_tool_call_chunks(scripted, piece):
+    scripted("Adding.\n\n" + XML_ADD + "\n" + XML_ADD.replace("a>\n1", "a>\n5"), piece=piece)
+    chat = ChatOpenJet(temperature=0).bind_tools([_adder_tool()])
+    msg = chat.invoke("What is 1 + 2?")
+    # values typed by the tool's schema (a: int): 1, not "1"
+    assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 1, "b": 2}), ("add", {"a": 5, "b": 2})]
+    chunks = list(chat.stream("What is 1 + 2?"))
+    with_calls = [c for c in chunks if c.tool_call_chunks]
+    flat = [tc for c in with_calls for tc in c.tool_call_chunks]
+    if piece < 1000:
+        # per call: the name (with its id) as soon as <function=add> is read, then the arguments
+        assert [(tc["index"], tc["name"], tc["args"]) for tc in flat] == [
+            (0, "add", ""), (0, None, '{"a": 1, "b": 2}'), (1, "add", ""), (1, None, '{"a": 5, "b": 2}')]
+        assert flat[0]["id"] and flat[1]["id"] is None
+    else:                # the whole reply in one piece: one chunk per call
+        assert [(tc["index"], tc["name"], tc["args"]) for tc in flat] == [
+            (0, "add", '{"a": 1, "b": 2}'), (1, "add", '{"a": 5, "b": 2}')]
+    if piece == 1:       # the first call went out before the reply ended
+        assert with_calls[0] is not chunks[-1] and chunks.index(with_calls[1]) < len(chunks) - 1
+    full = _collect(iter(chunks))
+    assert full.content == "Adding." == msg.content
+    assert [(c["name"], c["args"]) for c in full.tool_calls] == [(c["name"], c["args"]) for c in msg.tool_calls]
+    assert full.invalid_tool_calls == []
+
+
+def test_streamed_malformed_call_stays_invalid(scripted):
+    scripted('<tool_call>\n{"name": "add", "arguments": {"a": 1,\n</tool_call>', piece=4)
+    chat = ChatOpenJet().bind_tools([_adder_tool()])
+    full = _collect(chat.stream("?"))
+    assert full.tool_calls == [] and len(full.invalid_tool_calls) == 1
+    assert full.invalid_tool_calls[0]["name"] == "add"
+    msg = chat.invoke("?")
+    assert msg.invalid_tool_calls[0]["args"] == full.invalid_tool_calls[0]["args"]
+
+
+class Person(BaseModel):
+    """A person."""
+    name: str = Field(description="name")
+    age: int = Field(description="age")
+
+
+def test_structured_output_methods_pass_their_constraint(scripted):
+    s = scripted("<tool_call>\n<function=Person>\n<parameter=name>\nAda\n</parameter>\n"
+                 "<parameter=age>\n36\n</parameter>\n</function>\n</tool_call>")
+    assert ChatOpenJet().with_structured_output(Person).invoke("?") == Person(name="Ada", age=36)
+    c = s.calls[-1]["constraint"]
+    assert c["type"] == "tool_call" and c["name"] == "Person"
+    assert [t["function"]["name"] for t in c["tools"]] == ["Person"]
+    # strict=True reaches the tool definition, and closes a JSON schema's objects
+    ChatOpenJet().with_structured_output(Person, strict=True).invoke("?")
+    assert s.calls[-1]["constraint"]["tools"][0]["function"]["strict"] is True
+
+    s.reply = '{"name": "Ada", "age": 36}'
+    for method in ("json_schema", "json_mode"):
+        assert ChatOpenJet().with_structured_output(Person, method=method).invoke("?") == Person(name="Ada", age=36)
+        c = s.calls[-1]["constraint"]
+        assert c["type"] == "json_schema" and c["schema"]["properties"]["age"]["type"] == "integer"
+    ChatOpenJet().with_structured_output(Person, method="json_schema", strict=True).invoke("?")
+    assert s.calls[-1]["constraint"]["schema"]["additionalProperties"] is False
+    assert ChatOpenJet().with_structured_output(method="json_mode").invoke("?") == {"name": "Ada", "age": 36}
+    assert s.calls[-1]["constraint"] == {"type": "json_object"}
+    as_dict = ChatOpenJet().with_structured_output(Person.model_json_schema(), method="json_schema").invoke("?")
+    assert as_dict == {"name": "Ada", "age": 36}
+
+
+def test_structured_output_failures_are_never_a_silent_none(scripted):
+    s = scripted('{"name": "Ada", "age": ')                          # cut short by max_tokens
+    for method in ("json_schema", "json_mode"):
+        with pytest.raises(OutputParserException, match="not valid JSON"):
+            ChatOpenJet().with_structured_output(Person, method=method).invoke("?")
+        raw = ChatOpenJet().with_structured_output(Person, method=method, include_raw=True).invoke("?")
+        assert raw["parsed"] is None and isinstance(raw["parsing_error"], OutputParserException)
+    s.reply = '{"name": "Ada", "age": "old"}'                         # JSON, but not a Person
+    with pytest.raises(OutputParserException, match="does not match Person"):
+        ChatOpenJet().with_structured_output(Person, method="json_schema").invoke("?")
+    s.reply = "<tool_call>\n<function=Person>\n<parameter=name>\nAda\n</parameter>\n"
+    with pytest.raises(OutputParserException, match="malformed tool call"):
+        ChatOpenJet().with_structured_output(Person).invoke("?")
+    with pytest.raises(ValueError, match="unknown method 'json'"):
+        ChatOpenJet().with_structured_output(Person, method="json")
+    with pytest.raises(ValueError, match="needs a schema"):
+        ChatOpenJet().with_structured_output(None, method="json_schema")
+
+
+def test_response_format_and_tool_choice_become_constraints(scripted):
+    s = scripted("{}")
+    ChatOpenJet().bind(response_format={"type": "json_object"}).invoke("?")
+    assert s.calls[-1]["constraint"] == {"type": "json_object"}
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    ChatOpenJet().invoke("?", response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert s.calls[-1]["constraint"] == {"type": "json_schema", "schema": schema}
+    ChatOpenJet().invoke("?", response_format=Person)
+    assert s.calls[-1]["constraint"]["schema"]["title"] == "Person"
+    ChatOpenJet().invoke("?", response_format={"type": "text"})
+    assert "constraint" not in s.calls[-1]
+    ChatOpenJet().bind_tools([_adder_tool()], tool_choice="any").invoke("?")
+    assert s.calls[-1]["constraint"]["type"] == "tool_call" and s.calls[-1]["constraint"]["name"] is None
+    ChatOpenJet().bind_tools([_adder_tool()], tool_choice="add").invoke("?")
+    assert s.calls[-1]["constraint"]["name"] == "add"
+    ChatOpenJet().bind_tools([_adder_tool()]).invoke("?")
+    assert "constraint" not in s.calls[-1]
+    with pytest.raises(ValueError, match="response_format type 'xml'"):
+        ChatOpenJet().invoke("?", response_format={"type": "xml"})
+    with pytest.raises(ValueError, match="json_schema.schema"):
+        ChatOpenJet().invoke("?", response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    with pytest.raises(ValueError, match="cannot both apply"):
+        ChatOpenJet().bind_tools([_adder_tool()], tool_choice="add").invoke("?", response_format={"type": "json_object"})
+
+
+def test_json_schema_constraint_on_the_real_engine(engine):
+    """The default model's random weights write a valid Person because the engine constrains them."""
+    chat = ChatOpenJet(temperature=0, max_tokens=64)
+    structured = chat.with_structured_output(Person, method="json_schema", strict=True, include_raw=True)
+    raw = structured.invoke("Who wrote the first program?")
+    assert raw["parsing_error"] is None, raw["raw"].content
+    assert isinstance(raw["parsed"], Person)
+    assert json.loads(raw["raw"].content) == raw["parsed"].model_dump()
+
+
+def test_logprobs_in_the_langchain_openai_shape(engine):
+    chat = ChatOpenJet(temperature=0, max_tokens=8, logprobs=True, top_logprobs=3)
+    msg = chat.invoke("Hello")
+    content = msg.response_metadata["logprobs"]["content"]
+    direct = engine.chat([{"role": "user", "content": "Hello"}], temperature=0, max_tokens=8,
+                         logprobs=True, top_logprobs=3)
+    assert len(content) == len(direct.tokens) == msg.usage_metadata["output_tokens"]
+    assert "".join(e["token"] for e in content) == msg.content
+    for entry, ref in zip(content, direct.logprobs):
+        assert entry["logprob"] == pytest.approx(ref.logprob) and entry["bytes"] == list(ref.bytes)
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] >= entry["logprob"] - 1e-6     # greedy: the top one
+    full = _collect(chat.stream("Hello"))
+    streamed = full.response_metadata["logprobs"]["content"]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content])
+    assert "logprobs" not in ChatOpenJet(temperature=0, max_tokens=4).invoke("Hello").response_metadata
+
+
+def test_token_counts_from_the_models_tokenizer_and_template(engine):
+    from langchain_core.messages import trim_messages
+
+    chat = ChatOpenJet()
+    text = "Hello <|im_end|> world"
+    assert chat.get_token_ids(text) == engine.tokenize(text, add_special=False)
+    assert chat.get_num_tokens(text) == len(engine.tokenize(text, add_special=False))
+    history = [SystemMessage("Be brief."), HumanMessage("What is 1 + 2?"),
+               AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}]),
+               ToolMessage("3", tool_call_id="c1"), AIMessage("3."), HumanMessage("And 2 + 2?")]
+    rendered = engine.render_chat(lc_adapter._template_messages(history), add_generation_prompt=False)
+    # the template renders turns one after another, so the per-message sum is the whole prompt
+    assert chat.get_num_tokens_from_messages(history) == len(engine.tokenize(rendered, add_special=False))
+    with_tools = chat.get_num_tokens_from_messages(history, tools=[_adder_tool()])
+    assert with_tools > chat.get_num_tokens_from_messages(history)
+    # trim_messages counts slices (reversed ones too), which the template could not render whole
+    trimmed = trim_messages(history, max_tokens=30, token_counter=chat, strategy="last",
+                            include_system=True, start_on="human")
+    assert trimmed[0] == history[0] and trimmed[-1] == history[-1] and len(trimmed) < len(history)
+    assert chat.get_num_tokens_from_messages(trimmed) <= 30
