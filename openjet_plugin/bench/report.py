@@ -28,6 +28,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "decode_tps": ("tokens/s", ("depth",), True),
     # openjet's llama.cpp backend (the fallback) on the same CUDA libllama, engine "llama.cpp"
     "fallback_decode_tps": ("tokens/s", ("depth",), True),
+    # constrained decoding per token on the CPU (bench/constraint.py); target <= 500 (5 % of 10 ms)
+    "constraint_mask_us": ("µs", ("n_vocab", "grammar"), False),
     "verify_ms": ("ms", ("positions", "depth"), False),
     "spec_tps": ("tokens/s", ("acceptance", "drafts", "depth"), True),
     "spec_mtp_tps": ("tokens/s", ("drafts", "depth"), True),

@@ -121,6 +121,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
         rows += prefill_rows(s, eng)
     rows += [("peak_mem_gb", eng, {"max_depth": max(s.depths)}) for eng in (OURS, PEER)]
     rows += [("fallback_decode_tps", PEER, {"depth": 0})]
+    rows += [CONSTRAINT_ROW]
     rows += spec_rows(s) + accept_rows(s)
     return rows, []
 
@@ -398,6 +399,31 @@ def group_fallback(run: Run) -> None:
         run.mark([row], f"the fallback child failed (exit {rc}, see {log_path})")
 
 
+# constrained decoding's CPU cost per token on the 27B's vocabulary size (bench/constraint.py)
+CONSTRAINT_ROW = ("constraint_mask_us", OURS, {"n_vocab": 248320, "grammar": "json_schema"})
+
+
+def group_constraint(run: Run) -> None:
+    """llguidance's mask + its application + the grammar step per token (bench/constraint.py)."""
+    if run.store.has(*CONSTRAINT_ROW):
+        return
+    out = run.cache / f"constraint-{run.session}.jsonl"
+    log_path = run.cache / f"constraint-{run.session}.log"
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.constraint", "--reps", str(run.settings.reps),
+           "--out", str(out)]
+    run.log("openjet constraint: mask cost per token, 248K vocabulary, on the CPU")
+    with open(log_path, "a") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=run.timeout()).returncode
+    for line in (out.read_text().splitlines() if out.is_file() else []):
+        obj = json.loads(line)
+        if "metric" in obj:
+            run.add(obj["metric"], OURS, obj["params"], obj["samples"])
+        elif "info" in obj:
+            run.store.update_info(**obj["info"])
+    if not run.store.has(*CONSTRAINT_ROW):
+        run.mark([CONSTRAINT_ROW], f"the constraint child failed (exit {rc}, see {log_path})")
+
+
 NOT_SELECTED = "not selected (--only)"   # the reason given to rows that --only leaves out
 NO_OURS, NO_PEER = "disabled by --no-ours", "disabled by --no-peer"
 ASKED_NOT_TO = (NOT_SELECTED, NO_OURS, NO_PEER)   # rows the command line left out: not failures
@@ -421,6 +447,7 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         # the default model is 22 MB: loading and 12 prompts x 64 tokens per row take seconds, so it
         # goes before the group that can take all the time left
         out.append(("openjet acceptance", 30.0, accept_rows(s), group_acceptance))
+        out.append(("openjet constraint", 20.0, [CONSTRAINT_ROW], group_constraint))
         # prefill: loading plus fills and appends at a few thousand tokens/s
         pre = load + sum(d / (2 * pp) + (s.reps + 1) * n / (2 * pp) for n, d in s.prefill)
         out.append(("openjet prefill", pre, prefill_rows(s, OURS), group_ours_prefill))
