@@ -340,3 +340,67 @@ def test_sampled_constrained_speculation_stays_in_the_grammar():
         out, _ = _speculative(comp.state(c), [1, 2], 60, params, seed)
         assert out[-1] == TOY_EOS
         jsonschema.validate(json.loads(b"".join(TOY_VOCAB[t] for t in out[:-1])), SMALL)
+
+
+# --- the engine's speculative loop on the native bookkeeping (a fake library) -------------------------
+
+def _fake_native_engine(template, depth: int):
+    import test_native_bookkeeping  # noqa: F401  (the fake library's module, installed by the caller)
+    from openjet_plugin.backends import native
+    from openjet_plugin.engine import Engine
+    from openjet_plugin.model_file import open_model
+
+    mf = open_model(template.model_path)
+    be = native.NativeBackend(mf, n_ctx=512, draft_depth=depth)
+    return Engine(be, model_path=template.model_path, config=template.config, metadata=template.metadata,
+                  chat_template_source=template.chat_template, eog_tokens=template.eog_tokens,
+                  token_eos=template.token_eos, backend_reason="fake native library", model_file=mf)
+
+
+@pytest.fixture()
+def fake_native(monkeypatch):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_native_bookkeeping as nb
+    return nb.install_fake(monkeypatch, nb.FakeLib)
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_engine_constrained_speculation_on_the_native_bookkeeping_equals_plain(fake_native, engine, depth):
+    plain, spec = _fake_native_engine(engine, 0), _fake_native_engine(engine, depth)
+    try:
+        for c, check in [(Constraint.json_schema(PERSON), lambda t: jsonschema.validate(json.loads(t), PERSON)),
+                         (Constraint.tool_call(WEATHER, "get_weather"),
+                          lambda t: jsonschema.validate(parse_tool_calls(t, WEATHER)[1][0]["arguments"],
+                                                        WEATHER[0]["function"]["parameters"]))]:
+            for q in ("A person as JSON.", "Weather?", "def f(x):"):
+                kw = dict(constraint=c, temperature=0, max_tokens=60, tools=WEATHER)
+                want = plain.chat([{"role": "user", "content": q}], **kw)
+                got = spec.chat([{"role": "user", "content": q}], **kw)
+                assert got.tokens == want.tokens and want.finish_reason == "stop", (q, want.text, got.text)
+                check(got.text)
+                assert got.stats.drafts_proposed > 0
+        assert fake_native[-1].hist == spec._tokens
+        # sampled: every reply valid
+        for seed in range(5):
+            r = spec.chat([{"role": "user", "content": "x"}], constraint=Constraint.json_schema(PERSON),
+                          temperature=1.0, seed=seed, max_tokens=60)
+            jsonschema.validate(json.loads(r.text), PERSON)
+    finally:
+        plain.close()
+        spec.close()
+
+
+def test_engine_speculative_logprobs_on_the_native_bookkeeping_equal_plain(fake_native, engine):
+    plain, spec = _fake_native_engine(engine, 0), _fake_native_engine(engine, 3)
+    try:
+        for kw in (dict(temperature=0), dict(temperature=0, constraint=Constraint.json_schema(PERSON))):
+            want = plain.generate("def f(x):", max_tokens=30, logprobs=True, top_logprobs=4, **kw)
+            got = spec.generate("def f(x):", max_tokens=30, logprobs=True, top_logprobs=4, **kw)
+            assert got.tokens == want.tokens and got.stats.drafts_accepted > 0
+            assert [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in got.logprobs] == \
+                [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in want.logprobs]
+    finally:
+        plain.close()
+        spec.close()
