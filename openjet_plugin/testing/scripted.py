@@ -18,14 +18,15 @@ How the weights script a reply (shape: `tiny`; every residual branch writes zero
 - The output head's row of each next token is the current token's embedding (token half), one of
   mutually orthogonal +-1 rows (a Hadamard matrix), so the chain's token leads every other by
   ~20 nats.
-- Which chain starts depends on one bit of context: is a `trigger` token (<tool_response>) in the
-  prompt? The embedding has two context dims: a constant 1 (every token) and a marker (1 for the
-  trigger only). In the attention layer, head 0's query is the constant and its key the marker
-  (on dims RoPE leaves alone), with q/k-norm weights that make the trigger's score ~90 above any
-  other: the head attends to the trigger when there is one, and its value (the marker) is then 1,
-  else 0. attn_output writes it to a "flag" dim that the head reads: +flag for the second chain's
-  first token, -flag for the first chain's, sized so that the flag flips the first choice but
-  never outweighs a chain's own next token.
+- Which chain starts depends on the context: each script has a marker token (<tool_response> for
+  "after a tool result"), and the last script whose marker is in the prompt wins. The embedding
+  has context dims: a constant 1 (every token), a level (a marker's rank) and a one-hot of the
+  marker's script. In the attention layer, head 0's query is the constant and its key the level
+  (on dims RoPE leaves alone, the constant filling the rest), with q/k-norm weights that put
+  adjacent levels KEY_SPACING apart in score: the head attends to the highest marker present, and
+  its value (the one-hot) raises that script's "flag" dim through attn_output, else nothing. The
+  head reads the flags: +flag for the script's first token, -flag for the default reply's, sized
+  so that a flag flips the first choice but never outweighs a chain's own next token.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import chat_template
 from ..config import PRESETS
 from . import bpe
 from .synth import RESIDUAL_OUTPUTS, synth_specs, tensor_values, token_dims, write_gguf
@@ -51,8 +51,9 @@ END = "<|im_end|>"
 CHAIN_GAIN = 16.0
 # the flag's share of a chain step's logit: > 1/2 flips the first choice, < 1 never overrides a step
 FLAG_SHARE = 0.75
-# q/k-norm weight on the flag head's dims: the trigger's score is Q_K_NORM^2 * sqrt(head_dim / 2)
-Q_K_NORM = 4.0
+# attention scores of two adjacent marker levels differ by this much: the higher takes all the
+# attention (e^-25 is nothing even over a context of thousands of lower markers)
+KEY_SPACING = 25.0
 
 
 def _token_texts(vocab: "bpe.VocabArrays") -> tuple[list[bytes | None], dict[str, int]]:
@@ -162,20 +163,23 @@ def _reply_tokens(reply: str, vocab: _Vocab, used: set[int]) -> list[int]:
     return out
 
 
-def generation_prompt_last_token(eng_tokenize, enable_thinking: bool = False) -> int:
-    """The last token of the Qwen3.5 template's generation prompt (where both chains start)."""
-    template = QWEN35_TEMPLATE_FILE.read_text(encoding="utf-8")
-    prompt = chat_template.render(template, [{"role": "user", "content": "hi"}],
-                                  enable_thinking=enable_thinking)
-    return eng_tokenize(prompt)[-1]
-
-
 def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, after_tool_reply: str,
-                        *, start_token_text: str = "\n\n", force: bool = False) -> pathlib.Path:
-    """Write the scripted model to `out_path`: greedy decoding after the Qwen3.5 template's
-    generation prompt (thinking off: it ends in "</think>\\n\\n", whose last token is
-    `start_token_text`) writes `first_reply` when no <tool_response> is in the prompt and
-    `after_tool_reply` when one is, each followed by <|im_end|>."""
+                        *, force: bool = False) -> pathlib.Path:
+    """The agent's model: `first_reply` (a tool call), then `after_tool_reply` once a tool result
+    (<tool_response>) is in the prompt."""
+    return scripted_model(out_path, first_reply, [(TRIGGER, after_tool_reply)], force=force)
+
+
+def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
+                   scripts: Sequence[tuple[str, str]], *, start_token_text: str = "\n\n",
+                   force: bool = False) -> pathlib.Path:
+    """Write a scripted model to `out_path`.
+
+    Greedy decoding after the Qwen3.5 template's generation prompt (thinking off: it ends in
+    "</think>\n\n", whose last token is `start_token_text`) writes, then <|im_end|>:
+    the reply of the last (marker, reply) in `scripts` whose marker token is in the prompt, or
+    `default_reply` when none is. A marker is the text of one token of the vocabulary.
+    """
     out = pathlib.Path(out_path)
     if out.exists() and not force:
         raise FileExistsError(f"{out}: file exists; pass force=True to overwrite it")
@@ -183,21 +187,37 @@ def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, afte
     t = token_dims(cfg)
     vocab = _Vocab(cfg.n_vocab)
     start = vocab.texts.index(start_token_text.encode())
-    trigger, end = vocab.special[TRIGGER], vocab.special[END]
-    used = {start, trigger, end}
-    first = _reply_tokens(first_reply, vocab, used)
-    second = _reply_tokens(after_tool_reply, vocab, used)
-    chain_tokens = [start] + first + second
+    end = vocab.special[END]
+    markers = []
+    for marker, _ in scripts:
+        ids = [i for i, b in enumerate(vocab.texts) if b == marker.encode()]
+        if marker in vocab.special:
+            ids = [vocab.special[marker]]
+        if not ids:
+            raise ValueError(f"marker {marker!r} is not a token of the vocabulary")
+        markers.append(ids[0])
+    if len(set(markers)) != len(markers):
+        raise ValueError("two scripts have the same marker")
+    used = {start, end, *markers}
+    default = _reply_tokens(default_reply, vocab, used)
+    replies = [_reply_tokens(reply, vocab, used) for _, reply in scripts]
+    chain_tokens = [start] + default + [tok for r in replies for tok in r]
+    n_scripts = len(scripts)
     if len(chain_tokens) > t - 1:
         raise ValueError(f"the replies take {len(chain_tokens)} tokens; at most {t - 1} fit this shape")
+    if 2 * n_scripts + 2 > cfg.n_embd - t or n_scripts > cfg.head_dim:
+        raise ValueError(f"{n_scripts} scripts do not fit this shape")
 
     arrays = {s.name: tensor_values(s, 0, cfg) for s in synth_specs(cfg)}
     for name, a in arrays.items():
         if name.endswith(RESIDUAL_OUTPUTS):
-            a[...] = 0.0                       # no branch writes, except the flag below
+            a[...] = 0.0                       # no branch writes, except the flags below
         if name.endswith("norm.weight"):
             a[...] = 1.0
-    const_dim, marker_dim, flag_dim = t, t + 1, t + 2
+    # context half: [constant, level, which script (one-hot, embedding), flags (attention output)]
+    const_dim, level_dim = t, t + 1
+    script_dims = [t + 2 + s for s in range(n_scripts)]
+    flag_dims = [t + 2 + n_scripts + s for s in range(n_scripts)]
 
     emb = arrays["token_embd.weight"]          # [n_vocab, n_embd]
     hadamard = _hadamard(t)
@@ -205,41 +225,53 @@ def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, afte
         emb[tok, :t] = hadamard[k + 1]         # row 0 is all ones: not orthogonal to a constant
     emb[:, t:] = 0.0
     emb[:, const_dim] = 1.0
-    emb[trigger, marker_dim] = 1.0
 
     il = cfg.attention_layers()[0]
     D, j0 = cfg.head_dim, cfg.n_rot            # dims from n_rot on are not rotated
+    const_keys = list(range(j0 + 1, D))        # the constant fills the rest of the key, so that
+    n_const = len(const_keys)                  # rms-norm leaves the level's share of it readable
+    for s, tok in enumerate(markers):
+        # level L gives the normalised key L * sqrt(D / (L^2 + n_const)) on dim j0: the levels are
+        # chosen so that these are evenly spaced (later scripts higher), KEY_SPACING apart after
+        # the q/k-norm weights, so the highest marker present takes all the attention
+        y = np.sqrt(D) * (s + 1) / (n_scripts + 1)
+        emb[tok, level_dim] = y * np.sqrt(n_const) / np.sqrt(D - y * y)
+        emb[tok, script_dims[s]] = 1.0
     p = f"blk.{il}."
     q = arrays[p + "attn_q.weight"]
     q[...] = 0.0
     q[j0, const_dim] = 1.0                     # head 0's query: the constant (gate rows 0: sigmoid 1/2)
     k = arrays[p + "attn_k.weight"]
     k[...] = 0.0
-    k[j0, marker_dim] = 1.0                    # key: the marker, next to the constant
-    k[j0 + 1, const_dim] = 1.0
+    k[j0, level_dim] = 1.0
+    k[const_keys, const_dim] = 1.0
     v = arrays[p + "attn_v.weight"]
     v[...] = 0.0
-    v[j0, marker_dim] = 1.0
-    arrays[p + "attn_q_norm.weight"][j0] = Q_K_NORM
-    arrays[p + "attn_k_norm.weight"][j0] = Q_K_NORM
-    arrays[p + "attn_output.weight"][flag_dim, j0] = 1.0
+    norm_weight = np.sqrt(KEY_SPACING * (n_scripts + 1) / np.sqrt(D))
+    arrays[p + "attn_q_norm.weight"][j0] = norm_weight
+    arrays[p + "attn_k_norm.weight"][j0] = norm_weight
+    out_proj = arrays[p + "attn_output.weight"]
+    for s in range(n_scripts):
+        v[s, script_dims[s]] = 1.0             # value: which script; attn_output: its flag
+        out_proj[flag_dims[s], s] = 1.0
 
-    # the head: rows of the chains' tokens, and the flag's push between the two first tokens
+    # the head: rows of the chains' tokens, and each flag's push from the default's first token
+    # to its script's
     head = arrays["output.weight"]
     head[...] = 0.0
-    # the first chain starts from the prompt's last token; the second from the flag alone
-    for prev, chain in ((start, first), (None, second)):
+    for prev, chain in [(start, default)] + [(None, r) for r in replies]:
         for cur, nxt in zip([prev] + chain, chain + [end]):
             if cur is not None:
                 head[nxt, :t] += emb[cur, :t] * np.float32(CHAIN_GAIN / t)
-    flag = _flag_in_head_input(cfg, emb, arrays[p + "attn_norm.weight"], trigger)
     step = CHAIN_GAIN * np.sqrt(2.0)
-    head[second[0], flag_dim] += np.float32(FLAG_SHARE * step / flag)
-    head[first[0], flag_dim] -= np.float32(FLAG_SHARE * step / flag)
+    for s, tok in enumerate(markers):
+        flag = _flag_in_head_input(cfg, emb[tok], emb[start])
+        head[replies[s][0], flag_dims[s]] += np.float32(FLAG_SHARE * step / flag)
+        head[default[0], flag_dims[s]] -= np.float32(FLAG_SHARE * step / flag)
 
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        write_gguf(tmp, cfg, arrays, name="openjet-scripted-tool-model")
+        write_gguf(tmp, cfg, arrays, name="openjet-scripted-model")
         tokens, merges = vocab.tokens_and_merges()
         _rewrite_tokenizer(tmp, out, QWEN35_TEMPLATE_FILE.read_text(encoding="utf-8"), tokens, merges)
     finally:
@@ -257,16 +289,14 @@ def _hadamard(n: int) -> np.ndarray:
     return h
 
 
-def _flag_in_head_input(cfg, emb: np.ndarray, attn_norm: np.ndarray, trigger: int) -> float:
-    """The flag dim's value after output_norm when the head attends to the trigger: the marker
-    through attn_norm, times sigmoid(0) = 1/2 (the gate), then normalised with the rest of the
-    stream (the prompt's last token's embedding plus the flag)."""
-    x = emb[trigger].astype(np.float64)
-    marker = x[token_dims(cfg) + 1] / np.sqrt(np.mean(x * x) + cfg.rms_eps) * attn_norm[token_dims(cfg) + 1]
-    flag = 0.5 * marker
-    # the stream at the prompt's last position: a +-1 token half, the constant, and the flag
-    t = token_dims(cfg)
-    rms = np.sqrt((t + 1 + flag * flag) / cfg.n_embd + cfg.rms_eps)
+def _flag_in_head_input(cfg, marker_row: np.ndarray, last_row: np.ndarray) -> float:
+    """A flag's value after output_norm when the head attends to its marker: the marker's script
+    dim through attn_norm (weight 1), times sigmoid(0) = 1/2 (the gate), normalised with the rest
+    of the stream at the prompt's last position (that token's embedding plus the flag)."""
+    x = marker_row.astype(np.float64)
+    flag = 0.5 / np.sqrt(np.mean(x * x) + cfg.rms_eps)
+    last = last_row.astype(np.float64)
+    rms = np.sqrt((np.sum(last * last) + flag * flag) / cfg.n_embd + cfg.rms_eps)
     return float(flag / rms)
 
 
