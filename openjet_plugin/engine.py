@@ -554,13 +554,13 @@ class Engine:
 
     def _token_logprob(self, logits: np.ndarray, tok: int, n_top: int) -> TokenLogprob:
         """tok's log-softmax under `logits` (the whole vocabulary), with the n_top most likely."""
-        logp = log_softmax(logits)
+        x = np.asarray(logits, dtype=np.float32)
+        lse = _logsumexp(x)
         top: list[TokenLogprob] = []
         if n_top:
-            ids = np.argpartition(-logp, n_top - 1)[:n_top]
-            ids = ids[np.lexsort((ids, -logp[ids]))]
-            top = [TokenLogprob(int(i), self._backend.detokenize([int(i)]), float(logp[i])) for i in ids]
-        return TokenLogprob(int(tok), self._backend.detokenize([int(tok)]), float(logp[tok]), top)
+            ids = _top_ids(x, n_top)
+            top = [TokenLogprob(int(i), self._backend.detokenize([int(i)]), float(x[i]) - lse) for i in ids]
+        return TokenLogprob(int(tok), self._backend.detokenize([int(tok)]), float(x[tok]) - lse, top)
 
     def _cycle(self, spec, tok: int, history: list[int], params: SamplingParams, rng, max_emit: int,
                stats: GenerationStats, grammar=None, rows: list | None = None) -> list[int]:
@@ -576,11 +576,28 @@ class Engine:
         return emitted
 
 
+def _top_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """The k largest entries' ids, largest first (ties: lower id first). The k-th largest of every
+    16th entry bounds the whole row's k-th largest from below, so only the entries above it (~16k)
+    are sorted: a fraction of an argpartition over 248K."""
+    sample = x[::16]
+    cand = np.flatnonzero(x >= np.partition(sample, len(sample) - k)[len(sample) - k]) \
+        if len(sample) > k else np.arange(len(x))
+    order = np.lexsort((cand, -x[cand]))
+    return cand[order[:k]]
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    """log sum exp over a float32 row; the sum in float64 (a 248K-row's sum loses digits in
+    float32), the exponentials in float32 (a third of the time of a float64 pass)."""
+    m = float(x.max())
+    return m + float(np.log(np.exp(x - np.float32(m)).sum(dtype=np.float64)))
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """log p over the vocabulary, in float64 (a 248K-row's sum loses digits in float32)."""
-    x = np.asarray(logits, dtype=np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    """log p over the vocabulary (float64), as TokenLogprob reports it."""
+    x = np.asarray(logits, dtype=np.float32)
+    return x.astype(np.float64) - _logsumexp(x)
 
 
 def _check_logprobs(logprobs: object, top_logprobs: object) -> int | None:
