@@ -6,7 +6,6 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip -q --disable-pip-version-check
 PROMPT ?= def parse_args(
 EXTRAS ?= test
 comma  := ,
@@ -21,9 +20,7 @@ $(VENV)/bin/python:
 # installed and does not build it again its own way.
 $(STAMP): pyproject.toml openjet_plugin/setup_llama.py openjet_plugin/cpu_features.py | $(VENV)/bin/python
 	@echo "openjet setup: virtual environment $(VENV), extras [$(EXTRAS)]"
-	$(PY) -m openjet_plugin.setup_llama
-	@echo "openjet setup: installing the package and its dependencies (a few minutes the first time)"
-	$(PIP) install -e ".[$(EXTRAS)]"
+	@$(PY) -m openjet_plugin.setup_llama --package ".[$(EXTRAS)]"
 	@touch $(STAMP)
 
 setup: $(STAMP) native
@@ -31,7 +28,7 @@ setup: $(STAMP) native
 # Builds openjet_plugin/native/libopenjet.so for the local GPU when the sources changed; without a
 # GPU it says so and builds nothing (OPENJET_CUDA_ARCHS=90 make native forces it).
 native: $(STAMP)
-	$(PY) -m openjet_plugin.build_native --if-stale
+	@$(PY) -m openjet_plugin.build_native --if-stale
 
 run: setup
 	$(VENV)/bin/openjet generate "$(PROMPT)" --max-tokens 64

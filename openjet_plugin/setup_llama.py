@@ -109,7 +109,7 @@ def ensure(force: bool = False) -> int:
         if not wheels:
             print(f"openjet setup: pip reported success but left no wheel in {wheel_dir}", file=sys.stderr)
             return 1
-    rc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall",
+    rc = subprocess.run([sys.executable, "-m", "pip", "install", "-qq", "--no-deps", "--force-reinstall",
                          str(wheels[-1])]).returncode
     if rc != 0:
         return rc
@@ -118,15 +118,33 @@ def ensure(force: bool = False) -> int:
     return 0
 
 
+def install_package(spec: str) -> int:
+    """`pip install -e spec` with its output in a log (shown only if it fails) and progress lines."""
+    log = ROOT / ".cache" / "pip-install.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"openjet setup: installing {spec} and its dependencies (a few minutes the first time)", flush=True)
+    rc = _run_logged([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-e", spec],
+                     dict(os.environ), log, "pip install")
+    if rc != 0:
+        print("\n".join(log.read_text(errors="replace").splitlines()[-30:]), file=sys.stderr)
+        print(f"openjet setup: pip install failed (full log: {log})", file=sys.stderr)
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even when a matching wheel exists")
     ap.add_argument("--show", action="store_true", help="print the configuration and exit")
+    ap.add_argument("--package", metavar="SPEC",
+                    help="then pip install -e SPEC (e.g. '.[test]'), which finds llama-cpp-python installed")
     args = ap.parse_args(argv)
     if args.show:
         print(json.dumps(build_config(), indent=1))
         return 0
-    return ensure(force=args.force)
+    rc = ensure(force=args.force)
+    if rc == 0 and args.package:
+        rc = install_package(args.package)
+    return rc
 
 
 if __name__ == "__main__":
