@@ -19,13 +19,30 @@ distribution rules (top-k, top-p, min-p, temperature, penalties, in llama.cpp's 
 Extra constructor keywords: `backend` ("auto" | "native" | "llama.cpp") and `draft_depth`
 (MTP drafts per cycle on the native backend).
 
+`install()` makes `import llama_cpp` give a module that is llama-cpp-python's own (every public
+name: `LlamaGrammar`, `LlamaCache`, `LlamaState`, `llama_types`, ...) with this `Llama` in place of
+its own, so code written for llama-cpp-python (langchain-community's `LlamaCpp` and
+`ChatLlamaCpp` included) runs on the engine unchanged; openjet's llama.cpp fallback backend keeps
+the real library (the installed module holds it as `__openjet_real__`).
+
+Constrained output and logprobs run on the engine (openjet_plugin/constraints.py): `grammar=` (a
+`LlamaGrammar`, from_string / from_file / from_json_schema: its GBNF), the chat's
+`response_format={"type": "json_object"[, "schema": {...}]}` and a forced `tool_choice` (a named
+function, or "required"), returned in llama-cpp-python's shapes (`tool_calls` and `function_call`
+with finish_reason "tool_calls"); `logprobs` (completions) and `logprobs`/`top_logprobs` (chat) in
+llama-cpp-python's shapes, from the model's full distribution at each position, also without
+`logits_all=True` (llama-cpp-python requires it).
+
 Decisions for what the engine does not do (each raises `NotImplementedError` naming the feature,
 rather than silently producing different output):
-- grammars (`grammar=`, `response_format={"type": "json_object"}` and a forced `tool_choice`, which
-  llama-cpp-python implements with grammars), `logits_processor`, `stopping_criteria`,
-  `logprobs`, `suffix` (infill), `mirostat_mode` != 0, `typical_p` != 1;
-- embeddings (`create_embedding`, `embed`).
-`tfs_z` is accepted and ignored, as llama-cpp-python itself ignores it.
+- `logits_processor`, `stopping_criteria`, `suffix` (infill), `mirostat_mode` != 0, `typical_p` != 1;
+- logits-level access: `eval`, `sample`, `scores`, `eval_tokens`, `eval_logits`, and llama.cpp's
+  own objects `ctx`, `model`, `context_params`, `model_params`;
+- embeddings (`create_embedding`, `embed`); `Llama.from_pretrained` (a download).
+`tfs_z` is accepted and ignored, as llama-cpp-python itself ignores it. `generate()` yields the
+engine's tokens (sampling options as `create_completion`'s); at an end of generation it yields
+`token_eos()` and ends. `set_cache()` is accepted: the engine keeps its own prompt cache (it reuses
+the longest common prefix of the previous request), so the LlamaCache stays empty.
 Constructor parameters that configure llama.cpp internals (GPU layers and splits, mmap/mlock,
 batch sizes, RoPE/YaRN overrides, LoRA, NUMA, flash attention, KV overrides, a draft model, a
 tokenizer or chat handler object, ...) are accepted with a warning when set to anything but their
@@ -40,9 +57,12 @@ be slower. `reset()` forgets the history the same way.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 import time
+import types
 import uuid
 import warnings
 from typing import Any, Iterator
@@ -74,8 +94,18 @@ _OWN_TEMPLATE_FORMATS = (None, "chat_template.default")
 
 def _unsupported(feature: str) -> NotImplementedError:
     return NotImplementedError(
-        f"{feature} is not supported by openjet's llama-cpp-python drop-in (the engine has no "
-        f"grammar-constrained or logits-level hooks); use llama_cpp.Llama for it")
+        f"{feature} is not supported by openjet's llama-cpp-python drop-in (the engine samples "
+        f"inside its own loop and has no logits-level hooks); use llama-cpp-python's Llama for it")
+
+
+def _grammar_constraint(grammar: Any) -> dict | None:
+    """A llama_cpp.LlamaGrammar (or GBNF text) -> the engine's constraint."""
+    if grammar is None:
+        return None
+    text = grammar if isinstance(grammar, str) else getattr(grammar, "_grammar", None)
+    if not isinstance(text, str):
+        raise TypeError(f"grammar must be a llama_cpp.LlamaGrammar, got {type(grammar).__name__}")
+    return {"type": "gbnf", "grammar": text}
 
 
 class Llama:
@@ -224,7 +254,7 @@ class Llama:
         self.n_tokens = 0
 
     def save_state(self):
-        from llama_cpp.llama import LlamaState
+        LlamaState = _real_llama_cpp().llama.LlamaState
 
         return LlamaState(input_ids=self.input_ids.copy(), scores=np.zeros((self.n_tokens, 0), np.single),
                           n_tokens=self.n_tokens, llama_state=b"", llama_state_size=0, seed=self._seed)
@@ -244,6 +274,78 @@ class Llama:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+    def set_cache(self, cache) -> None:
+        """Accepted: the engine keeps its own prompt cache (the longest common prefix of the
+        previous request is reused), so `cache` is kept here and stays empty."""
+        self.cache = cache
+
+    def tokenizer(self) -> "LlamaTokenizer":
+        """The model's tokenizer as llama-cpp-python's `LlamaTokenizer` interface."""
+        return LlamaTokenizer(self)
+
+    @staticmethod
+    def logits_to_logprobs(logits, axis: int = -1):
+        return _real_llama_cpp().Llama.logits_to_logprobs(logits, axis=axis)
+
+    @staticmethod
+    def longest_token_prefix(a, b) -> int:
+        return _real_llama_cpp().Llama.longest_token_prefix(a, b)
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = None, *args: Any, **kwargs: Any):
+        raise _unsupported("Llama.from_pretrained (a download from the Hugging Face Hub; pass model_path= of a "
+                           "local GGUF)")
+
+    def eval(self, tokens) -> None:
+        raise _unsupported("eval (evaluating tokens to read their logits)")
+
+    def sample(self, *args: Any, **kwargs: Any) -> int:
+        raise _unsupported("sample (sampling from logits left by eval); generate() samples on the engine")
+
+    def generate(self, tokens, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+                 temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                 mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, penalize_nl: bool = True,
+                 logits_processor=None, stopping_criteria=None, grammar=None) -> Iterator[int]:
+        """Generated token ids for `tokens`, as llama-cpp-python's generate() yields them, up to
+        the end of the context; at an end of generation, `token_eos()` and the end."""
+        for feature, used in (("logits_processor", logits_processor is not None),
+                              ("stopping_criteria", stopping_criteria is not None),
+                              ("mirostat sampling", mirostat_mode != 0), ("typical_p sampling", typical_p != 1.0)):
+            if used:
+                raise _unsupported(feature)
+        prompt = [int(t) for t in tokens]
+        stream = self._engine.generate(
+            prompt, max_tokens=None, stream=True, temperature=max(temp, 0.0), top_p=top_p, top_k=top_k,
+            min_p=min_p, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, seed=self._seed & 0xFFFFFFFF, constraint=_grammar_constraint(grammar))
+        generated: list[int] = []
+        try:
+            for piece in stream:
+                for tok in piece.tokens:
+                    generated.append(tok)
+                    yield tok
+                if piece.finish_reason == "stop" and self.token_eos() >= 0:
+                    yield self.token_eos()
+        finally:
+            stream.close()
+            history = prompt + generated
+            n = min(len(history), len(self.input_ids))
+            self.input_ids[:n] = history[:n]
+            self.n_tokens = n
+
+    def pooling_type(self) -> int:
+        return LLAMA_POOLING_TYPE_UNSPECIFIED
+
+    # llama.cpp's own objects and the logits llama-cpp-python keeps: the engine has neither
+    scores = property(lambda self: _no_logits("scores (the logits of every evaluated position)"))
+    eval_tokens = property(lambda self: _no_logits("eval_tokens"))
+    eval_logits = property(lambda self: _no_logits("eval_logits"))
+    ctx = property(lambda self: _no_logits("ctx (llama.cpp's context)"))
+    model = property(lambda self: _no_logits("model (llama.cpp's model object)"))
+    context_params = property(lambda self: _no_logits("context_params (llama.cpp's context parameters)"))
+    model_params = property(lambda self: _no_logits("model_params (llama.cpp's model parameters)"))
 
     # --- embeddings ---------------------------------------------------------------------------------
     def create_embedding(self, input, model=None):
@@ -282,8 +384,17 @@ class Llama:
                           grammar=None, logit_bias: dict[int, float] | None = None):
         """Generate text from a prompt: a `CreateCompletionResponse` dict, or with stream=True an
         iterator of `CreateCompletionStreamResponse` dicts."""
-        for feature, used in (("suffix (infill)", suffix is not None), ("logprobs", logprobs is not None),
-                              ("grammar", grammar is not None), ("logits_processor", logits_processor is not None),
+        return self._create_completion(
+            prompt, suffix=suffix, max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+            typical_p=typical_p, logprobs=logprobs, echo=echo, stop=stop, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k, stream=stream, seed=seed,
+            mirostat_mode=mirostat_mode, model=model, stopping_criteria=stopping_criteria,
+            logits_processor=logits_processor, constraint=_grammar_constraint(grammar), logit_bias=logit_bias)
+
+    def _create_completion(self, prompt, *, suffix, max_tokens, temperature, top_p, min_p, typical_p, logprobs, echo,
+                           stop, frequency_penalty, presence_penalty, repeat_penalty, top_k, stream, seed,
+                           mirostat_mode, model, stopping_criteria, logits_processor, constraint, logit_bias):
+        for feature, used in (("suffix (infill)", suffix is not None), ("logits_processor", logits_processor is not None),
                               ("stopping_criteria", stopping_criteria is not None),
                               ("mirostat sampling", mirostat_mode != 0),
                               ("typical_p sampling", typical_p != 1.0)):
@@ -312,8 +423,14 @@ class Llama:
                           presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                           repeat_penalty=repeat_penalty, seed=self._seed & 0xFFFFFFFF,
                           # llama-cpp-python adds the bias to the raw logits before sampling; so does the engine
-                          logit_bias={int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None),
+                          logit_bias={int(k): float(v) for k, v in logit_bias.items()} if logit_bias else None,
+                          constraint=constraint, logprobs=logprobs is not None,
+                          top_logprobs=min(int(logprobs or 0), 20)),
             model=model if model is not None else self.model_path)
+        run.n_logprobs = None if logprobs is None else int(logprobs)
+        run.text_offset_base = len(prompt)
+        if logprobs is not None and echo:
+            raise _unsupported("logprobs with echo=True (the log-probabilities of the prompt's tokens)")
         if stream:
             return run.stream()
         text, finish_reason = run.whole()
@@ -325,7 +442,8 @@ class Llama:
             "object": "text_completion",
             "created": run.created,
             "model": run.model,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"text": text, "index": 0, "logprobs": run.logprobs_block(logprobs, echo),
+                         "finish_reason": finish_reason}],
             "usage": {"prompt_tokens": len(prompt_tokens), "completion_tokens": len(run.completion_tokens),
                       "total_tokens": len(prompt_tokens) + len(run.completion_tokens)},
         }
@@ -346,29 +464,39 @@ class Llama:
         """Chat with the model's own template: a `CreateChatCompletionResponse` dict, or with
         stream=True an iterator of `ChatCompletionChunk` dicts. The reply is the raw text, a
         <think> block included, as llama-cpp-python returns it."""
-        if response_format is not None and response_format.get("type") == "json_object":
-            raise _unsupported("response_format json_object (a grammar)")
         if functions is not None:
             tools = [{"type": "function", "function": f} for f in functions]
         if isinstance(function_call, dict) and "name" in function_call:
             tool_choice = {"type": "function", "function": {"name": function_call["name"]}}
-        if isinstance(tool_choice, dict) and tools is not None:
-            raise _unsupported("a forced tool_choice (a grammar)")
+        forced = None
+        if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
+            forced = None if tool_choice == "required" else (tool_choice.get("function") or {}).get("name")
+            constraint = {"type": "tool_call", "tools": tools, "name": forced}
+            forced = forced or ""
+        elif isinstance(response_format, dict) and response_format.get("type") == "json_object":
+            schema = response_format.get("schema")
+            constraint = {"type": "json_schema", "schema": schema} if schema is not None else {"type": "json_object"}
+        else:
+            constraint = _grammar_constraint(grammar)
         # the template's own defaults (thinking on), as llama-cpp-python renders it: it never sets
-        # enable_thinking, and the template adds the empty think block only when it is false
-        prompt = self._engine.render_chat(messages, tools=tools, enable_thinking=True)
+        # enable_thinking, and the template adds the empty think block only when it is false; a
+        # grammar in llama-cpp-python holds from the first token, so with a constraint the think
+        # block is closed in the prompt and the constrained text is the whole reply
+        prompt = self._engine.render_chat(messages, tools=tools, enable_thinking=constraint is None)
         prompt_tokens = self.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
         stops = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         eos = self.token_eos()
         if eos >= 0:
             stops.append(self._tokenizer.token_to_piece(eos, special=True).decode("utf-8", errors="ignore"))
-        out = self.create_completion(
-            prompt=prompt_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-            typical_p=typical_p, logprobs=top_logprobs if logprobs else None, stream=stream, stop=stops,
-            seed=seed, max_tokens=max_tokens, presence_penalty=presence_penalty,
-            frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
-            mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
-            logits_processor=logits_processor, grammar=grammar, logit_bias=logit_bias)
+        out = self._create_completion(
+            prompt_tokens, suffix=None, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+            typical_p=typical_p, logprobs=(top_logprobs or 0) if logprobs else None, echo=False, stream=stream,
+            stop=stops, seed=seed, max_tokens=max_tokens, presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, mirostat_mode=mirostat_mode,
+            model=model, stopping_criteria=None, logits_processor=logits_processor, constraint=constraint,
+            logit_bias=logit_bias)
+        if forced is not None:
+            return _chat_tool_call(out, tools, stream)
         if stream:
             return _chat_chunks(out)
         return {
@@ -378,7 +506,7 @@ class Llama:
             "model": out["model"],
             "choices": [{"index": 0,
                          "message": {"role": "assistant", "content": out["choices"][0]["text"]},
-                         "logprobs": None,
+                         "logprobs": _chat_logprobs(out["choices"][0]["logprobs"]),
                          "finish_reason": out["choices"][0]["finish_reason"]}],
             "usage": out["usage"],
         }
@@ -404,7 +532,127 @@ def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
                "object": "chat.completion.chunk",
                "choices": [{"index": 0,
                             "delta": {"content": chunk["choices"][0]["text"]} if finish is None else {},
-                            "logprobs": None, "finish_reason": finish}]}
+                            "logprobs": _chat_logprobs(chunk["choices"][0]["logprobs"]),
+                            "finish_reason": finish}]}
+
+
+def _chat_logprobs(block: dict | None) -> dict | None:
+    """A completion's logprobs -> the chat shape, as llama-cpp-python converts them."""
+    if block is None:
+        return None
+    return {"content": [{"token": token, "bytes": None, "logprob": lp,
+                         "top_logprobs": [{"token": t, "logprob": v, "bytes": None} for t, v in top.items()]}
+                        for token, lp, top in zip(block["tokens"], block["token_logprobs"], block["top_logprobs"])],
+            "refusal": None}
+
+
+def _chat_tool_call(out, tools: list[dict], stream: bool):
+    """A forced tool call's completion -> llama-cpp-python's function-call response: the call in
+    `tool_calls` and `function_call`, content None, finish_reason "tool_calls"."""
+    from openjet_plugin.parsing import parse_tool_calls
+
+    if stream:
+        chunks = list(out)
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        head = chunks[-1]
+    else:
+        text, head = out["choices"][0]["text"], out
+    _, calls, invalid = parse_tool_calls(text, tools)
+    if not calls:
+        why = invalid[0]["error"] if invalid else "no tool call in the reply"
+        raise RuntimeError(f"the forced tool call did not complete ({why}; finish_reason "
+                           f"{head['choices'][0]['finish_reason']!r}): raise max_tokens")
+    name, arguments = calls[0]["name"], json.dumps(calls[0]["arguments"], ensure_ascii=False)
+    call = {"id": f"call__0_{name}_{head['id']}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    if not stream:
+        return {"id": "chat" + out["id"], "object": "chat.completion", "created": out["created"],
+                "model": out["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": None,
+                                                     "function_call": {"name": name, "arguments": arguments},
+                                                     "tool_calls": [call]},
+                             "logprobs": _chat_logprobs(out["choices"][0]["logprobs"]), "finish_reason": "tool_calls"}],
+                "usage": out["usage"]}
+
+    def chunks_out():
+        base = {"id": "chat" + head["id"], "object": "chat.completion.chunk", "created": head["created"],
+                "model": head["model"]}
+        yield dict(base, choices=[{"index": 0, "finish_reason": None, "logprobs": None,
+                                   "delta": {"role": "assistant", "content": None, "function_call": None,
+                                             "tool_calls": None}}])
+        yield dict(base, choices=[{"index": 0, "finish_reason": None, "logprobs": None,
+                                   "delta": {"role": None, "content": None,
+                                             "function_call": {"name": name, "arguments": arguments},
+                                             "tool_calls": [dict(call, index=0)]}}])
+        yield dict(base, choices=[{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                                   "delta": {"role": None, "content": None, "function_call": None,
+                                             "tool_calls": None}}])
+    return chunks_out()
+
+
+def _no_logits(feature: str):
+    raise _unsupported(feature)
+
+
+def _real_llama_cpp():
+    """llama-cpp-python itself (also after `install()` took the name `llama_cpp`)."""
+    import llama_cpp
+
+    return getattr(llama_cpp, "__openjet_real__", llama_cpp)
+
+
+class LlamaTokenizer:
+    """llama-cpp-python's `LlamaTokenizer` interface on the drop-in's tokenizer."""
+
+    def __init__(self, llama: Llama):
+        self._llama = llama
+
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self._llama.tokenize(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, tokens: list[int], prev_tokens: list[int] | None = None, special: bool = False) -> bytes:
+        return self._llama.detokenize(tokens, prev_tokens=prev_tokens, special=special)
+
+    def encode(self, text: str, add_bos: bool = True, special: bool = True) -> list[int]:
+        return self.tokenize(text.encode("utf-8", errors="ignore"), add_bos=add_bos, special=special)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.detokenize(tokens).decode("utf-8", errors="ignore")
+
+
+def install() -> types.ModuleType:
+    """Make `import llama_cpp` give llama-cpp-python's module with this drop-in's `Llama`.
+
+    Every public name of llama-cpp-python's package stays (`LlamaGrammar`, `LlamaCache`,
+    `LlamaState`, `llama_types`, the low-level bindings, ...); its submodules (`llama_cpp.llama`,
+    `llama_cpp.llama_types`, ...) are llama-cpp-python's own. The real package is kept as the
+    module's `__openjet_real__`, which openjet's llama.cpp fallback backend uses. Returns the
+    installed module; installing twice is harmless. `uninstall()` undoes it.
+    """
+    current = sys.modules.get("llama_cpp")
+    if current is not None and getattr(current, "__openjet_real__", None) is not None:
+        return current
+    import importlib
+
+    real = importlib.import_module("llama_cpp")
+    for sub in ("llama", "llama_types", "llama_grammar", "llama_cache", "llama_tokenizer", "llama_chat_format"):
+        importlib.import_module("llama_cpp." + sub)          # loaded now, as the real package's
+    module = types.ModuleType("llama_cpp", real.__doc__)
+    module.__dict__.update({k: v for k, v in vars(real).items() if k not in ("__name__", "__doc__", "__loader__",
+                                                                             "__spec__")})
+    module.__spec__ = real.__spec__
+    module.__loader__ = real.__loader__
+    module.Llama = Llama
+    module.__openjet_real__ = real
+    sys.modules["llama_cpp"] = module
+    return module
+
+
+def uninstall() -> None:
+    """Give `import llama_cpp` back to llama-cpp-python."""
+    current = sys.modules.get("llama_cpp")
+    real = getattr(current, "__openjet_real__", None)
+    if real is not None:
+        sys.modules["llama_cpp"] = real
 
 
 class _Completion:
@@ -426,9 +674,34 @@ class _Completion:
         self.id = f"cmpl-{uuid.uuid4()}"
         self.created = int(time.time())
         self.completion_tokens: list[int] = []
+        self.token_logprobs: list = []          # the engine's TokenLogprob of each generated token
+        self.n_logprobs: int | None = None      # the request's `logprobs` (alternatives per token)
+        self.text_offset_base = 0               # llama-cpp-python's: len() of the prompt argument
 
     def _detok(self, tokens: list[int]) -> bytes:
         return self.llama.detokenize(tokens)
+
+    def logprobs_block(self, n: int | None, echo: bool, start: int = 0, end: int | None = None) -> dict | None:
+        """llama-cpp-python's `logprobs` of completion tokens [start, end): tokens (text), their
+        text offsets, log-probabilities and the `n` most likely alternatives (plus the token)."""
+        if n is None:
+            return None
+        if echo:
+            raise _unsupported("logprobs with echo=True (the log-probabilities of the prompt's tokens)")
+        toks = self.completion_tokens
+        end = len(toks) if end is None else end
+        out: dict[str, list] = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+        for i in range(start, min(end, len(self.token_logprobs))):
+            lp = self.token_logprobs[i]
+            text = self._detok([toks[i]]).decode("utf-8", errors="ignore")
+            out["tokens"].append(text)
+            out["text_offset"].append(self.text_offset_base + len(self._detok(toks[:i]).decode("utf-8", errors="ignore")))
+            out["token_logprobs"].append(float(lp.logprob))
+            top = {self._detok([t.token]).decode("utf-8", errors="ignore"): float(t.logprob)
+                   for t in lp.top_logprobs[:n]}
+            top[text] = float(lp.logprob)
+            out["top_logprobs"].append(top)
+        return out
 
     def _tokens(self) -> Iterator[int | str]:
         """Generated token ids, then the engine's finish reason as a string: "stop" for an
@@ -438,6 +711,8 @@ class _Completion:
         stream = eng.generate(self.prompt_tokens, max_tokens=room, stream=True, **self.sampling)
         try:
             for piece in stream:
+                if piece.logprobs:
+                    self.token_logprobs += piece.logprobs
                 yield from piece.tokens
                 if piece.finish_reason is not None:
                     yield piece.finish_reason
@@ -484,7 +759,7 @@ class _Completion:
             if self._streaming:
                 for piece, n in self._stream_pieces(self.completion_tokens[returned:]):
                     returned += n
-                    yield "text", piece
+                    yield "text", (piece, returned - n, returned)
             if len(self.completion_tokens) >= self.max_tokens:
                 text = self._detok(self.completion_tokens)
                 finish_reason = "length"
@@ -533,7 +808,8 @@ class _Completion:
         finish_reason = "length"
         for kind, value in self._steps():
             if kind == "text":
-                yield self._chunk(value, None)
+                text, start, end = value
+                yield self._chunk(text, None, self.logprobs_block(self.n_logprobs, False, start, end))
             else:
                 finish_reason = value[1]
         # the rest: the tokens not yet returned, cut at the first stop string
@@ -542,18 +818,20 @@ class _Completion:
         hits = [s for s in self.stops if s in remaining_text]
         end = min(remaining_text.index(s) for s in hits) if hits else len(remaining_text)
         position = 0
-        for token in remaining:
+        for k, token in enumerate(remaining):
             piece = self._detok([token])
             position += len(piece)
+            i = self._returned + k
+            lp = self.logprobs_block(self.n_logprobs, False, i, i + 1)
             if position >= end:
-                yield self._chunk(piece[:len(piece) - (position - end)].decode("utf-8", errors="ignore"), None)
+                yield self._chunk(piece[:len(piece) - (position - end)].decode("utf-8", errors="ignore"), None, lp)
                 break
-            yield self._chunk(piece.decode("utf-8", errors="ignore"), None)
+            yield self._chunk(piece.decode("utf-8", errors="ignore"), None, lp)
         yield self._chunk("", finish_reason)
 
-    def _chunk(self, text: str, finish_reason: str | None) -> dict:
+    def _chunk(self, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def _llama_cpp_metadata(metadata: dict) -> dict[str, str]:
@@ -573,4 +851,4 @@ def _llama_cpp_metadata(metadata: dict) -> dict[str, str]:
     return out
 
 
-__all__ = ["Llama", "LLAMA_DEFAULT_SEED"]
+__all__ = ["Llama", "LlamaTokenizer", "LLAMA_DEFAULT_SEED", "install", "uninstall"]

@@ -254,14 +254,14 @@ def test_unsupported_parameters_warn_and_features_raise(model_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Llama(model_path, n_ctx=64, n_gpu_layers=0, verbose=False).close()   # defaults: no warning
-    with pytest.raises(NotImplementedError, match="grammar"):
+    with pytest.raises(TypeError, match="grammar must be a llama_cpp.LlamaGrammar"):
         llm("x", grammar=object())
     with pytest.raises(NotImplementedError, match="logits_processor"):
         llm("x", logits_processor=[lambda ids, scores: scores])
     with pytest.raises(NotImplementedError, match="embeddings"):
         llm.create_embedding("x")
-    with pytest.raises(NotImplementedError, match="json_object"):
-        llm.create_chat_completion([{"role": "user", "content": "x"}], response_format={"type": "json_object"})
+    with pytest.raises(NotImplementedError, match="mirostat"):
+        llm.create_chat_completion([{"role": "user", "content": "x"}], mirostat_mode=2)
     with pytest.raises(ValueError, match="exceed context window"):
         llm("word " * 100)
     with pytest.raises(ValueError, match="does not exist"):

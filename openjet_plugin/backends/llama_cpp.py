@@ -110,6 +110,9 @@ class LlamaCppBackend:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - a dependency of the package
             raise BackendUnavailableError(f"llama-cpp-python is not installed ({exc})") from None
+        # after openjet's drop-in took the name (adapters/llama_cpp.install), `llama_cpp` is its
+        # module; llama-cpp-python itself is kept there
+        llama_cpp = getattr(llama_cpp, "__openjet_real__", llama_cpp)
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self._lib = llama_cpp
