@@ -8,13 +8,14 @@ backend; only the weights are set by hand, so that the whole path from a prompt 
 call runs as it would on a trained model.
 
 How the weights script a reply (shape: `tiny`; every residual branch writes zero except one):
-- Each reply is cut into tokens that all differ from each other, so that "the next token" is a
-  function of the current one: a bigram chain from the prompt's last token to <|im_end|>. The
-  markup of a tool call repeats "<" and "\n" more often than the vocabulary has distinct tokens
-  for them, so a reply is cut into lines (keeping their newline) and special tokens, and a line
-  that is not a token of the vocabulary takes the place of one of its rarest tokens (one that no
-  merge builds on; the merge that formed it is dropped, so the tokenizer never writes it and
-  prompts tokenize as before). The text still detokenizes to the reply exactly.
+- Each reply is cut into tokens that all differ from each other (over all replies), so that "the
+  next token" is a function of the current one: a bigram chain from the prompt's last token to
+  <|im_end|>. The markup of a tool call repeats "<" and "\n" more often than the vocabulary has
+  distinct tokens for them, so a reply is cut into lines or other pieces no other reply uses
+  (`_reply_tokens`), and a piece that is not a token of the vocabulary takes the place of one of
+  its rarest tokens (one that no merge builds
+  on; the merge that formed it is dropped, so the tokenizer never writes it and prompts tokenize
+  as before). The text still detokenizes to the reply exactly.
 - The output head's row of each next token is the current token's embedding (token half), one of
   mutually orthogonal +-1 rows (a Hadamard matrix), so the chain's token leads every other by
   ~20 nats.
@@ -116,26 +117,24 @@ class _Vocab:
                        if self.arrays.token_types[i] == bpe.TOKEN_NORMAL and self.arrays.tokens[i] not in parts]
         self.renamed: dict[int, str] = {}
 
-    def spell(self, piece: str, used: set[int]) -> list[int]:
-        """Distinct tokens, none in `used`, for `piece`: the token with its text, a new token with
-        its text when there is none (token texts must stay unique: llama.cpp refuses a vocabulary
-        with a text twice), else the piece cut in two and each half spelt alike."""
+    def claim(self, piece: str, used: set[int]) -> int | None:
+        """A token whose text is `piece` and not in `used` (added to it): the vocabulary's, or a
+        spare one renamed when no token has this text; None when the only ones are used (token
+        texts must stay unique: llama.cpp refuses a vocabulary with a text twice)."""
         data = piece.encode()
         have = [i for i, t in enumerate(self.texts) if t == data]
-        if have and have[0] not in used:
-            used.add(have[0])
-            return have[:1]
-        if not have:
-            i = next(i for i in self._spare if i not in used)
-            self._spare.remove(i)
-            self.renamed[i] = bpe.byte_encode(piece)
-            self.texts[i] = data
-            used.add(i)
-            return [i]
-        if len(piece) < 2:
-            raise ValueError(f"{piece!r} occurs more often in the scripted replies than the vocabulary can spell")
-        cut = len(piece) // 2
-        return self.spell(piece[:cut], used) + self.spell(piece[cut:], used)
+        if have:
+            free = [i for i in have if i not in used]
+            if not free:
+                return None
+            used.add(free[0])
+            return free[0]
+        i = next(i for i in self._spare if i not in used)
+        self._spare.remove(i)
+        self.renamed[i] = bpe.byte_encode(piece)
+        self.texts[i] = data
+        used.add(i)
+        return i
 
     def tokens_and_merges(self) -> tuple[list[str], list[str]]:
         tokens = list(self.arrays.tokens)
@@ -146,20 +145,30 @@ class _Vocab:
         return tokens, merges
 
 
+# llama-cpp-python's detokenize reads each token into a 32-byte buffer (a longer one comes out empty)
+MAX_TOKEN_BYTES = 32
+
+
 def _reply_tokens(reply: str, vocab: _Vocab, used: set[int]) -> list[int]:
-    """Distinct tokens spelling `reply`: its special tokens, and each line (with its newline) a
-    token of its own, from the vocabulary or given a spare one (`_Vocab.spell`)."""
-    specials = sorted((k for k, i in vocab.special.items() if vocab.texts[i]), key=len, reverse=True)
-    pieces = [p for p in re.split("(" + "|".join(map(re.escape, specials)) + r"|[^\n]*\n)", reply) if p]
+    """Distinct tokens spelling `reply`, none in `used` (added to it): from each position, the rest
+    of the line (with its newline) when that text is free, else the longest free text that fits a
+    token (MAX_TOKEN_BYTES), shorter ones after that."""
     out: list[int] = []
-    for piece in pieces:
-        if piece in vocab.special:
-            if vocab.special[piece] in used:
-                raise ValueError(f"the special token {piece!r} occurs twice in the scripted replies")
-            used.add(vocab.special[piece])
-            out.append(vocab.special[piece])
+    pos = 0
+    while pos < len(reply):
+        line_end = reply.find("\n", pos) + 1 or len(reply)
+        ends = [line_end] + list(range(len(reply), pos, -1))
+        for end in ends:
+            piece = reply[pos:end]
+            if len(piece.encode()) > MAX_TOKEN_BYTES:
+                continue
+            tok = vocab.claim(piece, used)
+            if tok is not None:
+                out.append(tok)
+                pos = end
+                break
         else:
-            out += vocab.spell(piece, used)
+            raise ValueError(f"no free token spells {reply[pos:pos + 10]!r}... of {reply!r}")
     return out
 
 
