@@ -30,8 +30,6 @@ import numpy as np
 
 log = logging.getLogger("openjet_plugin")
 
-_NEG_INF_BITS = np.array(-np.inf, dtype=np.float32).view(np.int32)
-
 KINDS = ("json_schema", "json_object", "lark", "gbnf", "regex", "tool_call")
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -346,7 +344,6 @@ class GrammarState:
         # per consumed token: (tokens the matcher took, reasoning bytes it added, it closed </think>)
         self._log: list[tuple[int, int, bool]] = []
         self._mask_bits = np.empty((compiler.n_vocab + 31) // 32, dtype=np.uint32)
-        self._select = np.empty(compiler.n_vocab, dtype=np.int32)
 
     @property
     def active(self) -> bool:
@@ -373,17 +370,15 @@ class GrammarState:
                 return logits
         x = np.ascontiguousarray(logits, dtype=np.float32)
         n = min(len(x), len(allowed))
-        # select by bit operations, not by a boolean index: a mask of scattered tokens (any
-        # string of a JSON value bars every token with a newline or a quote) costs a boolean
-        # select ~5x more in mispredicted branches; this costs the same for every mask
-        sel = self._select[:n]
-        np.negative(allowed[:n].view(np.int8), out=sel, casting="unsafe")    # 0 or -1 (all bits)
+        # min(x, +inf) = x where allowed, min(x, -inf) = -inf elsewhere: four branch-free passes.
+        # A boolean select costs ~5x more on a scattered mask (a JSON string bars every token with
+        # a newline or a quote) in mispredicted branches.
         out = np.full(len(x), -np.inf, dtype=np.float32)
-        bits = out.view(np.int32)
-        np.bitwise_and(x[:n].view(np.int32), sel, out=bits[:n])
-        np.invert(sel, out=sel)
-        np.bitwise_and(sel, _NEG_INF_BITS, out=sel)
-        np.bitwise_or(bits[:n], sel, out=bits[:n])
+        lim = out[:n]
+        np.copyto(lim, allowed[:n].view(np.uint8), casting="unsafe")
+        lim -= 0.5
+        lim *= np.inf
+        np.minimum(x[:n], lim, out=lim)
         return out
 
     def consume(self, token: int) -> None:

@@ -43,6 +43,18 @@ def test_main_writes_the_row_and_its_info(tmp_path):
     assert unit == "µs" and set(required) == set(row["params"]) and not higher
 
 
+def test_a_padded_vocabulary_falls_back_to_the_standin(tmp_path):
+    from openjet_plugin.defaults import default_model_path
+    from openjet_plugin.testing.synth import synth_vocab_only
+
+    padded = synth_vocab_only(tmp_path / "q27b-vocab.gguf", preset="q27b")   # 4K real + 244K UNUSED
+    comp, _, source = constraint.compiler_for(str(padded), 6000)
+    assert source == f"stand-in ({padded} is mostly padding)" and comp.n_vocab == 6000
+    real = default_model_path()                                             # 4K real tokens
+    comp, _, source = constraint.compiler_for(str(real), 6000)
+    assert source == str(real) and comp.n_vocab == 6000 > 4096
+
+
 def test_the_row_is_planned_and_measured_by_a_group():
     rows, _ = runner.plan(runner.Settings())
     assert runner.CONSTRAINT_ROW in rows

@@ -7,10 +7,13 @@ strings, an integer, an enum array and a nested object) written token by token; 
 one new request (a fresh GrammarState, as every request gets) and is its mean step time in µs.
 A decode step of the 27B is ~10 ms: the target is under 5 % of it (500 µs).
 
-The vocabulary: `--vocab GGUF` reads a real one (e.g. llama.cpp's models/ggml-vocab-qwen35.gguf,
-the 248,320 tokens Qwen3.5 ships); without it, a stand-in of the same size is built from the
-default model's 4K real tokens and pairs of them (the synthetic q27b pads its vocabulary with
-UNUSED rows, which no grammar ever allows, so it would time an empty trie).
+The vocabulary: `--vocab GGUF` reads the bench's model's (a real Qwen3.5 GGUF, or llama.cpp's
+models/ggml-vocab-qwen35.gguf: the 248,320 tokens Qwen3.5 ships). Where that vocabulary is mostly
+UNUSED padding (the synthetic q27b: 4K real tokens, which no grammar would time fairly: padding is
+never allowed) or no --vocab is given, a stand-in of the same size is built from the default
+model's 4K real tokens and pairs of them. The stand-in is the harder case: its tokens come from
+Python source, so a JSON string's mask (no newline, no quote) is scattered over the whole
+vocabulary.
 Writes JSON lines: {"metric", "params", "samples"} and {"info"}.
 """
 
@@ -87,9 +90,11 @@ def compiler_for(vocab_path: str | None, n_vocab: int = Q27B_VOCAB):
     from openjet_plugin.constraints import ConstraintCompiler
 
     if vocab_path:
-        from openjet_plugin.tokenizer import TOKEN_CONTROL, Tokenizer
+        from openjet_plugin.tokenizer import TOKEN_CONTROL, TOKEN_NORMAL, Tokenizer
 
         tok = Tokenizer.from_gguf(vocab_path)
+        if sum(ty == TOKEN_NORMAL for ty in tok.token_types) < tok.n_vocab // 2:
+            return compiler_for(None, n_vocab)[:2] + (f"stand-in ({vocab_path} is mostly padding)",)
         eog = [i for i, (t, ty) in enumerate(zip(tok.tokens, tok.token_types))
                if ty == TOKEN_CONTROL and t in ("<|im_end|>", "<|endoftext|>")] or [tok.eos_id]
         comp = ConstraintCompiler.from_tokenizer(tok, eog, max(n_vocab, tok.n_vocab))

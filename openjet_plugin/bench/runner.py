@@ -119,6 +119,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
         rows += [("decode_tps", eng, {"depth": d}) for d in s.depths]
         rows += [("verify_ms", eng, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
         rows += prefill_rows(s, eng)
+    rows += [("projection_gbps", OURS, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
     rows += [("peak_mem_gb", eng, {"max_depth": max(s.depths)}) for eng in (OURS, PEER)]
     rows += [("fallback_decode_tps", PEER, {"depth": 0})]
     rows += [CONSTRAINT_ROW]
@@ -186,7 +187,7 @@ def group_card(run: Run) -> None:
 
 
 # info keys whose values are dicts the child adds to row by row (kept, not replaced)
-MERGED_INFO = ("spec_details",)
+MERGED_INFO = ("spec_details", "phase_tables")
 
 
 def _run_child(run: Run, tag: str, cmd: list[str], rows: list[tuple[str, str, dict]]) -> set[str]:
@@ -235,7 +236,8 @@ def _run_child(run: Run, tag: str, cmd: list[str], rows: list[tuple[str, str, di
 
 def group_ours(run: Run) -> None:
     s = run.settings
-    verify = [p for p in s.verify_positions if not run.store.has("verify_ms", OURS, {"positions": p, "depth": s.verify_depth})]
+    verify = [p for p in s.verify_positions
+              if not all(run.store.has(m, OURS, {"positions": p, "depth": s.verify_depth}) for m in ("verify_ms", "projection_gbps"))]
     depths = [d for d in s.depths if not run.store.has("decode_tps", OURS, {"depth": d})]
     spec = [(a, d) for a in s.acceptances for d in s.drafts if not run.store.has("spec_tps", OURS, spec_params(s, a, d))]
     mtp = [d for d in s.drafts if not run.store.has("spec_mtp_tps", OURS, spec_mtp_params(s, d))]
@@ -243,7 +245,7 @@ def group_ours(run: Run) -> None:
     if not verify and not depths and not spec and not mtp and run.store.has(*peak_row):
         return
     from ..backends.native import MAX_POSITIONS
-    n_ctx = max([s.verify_depth + MAX_POSITIONS * (s.reps + 2)]
+    n_ctx = max([s.verify_depth + 2 * MAX_POSITIONS * (s.reps + 2)]
                 + [d + (s.reps + 1) * s.decode_tokens + 64 for d in s.depths]
                 + [s.spec_depth + s.decode_tokens + max(s.drafts) + 64])
     cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model),
@@ -252,7 +254,7 @@ def group_ours(run: Run) -> None:
            "--spec", ",".join(f"{a}:{d}" for a, d in spec), "--spec-mtp", ",".join(map(str, mtp)),
            "--spec-depth", str(s.spec_depth), "--spec-tokens", str(s.decode_tokens),
            "--reps", str(s.reps), "--n-ctx", str(n_ctx)]
-    rows = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in verify]
+    rows = ([(m, OURS, {"positions": p, "depth": s.verify_depth}) for p in verify for m in ("verify_ms", "projection_gbps")]
             + [("decode_tps", OURS, {"depth": d}) for d in depths]
             + [("spec_tps", OURS, spec_params(s, a, d)) for a, d in spec]
             + [("spec_mtp_tps", OURS, spec_mtp_params(s, d)) for d in mtp])
@@ -410,7 +412,7 @@ def group_constraint(run: Run) -> None:
     out = run.cache / f"constraint-{run.session}.jsonl"
     log_path = run.cache / f"constraint-{run.session}.log"
     cmd = [sys.executable, "-m", "openjet_plugin.bench.constraint", "--reps", str(run.settings.reps),
-           "--out", str(out)]
+           "--vocab", str(run.model), "--out", str(out)]
     run.log("openjet constraint: mask cost per token, 248K vocabulary, on the CPU")
     with open(log_path, "a") as log:
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=run.timeout()).returncode
@@ -433,7 +435,8 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
     """(name, seconds it needs at least, its rows, function) in the order they run."""
     s = run.settings
     card = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
-    ours = ([("verify_ms", OURS, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions]
+    ours = ([(m, OURS, {"positions": p, "depth": s.verify_depth}) for p in s.verify_positions
+             for m in ("verify_ms", "projection_gbps")]
             + [("decode_tps", OURS, {"depth": d}) for d in s.depths] + [("peak_mem_gb", OURS, {"max_depth": max(s.depths)})]
             + spec_rows(s))
     pdec = [("decode_tps", PEER, {"depth": d}) for d in s.depths] + [("peak_mem_gb", PEER, {"max_depth": max(s.depths)})]
