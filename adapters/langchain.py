@@ -224,6 +224,9 @@ def _template_messages(messages: Sequence[BaseMessage]) -> list[dict]:
             out.append({"role": m.role, "content": text_of(m.content)})
         else:
             raise ValueError(f"unsupported message type {type(m).__name__}")
+    # Qwen's templates take one system message, first: consecutive ones at the start become one
+    while len(out) > 1 and out[0]["role"] == out[1]["role"] == "system":
+        out[0:2] = [{"role": "system", "content": out[0]["content"] + "\n\n" + out[1]["content"]}]
     return out
 
 

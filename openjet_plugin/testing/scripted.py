@@ -180,14 +180,17 @@ def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, afte
 
 
 def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
-                   scripts: Sequence[tuple[str, str]], *, start_token_text: str = "\n\n",
+                   scripts: Sequence[tuple[str | bytes, str | tuple[str, str]]], *, start_token_text: str = "\n\n",
                    force: bool = False) -> pathlib.Path:
     """Write a scripted model to `out_path`.
 
     Greedy decoding after the Qwen3.5 template's generation prompt (thinking off: it ends in
     "</think>\n\n", whose last token is `start_token_text`) writes, then <|im_end|>:
     the reply of the last (marker, reply) in `scripts` whose marker token is in the prompt, or
-    `default_reply` when none is. A marker is the text of one token of the vocabulary.
+    `default_reply` when none is. A marker is the text (or the bytes: a byte of a UTF-8
+    character) of one token of the vocabulary. A reply (after, text) is `text` following the
+    token whose text is `after`, for a reply whose start a constraint forces (JSON's
+    '{"key": "'): the weights chain from the forced prefix's last token.
     """
     out = pathlib.Path(out_path)
     if out.exists() and not force:
@@ -199,7 +202,8 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
     end = vocab.special[END]
     markers = []
     for marker, _ in scripts:
-        ids = [i for i, b in enumerate(vocab.texts) if b == marker.encode()]
+        data = marker if isinstance(marker, bytes) else marker.encode()
+        ids = [i for i, b in enumerate(vocab.texts) if b == data]
         if marker in vocab.special:
             ids = [vocab.special[marker]]
         if not ids:
@@ -209,8 +213,13 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
         raise ValueError("two scripts have the same marker")
     used = {start, end, *markers}
     default = _reply_tokens(default_reply, vocab, used)
-    replies = [_reply_tokens(reply, vocab, used) for _, reply in scripts]
-    chain_tokens = [start] + default + [tok for r in replies for tok in r]
+    # a reply (after, text) continues after the token `after`, which a constraint forces (the
+    # engine's grammar allows only the canonical tokens of forced text, whatever the weights say)
+    afters = [None if isinstance(reply, str) else vocab.claim(reply[0], used) for _, reply in scripts]
+    if None in [a for a, (_, r) in zip(afters, scripts) if not isinstance(r, str)]:
+        raise ValueError("a reply's `after` token is a token of another reply")
+    replies = [_reply_tokens(reply if isinstance(reply, str) else reply[1], vocab, used) for _, reply in scripts]
+    chain_tokens = [start] + default + [a for a in afters if a is not None] + [tok for r in replies for tok in r]
     n_scripts = len(scripts)
     if len(chain_tokens) > t - 1:
         raise ValueError(f"the replies take {len(chain_tokens)} tokens; at most {t - 1} fit this shape")
@@ -268,7 +277,7 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
     # to its script's
     head = arrays["output.weight"]
     head[...] = 0.0
-    for prev, chain in [(start, default)] + [(None, r) for r in replies]:
+    for prev, chain in [(start, default)] + list(zip(afters, replies)):
         for cur, nxt in zip([prev] + chain, chain + [end]):
             if cur is not None:
                 head[nxt, :t] += emb[cur, :t] * np.float32(CHAIN_GAIN / t)
