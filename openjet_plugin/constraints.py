@@ -195,12 +195,16 @@ def _is_string_only(schema: Any) -> bool:
     return "type" not in schema and isinstance(vals, list) and vals and all(isinstance(v, str) for v in vals)
 
 
+_DEFS = ("$defs", "definitions")     # where JSON Schema (pydantic too) keeps shared definitions
+
+
 def _xml_call_rules(i: int, name: str, params: dict) -> list[str]:
     """Rules for one call in Qwen3.5's XML form: parameters in the schema's order, the required
     ones always, the others optional; strings verbatim, other values as JSON (parsing.py reads
     them back the same way)."""
     props = params.get("properties") or {}
     required = set(params.get("required") or ())
+    defs = {k: params[k] for k in _DEFS if k in params}
     parts, rules = [], []
     for j, (key, sub) in enumerate(props.items()):
         rule = f"c{i}_p{j}"
@@ -212,6 +216,8 @@ def _xml_call_rules(i: int, name: str, params: dict) -> list[str]:
         else:
             sub = dict(sub) if isinstance(sub, dict) else {}
             sub.setdefault("x-guidance", JSON_OPTIONS)
+            for k, v in defs.items():          # "#/$defs/..." resolves from each value's schema
+                sub.setdefault(k, v)
             rules.append(f"{rule}: {head} %json {json.dumps(sub)} "
                          f"{_lark_str(_PARAM_END)}")
         parts.append(rule if key in required else f"{rule}?")
@@ -222,9 +228,12 @@ def _xml_call_rules(i: int, name: str, params: dict) -> list[str]:
 
 
 def _json_call_rules(i: int, name: str, params: dict) -> list[str]:
-    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+    args = {k: v for k, v in params.items() if k not in _DEFS}
+    call = {"type": "object", "properties": {"name": {"const": name}, "arguments": args},
             "required": ["name", "arguments"], "additionalProperties": False,
-            "x-guidance": JSON_OPTIONS}
+            "x-guidance": JSON_OPTIONS,
+            # definitions at the root, where the parameters' "#/$defs/..." references look
+            **{k: params[k] for k in _DEFS if k in params}}
     return [f"call{i}: {_lark_str('<tool_call>' + chr(10))} %json {json.dumps(call)} "
             f"{_lark_str(chr(10) + '</tool_call>')}"]
 

@@ -404,3 +404,28 @@ def test_engine_speculative_logprobs_on_the_native_bookkeeping_equal_plain(fake_
     finally:
         plain.close()
         spec.close()
+
+
+def test_forced_tool_call_with_schema_definitions(engine):
+    """pydantic writes nested models as "$ref": "#/$defs/..." at the parameters' root."""
+    params = {"type": "object", "$defs": {"Unit": {"type": "string", "enum": ["c", "f"]},
+                                          "Place": {"type": "object", "properties": {
+                                              "city": {"type": "string", "maxLength": 10},
+                                              "unit": {"$ref": "#/$defs/Unit"}},
+                                              "required": ["city", "unit"], "additionalProperties": False}},
+              "properties": {"where": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/$defs/Unit"}},
+              "required": ["where", "unit"]}
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": params}}]
+    tok = Tokenizer.from_gguf(engine.model_path)
+    saved = engine._constraints
+    try:
+        for fmt in ("json", "qwen_xml"):
+            engine._constraints = ConstraintCompiler.from_tokenizer(tok, engine.eog_tokens, engine.n_vocab, fmt)
+            for s in range(4):
+                r = _ask(engine, "Where?", tools=tools, constraint=Constraint.tool_call(tools, "lookup"),
+                         max_tokens=80, seed=s)
+                _, calls, invalid = parse_tool_calls(r.text, tools)
+                assert not invalid and len(calls) == 1, (fmt, r.text)
+                jsonschema.validate(calls[0]["arguments"], params)
+    finally:
+        engine._constraints = saved
