@@ -259,6 +259,26 @@ class ToolCallEvent:
     error: str | None = None
 
 
+def openai_tool_call_deltas(events: Iterable[ToolCallEvent], named: set[int]) -> list[dict]:
+    """ToolCallEvents -> OpenAI chat-completion stream deltas (`choices[0].delta.tool_calls`):
+    a call's first delta carries its index, id, type and name (arguments ""), later ones its
+    index and an arguments piece; events of one call in one batch share a delta. A malformed call
+    has no OpenAI form: its name delta (if sent) is followed by nothing, and the caller reports it
+    as it reports content. `named`: indices whose first delta went out (kept across a stream)."""
+    out: dict[int, dict] = {}
+    for e in events:
+        if e.kind == "invalid":
+            continue
+        delta = out.setdefault(e.index, {"index": e.index, "function": {}})
+        if e.index not in named:
+            named.add(e.index)
+            delta.update(id=e.id, type="function")
+            delta["function"] = {"name": e.name, "arguments": ""}
+        if e.kind == "arguments":
+            delta["function"]["arguments"] = delta["function"].get("arguments", "") + e.arguments
+    return list(out.values())
+
+
 def _held_prefix(text: str, marker: str) -> int:
     """Length of the longest tail of `text` that is a proper prefix of `marker`."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):

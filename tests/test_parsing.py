@@ -246,3 +246,28 @@ def test_streamer_agrees_with_the_whole_parse_at_any_cuts(seed):
         finals = [e for e in events if e.kind != "name"]
         assert sorted(e.id for e in finals) == sorted(c["id"] for c in st.calls + st.invalid)
         assert len(finals) == len(calls) + len(invalid)
+
+
+def test_openai_deltas_add_up_to_the_calls():
+    from openjet_plugin.parsing import openai_tool_call_deltas
+
+    text = XML_CALL + '<tool_call>{"name": "g", "arguments": {"x": 1}}</tool_call><tool_call>\n<function=h>\nbad'
+    st = ToolCallStreamer(tools=[WEATHER])
+    named: set[int] = set()
+    deltas = []
+    for i in range(0, len(text), 9):
+        deltas += openai_tool_call_deltas(st.feed(text[i:i + 9])[1], named)
+    deltas += openai_tool_call_deltas(st.finish()[1], named)
+    # what the openai client's stream accumulator does: first delta per index opens the call
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if d["index"] not in calls:
+            assert d["type"] == "function" and d["id"].startswith("call_") and d["function"]["name"]
+            calls[d["index"]] = {"id": d["id"], "name": d["function"]["name"], "arguments": ""}
+        else:
+            assert "id" not in d and "name" not in d["function"]
+        calls[d["index"]]["arguments"] += d["function"].get("arguments", "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values() if c["arguments"]] == [
+        ("get_weather", {"city": "New York", "days": 3}), ("g", {"x": 1})]
+    assert calls[2] == {"id": st.invalid[0]["id"], "name": "h", "arguments": ""}   # malformed: named only
+    assert [c["id"] for c in list(calls.values())[:2]] == [c["id"] for c in st.calls]
