@@ -502,3 +502,20 @@ def test_token_counts_from_the_models_tokenizer_and_template(engine):
                             include_system=True, start_on="human")
     assert trimmed[0] == history[0] and trimmed[-1] == history[-1] and len(trimmed) < len(history)
     assert chat.get_num_tokens_from_messages(trimmed) <= 30
+
+
+@pytest.mark.parametrize("piece", [1, 6, 1000])
+def test_reasoning_then_xml_call_as_qwen35_writes_it(scripted, piece):
+    """Qwen3.5's template opens <think> in the prompt; the reply is "R</think>\\n\\n" then the call."""
+    s = scripted("I should add.\n</think>\n\n" + XML_ADD, piece=piece)
+    real_render = s.render_chat
+    s.render_chat = lambda *a, **k: real_render(*a, **k) + ("<think>\n" if k.get("enable_thinking") else "")
+    chat = ChatOpenJet(enable_thinking=True).bind_tools([_adder_tool()])
+    msg = chat.invoke("1 + 2?")
+    assert msg.additional_kwargs["reasoning_content"] == "I should add."
+    assert msg.content == "" and [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 1, "b": 2})]
+    chunks = list(chat.stream("1 + 2?"))
+    assert "".join(c.additional_kwargs.get("reasoning_content", "") for c in chunks) == "I should add."
+    full = _collect(iter(chunks))
+    assert full.content == "" and [(c["name"], c["args"]) for c in full.tool_calls] == [("add", {"a": 1, "b": 2})]
+    assert full.tool_calls[0]["id"] and full.invalid_tool_calls == []
