@@ -1,10 +1,13 @@
-"""A small tool-using agent loop on LangChain's chat-model interface, without LangGraph.
+"""A small tool-using agent on LangChain's chat-model interface: a plain loop, or LangGraph's
+ReAct agent (--langgraph).
 
     python examples/langchain_agent.py                       # the embedded default model
     python examples/langchain_agent.py --model /models/qwen3.8-27b-q4_k_m.gguf --thinking
+    python examples/langchain_agent.py --model /models/qwen3.8-27b-q4_k_m.gguf --langgraph
 
-The model sees the tools in its chat template; each <tool_call> it writes is run and its result
-goes back as a ToolMessage, until it answers without calling a tool (or --max-steps is reached).
+The model sees the tools in its chat template; each tool call it writes (Qwen3.5's
+`<tool_call><function=...>` form or the JSON form of older Qwens) is run and its result goes back
+as a ToolMessage, until it answers without calling a tool (or --max-steps is reached).
 The embedded default model has random weights: it answers gibberish and rarely calls a tool, but
 every step below runs for real.
 """
@@ -78,6 +81,24 @@ def run_agent(chat: ChatOpenJet, question: str, max_steps: int) -> str:
     return messages[-1].text if hasattr(messages[-1], "text") else ""
 
 
+def run_langgraph(chat: ChatOpenJet, question: str, max_steps: int) -> str:
+    """The same agent as LangGraph's prebuilt ReAct graph: model -> tools -> model ... -> answer."""
+    import warnings
+
+    from langgraph.prebuilt import create_react_agent
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # LangGraph 1.0 points to langchain.agents.create_agent
+        agent = create_react_agent(chat, list(TOOLS.values()),
+                                   prompt="You are a careful assistant. Use the tools for arithmetic.")
+    # each step is a model call or a tool call: two graph steps per round trip, one for the answer
+    state = agent.invoke({"messages": [HumanMessage(question)]}, {"recursion_limit": 2 * max_steps + 1})
+    for m in state["messages"][1:]:
+        calls = [f"{c['name']}({c['args']})" for c in getattr(m, "tool_calls", [])]
+        print(f"{type(m).__name__}: {m.text[:120]!r}" + (f" calls {', '.join(calls)}" if calls else ""))
+    return state["messages"][-1].text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF path (default: the embedded model)")
@@ -85,11 +106,12 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--thinking", action="store_true", help="let the model think first")
+    ap.add_argument("--langgraph", action="store_true", help="run LangGraph's ReAct agent instead of the loop")
     args = ap.parse_args()
 
     chat = ChatOpenJet(model=args.model, temperature=0, max_tokens=args.max_tokens,
                        enable_thinking=args.thinking)
-    answer = run_agent(chat, args.question, args.max_steps)
+    answer = (run_langgraph if args.langgraph else run_agent)(chat, args.question, args.max_steps)
     print(f"answer: {answer!r}")
 
 

@@ -73,3 +73,22 @@ def test_langgraph_react_agent_round_trip(scripted_model, stream):
     assert result.tool_call_id == call_msg.tool_calls[0]["id"]
     assert final.content == ANSWER and final.tool_calls == []
     assert final.response_metadata["finish_reason"] == "stop"
+
+
+def test_the_examples_langgraph_agent_on_the_scripted_model(tmp_path, capsys):
+    """examples/langchain_agent.py --langgraph: its calculator round trip on a model that calls it."""
+    import importlib.util
+    from pathlib import Path
+
+    from openjet_plugin.testing.scripted import scripted_tool_model
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "langchain_agent.py"
+    spec = importlib.util.spec_from_file_location("langchain_agent_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = scripted_tool_model(tmp_path / "calc.gguf", "<tool_call>\n<function=calculator>\n<parameter=expression>\n"
+                                "(3 + 4) * 12\n</parameter>\n</function>\n</tool_call>", "It is 84.")
+    chat = ChatOpenJet(model=str(model), backend="llama.cpp", temperature=0, max_tokens=64)
+    assert example.run_langgraph(chat, "What is (3 + 4) * 12?", max_steps=3) == "It is 84."
+    out = capsys.readouterr().out
+    assert "calls calculator({'expression': '(3 + 4) * 12'})" in out and "ToolMessage: '84'" in out
