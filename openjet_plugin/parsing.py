@@ -158,9 +158,9 @@ def _xml_call(body: str, schemas: dict[str, dict]) -> tuple[str, dict]:
     name = head.group(1).strip()
     if not name:
         raise MalformedToolCall("the tool call's <function=> has no name")
-    if not text.endswith(FUNCTION_CLOSE):
-        raise MalformedToolCall(f"the tool call for {name!r} has no closing {FUNCTION_CLOSE}", name)
-    inner = text[head.end():len(text) - len(FUNCTION_CLOSE)]
+    # a missing </function> before </tool_call> is a slip, not doubt about the call: read it
+    end = len(text) - len(FUNCTION_CLOSE) if text.endswith(FUNCTION_CLOSE) else len(text)
+    inner = text[head.end():end]
     props = (schemas.get(name) or {}).get("properties") or {}
     args: dict[str, Any] = {}
     pos = 0

@@ -129,7 +129,6 @@ def test_several_calls_both_forms_and_reasoning():
 
 
 @pytest.mark.parametrize("body,error", [
-    ("<function=f>\n<parameter=a>\n1\n</parameter>\n", "no closing </function>"),
     ("<function=f>\n<parameter=a>\n1\n</function>", "unclosed <parameter=>"),
     ("<function=>\n</function>", "has no name"),
     ("<function=f>\nstray text\n</function>", "text outside its parameters"),
@@ -141,6 +140,11 @@ def test_malformed_xml_calls_are_invalid_with_a_reason(body, error):
     assert calls == [] and content == ""
     assert len(invalid) == 1 and error in invalid[0]["error"]
     assert invalid[0]["arguments"] == body.strip()
+
+
+def test_missing_function_close_is_read():
+    _, calls, invalid = parse_tool_calls("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</tool_call>")
+    assert invalid == [] and [(c["name"], c["arguments"]) for c in calls] == [("f", {"a": 1})]
 
 
 def test_unclosed_xml_call_keeps_its_name():
