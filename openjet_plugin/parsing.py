@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Literal
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -212,9 +212,13 @@ def _json_call(body: str) -> tuple[str, dict]:
 def parse_tool_call_body(body: str, tools: Iterable[dict] | None = None) -> tuple[str, dict]:
     """(name, arguments) of the text inside one <tool_call> block, in either form; raises
     MalformedToolCall saying what is wrong."""
+    return _call_of(body, tool_schemas(tools))
+
+
+def _call_of(body: str, schemas: dict[str, dict]) -> tuple[str, dict]:
     stripped = body.strip()
     if stripped.startswith(FUNCTION_OPEN):
-        return _xml_call(stripped, tool_schemas(tools))
+        return _xml_call(stripped, schemas)
     if stripped.startswith("{"):
         return _json_call(stripped)
     raise MalformedToolCall("the tool call is neither <function=NAME>...</function> nor a JSON object")
@@ -287,7 +291,6 @@ def _held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-@dataclass
 class ToolCallStreamer:
     """Reply text (after the reasoning) in, content deltas and tool-call events out.
 
@@ -296,21 +299,21 @@ class ToolCallStreamer:
     whole (leading and trailing whitespace is held back until more text or the end decides); a
     tail that could begin "<tool_call>" waits for the next piece. Within a block the name event
     goes out as soon as `<function=NAME>` (XML form) is read, the arguments when the block closes.
+    `calls` and `invalid` collect the parsed calls as `parse_tool_calls` returns them.
     """
 
-    tools: list[dict] | None = None
-    content: str = ""                      # content so far (stripped at the front, not yet at the end)
-    calls: list[dict] = field(default_factory=list)
-    invalid: list[dict] = field(default_factory=list)
-    _buf: str = ""                         # text not yet decided
-    _sent: str = ""                        # content handed out
-    _in_call: bool = False
-    _index: int = 0
-    _named: bool = False
-    _id: str = ""
-
-    def __post_init__(self):
-        self._schemas = tool_schemas(self.tools)
+    def __init__(self, tools: list[dict] | None = None):
+        self.tools = tools
+        self.content = ""                  # the text outside the blocks so far, as written
+        self.calls: list[dict] = []
+        self.invalid: list[dict] = []
+        self._schemas = tool_schemas(tools)
+        self._buf = ""                     # text not yet decided
+        self._sent = ""                    # content handed out
+        self._in_call = False
+        self._index = 0                    # the current (or next) call's index
+        self._named = False                # the current call's name event went out
+        self._id = ""
 
     def feed(self, text: str) -> tuple[str, list[ToolCallEvent]]:
         self._buf += text
@@ -352,7 +355,7 @@ class ToolCallStreamer:
         index, call_id = self._index, self._id
         self._in_call, self._index = False, self._index + 1
         try:
-            name, args = parse_tool_call_body(body, self.tools)
+            name, args = _call_of(body, self._schemas)
             if not closed:
                 raise MalformedToolCall("the tool call block was never closed", name)
         except MalformedToolCall as exc:
