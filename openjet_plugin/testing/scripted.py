@@ -1,5 +1,7 @@
-"""A generated qwen35 GGUF whose weights are scripted to write given replies (greedy decoding): an
-agent's tool call first, then an answer once a tool result is in the context.
+"""A generated qwen35 GGUF whose weights are scripted to write given replies (greedy decoding),
+each chosen by a marker token in the prompt: an agent's tool call first, then an answer once a
+tool result is in the context (`scripted_tool_model`), or a reply per test prompt
+(`scripted_model`, used by LangChain's standard tests).
 
 A random-weight model never writes a tool call; a trained one cannot be fetched here. This file
 is a real model all the same: the engine loads it, renders the real chat template (Qwen3.5's, in
@@ -13,9 +15,11 @@ How the weights script a reply (shape: `tiny`; every residual branch writes zero
   <|im_end|>. The markup of a tool call repeats "<" and "\n" more often than the vocabulary has
   distinct tokens for them, so a reply is cut into lines or other pieces no other reply uses
   (`_reply_tokens`), and a piece that is not a token of the vocabulary takes the place of one of
-  its rarest tokens (one that no merge builds
-  on; the merge that formed it is dropped, so the tokenizer never writes it and prompts tokenize
-  as before). The text still detokenizes to the reply exactly.
+  its rarest tokens (one that no merge builds on; the merge that formed it is dropped, so the
+  tokenizer never writes it and prompts tokenize as before). The text still detokenizes to the
+  reply exactly. Under a constraint the engine's grammar admits only the canonical tokens of
+  text it forces (JSON's '{"key": "'): such a reply is scripted to continue after the forced
+  prefix's last token.
 - The output head's row of each next token is the current token's embedding (token half), one of
   mutually orthogonal +-1 rows (a Hadamard matrix), so the chain's token leads every other by
   ~20 nats.
