@@ -74,6 +74,7 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 LLAMA_SPLIT_MODE_LAYER = 1
 LLAMA_ROPE_SCALING_TYPE_UNSPECIFIED = -1
 LLAMA_POOLING_TYPE_UNSPECIFIED = -1
+LLAMA_POOLING_TYPE_NONE = 0
 LLAMA_ATTENTION_TYPE_UNSPECIFIED = -1
 _GGML_TYPE_TO_KV = {1: "f16", 8: "q8_0"}            # GGML_TYPE_F16, GGML_TYPE_Q8_0
 
@@ -202,6 +203,15 @@ class Llama:
         self.metadata: dict[str, str] = _llama_cpp_metadata(self._engine.metadata)
         self.n_tokens = 0
         self.input_ids: np.ndarray = np.zeros((self._engine.n_ctx,), dtype=np.intc)
+        # the constructor's settings, as llama-cpp-python keeps them (most are not used here)
+        self.cache = None
+        self.draft_model, self.kv_overrides, self.numa, self.spm_infill = draft_model, kv_overrides, numa, spm_infill
+        self.lora_base, self.lora_path, self.lora_scale = lora_base, lora_path, lora_scale
+        self.last_n_tokens_size, self.tensor_split = last_n_tokens_size, tensor_split
+        self.n_batch = min(n_ctx, n_batch)
+        self.n_threads = n_threads or max(1, (os.cpu_count() or 2) // 2)
+        self.n_threads_batch = n_threads_batch or (os.cpu_count() or 1)
+        self.tokenizer_ = LlamaTokenizer(self)
 
     # --- model facts ------------------------------------------------------------------------------
     def n_ctx(self) -> int:
@@ -336,7 +346,7 @@ class Llama:
             self.n_tokens = n
 
     def pooling_type(self) -> int:
-        return LLAMA_POOLING_TYPE_UNSPECIFIED
+        return LLAMA_POOLING_TYPE_NONE          # a generative model's context: no pooling
 
     # llama.cpp's own objects and the logits llama-cpp-python keeps: the engine has neither
     scores = property(lambda self: _no_logits("scores (the logits of every evaluated position)"))
@@ -676,6 +686,7 @@ class _Completion:
         self.completion_tokens: list[int] = []
         self.token_logprobs: list = []          # the engine's TokenLogprob of each generated token
         self.n_logprobs: int | None = None      # the request's `logprobs` (alternatives per token)
+        self._end_of_generation = False
         self.text_offset_base = 0               # llama-cpp-python's: len() of the prompt argument
 
     def _detok(self, tokens: list[int]) -> bytes:
@@ -715,6 +726,7 @@ class _Completion:
                     self.token_logprobs += piece.logprobs
                 yield from piece.tokens
                 if piece.finish_reason is not None:
+                    self._end_of_generation = piece.finish_reason == "stop"
                     yield piece.finish_reason
                     return
         finally:
@@ -722,7 +734,11 @@ class _Completion:
             self._remember()
 
     def _remember(self) -> None:
+        # as llama-cpp-python counts them: every token evaluated, so all but the last completion
+        # token unless an end-of-generation token (evaluated after it) ended the completion
         history = self.prompt_tokens + self.completion_tokens
+        if self.completion_tokens and not self._end_of_generation:
+            history = history[:-1]
         n = min(len(history), len(self.llama.input_ids))
         self.llama.input_ids[:n] = history[:n]
         self.llama.n_tokens = n
