@@ -23,6 +23,8 @@ parsing.format_tool_call renders them, so parsing.parse_tool_calls reads them ba
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -328,6 +330,19 @@ class ConstraintCompiler:
         return GrammarState(self, self.grammar(constraint), thinking)
 
 
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _mask_pool():
+    """Worker threads for prefetched masks (one request uses one at a time)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="openjet-mask")
+        return _POOL
+
+
 def prompt_opens_think(prompt_text: str) -> bool:
     """True when the prompt ends inside a <think> block (the model reasons first)."""
     return prompt_text.rfind(THINK_OPEN) > prompt_text.rfind(THINK_CLOSE)
@@ -351,20 +366,39 @@ class GrammarState:
         # per consumed token: (tokens the matcher took, reasoning bytes it added, it closed </think>)
         self._log: list[tuple[int, int, bool]] = []
         self._mask_bits = np.empty((compiler.n_vocab + 31) // 32, dtype=np.uint32)
+        self._pending = None                   # a prefetch() in flight (concurrent.futures.Future)
 
     @property
     def active(self) -> bool:
         """The grammar decides the next token (reasoning is over or there was none)."""
         return not self.thinking
 
+    def prefetch(self) -> None:
+        """Start computing the next mask on a worker thread (llguidance releases the GIL), so
+        that it runs while the model evaluates the token just consumed; allowed() collects it.
+        Anything else that touches the grammar waits for it first."""
+        if not self.thinking and self._pending is None:
+            self._pending = _mask_pool().submit(self._compute_mask)
+
+    def _compute_mask(self) -> None:
+        self.matcher.unsafe_compute_mask_ptr(self._mask_bits.ctypes.data, self._mask_bits.nbytes)
+
+    def _settle(self) -> bool:
+        """Wait for a prefetched mask; True if there was one."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return False
+        pending.result()
+        return True
+
     def allowed(self) -> np.ndarray | None:
         """bool[n_vocab] of the tokens allowed next; None while reasoning (all are)."""
         if self.thinking:
             return None
-        m = self.matcher
-        m.unsafe_compute_mask_ptr(self._mask_bits.ctypes.data, self._mask_bits.nbytes)
-        if m.is_error():
-            raise RuntimeError(f"constraint: grammar state failed: {m.get_error()}")
+        if not self._settle():
+            self._compute_mask()
+        if self.matcher.is_error():
+            raise RuntimeError(f"constraint: grammar state failed: {self.matcher.get_error()}")
         bits = np.unpackbits(self._mask_bits.view(np.uint8), bitorder="little")
         return bits[:self.c.n_vocab].view(bool)
 
@@ -389,6 +423,7 @@ class GrammarState:
         return out
 
     def consume(self, token: int) -> None:
+        self._settle()
         token = int(token)
         if not self.thinking:
             if not self.matcher.consume_token(token):
@@ -418,6 +453,7 @@ class GrammarState:
     def try_consume(self, token: int) -> bool:
         """consume(token) if the grammar allows it (True), else nothing changes (False): a draft
         the grammar forbids ends the drafts."""
+        self._settle()
         if not self.thinking:
             if self.matcher.try_consume_tokens([int(token)]) != 1:
                 return False
@@ -435,6 +471,7 @@ class GrammarState:
 
     def rollback(self, n: int) -> None:
         """Forget the last n consumed tokens."""
+        self._settle()
         if not 0 <= n <= len(self._log):
             raise ValueError(f"rollback of {n} tokens, but {len(self._log)} were consumed")
         for _ in range(n):
@@ -449,4 +486,5 @@ class GrammarState:
     @property
     def finished(self) -> bool:
         """The grammar allows nothing but the end of the reply."""
+        self._settle()
         return not self.thinking and self.matcher.is_stopped()

@@ -513,6 +513,7 @@ class Engine:
                     break
                 if grammar is not None and spec is None:
                     grammar.consume(tok)
+                    grammar.prefetch()          # the next mask, while the model evaluates tok
                 generated.append(tok)
                 history.append(tok)
                 unreported.append(tok)

@@ -122,10 +122,14 @@ class NativeSpeculator:
         """Up to `depth` drafts after `token`. With a grammar (a constraint's GrammarState, left
         after `token`), each draft is drawn under the mask of its position and consumed; the
         drafts end at the first one the grammar forbids (it could never be accepted). masks gets
-        the mask after token and after each draft (None while the grammar is not active)."""
-        if masks is not None:
-            masks.append(grammar.allowed())
+        the mask after token and after each draft (None while the grammar is not active); each
+        one is computed while the GPU makes the next draft (GrammarState.prefetch), the last
+        one, after the last draft, while it verifies (cycle collects it)."""
+        if grammar is not None:
+            grammar.prefetch()
         if self.oracle is not None:
+            if grammar is not None:
+                masks.append(grammar.allowed())
             drafts, qs = self.oracle.propose(pos, token, None, history, depth, params, rng)
             drafts = [int(t) for t in drafts][:depth]
             if grammar is not None:
@@ -144,7 +148,10 @@ class NativeSpeculator:
         hist = list(history)
         for i in range(depth):
             top = self.b.draft_first(token) if i == 0 else self.b.draft_next(drafts[-1], pos + i)
-            allowed = masks[-1] if masks is not None else None
+            allowed = None
+            if grammar is not None:
+                masks.append(grammar.allowed())        # after token + drafts[:i]
+                allowed = masks[-1]
             if allowed is not None:
                 x = self.b.draft_logits(-1)
                 x = np.where(allowed[ids] if ids is not None else allowed[:len(x)], x, -np.inf)
@@ -167,7 +174,7 @@ class NativeSpeculator:
             if grammar is not None:
                 if not grammar.try_consume(int(tok)):
                     break
-                masks.append(grammar.allowed())
+                grammar.prefetch()
             drafts.append(int(tok))
             qs.append(q)
             hist.append(int(tok))
@@ -201,11 +208,13 @@ class NativeSpeculator:
             drafts, qs = self._drafts(int(token), pos, depth, history, params, rng, grammar, masks)
         else:
             drafts, qs = [], []
-            if masks is not None:
-                masks.append(grammar.allowed())
+            if grammar is not None:
+                grammar.prefetch()
         depth = len(drafts)                            # an oracle or the grammar may end them early
         tokens = [int(token)] + drafts
         b.verify(tokens)
+        if masks is not None and len(masks) == depth:
+            masks.append(grammar.allowed())            # after the last draft, computed meanwhile
         rows = _LazyRows(b, len(tokens))
         if (params.greedy and not params.has_penalties and not params.logit_bias
                 and grammar is None):

@@ -207,6 +207,25 @@ def test_grammar_state_masks_consumes_and_rolls_back():
         g.consume(TOY_PIECES.index(b"z"))
 
 
+def test_prefetched_masks_are_the_masks():
+    comp = toy_compiler()
+    c = Constraint.json_schema(SMALL)
+    a, b = comp.state(c), comp.state(c)
+    text = _toy_encode(b'{"a": 42, "b": true}')
+    for t in text:
+        b.prefetch()
+        np.testing.assert_array_equal(b.allowed(), a.allowed())
+        b.prefetch()                            # in flight while the grammar moves on: discarded
+        a.consume(t)
+        b.consume(t)
+    b.prefetch()
+    b.rollback(3)
+    a.rollback(3)
+    np.testing.assert_array_equal(b.allowed(), a.allowed())
+    b.prefetch()
+    assert not b.finished and b.try_consume(text[-3])
+
+
 def test_text_after_think_in_the_same_token_starts_the_grammar():
     pieces = TOY_VOCAB + [b"</think>no"]
     c = ConstraintCompiler(pieces, [TOY_EOS], [TOY_EOS], len(pieces), _toy_encode)
