@@ -448,3 +448,47 @@ def test_forced_tool_call_with_schema_definitions(engine):
                 jsonschema.validate(calls[0]["arguments"], params)
     finally:
         engine._constraints = saved
+
+
+@pytest.mark.parametrize("fmt", ["json", "qwen_xml"])
+def test_tool_call_grammar_accepts_exactly_what_the_parser_formats(engine, fmt):
+    """The grammar of a forced call and parsing.format_tool_call (what the templates render for
+    a past call) agree: every valid call's text is a sentence, an invalid one is not."""
+    from openjet_plugin.parsing import format_tool_call
+
+    tok = Tokenizer.from_gguf(engine.model_path)
+    comp = ConstraintCompiler.from_tokenizer(tok, engine.eog_tokens, engine.n_vocab, fmt)
+    c = Constraint.tool_call(WEATHER, None)
+
+    def accepts(text: str) -> bool:
+        g = comp.state(c)
+        ids = tok.encode(text, parse_special=False)
+        return all(g.try_consume(t) for t in ids) and bool(g.allowed()[min(engine.eog_tokens)])
+
+    good = [("get_weather", {"city": "Paris", "days": 3}),
+            ("get_weather", {"city": "Rome\nItaly", "unit": "celsius", "days": 7}),
+            ("get_weather", {"city": "", "days": 1}),
+            ("ping", {})]
+    bad = [("get_weather", {"city": "Paris", "days": 9}),               # above maximum
+           ("get_weather", {"days": 3}),                                # city required
+           ("get_weather", {"city": "Paris", "days": 3, "x": 1}),       # unknown parameter
+           ("get_weather", {"city": "Paris", "unit": "kelvin", "days": 2}),
+           ("nope", {})]
+    for name, args in good:
+        assert accepts(format_tool_call(name, args, fmt)), (name, args)
+    for name, args in bad:
+        assert not accepts(format_tool_call(name, args, fmt)), (name, args)
+
+
+def test_qwen35_template_gives_the_xml_form_and_opens_reasoning():
+    from importlib.resources import files
+
+    from openjet_plugin import chat_template
+    from openjet_plugin.constraints import prompt_opens_think
+    from openjet_plugin.parsing import tool_call_format
+
+    src = (files("openjet_plugin") / "data" / "qwen35_chat_template.jinja").read_text()
+    assert tool_call_format(src) == "qwen_xml"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert prompt_opens_think(chat_template.render(src, msgs, tools=WEATHER, enable_thinking=True))
+    assert not prompt_opens_think(chat_template.render(src, msgs, tools=WEATHER, enable_thinking=False))
