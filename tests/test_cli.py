@@ -113,10 +113,11 @@ def test_info_prints_the_description(model, capsys):
 def test_doctor_says_which_backend_auto_picks_and_why(model, capsys):
     assert cli.main(["doctor", "--model", str(model)]) == 0
     out = capsys.readouterr().out
-    for row in ("python", "platform", "GPU", "CUDA toolkit", "native backend", "backend=auto picks"):
+    for row in ("python", "platform", "GPU", "CUDA toolkit", "cpu: llama.cpp uses", "llama.cpp runs here",
+                "native backend", "backend=auto runs"):
         assert row in out
-    picks = [line for line in out.splitlines() if line.startswith("backend=auto picks")][0]
-    assert "llama.cpp (" in picks or "native (" in picks
+    runs = [line for line in out.splitlines() if line.startswith("backend=auto runs")][0]
+    assert "llama.cpp on the " in runs or "native on the GPU (" in runs
 
 
 def test_chat_reads_lines_until_exit(model):
