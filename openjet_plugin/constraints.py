@@ -320,9 +320,9 @@ class ConstraintCompiler:
                 g = llg.grammar_from(k, constraint.text)
         except ValueError as exc:
             raise ValueError(f"constraint: invalid {what}: {exc}") from None
-        err = llg.LLMatcher.validate_grammar(g, self.tokenizer)
-        if err:
-            raise ValueError(f"constraint: invalid {what}: {err.strip()}")
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(g, self.tokenizer)
+        if is_error:
+            raise ValueError(f"constraint: invalid {what}: {messages[0].strip()}")
         self._grammars[constraint] = g
         return g
 
