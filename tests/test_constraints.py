@@ -387,6 +387,7 @@ def fake_native(monkeypatch):
 
 @pytest.mark.parametrize("depth", [1, 3])
 def test_engine_constrained_speculation_on_the_native_bookkeeping_equals_plain(fake_native, engine, depth):
+    import test_native_bookkeeping as nb
     plain, spec = _fake_native_engine(engine, 0), _fake_native_engine(engine, depth)
     try:
         for c, check in [(Constraint.json_schema(PERSON), lambda t: jsonschema.validate(json.loads(t), PERSON)),
@@ -401,6 +402,7 @@ def test_engine_constrained_speculation_on_the_native_bookkeeping_equals_plain(f
                 check(got.text)
                 assert got.stats.drafts_proposed > 0
         assert fake_native[-1].hist == spec._tokens
+        nb._rows_in_step(fake_native[-1], spec._backend)      # every MTP row from the right hidden
         # sampled: every reply valid
         for seed in range(5):
             r = spec.chat([{"role": "user", "content": "x"}], constraint=Constraint.json_schema(PERSON),
