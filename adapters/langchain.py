@@ -366,7 +366,10 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
         The count is a sum over the messages, each measured as the template renders it after a
         user turn (minus that turn), so that it adds up over any slice of a conversation, as
         `trim_messages` needs (it counts slices, even reversed ones, which a template that checks
-        the order of turns would refuse to render as a whole).
+        the order of turns would refuse to render as a whole). It is exact for templates that
+        render a turn the same wherever it stands (the default model's); Qwen3.5's writes an empty
+        think block only in turns after the last question, so earlier assistant turns count a few
+        tokens more than they take (a count that errs high, which trimming tolerates).
         """
         eng = self._engine_for(None)
 
