@@ -137,16 +137,20 @@ int32_t oj_memory(const oj_engine *engine, oj_memory_report *out) {
     return OJ_OK;
 }
 
-int32_t oj_persistent_info(const oj_engine *engine, int32_t *active, char *why, int32_t why_capacity) {
-    if (!engine || !active) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or active is NULL");
-    *active = oj::persistent_active(engine->e) ? 1 : 0;
-    if (why && why_capacity > 0) {
-        const std::string w = oj::persistent_why(engine->e);
-        const size_t k = std::min<size_t>(w.size(), (size_t)why_capacity - 1);
-        std::memcpy(why, w.data(), k);
-        why[k] = '\0';
-    }
-    return OJ_OK;
+int32_t oj_profile(oj_engine *engine, int32_t on) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    if (on != 0 && on != 1) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "oj_profile: on must be 0 or 1, got " + std::to_string(on));
+    return guarded(engine, [&] { oj::engine_profile(engine->e, on == 1); });
+}
+
+int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
+                        double *span_ms) {
+    if (!engine || !n_phases) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or n_phases is NULL");
+    return guarded(engine, [&] {
+        int p = 0;
+        *n_phases = oj::engine_profile_read(engine->e, out, capacity, &p, span_ms);
+        if (passes) *passes = p;
+    });
 }
 
 int32_t oj_reset(oj_engine *engine) {

@@ -1,5 +1,5 @@
-// attention_common.cuh: pieces of gated attention shared by attention.cu's kernels and the
-// persistent kernel (persistent.cu): the IMROPE angle, a warp max, the q8_0 store of one block, and
+// attention_common.cuh: pieces of gated attention shared by attention.cu's and
+// attention_prefill.cu's kernels: the IMROPE angle, a warp max, the q8_0 store of one block, and
 // the chunked split-K scan of decode attention (chunked_scan and its row helpers).
 #pragma once
 
@@ -156,8 +156,7 @@ struct ChunkRows {
 // on the scores), C dots, one butterfly for the C warp sums, one online-softmax step for the chunk
 // (its max, one correction of l and acc), C weighted V rows added. Positions of the last chunk at or
 // past `end` load nothing and score -inf (weight 0); the chunk's first position is always < end, so
-// m_new is finite. attention_partial_chunked_kernel (STEP = its 4 warps) and the persistent kernel's
-// partial phase (its 8) run it. q: the lane's PER query values; kb / vb (ksb / vsb for q8_0) the KV
+// m_new is finite. attention_partial_chunked_kernel runs it (STEP = its 4 warps). q: the lane's PER query values; kb / vb (ksb / vsb for q8_0) the KV
 // head's rows at the lane's offset.
 template <int D, bool Q8, int C, int STEP>
 __device__ __forceinline__ void chunked_scan(const float (&q)[D / 32], const RowBits<Q8 ? D / 32 : D / 16> *kb,

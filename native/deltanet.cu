@@ -29,6 +29,7 @@
 
 #include "deltanet_chunked.cuh"
 #include "deltanet_step.cuh"
+#include "pdl.cuh"
 #include "engine.cuh"
 #include "reduce.cuh"
 
@@ -40,6 +41,8 @@ template <int KERNEL>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
                                      float *__restrict__ state, float *__restrict__ out, int C, bool commit) {
+    pdl_launch_dependents();
+    pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit);
 }
@@ -47,6 +50,8 @@ __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_
 // grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output.
 __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int n_key_heads,
                                         float eps, float q_scale) {
+    pdl_launch_dependents();
+    pdl_wait();
     const int t = blockIdx.x, hh = blockIdx.y, S = blockDim.x;
     float *p = conv_out + (int64_t)t * C + (int64_t)hh * S;
     const float v = p[threadIdx.x];
@@ -66,6 +71,8 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
                            float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
                            int n_key_heads, int n_v_heads, bool commit) {
+    pdl_launch_dependents();
+    pdl_wait();
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
                       n_key_heads, n_v_heads, commit);
@@ -74,6 +81,8 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
 // grid (n, n_v_heads), block d_state: o = rms_norm(o) * ssm_norm * silu(z), in place.
 __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *__restrict__ z,
                                            const float *__restrict__ w, float eps) {
+    pdl_launch_dependents();
+    pdl_wait();
     const int S = blockDim.x, i = threadIdx.x;
     const int64_t off = ((int64_t)blockIdx.x * gridDim.y + blockIdx.y) * S + i;
     const float v = o[off];
@@ -88,23 +97,22 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = 128, blocks = (C + threads - 1) / threads;
+    cudaError_t e = cudaSuccess;
     switch (d.hp.ssm_conv_kernel) {
-        case 2: deltanet_conv_kernel<2><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
-        case 3: deltanet_conv_kernel<3><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
-        case 4: deltanet_conv_kernel<4><<<blocks, threads, 0, st>>>(replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
+        case 2: e = launch(deltanet_conv_kernel<2>, blocks, threads, 0, st, replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
+        case 3: e = launch(deltanet_conv_kernel<3>, blocks, threads, 0, st, replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
+        case 4: e = launch(deltanet_conv_kernel<4>, blocks, threads, 0, st, replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
     }
-    check_launch("deltanet_conv");
-    if (n > 0) {
-        deltanet_qk_norm_kernel<<<dim3(n, 2 * Hk), S, 0, st>>>(cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S));
-        check_launch("deltanet_qk_norm");
-    }
+    check_cuda(e, "deltanet_conv");
+    if (n > 0)
+        check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
+                   "deltanet_qk_norm");
     if (!recurrence) return;
     const dim3 grid(Hv, S / 4);
-#define OJ_RECURRENCE(SS)                                                                                       \
-    deltanet_recurrence_kernel<SS><<<grid, 128, 0, st>>>(replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, \
-                                                         cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a, L.ssm_state,  \
-                                                         dn_out, C, key_dim, Hk, Hv, commit)
+#define OJ_RECURRENCE(SS)                                                                                         \
+    e = launch(deltanet_recurrence_kernel<SS>, grid, 128, 0, st, replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, \
+               cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a, L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit)
     switch (S) {
         case 32: OJ_RECURRENCE(32); break;
         case 64: OJ_RECURRENCE(64); break;
@@ -112,7 +120,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.state_size must be 32, 64 or 128");
     }
 #undef OJ_RECURRENCE
-    check_launch("deltanet_recurrence");
+    check_cuda(e, "deltanet_recurrence");
 }
 
 }  // namespace
@@ -120,9 +128,9 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st) {
     conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st);
-    deltanet_gated_norm_kernel<<<dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st>>>(s.dn_out, s.z, L.ssm_norm,
-                                                                                       d.hp.rms_eps);
-    check_launch("deltanet_gated_norm");
+    check_cuda(launch(deltanet_gated_norm_kernel, dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st, s.dn_out, s.z,
+                      L.ssm_norm, d.hp.rms_eps),
+               "deltanet_gated_norm");
 }
 
 // The chunked recurrence (deltanet_chunked.cuh) is the default since its first GPU run (7.2x the

@@ -1,7 +1,5 @@
 // deltanet_step.cuh: one delta-rule step and one state row's recurrence, shared by deltanet.cu's
-// kernels and the persistent kernel (persistent.cu). The math: deltanet.cu's header. The inputs
-// carry no __restrict__: in the persistent kernel they were written earlier in the same launch,
-// which the read-only (non-coherent) load path must not be used for.
+// kernels and tools/deltanet_chunked_bench.cu (its reference). The math: deltanet.cu's header.
 #pragma once
 
 #include "reduce.cuh"
@@ -96,7 +94,7 @@ __device__ __forceinline__ float delta_step(float (&s)[R], const StepIn<R> &in, 
 
 // State row j of value head h, one warp (lane = its lane): replays the accepted positions of the
 // previous evaluation into the state (written back), then runs this evaluation's positions for their
-// outputs only. deltanet_recurrence_kernel (deltanet.cu) and the persistent kernel (persistent.cu).
+// outputs only (deltanet_recurrence_kernel, deltanet.cu).
 template <int S>
 __device__ __forceinline__ void recurrence_row(int h, int j, int lane, const float *replay_conv,
                                                const float *replay_beta, const float *replay_alpha,

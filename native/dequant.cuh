@@ -1,6 +1,5 @@
 // dequant.cuh: scalar access to weights in the device layout (quant_blocks.cuh): the Q6_K byte
-// rule, one fp16 from bytes, one value of a matrix (the embedding lookup of matvec.cu and of the
-// persistent kernel, persistent.cu).
+// rule, one fp16 from bytes, one value of a matrix (the embedding lookup of matvec.cu).
 #pragma once
 
 #include "engine.cuh"

@@ -2,6 +2,7 @@
 #include <cfloat>
 
 #include "engine.cuh"
+#include "pdl.cuh"
 #include "reduce.cuh"
 
 namespace oj {
@@ -11,6 +12,8 @@ namespace {
 // y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w   (ggml_rms_norm, then build_norm's weight).
 __global__ void rms_norm_kernel(const float *__restrict__ x, const float *__restrict__ w,
                                 float *__restrict__ y, int width, float eps, int y_stride) {
+    pdl_launch_dependents();
+    pdl_wait();
     const float *xr = x + (int64_t)blockIdx.x * width;
     float *yr = y + (int64_t)blockIdx.x * y_stride;
     float ss = 0.0f;
@@ -22,6 +25,8 @@ __global__ void rms_norm_kernel(const float *__restrict__ x, const float *__rest
 
 // gate = silu(gate) * up (LLM_FFN_SILU with LLM_FFN_PAR).
 __global__ void swiglu_kernel(float *__restrict__ gate, const float *__restrict__ up, int64_t count) {
+    pdl_launch_dependents();
+    pdl_wait();
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < count;
          i += (int64_t)gridDim.x * blockDim.x)
         gate[i] = silu(gate[i]) * up[i];
@@ -29,6 +34,8 @@ __global__ void swiglu_kernel(float *__restrict__ gate, const float *__restrict_
 
 // First index of the largest value of each row (numpy's argmax tie rule); NaN never wins.
 __global__ void argmax_kernel(const float *__restrict__ x, int32_t *__restrict__ out, int width) {
+    pdl_launch_dependents();
+    pdl_wait();
     const float *xr = x + (int64_t)blockIdx.x * width;
     float best = -FLT_MAX;
     int idx = 0x7fffffff;
@@ -42,11 +49,14 @@ __global__ void argmax_kernel(const float *__restrict__ x, int32_t *__restrict__
     if (threadIdx.x == 0) out[blockIdx.x] = i == 0x7fffffff ? 0 : i;
 }
 
-// Reads through an address no allocation covers: the test of how a kernel fault surfaces.
+// out[i] = ids[out[i]]: the restricted draft head's argmax rows back to token ids.
 __global__ void map_ids_kernel(int32_t *__restrict__ out, const int32_t *__restrict__ ids, int n) {
+    pdl_launch_dependents();
+    pdl_wait();
     if (threadIdx.x < n) out[threadIdx.x] = ids[out[threadIdx.x]];
 }
 
+// Reads through an address no allocation covers: the test of how a kernel fault surfaces.
 __global__ void fault_probe_kernel(int32_t *out) {
     const int32_t *bad = reinterpret_cast<const int32_t *>(uintptr_t(0x10));
     out[0] = bad[threadIdx.x];
@@ -56,24 +66,20 @@ __global__ void fault_probe_kernel(int32_t *out) {
 
 void rms_norm(const float *x, const float *w, float *y, int n, int width, float eps, int y_stride,
               cudaStream_t st) {
-    rms_norm_kernel<<<n, 256, 0, st>>>(x, w, y, width, eps, y_stride);
-    check_launch("rms_norm");
+    check_cuda(launch(rms_norm_kernel, n, 256, 0, st, x, w, y, width, eps, y_stride), "rms_norm");
 }
 
 void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st) {
     const int blocks = (int)((count + 255) / 256);
-    swiglu_kernel<<<blocks, 256, 0, st>>>(gate_inout, up, count);
-    check_launch("swiglu");
+    check_cuda(launch(swiglu_kernel, blocks, 256, 0, st, gate_inout, up, count), "swiglu");
 }
 
 void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st) {
-    argmax_kernel<<<n, 1024, 0, st>>>(x, out, width);
-    check_launch("argmax");
+    check_cuda(launch(argmax_kernel, n, 1024, 0, st, x, out, width), "argmax");
 }
 
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st) {
-    map_ids_kernel<<<1, 32, 0, st>>>(out, ids, n);
-    check_launch("map_ids");
+    check_cuda(launch(map_ids_kernel, 1, 32, 0, st, out, ids, n), "map_ids");
 }
 
 void fault_probe(int32_t *out, cudaStream_t st) {

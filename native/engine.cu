@@ -5,6 +5,7 @@
 #include <unordered_map>
 
 #include "engine.cuh"
+#include "pdl.cuh"
 
 namespace oj {
 
@@ -33,6 +34,8 @@ void *Engine::alloc(size_t bytes, uint64_t &counter) {
 }
 
 void Engine::release_all() {
+    for (cudaEvent_t ev : prof.events) cudaEventDestroy(ev);
+    prof.events.clear();
     for (void *p : allocations) cudaFree(p);
     allocations.clear();
     if (stream) cudaStreamDestroy(stream);
@@ -40,6 +43,58 @@ void Engine::release_all() {
 }
 
 namespace {
+
+// The phases of a verify pass (oj_profile), in pass order; a layer's phases repeat per layer.
+enum Phase {
+    PH_EMBED, PH_NORM, PH_DN_PROJ, PH_DN_MIX, PH_DN_OUT, PH_AT_PROJ, PH_AT_CORE, PH_AT_OUT,
+    PH_FFN_UP, PH_SWIGLU, PH_FFN_DOWN, PH_HEAD, PH_ARGMAX, PH_COUNT
+};
+const char *const PHASE_NAMES[PH_COUNT] = {
+    "embedding", "norms", "deltanet projections", "deltanet conv+recurrence", "deltanet ssm_out",
+    "attention q/k/v", "attention core", "attention output", "ffn gate+up", "swiglu", "ffn down", "head", "argmax"};
+static_assert((int)PH_COUNT <= (int)OJ_MAX_PHASES, "oj_phase rows");
+
+uint64_t weight_bytes(const Matrix &w) { return w.present() ? device_layout_bytes(w.type, w.K, w.M) : 0; }
+
+// An event on the stream where phase `ph` begins (-1: the pass ends) in a profiled verify.
+void stamp(Engine &e, int ph, uint64_t bytes = 0) {
+    Profile &p = e.prof;
+    if (!p.active) return;
+    if (p.used == (int)p.events.size()) {
+        cudaEvent_t ev;
+        check_cuda(cudaEventCreate(&ev), "oj_profile: cudaEventCreate");
+        p.events.push_back(ev);
+        p.phase.push_back(0);
+        p.launches.push_back(0);
+        p.bytes.push_back(0);
+    }
+    check_cuda(cudaEventRecord(p.events[p.used], e.stream), "oj_profile: cudaEventRecord");
+    p.phase[p.used] = ph;
+    p.launches[p.used] = g_launches;
+    p.bytes[p.used] = bytes;
+    ++p.used;
+}
+
+// After the pass's stream has finished: its events into the totals.
+void collect(Engine &e) {
+    Profile &p = e.prof;
+    for (int i = 0; i + 1 < p.used; ++i) {
+        float ms = 0.0f;
+        check_cuda(cudaEventElapsedTime(&ms, p.events[i], p.events[i + 1]), "oj_profile: cudaEventElapsedTime");
+        Profile::Total &t = p.total[p.phase[i]];
+        t.ms += ms;
+        t.calls += 1;
+        t.launches += (int64_t)(p.launches[i + 1] - p.launches[i]);
+        t.bytes += p.bytes[i];
+    }
+    if (p.used > 1) {
+        float ms = 0.0f;
+        check_cuda(cudaEventElapsedTime(&ms, p.events[0], p.events[p.used - 1]), "oj_profile: cudaEventElapsedTime");
+        p.span_ms += ms;
+        ++p.passes;
+    }
+    p.used = 0;
+}
 
 bool is_float_type(int t) { return t == TYPE_F32 || t == TYPE_F16 || t == TYPE_BF16; }
 bool is_supported_type(int t) {
@@ -320,11 +375,15 @@ void alloc_scratch(Engine &e) {
 void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;
+    stamp(e, PH_NORM);
     rms_norm(s.x, L.post_norm, s.xn, n, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
     const Matrix *w[] = {&L.ffn_gate, &L.ffn_up};
     float *const y[] = {s.ffn_gate, s.ffn_up};
+    stamp(e, PH_FFN_UP, weight_bytes(L.ffn_gate) + weight_bytes(L.ffn_up));
     matvec_group(w, y, 2, s.xn, n, e.stream);
+    stamp(e, PH_SWIGLU);
     swiglu(s.ffn_gate, s.ffn_up, (int64_t)n * d.hp.n_ff, e.stream);
+    stamp(e, PH_FFN_DOWN, weight_bytes(L.ffn_down));
     matvec(L.ffn_down, s.ffn_gate, s.x, n, true, e.stream);
 }
 
@@ -333,8 +392,13 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
+    stamp(e, PH_AT_PROJ, weight_bytes(L.wq) + weight_bytes(L.wk) + weight_bytes(L.wv));
     matvec_group(w, y, 3, s.xn, n, e.stream);
+    // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
+    const uint64_t kv = (uint64_t)(pos0 + n) * e.dims.kv_dim() * 2;
+    stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
     attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream);
+    stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
 
@@ -344,8 +408,13 @@ void deltanet_layer(Engine &e, Layer &L, int n) {
     const RingSlot &r = L.ring[e.slot];
     const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
     float *const y[] = {r.qkv, s.z, r.beta, r.alpha};
+    stamp(e, PH_DN_PROJ, weight_bytes(L.wqkv) + weight_bytes(L.wgate) + weight_bytes(L.wbeta) + weight_bytes(L.walpha));
     matvec_group(w, y, 4, s.xn, n, e.stream);
+    // the recurrent and conv state, read and written once
+    const ModelDims &d = e.dims;
+    stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
     deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream);
+    stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     matvec(L.wssm_out, s.dn_out, s.x, n, true, e.stream);
 }
 
@@ -418,7 +487,6 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
     // cudaMemcpy from pageable memory may return before its DMA lands, and the engine's stream does
     // not wait for the legacy default stream: finish every upload before the first kernel.
     check_cuda(cudaDeviceSynchronize(), "upload weights");
-    persistent_init(e);
     engine_reset(e);
 }
 
@@ -445,14 +513,7 @@ void engine_reset(Engine &e) {
 
 namespace {
 
-// oj_verify, or (cycle set) oj_cycle's launch where the persistent kernel takes the whole cycle:
-// returns whether it did (k, argmax, drafts are then the cycle's).
-struct CycleLaunch {
-    int n_draft = 0, k = 0;
-    int32_t *argmax = nullptr, *drafts = nullptr;
-};
-
-bool verify(Engine &e, const int32_t *tokens, int n, CycleLaunch *cycle) {
+void verify(Engine &e, const int32_t *tokens, int n) {
     check_tokens(e, tokens, n);
     if (e.n_past + n > e.n_ctx)
         fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
@@ -469,24 +530,29 @@ bool verify(Engine &e, const int32_t *tokens, int n, CycleLaunch *cycle) {
     else if (e.prev_row != 0)
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
-    const bool whole = cycle && persistent_cycle_fits(e, cycle->n_draft);
-    if (whole) {
-        persistent_cycle(e, n, cycle->n_draft, cycle->k, cycle->argmax, cycle->drafts);
-    } else if (!persistent_forward(e, n)) {
-        embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
-        for (int il = 0; il < d.hp.n_layer; ++il) {
-            Layer &L = e.layers[il];
-            rms_norm(s.x, L.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
-            if (L.recurrent) deltanet_layer(e, L, n);
-            else attention_layer(e, L, n, e.n_past);
-            ffn(e, L, n);
-        }
-        float *h = s.hidden + E;
-        rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
-        matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
-        argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    e.prof.active = e.prof.on;
+    stamp(e, PH_EMBED);
+    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
+    for (int il = 0; il < d.hp.n_layer; ++il) {
+        Layer &L = e.layers[il];
+        stamp(e, PH_NORM);
+        rms_norm(s.x, L.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
+        if (L.recurrent) deltanet_layer(e, L, n);
+        else attention_layer(e, L, n, e.n_past);
+        ffn(e, L, n);
     }
+    float *h = s.hidden + E;
+    stamp(e, PH_NORM);
+    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
+    const Matrix &head = e.output.present() ? e.output : e.tok_embd;
+    stamp(e, PH_HEAD, weight_bytes(head));
+    matvec(head, h, s.logits, n, false, e.stream);
+    stamp(e, PH_ARGMAX);
+    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    stamp(e, -1);
+    e.prof.active = false;
     finish(e, "eval");
+    collect(e);
     // the replay is in the state now; this evaluation's positions wait in e.slot for oj_commit
     e.replay_n = 0;
     e.replay_slot = e.slot;
@@ -494,12 +560,11 @@ bool verify(Engine &e, const int32_t *tokens, int n, CycleLaunch *cycle) {
     e.last_start = e.n_past;
     e.last_n = n;
     e.uncommitted = n;
-    return whole;
 }
 
 }  // namespace
 
-void engine_verify(Engine &e, const int32_t *tokens, int n) { verify(e, tokens, n, nullptr); }
+void engine_verify(Engine &e, const int32_t *tokens, int n) { verify(e, tokens, n); }
 
 int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
     check_tokens(e, tokens, n);
@@ -517,29 +582,20 @@ int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *
                                       std::to_string(n_draft) + " drafts needs positions past n_ctx " + std::to_string(e.n_ctx));
     const int P = e.n_past;
     int32_t argmax[OJ_MAX_POSITIONS], drafts[OJ_MAX_POSITIONS];
-    CycleLaunch c;
-    c.n_draft = n_draft;
-    c.argmax = argmax;
-    c.drafts = drafts;
-    const bool whole = verify(e, tokens, n, &c);
-    int k = c.k;
-    if (!whole) {   // the same steps as separate launches
-        check_cuda(cudaMemcpyAsync(argmax, e.s.argmax, n * sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle argmax");
-        finish(e, "oj_cycle argmax");
-        k = 0;
-        while (k + 1 < n && tokens[k + 1] == argmax[k]) ++k;
-    }
+    verify(e, tokens, n);
+    check_cuda(cudaMemcpyAsync(argmax, e.s.argmax, n * sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle argmax");
+    finish(e, "oj_cycle argmax");
+    int k = 0;
+    while (k + 1 < n && tokens[k + 1] == argmax[k]) ++k;
     engine_commit(e, k + 1);
     if (n_draft > 0) {
-        if (!whole) {
-            engine_mtp_eval(e, argmax, k + 1, P + 1, OJ_H_MAIN, nullptr);
-            check_cuda(cudaMemcpyAsync(drafts, e.s.draft_argmax + k, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
+        engine_mtp_eval(e, argmax, k + 1, P + 1, OJ_H_MAIN, nullptr);
+        check_cuda(cudaMemcpyAsync(drafts, e.s.draft_argmax + k, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
+        finish(e, "oj_cycle draft");
+        for (int j = 1; j < n_draft; ++j) {
+            engine_mtp_eval(e, drafts + j - 1, 1, P + k + 1 + j, OJ_H_DRAFT, nullptr);
+            check_cuda(cudaMemcpyAsync(drafts + j, e.s.draft_argmax, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
             finish(e, "oj_cycle draft");
-            for (int j = 1; j < n_draft; ++j) {
-                engine_mtp_eval(e, drafts + j - 1, 1, P + k + 1 + j, OJ_H_DRAFT, nullptr);
-                check_cuda(cudaMemcpyAsync(drafts + j, e.s.draft_argmax, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
-                finish(e, "oj_cycle draft");
-            }
         }
         e.mtp_n_past = e.n_past + 1;   // the next token's row; the draft rows past it are provisional
         e.last_mtp_n = 0;
@@ -623,7 +679,6 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {
         finish(e, "draft vocabulary");
     }
     e.n_draft_ids = n;
-    persistent_draft_vocab(e, n);
     e.last_mtp_n = 0;   // draft results of the old vocabulary are gone
 }
 
@@ -677,6 +732,34 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
     finish(e, "mtp_eval");
     e.mtp_n_past = pos0 + n;
     e.last_mtp_n = n;
+}
+
+void engine_profile(Engine &e, bool on) {
+    Profile &p = e.prof;
+    p.on = on;
+    p.used = 0;
+    for (Profile::Total &t : p.total) t = Profile::Total{};
+    p.passes = 0;
+    p.span_ms = 0;
+}
+
+int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms) {
+    if (capacity < 0 || (capacity > 0 && !out)) fail(OJ_ERR_INVALID_ARGUMENT, "oj_profile_read: out is NULL or capacity negative");
+    Profile &p = e.prof;
+    const int n = capacity < PH_COUNT ? capacity : PH_COUNT;
+    for (int i = 0; i < n; ++i) {
+        oj_phase &o = out[i];
+        std::memset(o.name, 0, sizeof o.name);
+        std::strncpy(o.name, PHASE_NAMES[i], sizeof o.name - 1);
+        o.calls = (int32_t)p.total[i].calls;
+        o.launches = (int32_t)p.total[i].launches;
+        o.ms = p.total[i].ms;
+        o.bytes = p.total[i].bytes;
+    }
+    if (passes) *passes = p.passes;
+    if (span_ms) *span_ms = p.span_ms;
+    engine_profile(e, p.on);
+    return n;
 }
 
 }  // namespace oj

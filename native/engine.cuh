@@ -134,7 +134,25 @@ struct Checkpoint {
     float *data = nullptr;    // every DeltaNet layer's conv state then ssm state, then n_embd hidden
 };
 
-struct Persistent;   // persistent.cu: the one-launch forward's programs and buffers
+// oj_profile (engine.cu): CUDA events at the phase boundaries of the main model's verify pass, and
+// the totals oj_profile_read hands out.
+struct Profile {
+    bool on = false;                   // oj_profile(1)
+    bool active = false;               // inside a profiled verify (the MTP block's calls stamp nothing)
+    std::vector<cudaEvent_t> events;   // grown on demand, destroyed with the engine
+    std::vector<int> phase;            // the phase begun at each event of this pass (-1: the pass's end)
+    std::vector<uint64_t> launches;    // the thread's launch count at each event
+    std::vector<uint64_t> bytes;       // the bytes of the phase begun there
+    int used = 0;
+    struct Total {
+        int64_t calls = 0, launches = 0;
+        double ms = 0;
+        uint64_t bytes = 0;
+    };
+    Total total[OJ_MAX_PHASES];
+    int passes = 0;
+    double span_ms = 0;
+};
 
 struct Engine {
     ModelDims dims;
@@ -161,8 +179,7 @@ struct Engine {
     int n_draft_ids = 0;              // 0: the draft head scores the whole vocabulary
     std::vector<Checkpoint> checkpoints;
     int mtp_n_past = 0, last_mtp_n = 0;
-
-    std::shared_ptr<Persistent> persistent;   // persistent_init
+    Profile prof;
 
     std::vector<void *> allocations;
     oj_memory_report memory{};
@@ -186,24 +203,12 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
 void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
+// oj_profile / oj_profile_read (openjet.h); read returns the phase count written.
+void engine_profile(Engine &e, bool on);
+int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms);
 // prefill.cu: oj_prefill (openjet.h), and its buffers (engine_load calls alloc_prefill).
 void engine_prefill(Engine &e, const int32_t *tokens, int n);
 void alloc_prefill(Engine &e, int chunk);
-
-// persistent.cu: the main model's forward in one cooperative launch (issue 8). persistent_init
-// reads OJ_PERSISTENT at engine creation (after the scratch buffers); persistent_forward runs
-// oj_verify's device work for n positions from s.tokens (already copied) and returns false when the
-// engine takes the multi-kernel path.
-void persistent_init(Engine &e);
-bool persistent_forward(Engine &e, int n);
-// oj_cycle in the same launch: whether it can with n_draft drafts, the launch (k, the main argmax
-// and the next drafts back on the host), and the restricted draft head's gathered rows
-// (engine_set_draft_vocab, after the ids are on the device).
-bool persistent_cycle_fits(const Engine &e, int n_draft);
-void persistent_cycle(Engine &e, int n, int n_draft, int &k, int32_t *argmax, int32_t *drafts);
-void persistent_draft_vocab(Engine &e, int n_ids);
-bool persistent_active(const Engine &e);
-const char *persistent_why(const Engine &e);
 
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
@@ -217,8 +222,6 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
 // a restricted vocabulary. y is [n_vec][n_rows].
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
                  cudaStream_t st);
-// matvec.cu: whether quantised decode matvecs take the fp16 path (OPENJET_MATVEC unset or f16).
-bool matvec_f16_in_use();
 // matvec.cu: y[n][:] = row tokens[n] of W, dequantised (embedding lookup).
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st);
 // matvec.cu: host-side rearrangement of a file tensor into the device layout; returns bytes.

@@ -7,7 +7,7 @@
 //
 // Arithmetic = matvec.cu's int8-activation path (OPENJET_MATVEC=int8), so the two agree up to
 // fp32 summation order:
-//   - X is quantised once per call, per 32 values, exactly as quantize_x_kernel does it
+//   - X is quantised once per call, per 32 values, exactly as quantize_x_kernel below does it
 //     (d = amax / 127, q = __float2int_rn(x / d), the block sum by the same xor-shuffle tree), into
 //     a caller-provided workspace; Q6_K takes the same in-block permutation (q6_x_pos);
 //   - integer mma.sync m16n8k32 (u8 x s8 for Q4_K / Q5_K, s8 x s8 for Q8_0) and m16n8k16 for
@@ -99,11 +99,11 @@ __device__ __forceinline__ void cp_wait() {
 __device__ __forceinline__ float half_bits(uint32_t h) { return __half2float(__ushort_as_half((unsigned short)h)); }
 
 
-// matvec.cu's q6_x_pos: value i of a 32-value x block sits at 8 t + 4 c1 + j (i = 16 c1 + 4 t + j)
+// q6_x_pos: value i of a 32-value x block sits at 8 t + 4 c1 + j (i = 16 c1 + 4 t + j)
 __host__ __device__ inline int q6_x_pos(int i) { return 8 * ((i >> 2) & 3) + 4 * (i >> 4) + (i & 3); }
 
 // One warp per (position, 32-value block), positions up to P_pad (zeros past P). The arithmetic
-// is matvec.cu's quantize_x_kernel's, value for value.
+// is the one tests/test_act_int8.py transcribes, value for value.
 template <bool Q6ORDER>
 __global__ void __launch_bounds__(256)
 quantize_x_kernel(const float *__restrict__ x, int64_t K, int64_t P, int64_t P_pad, int8_t *__restrict__ q,
@@ -500,8 +500,8 @@ inline int smem_of(const Config &c) {
 }
 
 // The largest configuration that fits the device's per-block shared memory: 128 rows x 3 stages,
-// else 128 x 2, else 64 x 2 (sm_86 / sm_120 with ~99 KB). OJ_GEMM_CFG="wm,stages" overrides
-// (for the harness's comparisons).
+// else 128 x 2, else 64 x 2 (sm_86 / sm_120 with ~99 KB). OJ_GEMM_CFG="wm,stages" overrides: kept
+// because scripts/gpu.sh gemm times each configuration through it (tools/gemm_bench.cu); users never set it.
 template <int TYPE>
 inline Config pick_config() {
     static Config cached = {0, 0};

@@ -613,7 +613,8 @@ inline int config_index(const Config &c) {
     return -1;
 }
 
-// The default configuration, or OJ_GEMMWG_CFG="nwg,bn,stages" (one of CONFIGS) for comparisons.
+// The default configuration, or OJ_GEMMWG_CFG="nwg,bn,stages" (one of CONFIGS): kept because
+// scripts/gpu.sh gemm-wgmma times each configuration through it; users never set it.
 inline Config pick_config() {
     if (const char *e = std::getenv("OJ_GEMMWG_CFG")) {
         Config c = {0, 0, 0};

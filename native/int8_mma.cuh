@@ -1,5 +1,4 @@
-// int8_mma.cuh: the integer tensor-core primitives the int8-activation matvec (matvec.cu) and
-// the prefill GEMM (gemm_prefill.cuh) share: one definition, so both round and multiply alike.
+// int8_mma.cuh: the integer tensor-core primitives of the int8 prefill GEMM (gemm_prefill.cuh).
 #pragma once
 
 #include <cstdint>

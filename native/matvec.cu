@@ -7,7 +7,7 @@
 // operands and fp32 accumulation. A (16 rows x 16 k) holds the block's integer quants, which bf16
 // represents exactly (0..15, 16..31, -32..31, -128..127); B (16 k x 8 columns) holds the 1..8
 // activation vectors, each split into a bf16 high part and a bf16 remainder, so x keeps ~16
-// significant bits (relative error ~4e-6, against ~5e-3 for int8 activations) and fp32's range.
+// significant bits (relative error ~4e-6) and fp32's range.
 // The block scales multiply the fp32 partial sum of each scale group (32 values for the K-quants'
 // sub-blocks and Q8_0, 16 for Q6_K); the K-quant mins multiply the group's sum of x, taken by one
 // extra mma with A = 1 that every row tile of the warp shares. Nothing is rounded but x.
@@ -24,12 +24,9 @@
 // and its order are unchanged from the first version (tools/matvec_v1.cuh), results bit-identical.
 // Q8_0 needs K a multiple of 32 only (a partial last 128-column unit); the K-quants need 256.
 //
-// The default (OPENJET_MATVEC unset or f16, read once, at the first quantised matvec): Q4_K and
-// Q6_K through matvec_f16.cuh (fp16 activations, the weights dequantised exactly in fp16; a 27B
-// pass 13.1 ms against the bf16-split kernels' 21.4 on the H200), the other types bf16-split.
-// OPENJET_MATVEC=bf16: every quantised type on the bf16-split kernels below (~float32 products).
-// OPENJET_MATVEC=int8: the int8-activation kernels (section "Int8 activations" below): x rounded
-// to int8 per 32 values as llama.cpp's q8_1, integer mma.
+// Q4_K and Q6_K take matvec_f16.cuh (fp16 activations, the weights dequantised exactly in fp16; a
+// 27B pass 13.1 ms against the bf16-split kernels' 21.4 on the H200), Q5_K and Q8_0 the bf16-split
+// kernels below; their Q4_K / Q6_K instances are tools/matvec_f16_bench.cu's reference.
 //
 // Float weights (F32/F16/BF16) keep the fp32 CUDA-core kernel: one warp per row, 8 values per lane.
 // The numpy twin is `W.astype(float64) @ x` with W dequantised by gguf.quants
@@ -45,8 +42,9 @@
 
 #include "dequant.cuh"
 #include "engine.cuh"
-#include "int8_mma.cuh"
 #include "matvec_f16.cuh"
+#include "pdl.cuh"
+#include "pdl.cuh"
 
 namespace oj {
 
@@ -102,6 +100,8 @@ template <int TYPE, int N>
 __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK)
 float_matvec_kernel(const Matrix w, const float *__restrict__ x, float *__restrict__ y, bool accumulate,
                     const int32_t *__restrict__ rows, int64_t n_out) {
+    pdl_launch_dependents();
+    pdl_wait();
     const int64_t o = (int64_t)blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     const int lane = threadIdx.x & 31;
     if (o >= n_out) return;
@@ -128,16 +128,18 @@ void launch_float(const Matrix &w, const float *x, float *y, int n_vec, bool acc
                   const int32_t *rows, int64_t n_out, cudaStream_t st) {
     const dim3 grid((unsigned)((n_out + ROWS_PER_BLOCK - 1) / ROWS_PER_BLOCK));
     const dim3 block(32 * ROWS_PER_BLOCK);
+    cudaError_t e = cudaSuccess;
     switch (n_vec) {
-        case 1: float_matvec_kernel<TYPE, 1><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        case 2: float_matvec_kernel<TYPE, 2><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        case 3: float_matvec_kernel<TYPE, 3><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        case 4: float_matvec_kernel<TYPE, 4><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        case 5: float_matvec_kernel<TYPE, 5><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        case 6: float_matvec_kernel<TYPE, 6><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        case 7: float_matvec_kernel<TYPE, 7><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
-        default: float_matvec_kernel<TYPE, 8><<<grid, block, 0, st>>>(w, x, y, accumulate, rows, n_out); break;
+        case 1: e = launch(float_matvec_kernel<TYPE, 1>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        case 2: e = launch(float_matvec_kernel<TYPE, 2>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        case 3: e = launch(float_matvec_kernel<TYPE, 3>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        case 4: e = launch(float_matvec_kernel<TYPE, 4>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        case 5: e = launch(float_matvec_kernel<TYPE, 5>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        case 6: e = launch(float_matvec_kernel<TYPE, 6>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        case 7: e = launch(float_matvec_kernel<TYPE, 7>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
+        default: e = launch(float_matvec_kernel<TYPE, 8>, grid, block, 0, st, w, x, y, accumulate, rows, n_out); break;
     }
+    check_cuda(e, "matvec");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -595,6 +597,8 @@ template <int TYPE>
 __global__ void __launch_bounds__(32 * MMA_WARPS)
 mma_matvec_kernel(const Matrix w, const float *__restrict__ x, float *__restrict__ y, int n_vec,
                   bool accumulate, const int32_t *__restrict__ rows, int64_t n_out) {
+    pdl_launch_dependents();
+    pdl_wait();
     __shared__ float red[MMA_WARPS][MMA_TILES * 4][32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int64_t out0 = (int64_t)blockIdx.x * MMA_ROWS;
@@ -642,443 +646,19 @@ template <int TYPE>
 void launch_mma(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
                 const int32_t *rows, int64_t n_out, cudaStream_t st) {
     const dim3 grid((unsigned)((n_out + MMA_ROWS - 1) / MMA_ROWS));
-    mma_matvec_kernel<TYPE><<<grid, 32 * MMA_WARPS, 0, st>>>(w, x, y, n_vec, accumulate, rows, n_out);
+    check_cuda(launch(mma_matvec_kernel<TYPE>, grid, 32 * MMA_WARPS, 0, st, w, x, y, n_vec, accumulate, rows, n_out), "matvec");
 }
 
-// ---------------------------------------------------------------------------------------------
-// Int8 activations (OPENJET_MATVEC=int8): x quantised per 32 values as llama.cpp's q8_1 does
-// (d = amax / 127, q = round(x / d)), then the integer quants of W times the int8 x on the
-// tensor cores (mma.m16n8k32 / m16n8k16, s8 x s8 -> s32, exact), scaled in fp32 per 32-value
-// x block and weight scale group. Why the tensor cores and not dp4a: a dp4a does 4 products for
-// one (row, vector); an mma does 16 rows x 8 vectors x 32, so the per-vector cost vanishes and
-// the kernel costs the same for 1..8 vectors (the verification pass). Per lane and 32-value
-// sub-block of 16 rows (288 bytes of Q4_K): 4-6 ops build A (nibbles, u8 operand), 1 mma,
-// ~16 ops of scaling (for Q4_K the 6-bit scale multiplies the integer dot in the same IMAD
-// that turns it into a float); ~0.14 warp instructions per weight byte (PTX count) against
-// ~0.44 for the bf16-split path.
-// The K-quant mins multiply the block's fp32 sum of x (exact, not the quantised sum).
-// Rounding x is the only approximation; each vector's result is independent of the others
-// (integer mma columns, fixed fp32 order), so 1..8 vectors per call stay bit-identical.
-//
-// Quantised x: q int8 [8][K] (vectors past n_vec are zeros), ds float2 [K/32][8] = (d, sum x)
-// so lane t reads (d, s) of its two C columns 2t, 2t+1 with one 16-byte load. For Q6_K the 32
-// quants of each block are stored permuted (q6_x_pos) so that lane t's 8 bytes are the values
-// its two 16-value scale groups need.
+// 2: Q4_K and Q6_K on the fp16 path (matvec_f16.cuh), the engine's only setting; 0: on the
+// bf16-split kernels above, the reference tools/matvec_f16_bench.cu checks the fp16 path against
+// (matvec_force_path below; the engine never calls it).
+int g_path = 2;
 
-
-// Programmatic dependent launch (sm_90+): the quantise kernel lets the matvec kernel start
-// early; the matvec kernel issues its first weight loads, then waits here until the quantise
-// grid has finished and its writes are visible, before it reads any x. Without the launch
-// attribute (older GPUs) the wait returns at once: stream order already holds.
-__device__ __forceinline__ void wait_for_x() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void let_matvec_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-// Position of value i (0..31) of an x block in the Q6_K order: value l = 16 c1 + 4 t + j of the
-// block goes to 8 t + 4 c1 + j, so lane t's 8 bytes hold its 4 values of both 16-value groups.
-__host__ __device__ inline int q6_x_pos(int i) { return 8 * ((i >> 2) & 3) + 4 * (i >> 4) + (i & 3); }
-
-// One warp per (vector, 32-value block); 8 vectors always (zeros past n_vec).
-template <bool Q6ORDER>
-__global__ void __launch_bounds__(256)
-quantize_x_kernel(const float *__restrict__ x, int64_t K, int n_vec, int8_t *__restrict__ q,
-                  float2 *__restrict__ ds) {
-    const int64_t nb32 = K / 32;
-    const int64_t wid = (int64_t)blockIdx.x * 8 + (threadIdx.x >> 5);
-    const int lane = threadIdx.x & 31;
-    let_matvec_start();
-    if (wid >= 8 * nb32) return;
-    const int v = (int)(wid / nb32);
-    const int64_t b = wid - v * nb32;
-    const float xv = v < n_vec ? x[v * K + b * 32 + lane] : 0.0f;
-    float amax = fabsf(xv), sum = xv;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-        sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    }
-    const float d = amax / 127.0f;
-    const int qv = amax == 0.0f ? 0 : __float2int_rn(xv / d);
-    q[v * K + b * 32 + (Q6ORDER ? q6_x_pos(lane) : lane)] = (int8_t)qv;
-    if (lane == 0) ds[b * 8 + v] = make_float2(d, sum);
-}
-
-struct XQ {
-    const int8_t *q;     // this lane's vector g, row start
-    const float4 *ds;    // [K/32][4]: (d, s) of vectors (2t, 2t+1) at index 4 b + t
-};
-
-// Q4_K / Q5_K: lane t reads 8 bytes at 8t of each 32-byte chunk j of its rows g, g+8 (as the
-// bf16 path); sub-block s = 2j + nib uses x block 8u + s, columns 8t..8t+7 (k order: the first
-// 4 are the mma's k 4t.., the last 4 its k 16+4t..; A and B agree, so the dot is unchanged).
-template <bool Q5, int WARPS>
-__device__ __forceinline__ void run_q4_q5_i8(const Matrix &w, const TileRows &src, int warp, int t, const XQ &xq,
-                                             float (&acc)[4]) {
-    const int64_t nb = w.K / QK_K;
-    if (warp >= nb) return;
-    uint4 hdr[MMA_TILES][2];
-    uint2 q[MMA_TILES][2][4];
-    uint2 qh[MMA_TILES][2];
-    load_q4_q5<Q5>(w, src, warp, nb, t, hdr, q, qh);
-    wait_for_x();
-    for (int64_t u = warp; u < nb; u += WARPS) {
-        uint4 hdr_n[MMA_TILES][2];
-        uint2 q_n[MMA_TILES][2][4];
-        uint2 qh_n[MMA_TILES][2];
-        load_q4_q5<Q5>(w, src, u + WARPS < nb ? u + WARPS : u, nb, t, hdr_n, q_n, qh_n);
-        uint32_t sc[2][2], mn[2][2];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const uint4 h = hdr[0][r];
-            sc[r][0] = h.y & 0x3F3F3F3Fu;
-            mn[r][0] = h.z & 0x3F3F3F3Fu;
-            sc[r][1] = (h.w & 0x0F0F0F0Fu) | ((h.y >> 2) & 0x30303030u);
-            mn[r][1] = ((h.w >> 4) & 0x0F0F0F0Fu) | ((h.z >> 2) & 0x30303030u);
-        }
-        float s1[4] = {0.f, 0.f, 0.f, 0.f}, s2[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-#pragma unroll
-            for (int nib = 0; nib < 2; ++nib) {
-                const int s = 2 * j + nib;
-                const uint2 b = ld8(reinterpret_cast<const uint8_t *>(xq.q + u * QK_K + 32 * s));
-                const float4 dsv = __ldg(xq.ds + (u * 8 + s) * 4);
-                uint32_t a[4];
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    const uint2 wv = q[0][r][j];
-                    const uint32_t lo0 = nib ? (wv.x >> 4) : wv.x, lo1 = nib ? (wv.y >> 4) : wv.y;
-                    if constexpr (Q5) {
-                        const uint2 hv = qh[0][r];
-                        const uint32_t h0 = (s <= 4) ? (hv.x << (4 - s)) : (hv.x >> (s - 4));
-                        const uint32_t h1 = (s <= 4) ? (hv.y << (4 - s)) : (hv.y >> (s - 4));
-                        a[r] = (lo0 & 0x0F0F0F0Fu) | (h0 & 0x10101010u);
-                        a[2 + r] = (lo1 & 0x0F0F0F0Fu) | (h1 & 0x10101010u);
-                    } else {
-                        a[r] = lo0 & 0x0F0F0F0Fu;
-                        a[2 + r] = lo1 & 0x0F0F0F0Fu;
-                    }
-                }
-                int c[4] = {0, 0, 0, 0};
-                mma_k32(c, a[0], a[1], a[2], a[3], b.x, b.y, true);   // A 0..31: unsigned
-                const int SB = s & 3, SW = s >> 2;   // scale byte and word (constants once unrolled)
-                const float mng = byte_fr(mn[0][SW], SB), mn8 = byte_fr(mn[1][SW], SB);
-                if constexpr (Q5) {
-                    const float scg = byte_fr(sc[0][SW], SB), sc8 = byte_fr(sc[1][SW], SB);
-                    s1[0] += i2f(c[0]) * (scg * dsv.x);
-                    s1[1] += i2f(c[1]) * (scg * dsv.z);
-                    s1[2] += i2f(c[2]) * (sc8 * dsv.x);
-                    s1[3] += i2f(c[3]) * (sc8 * dsv.z);
-                } else {
-                    // Q4_K: |dot| <= 32 * 15 * 127, times a 6-bit scale < 2^22: the integer
-                    // product plus the magic in one IMAD, then one FADD makes it a float
-                    const int scg = (int)__byte_perm(sc[0][SW], 0u, 0x4440u | SB);
-                    const int sc8 = (int)__byte_perm(sc[1][SW], 0u, 0x4440u | SB);
-                    s1[0] += (__int_as_float(c[0] * scg + (int)MAGIC_I2F) - 12582912.0f) * dsv.x;
-                    s1[1] += (__int_as_float(c[1] * scg + (int)MAGIC_I2F) - 12582912.0f) * dsv.z;
-                    s1[2] += (__int_as_float(c[2] * sc8 + (int)MAGIC_I2F) - 12582912.0f) * dsv.x;
-                    s1[3] += (__int_as_float(c[3] * sc8 + (int)MAGIC_I2F) - 12582912.0f) * dsv.z;
-                }
-                s2[0] += mng * dsv.y;
-                s2[1] += mng * dsv.w;
-                s2[2] += mn8 * dsv.y;
-                s2[3] += mn8 * dsv.w;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float d = __half2float(__ushort_as_half((unsigned short)(hdr[0][r].x & 0xFFFF)));
-            const float dmin = __half2float(__ushort_as_half((unsigned short)(hdr[0][r].x >> 16)));
-            acc[2 * r] += d * s1[2 * r] - dmin * s2[2 * r];
-            acc[2 * r + 1] += d * s1[2 * r + 1] - dmin * s2[2 * r + 1];
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            hdr[0][r] = hdr_n[0][r];
-            if constexpr (Q5) qh[0][r] = qh_n[0][r];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) q[0][r][j] = q_n[0][r][j];
-        }
-    }
-}
-
-// Q6_K (regrouped planes): group (C, QQ) of a super-block is, for lane t, one word of each of
-// its rows (values l = 16 (C & 1) + 4t + j of half C >> 1, quarter QQ): one m16n8k16 (k 4t..).
-// x block 8u + 4 (C >> 1) + QQ is stored in the Q6 order, so lane t's 8 bytes at 8t are its
-// values of group C & 1 = 0 (low word) and 1 (high word).
-template <int C, int QQ>
-__device__ __forceinline__ uint32_t q6_s8(const uint4 &qa, const uint4 &qb, const uint4 &qhh) {
-    constexpr int SH = 4 * (QQ >> 1);
-    const uint32_t A = (QQ & 1) ? comp<C>(qb) : comp<C>(qa);
-    const uint32_t v = ((A >> SH) & 0x0F0F0F0Fu) | (shr<2 * QQ - 4>(comp<C>(qhh)) & 0x30303030u);
-    return (v + 0x60606060u) ^ 0x80808080u;   // 0..63 -> -32..31 as int8, no carries between bytes
-}
-
-template <int C, int QQ>
-__device__ __forceinline__ void q6_group_i8(const uint4 (&qa)[MMA_TILES][2], const uint4 (&qb)[MMA_TILES][2],
-                                            const uint4 (&qhh)[MMA_TILES][2], const uint4 (&scw)[MMA_TILES][2],
-                                            uint32_t bx, float dx0, float dx1, float (&s1)[4]) {
-    constexpr int S = 8 * (C >> 1) + 2 * QQ + (C & 1);   // ggml's scale index
-    int c[4] = {0, 0, 0, 0};
-    mma_k16(c, q6_s8<C, QQ>(qa[0][0], qb[0][0], qhh[0][0]), q6_s8<C, QQ>(qa[0][1], qb[0][1], qhh[0][1]), bx);
-    const float scg = byte_f<S & 3>(comp<(S >> 2)>(scw[0][0])) - 128.0f;
-    const float sc8 = byte_f<S & 3>(comp<(S >> 2)>(scw[0][1])) - 128.0f;
-    s1[0] += i2f(c[0]) * (scg * dx0);
-    s1[1] += i2f(c[1]) * (scg * dx1);
-    s1[2] += i2f(c[2]) * (sc8 * dx0);
-    s1[3] += i2f(c[3]) * (sc8 * dx1);
-}
-
-template <int HALF, int QQ>
-__device__ __forceinline__ void q6_block_i8(const uint4 (&qa)[MMA_TILES][2], const uint4 (&qb)[MMA_TILES][2],
-                                            const uint4 (&qhh)[MMA_TILES][2], const uint4 (&scw)[MMA_TILES][2],
-                                            const XQ &xq, int64_t u, float (&s1)[4]) {
-    constexpr int XB = 4 * HALF + QQ;   // x block within the super-block
-    const uint2 b = ld8(reinterpret_cast<const uint8_t *>(xq.q + u * QK_K + 32 * XB));
-    const float4 dsv = __ldg(xq.ds + (u * 8 + XB) * 4);
-    q6_group_i8<2 * HALF, QQ>(qa, qb, qhh, scw, b.x, dsv.x, dsv.z, s1);
-    q6_group_i8<2 * HALF + 1, QQ>(qa, qb, qhh, scw, b.y, dsv.x, dsv.z, s1);
-}
-
-template <int WARPS>
-__device__ __forceinline__ void run_q6_i8(const Matrix &w, const TileRows &src, int warp, int t, const XQ &xq,
-                                          float (&acc)[4]) {
-    const int64_t nb = w.K / QK_K;
-    if (warp >= nb) return;
-    const Q6Planes p = q6_K_planes(w.M, w.K);
-    uint4 qa[MMA_TILES][2], qb[MMA_TILES][2], qhh[MMA_TILES][2], scw[MMA_TILES][2];
-    unsigned short dh[MMA_TILES][2];
-    load_q6(w, p, src, warp, nb, t, qa, qb, qhh, scw, dh);
-    wait_for_x();
-    for (int64_t u = warp; u < nb; u += WARPS) {
-        uint4 qa_n[MMA_TILES][2], qb_n[MMA_TILES][2], qhh_n[MMA_TILES][2], scw_n[MMA_TILES][2];
-        unsigned short dh_n[MMA_TILES][2];
-        load_q6(w, p, src, u + WARPS < nb ? u + WARPS : u, nb, t, qa_n, qb_n, qhh_n, scw_n, dh_n);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            scw[0][r].x ^= 0x80808080u;
-            scw[0][r].y ^= 0x80808080u;
-            scw[0][r].z ^= 0x80808080u;
-            scw[0][r].w ^= 0x80808080u;
-        }
-        float s1[4] = {0.f, 0.f, 0.f, 0.f};
-        q6_block_i8<0, 0>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<0, 1>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<0, 2>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<0, 3>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<1, 0>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<1, 1>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<1, 2>(qa, qb, qhh, scw, xq, u, s1);
-        q6_block_i8<1, 3>(qa, qb, qhh, scw, xq, u, s1);
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const float d = __half2float(__ushort_as_half(dh[0][r]));
-            acc[2 * r] += d * s1[2 * r];
-            acc[2 * r + 1] += d * s1[2 * r + 1];
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            qa[0][r] = qa_n[0][r];
-            qb[0][r] = qb_n[0][r];
-            qhh[0][r] = qhh_n[0][r];
-            scw[0][r] = scw_n[0][r];
-            dh[0][r] = dh_n[0][r];
-        }
-    }
-}
-
-// Q8_0 planar, units of 128 columns as run_q8: the int8 quants are the A operand as loaded.
-template <int WARPS>
-__device__ __forceinline__ void run_q8_i8(const Matrix &w, const TileRows &src, int warp, int t, const XQ &xq,
-                                          float (&acc)[4]) {
-    const int64_t nu = (w.K + 127) / 128;
-    if (warp >= nu) return;
-    const int nlast = (int)((w.K % 128) / 32);
-    const Q8Planes p = q8_0_planes(w.M, w.K);
-    auto blocks_of = [&](int64_t u) { return (nlast != 0 && u == nu - 1) ? nlast : 4; };
-    uint2 q[MMA_TILES][2][4], dw[MMA_TILES][2];
-    {
-        const int nblk = blocks_of(warp);
-        load_q8(w, p, src, warp, nblk, nblk == 4 && nlast == 0, t, q, dw);
-    }
-    wait_for_x();
-    for (int64_t u = warp; u < nu; u += WARPS) {
-        const int nblk = blocks_of(u);
-        const int64_t un = u + WARPS < nu ? u + WARPS : u;
-        const int nblk_n = blocks_of(un);
-        uint2 q_n[MMA_TILES][2][4], dw_n[MMA_TILES][2];
-        load_q8(w, p, src, un, nblk_n, nblk_n == 4 && nlast == 0, t, q_n, dw_n);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            if (s >= nblk) break;   // only in the last unit when K % 128 != 0
-            const uint2 b = ld8(reinterpret_cast<const uint8_t *>(xq.q + u * 128 + 32 * s));
-            const float4 dsv = __ldg(xq.ds + (u * 4 + s) * 4);
-            int c[4] = {0, 0, 0, 0};
-            mma_k32(c, q[0][0][s].x, q[0][1][s].x, q[0][0][s].y, q[0][1][s].y, b.x, b.y, false);
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const uint32_t dword = (s < 2) ? dw[0][r].x : dw[0][r].y;
-                const float d = __half2float(__ushort_as_half((unsigned short)((s & 1) ? dword >> 16 : dword & 0xFFFF)));
-                acc[2 * r] += i2f(c[2 * r]) * (d * dsv.x);
-                acc[2 * r + 1] += i2f(c[2 * r + 1]) * (d * dsv.z);
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            dw[0][r] = dw_n[0][r];
-#pragma unroll
-            for (int s = 0; s < 4; ++s) q[0][r][s] = q_n[0][r][s];
-        }
-    }
-}
-
-// One block: 16 output rows, WARPS warps splitting K (8 when the grid alone would leave SMs
-// short of warps); partial sums meet in shared memory in warp order (deterministic).
-// Register caps: Q4_K <= 96 at 4 warps, <= 80 at 8 (ffn_down's 320 blocks then fit one wave at
-// 3 per SM; sm_86's code spills 4 bytes at 80 and gets <= 128 there); the other types spill
-// under those caps and get <= 128.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-#define OJ_Q4_I8_BLOCKS_AT_8_WARPS 2
-#else
-#define OJ_Q4_I8_BLOCKS_AT_8_WARPS 3
-#endif
-template <int TYPE, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS, TYPE == TYPE_Q4_K ? (WARPS == 4 ? 5 : OJ_Q4_I8_BLOCKS_AT_8_WARPS)
-                                                                : (WARPS == 4 ? 4 : 2))
-i8_matvec_kernel(const Matrix w, const int8_t *__restrict__ xq8, const float2 *__restrict__ xds,
-                 float *__restrict__ y, int n_vec, bool accumulate, const int32_t *__restrict__ rows, int64_t n_out) {
-    static_assert(MMA_TILES == 1, "the int8 path handles one 16-row tile per block");
-    __shared__ float red[WARPS][4][32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t out0 = (int64_t)blockIdx.x * 16;
-    int64_t src[MMA_TILES][2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        int64_t o = out0 + g + 8 * r;
-        if (o >= n_out) o = n_out - 1;   // rows past the end compute a copy, never written
-        src[0][r] = rows ? (int64_t)rows[o] : o;
-    }
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    XQ xq;
-    xq.q = xq8 + (int64_t)g * w.K + 8 * t;
-    xq.ds = reinterpret_cast<const float4 *>(xds) + t;
-    if constexpr (TYPE == TYPE_Q4_K) run_q4_q5_i8<false, WARPS>(w, src, warp, t, xq, acc);
-    else if constexpr (TYPE == TYPE_Q5_K) run_q4_q5_i8<true, WARPS>(w, src, warp, t, xq, acc);
-    else if constexpr (TYPE == TYPE_Q6_K) run_q6_i8<WARPS>(w, src, warp, t, xq, acc);
-    else run_q8_i8<WARPS>(w, src, warp, t, xq, acc);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) red[warp][k][lane] = acc[k];
-    __syncthreads();
-    if (warp >= 4) return;
-    float v = 0.0f;   // warp k sums C slot k over the warps, always in the same order
-#pragma unroll
-    for (int wi = 0; wi < WARPS; ++wi) v += red[wi][warp][lane];
-    const int64_t o = out0 + g + 8 * (warp >> 1);
-    const int vec = 2 * t + (warp & 1);
-    if (vec < n_vec && o < n_out) {
-        float *dst = y + (int64_t)vec * n_out + o;
-        *dst = accumulate ? *dst + v : v;
-    }
-}
-
-// The quantised x of one (device, stream): allocated on first use, grown (never shrunk) when a
-// larger K comes, never freed otherwise. Keyed by stream so engines on different streams do not
-// share it.
-struct XBuf {
-    int8_t *q = nullptr;
-    float2 *ds = nullptr;
-    int64_t cap_k = 0;
-    int n_sm = 0;
-    bool pdl = false;   // compute capability 9.0+: programmatic dependent launch
-};
-
-XBuf &xbuf_for(cudaStream_t st, int64_t K) {
-    static std::mutex mu;
-    static std::map<std::pair<int, cudaStream_t>, XBuf> bufs;
-    int dev = 0;
-    check_cuda(cudaGetDevice(&dev), "matvec int8: cudaGetDevice");
-    std::lock_guard<std::mutex> lock(mu);
-    XBuf &b = bufs[{dev, st}];
-    if (b.n_sm == 0) {
-        int major = 0;
-        check_cuda(cudaDeviceGetAttribute(&b.n_sm, cudaDevAttrMultiProcessorCount, dev), "matvec int8: SM count");
-        check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "matvec int8: compute capability");
-        b.pdl = major >= 9;
-    }
-    if (K > b.cap_k) {
-        const int64_t cap = std::max<int64_t>(K, 32768);
-        if (b.q) {   // a larger K than before: the old buffer may still be in use on the stream
-            check_cuda(cudaStreamSynchronize(st), "matvec int8: sync before growing the x buffer");
-            check_cuda(cudaFree(b.q), "matvec int8: cudaFree");
-        }
-        void *p = nullptr;
-        check_cuda(cudaMalloc(&p, (size_t)8 * cap + (size_t)8 * (cap / 32) * sizeof(float2)), "matvec int8: x buffer");
-        b.q = static_cast<int8_t *>(p);
-        b.ds = reinterpret_cast<float2 *>(b.q + (size_t)8 * cap);
-        b.cap_k = cap;
-    }
-    return b;
-}
-
-template <int TYPE>
-void launch_i8(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, const int32_t *rows,
-               int64_t n_out, cudaStream_t st) {
-    XBuf &b = xbuf_for(st, w.K);
-    const int64_t nb32 = w.K / 32;
-    const unsigned qgrid = (unsigned)((8 * nb32 + 7) / 8);
-    quantize_x_kernel<TYPE == TYPE_Q6_K><<<qgrid, 256, 0, st>>>(x, w.K, n_vec, b.q, b.ds);
-    check_launch("matvec int8: quantize_x");
-    const int64_t blocks = (n_out + 15) / 16;
-    const int64_t units = TYPE == TYPE_Q8_0 ? (w.K + 127) / 128 : w.K / QK_K;
-    // Few row tiles and long rows: 8 warps per tile so the SMs hold enough loads in flight, but
-    // only when the grid still fits one wave (else the tail costs more than the warps gain).
-    static const int per_sm8 = [] {
-        int v = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&v, i8_matvec_kernel<TYPE, 8>, 256, 0),
-                   "matvec int8: occupancy");
-        return v;
-    }();
-    const bool eight = units >= 16 && blocks <= (int64_t)per_sm8 * b.n_sm && blocks < 4 * (int64_t)b.n_sm;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(eight ? 256 : 128);
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = b.pdl ? 1 : 0;
-    const int8_t *xq = b.q;
-    const float2 *xds = b.ds;
-    check_cuda(eight ? cudaLaunchKernelEx(&cfg, i8_matvec_kernel<TYPE, 8>, w, xq, xds, y, n_vec, accumulate, rows, n_out)
-                     : cudaLaunchKernelEx(&cfg, i8_matvec_kernel<TYPE, 4>, w, xq, xds, y, n_vec, accumulate, rows, n_out),
-               "matvec int8: launch");
-}
-
-// -1: not yet read; 0: bf16-split path; 1: int8 activations; 2: fp16 activations (matvec_f16.cuh,
-// the default).
-int g_path = -1;
-
-int path() {
-    if (g_path < 0) {
-        const char *e = std::getenv("OPENJET_MATVEC");
-        g_path = !e ? 2 : std::strcmp(e, "int8") == 0 ? 1 : std::strcmp(e, "bf16") == 0 ? 0 : 2;
-    }
-    return g_path;
-}
-
-bool use_int8() { return path() == 1; }
+int path() { return g_path; }
 
 // The fp16 path (matvec_f16.cuh: x in fp16 under a power-of-two scale per vector and super-block,
 // the weights dequantised exactly in fp16) for Q4_K and Q6_K; its workspace per (device, stream),
-// grown on demand like the int8 path's x buffer.
+// grown on demand.
 void *f16_workspace(int64_t K, cudaStream_t st) {
     struct Buf {
         void *p = nullptr;
@@ -1134,16 +714,6 @@ void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accum
         check_launch(what);
         return;
     }
-    if (quant && use_int8()) {
-        switch (w.type) {
-            case TYPE_Q8_0: launch_i8<TYPE_Q8_0>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
-            case TYPE_Q4_K: launch_i8<TYPE_Q4_K>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
-            case TYPE_Q5_K: launch_i8<TYPE_Q5_K>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
-            default: launch_i8<TYPE_Q6_K>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
-        }
-        check_launch(what);
-        return;
-    }
     switch (w.type) {
         case TYPE_F32: launch_float<TYPE_F32>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
         case TYPE_F16: launch_float<TYPE_F16>(w, x, y, n_vec, accumulate, rows, n_out, st); break;
@@ -1161,6 +731,8 @@ void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accum
 // Embedding rows.
 
 __global__ void embed_kernel(const Matrix w, const int32_t *__restrict__ tokens, float *__restrict__ y) {
+    pdl_launch_dependents();
+    pdl_wait();
     const int n = blockIdx.x;
     const int64_t row = tokens[n];
     for (int64_t k = threadIdx.x; k < w.K; k += blockDim.x) y[n * w.K + k] = dequant_one(w, row, k);
@@ -1206,19 +778,12 @@ void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *
     launch_any(w, x, y, n_vec, false, rows, n_rows, st, "matvec_rows");
 }
 
-// The matvec path for quantised types: 0 the bf16-split kernels, 1 int8 activations, 2 fp16
-// activations, -1 back to OPENJET_MATVEC (read at the next call). For the harnesses
-// (tools/matvec_bench.cu, matvec_f16_bench.cu), which run cases on several paths; the engine never
-// calls it.
-// Whether quantised decode matvecs take the fp16 path (OPENJET_MATVEC unset or f16): the only one
-// the persistent kernel (persistent.cu) carries.
-bool matvec_f16_in_use() { return path() == 2; }
-
-void matvec_force_path(int p) { g_path = p < 0 ? -1 : (p == 1 || p == 2 ? p : 0); }
+// Q4_K / Q6_K on the bf16-split reference kernels (0) or the fp16 path (2, the engine's); for
+// tools/matvec_f16_bench.cu, which checks the fp16 path against the reference. The engine never calls it.
+void matvec_force_path(int p) { g_path = p == 0 ? 0 : 2; }
 
 void embed_rows(const Matrix &w, const int32_t *tokens, float *y, int n, cudaStream_t st) {
-    embed_kernel<<<n, 256, 0, st>>>(w, tokens, y);
-    check_launch("embed_rows");
+    check_cuda(launch(embed_kernel, n, 256, 0, st, w, tokens, y), "embed_rows");
 }
 
 size_t device_layout_bytes(int type, int64_t K, int64_t M) {

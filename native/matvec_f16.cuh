@@ -76,6 +76,7 @@
 #include <cudaTypedefs.h>   // CUtensorMap, PFN_cuTensorMapEncodeTiled_v12000
 
 #include "engine.cuh"
+#include "pdl.cuh"        // pdl_wait, pdl_launch_dependents, launch
 #include "gemm_f16.cuh"   // nibble_pair_magic, q6_bytes, SEL_LO/HI, splat_byte_sel, mma_f16, h2u/u2h, cp.async
 
 namespace oj {
@@ -121,20 +122,9 @@ __host__ __device__ inline int x_dest(int type, int c) {
     return (2 * C + (QQ >> 1)) * 32 + t * 8 + 4 * (QQ & 1) + jmap(c & 3);
 }
 
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Vector v's 8 values of super-block record rec held by this lane (columns 8 lane .. 8 lane + 7):
 // their power-of-two scale, fp16 values in TYPE's k order, Q4_K's sub-block sums, the inverse
-// scale. prep_kernel below; the persistent kernel's fused preps (persistent.cu) compute xv first.
+// scale (prep_kernel below).
 template <int TYPE>
 __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, int lane) {
     float amax = 0.0f;
@@ -179,6 +169,7 @@ template <int TYPE>
 __global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, int64_t K, int n_vec,
                                                    uint8_t *__restrict__ ws) {
     pdl_launch_dependents();
+    pdl_wait();   // x, and the workspace the previous matvec on it may still read
     if (blockIdx.x == 0)
 #pragma unroll
         for (int i = 0; i < MAX_TILES / 1024; ++i)
@@ -529,14 +520,6 @@ __device__ __forceinline__ void tensor_2d(void *dst, const CUtensorMap *map, int
                  "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(su32(bar))
                  : "memory");
 }
-__device__ __forceinline__ void prefetch_2d(const CUtensorMap *map, int c0, int c1) {   // a box into L2 only
-    asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global [%0, {%1, %2}];\n" ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0),
-                 "r"(c1)
-                 : "memory");
-}
-__device__ __forceinline__ void tensormap_acquire(const CUtensorMap *map) {
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(map) : "memory");
-}
 __device__ __forceinline__ void bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(su32(dst)),
                  "l"(src), "r"(bytes), "r"(su32(bar))
@@ -558,7 +541,7 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 // per step). Q6_K's fp16 d of a row is 2 bytes at a row stride of nb * 2 (no tensor map: strides
 // are multiples of 16), so each lane still copies its row's d word by cp.async, tied to the
 // barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32). Q6_K here is the default since
-// its first GPU run (OJ_MVF16_TMA=1 keeps it on cp.async).
+// its first GPU run.
 template <int TYPE, int WARPS, int STAGES>
 __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
                                            int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g, int t, int lane,
@@ -629,15 +612,14 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
         wr = wr == STAGES - 1 ? 0 : wr + 1;
         __syncwarp();
     }
-    // every phase armed has completed (the loop waited on each): the memory may become something
-    // else (the persistent kernel's next item)
+    // every phase armed has completed (the loop waited on each)
     if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
 }
 #endif
 
 // TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
 // cp.async instance no copy-engine loop, so neither pays the other's registers).
-// Block `bid` of a launch over args (matvec_kernel: blockIdx.x; the persistent kernel: its items).
+// Block `bid` of a launch over args (matvec_kernel: blockIdx.x).
 // smem: the block's dynamic shared memory (smem_bytes).
 template <int TYPE, int WARPS, int STAGES, bool TMA>
 __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uint8_t *smem) {
@@ -787,34 +769,9 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     }
 }
 
-// Into L2, ahead of its phase (the persistent kernel, OJ_PERSISTENT_PREFETCH=1): the weight boxes
-// that block `bid` of a copy-engine launch over args streams, by this block's threads (one box per
-// super-block and plane). The weights do not depend on the activations, so this can run while the
-// phase before the launch computes them.
-template <int TYPE>
-__device__ __forceinline__ void prefetch_block(const Args &args, unsigned bid) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr bool Q6 = TYPE == TYPE_Q6_K;
-    const int64_t tile = bid / (unsigned)args.split, part = bid % (unsigned)args.split;
-    int member = 0;   // the last member whose tiles start at or before this one
-    for (int i = 0; i < args.n_more; ++i) member = tile >= args.more.tile0[i] ? i + 1 : member;
-    const Matrix &w = member ? args.more.w[member - 1] : args.w;
-    const int row0 = (int)((tile - (member ? args.more.tile0[member - 1] : 0)) * ROWS);
-    const int64_t nb = w.K / QK_K, ub = part * nb / args.split, ue = (part + 1) * nb / args.split;
-    const CUtensorMap *map = &args.map[member], *map_sc = &args.map_sc[member];
-    if (ub + (int64_t)threadIdx.x < ue) {
-        tensormap_acquire(map);
-        if constexpr (Q6) tensormap_acquire(map_sc);
-    }
-    for (int64_t u = ub + threadIdx.x; u < ue; u += blockDim.x) {
-        prefetch_2d(map, (int)(u * (Q6 ? 192 : 144)), row0);
-        if constexpr (Q6) prefetch_2d(map_sc, (int)(u * 16), row0);
-    }
-#endif
-}
-
 template <int TYPE, int WARPS, int STAGES, bool TMA>
 __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
+    pdl_launch_dependents();   // the next kernel waits (pdl_wait) for this whole grid
     extern __shared__ __align__(128) uint8_t smem[];
     matvec_block<TYPE, WARPS, STAGES, TMA>(args, blockIdx.x, smem);
 }
@@ -836,9 +793,10 @@ inline void check_call(int type, int64_t K, int n_vec) {
 inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
     check_call(type, K, n_vec);
     const unsigned grid = (unsigned)(K / QK_K);
-    if (type == TYPE_Q4_K) prep_kernel<TYPE_Q4_K><<<grid, 256, 0, st>>>(x, K, n_vec, static_cast<uint8_t *>(ws));
-    else prep_kernel<TYPE_Q6_K><<<grid, 256, 0, st>>>(x, K, n_vec, static_cast<uint8_t *>(ws));
-    check_launch("matvec_f16: prep");
+    uint8_t *w = static_cast<uint8_t *>(ws);
+    check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, x, K, n_vec, w)
+                                 : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, x, K, n_vec, w),
+               "matvec_f16: prep");
 }
 
 // Per device (a process may drive several; cudaFuncSetAttribute acts on the current device only).
@@ -937,21 +895,10 @@ inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
     }
 }
 
-// OJ_MVF16_TMA: which types stream on the copy engine (sm_90+). Unset or "all": Q4_K and Q6_K (the
-// default since its first GPU run, 2026-11-30 seventh session: the 27B's grouped projections 4.92 ms
-// against 5.15 with Q4_K alone); "1": Q4_K only; "0": none (16-byte cp.async as before, for
-// comparisons). Anything else is refused by name.
-inline bool tma_for(int type) {
-    static const int mode = [] {
-        const char *e = std::getenv("OJ_MVF16_TMA");
-        const std::string v = e ? e : "all";
-        if (v == "0") return 0;
-        if (v == "1") return 1;
-        if (v == "all") return 2;
-        fail(OJ_ERR_INVALID_ARGUMENT, "OJ_MVF16_TMA must be 0, 1 or all, not '" + v + "'");
-    }();
-    return type == TYPE_Q4_K ? mode >= 1 : type == TYPE_Q6_K && mode == 2;
-}
+// Both types stream on the copy engine on sm_90+ (measured 2026-11-30: the 27B's grouped
+// projections 4.92 ms against 5.15 with Q6_K on cp.async and 6.86 with both there); the cp.async
+// loop stays for older GPUs and for calls that gather rows (a tensor map cannot).
+inline bool tma_for(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
 template <int TYPE, int WARPS, int STAGES>
 inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
@@ -976,6 +923,7 @@ inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, 
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
     cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
+    ++g_launches;
     const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
                           : tma                 ? cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES, true>, b)
                                                 : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES, false>, b);
@@ -1019,7 +967,9 @@ inline int resident(const Device &d, int type, int warps, int stages, int n_vec)
                              : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
 }
 
-// Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair. Stages (Q4_K on the copy
+// Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair (kept for
+// tools/matvec_f16_bench.cu, which checks every configuration the picker can choose through both
+// copies of this header it runs, its own and matvec.cu's: the engine's users never set these two). Stages (Q4_K on the copy
 // engine: 2, see stages_for): 3 when two blocks still fit an SM's shared memory, else 2. Split S (blocks per row tile): auto_split below;
 // OJ_MVF16_SPLIT=n forces n (clamped to 1..nb and to MAX_SLOTS slots); forced to 1 it also brings
 // back the unsplit rule for the warps (8 when the grid alone leaves SMs idle and K has >= 16
@@ -1176,7 +1126,7 @@ inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate,
 }
 
 // The Args of the n (1..GROUP_MAX) matrices of one type and one K reading one prepared x from
-// workspace ws: the members' row tiles one after the other (run_group, persistent_args); tiles: their
+// workspace ws: the members' row tiles one after the other (run_group); tiles: their
 // sum. The split and the copy engine are the caller's.
 inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate, int64_t &tiles) {
     if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
@@ -1211,37 +1161,6 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
     int64_t tiles = 0;
     Args a = group_args(w, y, n, ws, n_vec, false, tiles);
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
-}
-
-// The split of a persistent-kernel matvec: split_cost's model with 8 warps per block and `slots`
-// resident blocks (one per SM, whatever the position count: the split sets the summation order, and
-// 1..8 positions must stay bit-identical), every warp at least one super-block per split.
-inline int persistent_split(int64_t tiles, int64_t nb, int64_t slots) {
-    const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / 8), std::max<int64_t>(1, MAX_SLOTS / tiles), 64});
-    int best = 1;
-    double best_c = 1e300;
-    for (int S = 1; S <= smax; ++S) {
-        const double c = split_cost(tiles, nb, 8, S, slots);
-        if (c < best_c - 1e-9) best_c = c, best = S;   // ties: the smaller S
-    }
-    return best;
-}
-
-// The persistent kernel's form of run / run_group (persistent.cu): the Args of y_i (+)= W_i x for
-// the n (1..GROUP_MAX) matrices of one type and one K from workspace ws, every member on the copy
-// engine (its tensor maps filled here), split by persistent_split for `slots` resident blocks, or
-// (slots 0) as run_group would (pick); the kernel runs matvec_block<TYPE, 8, STAGES, true> over items
-// 0..blocks-1. Needs sm_90+ code and device.
-inline Args persistent_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate,
-                            int64_t slots, int64_t &blocks) {
-    int64_t tiles = 0;
-    Args a = group_args(w, y, n, ws, n_vec, accumulate, tiles);
-    a.split = slots > 0 ? persistent_split(tiles, w[0].K / QK_K, slots) : pick(device(), w[0].type, tiles * ROWS, w[0].K, n_vec).split;
-    a.tma = true;
-    maps_for(w[0], &a.map[0], &a.map_sc[0]);
-    for (int i = 1; i < n; ++i) maps_for(w[i], &a.map[i], &a.map_sc[i]);
-    blocks = tiles * a.split;
-    return a;
 }
 
 }  // namespace mvf16

@@ -33,7 +33,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 4, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
+enum { OJ_ABI_VERSION = 5, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -131,6 +131,17 @@ typedef struct oj_memory_report {
 
 typedef struct oj_engine oj_engine;
 
+/* One phase of the main model's verify pass, summed over the passes since oj_profile (oj_profile_read). */
+typedef struct oj_phase {
+    char name[32];             /* "ffn gate+up", "attention core", ... (NUL-terminated) */
+    int32_t calls;             /* times the phase ran (e.g. 64 per pass for an FFN phase of the 27B) */
+    int32_t launches;          /* kernel launches in it */
+    double ms;                 /* GPU time between the CUDA events at its start and at the next phase's */
+    uint64_t bytes;            /* the fewest bytes it must move: weights, KV rows read, recurrent state
+                                  read and written (activations not counted) */
+} oj_phase;
+enum { OJ_MAX_PHASES = 16 };
+
 int32_t oj_abi_version(void);
 
 /* The message of the last failure on `engine`, or of the last engine-less call on this thread
@@ -146,12 +157,14 @@ int32_t oj_engine_create(const oj_model_desc *desc, oj_engine **out);
 void oj_engine_free(oj_engine *engine);
 
 int32_t oj_memory(const oj_engine *engine, oj_memory_report *out);
-/* Whether oj_verify / oj_eval run the main model as one cooperative launch (the persistent kernel;
-   OJ_PERSISTENT read at engine creation: unset or 0 off, 1 where model and GPU fit, require an
-   error at creation where they do not): *active 1 or 0, and in why (NUL-terminated, cut to
-   why_capacity bytes) the reason when 0, the last launch's shape when 1. */
-int32_t oj_persistent_info(const oj_engine *engine, int32_t *active, char *why, int32_t why_capacity);
-
+/* Per-phase profile of oj_verify / oj_eval / oj_cycle's main-model pass (issue 25): on 1 records a
+   CUDA event at every phase boundary of each pass from now on (a few hundred per pass; the pass
+   runs slightly slower), 0 stops; both clear the totals. oj_profile_read copies up to capacity
+   phases (OJ_MAX_PHASES hold all) in pass order, the number of passes and the GPU time from each
+   pass's first event to its last, summed (*span_ms), then clears the totals. */
+int32_t oj_profile(oj_engine *engine, int32_t on);
+int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
+                        double *span_ms);
 /* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches. */
 int32_t oj_reset(oj_engine *engine);
 int32_t oj_n_past(const oj_engine *engine, int32_t *out);
@@ -191,8 +204,7 @@ int32_t oj_commit(oj_engine *engine, int32_t n_accept);
    (may be NULL when n_draft is 0). Afterwards n_past grows by 1 + *n_accepted; oj_get_argmax /
    logits / hidden read the verify's positions; oj_mtp_n_past is the new n_past + 1 when n_draft > 0
    (the next token's row; the draft rows past it are provisional), else as before; the draft results
-   (oj_get_draft_*) are not readable. On the persistent kernel (OJ_PERSISTENT, oj_persistent_info)
-   the whole cycle is one launch; otherwise the same steps run as separate launches. */
+   (oj_get_draft_*) are not readable. */
 int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
                  int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts);
 /* Results of the last oj_eval: argmax per position, one position's logits or final hidden

@@ -24,7 +24,7 @@ __device__ __forceinline__ float block_sum(float v) {
 
 // The block's best (value, index) pairs (one per thread, blockDim.x a power of two) reduced through
 // sv / si (blockDim.x entries each): the largest value, the smallest index among equals; thread 0
-// gets it (argmax_kernel and the persistent kernel's argmax).
+// gets it (argmax_kernel).
 __device__ __forceinline__ int block_argmax(float best, int idx, float *sv, int *si) {
     sv[threadIdx.x] = best;
     si[threadIdx.x] = idx;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make the two carry folders scripts/gpu_cluster.sh needs on the GPU machine (Python 3.12, no
+# Make the two carry folders scripts/gpu.sh cluster needs on the GPU machine (Python 3.12, no
 # registry there): LiteLLM's proxy and the packages it needs that the GPU image lacks.
 #
 #   bash scripts/cluster_carry.sh          # -> .carry/cluster-a (~35 MB), .carry/cluster-b (~16 MB)

@@ -1,5 +1,5 @@
 """Summarises `ncu --page source --csv --print-source sass` output: the SASS instructions with the
-most warp stall samples, and the samples by stall reason (scripts/gpu_matvec_group.sh --ncu-source).
+most warp stall samples, and the samples by stall reason (scripts/gpu.sh matvec-group --ncu-source).
 
     python3 scripts/ncu_source_top.py source.csv [N]
 """

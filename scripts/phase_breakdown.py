@@ -115,7 +115,7 @@ def unit_scale(unit: str, want: str, where: str) -> float:
                              f"(a {want} column takes: {known}); run ncu with --print-units base")
     if got[1] != want:
         raise BreakdownError(f"{where} has unit {u!r}, which measures {got[1]}, not {want}; profile with "
-                             f"the metrics scripts/gpu_phases.sh names")
+                             f"the metrics scripts/gpu.sh phases names")
     return got[0]
 
 

@@ -16,7 +16,7 @@ L2 difference of the logits, and the load and eval time of both. JSON to --out, 
 The model defaults to the bench's generated q27b (build/cache/bench/q27b-Q4_K_M-seed0.gguf, or
 /tmp/q27b.gguf from scripts/native_q27b.py), generated once when neither exists. The llama.cpp
 build (~5 minutes on 16 cores) is started in the background unless it is ready or running
-(scripts/gpu_agreement.sh starts it first); our engine runs while it builds.
+(scripts/gpu.sh agreement starts it first); our engine runs while it builds.
 
 Exit status: 0 measured and top-1 >= --min-top1; 2 measured and below it (or non-finite logits);
 3 out of time before llama.cpp was built (run again: the build resumes); 1 any other failure.
@@ -268,10 +268,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ap.add_argument("--text", type=Path, help="tokenise this file instead of random ids")
     ap.add_argument("--engine", choices=("native", "reference"), default="native")
-    ap.add_argument("--matvec", choices=("default", "f16", "bf16", "int8"), default="default",
-                    help="native projections: OPENJET_MATVEC as it is (default: fp16 activations), or "
-                         "set to f16, bf16 (the bf16-split kernels) or int8 (x rounded per 32 values as "
-                         "llama.cpp's q8_1)")
     ap.add_argument("--llama-logits", help="a built llama_logits (default: built from the peer sdist)")
     ap.add_argument("--llama-logits-src", default=str(LLAMA_LOGITS_SRC), help=argparse.SUPPRESS)
     ap.add_argument("--allow-cpu-llama", action="store_true",
@@ -288,11 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.positions < 1 or not 1 <= args.batch <= 8:
         ap.error("--positions must be >= 1 and --batch 1..8")
     deadline = time.time() + args.budget_s
-    if args.matvec != "default":   # read by the engine at its first quantised matvec, in this process
-        os.environ["OPENJET_MATVEC"] = args.matvec
-    from openjet_plugin.backends.native import matvec_path
-
-    res: dict = {"matvec": matvec_path(), "positions": args.positions, "batch": args.batch, "kv": "f16", "flash_attn": True,
+    res: dict = {"positions": args.positions, "batch": args.batch, "kv": "f16", "flash_attn": True,
                  "timing": "load: model onto the device; eval: all positions incl. copying every logits row "
                            "to the host (ours after one warm-up call, llama.cpp's includes its first call)"}
     try:
@@ -351,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
           f"({res['disagreements']} disagreements{nt}); KL(llama.cpp || ours) mean {res['kl_mean']:.2e}, "
           f"max {res['kl_max']:.2e}; rel L2 {res['rel_l2'] or 0:.2e}; "
           f"llama.cpp load {ll['load_s']:.1f} s, eval {ll['decode_s']:.2f} s; "
-          f"ours ({o['engine']}, matvec {args.matvec}) load {o['load_s']} s, eval {o['eval_s']} s -> "
+          f"ours ({o['engine']}) load {o['load_s']} s, eval {o['eval_s']} s -> "
           f"{'PASS' if res['pass'] else 'FAIL'} (top-1 >= {args.min_top1}, >= {args.min_positions} positions)",
           flush=True)
     return 0 if res["pass"] else EXIT_BELOW

@@ -1,4 +1,4 @@
-"""The table of a compute-sanitizer run over the GPU tests (scripts/gpu_sanitize.sh, issue 10 item 2).
+"""The table of a compute-sanitizer run over the GPU tests (scripts/gpu.sh sanitize, issue 10 item 2).
 
 Each tool's log holds the sanitizer's own lines (prefixed `=========`) and pytest's output. Per
 target process the sanitizer ends with `ERROR SUMMARY: N errors` (racecheck also, or instead,

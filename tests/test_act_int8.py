@@ -1,9 +1,9 @@
-"""The int8-activation option on the CPU side (OPENJET_MATVEC=int8 in native/matvec.cu).
+"""The int8-activation rounding on the CPU side (the int8 prefill GEMM, OPENJET_PREFILL_GEMM=int8,
+native/gemm_prefill.cuh).
 
-The engine's int8 path rounds the input of every Q4_K / Q5_K / Q6_K / Q8_0 product to int8 per 32
-values; `ReferenceModel(act_int8=True)` must round the same way so that the GPU test
-(tests/test_native_gpu.py::test_int8_activations_match_the_int8_reference) can hold the engine to
-the float path's tight bars. Checked here without a GPU:
+That GEMM rounds the input of every Q4_K / Q5_K / Q6_K / Q8_0 product to int8 per 32 values;
+`ReferenceModel(act_int8=True)` must round the same way to hold it to tight bars. Checked here
+without a GPU:
 - `quantize_act_int8` against a lane-by-lane transcription of quantize_x_kernel (butterfly max and
   sum, d = amax / 127, __float2int_rn(x / d), the int8 store) on random and edge inputs;
 - the K-quant mins decoded for the exact-sum term, and one product against the engine's formula

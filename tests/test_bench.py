@@ -611,6 +611,7 @@ class _ToyEngine:
         self.n_past += n
         self.pending = 0
         self.evals += 1
+        self.profiled_passes += bool(self.profiling)
         return 0
 
     def oj_verify(self, h, buf, n):
@@ -677,6 +678,25 @@ class _ToyEngine:
         rep.total = 123
         return 0
 
+    # oj_profile: every oj_eval while on is one pass of two phases (a projection and a norm)
+    OJ_MAX_PHASES = 16
+    profiling = profiled_passes = 0
+
+    def oj_profile(self, h, on):
+        self.profiling, self.profiled_passes = on, 0
+        return 0
+
+    def oj_profile_read(self, h, rows, cap, n, passes, span):
+        names = [b"ffn down", b"norms"]
+        for i, name in enumerate(names):
+            rows[i].name = name
+            rows[i].calls = rows[i].launches = self.profiled_passes
+            rows[i].ms = 0.5 * self.profiled_passes
+            rows[i].bytes = 10**9 * self.profiled_passes if i == 0 else 0
+        n[0], passes[0], span[0] = len(names), self.profiled_passes, 1.0 * self.profiled_passes
+        self.profiled_passes = 0
+        return 0
+
 
 @pytest.fixture()
 def toy_native(monkeypatch):
@@ -741,9 +761,18 @@ def test_our_engine_child_measures_every_planned_row(tmp_path, monkeypatch, tiny
             key("spec_tps", {"acceptance": 0.0, "drafts": 2, "depth": 200}),
             key("spec_tps", {"acceptance": 1.0, "drafts": 2, "depth": 200}),
             key("spec_tps", {"acceptance": 0.5, "drafts": 3, "depth": 200}),
-            key("spec_mtp_tps", {"drafts": 1, "depth": 200}), key("spec_mtp_tps", {"drafts": 3, "depth": 200})}
+            key("spec_mtp_tps", {"drafts": 1, "depth": 200}), key("spec_mtp_tps", {"drafts": 3, "depth": 200}),
+            key("projection_gbps", {"positions": 1, "depth": 100}), key("projection_gbps", {"positions": 3, "depth": 100})}
     assert set(res) == want
     assert all(len(x["samples"]) == 6 and x["engine"] == "openjet" for x in res.values())
+    # the toy's profile: one projection phase of 1 GB in 0.5 ms per pass -> 2,000 GB/s; its table per row
+    assert res[key("projection_gbps", {"positions": 1, "depth": 100})]["samples"] == [2000.0] * 6
+    tables = {}
+    for x in lines:
+        tables.update(x.get("info", {}).get(ours.PHASES_KEY, {}))
+    assert set(tables) == {k for k in want if k.startswith("projection_gbps")}
+    t = tables[key("projection_gbps", {"positions": 3, "depth": 100})]
+    assert t["passes"] == 6 and [p["name"] for p in t["phases"]] == ["ffn down", "norms"]
     assert starts == [0] * 6 + [300] * 6
     assert any("info" in x and x["info"].get("openjet_memory_bytes", {}).get("total") == 123 for x in lines)
     details = {}

@@ -2,7 +2,7 @@
 
 - scripts/sanitize_summary.py (the table of compute-sanitizer logs) on canned sanitizer and pytest
   output; scripts/sanitize_deadline.py (the pytest plugin that stops starting tests when a tool's
-  time budget is spent); scripts/gpu_sanitize.sh end to end with a stand-in compute-sanitizer.
+  time budget is spent); scripts/gpu.sh sanitize end to end with a stand-in compute-sanitizer.
 - native/tools/llama_logits.cpp compiled against llama-cpp-python's own libllama (CPU) through
   openjet_plugin.bench.peer.compile_llama_logits: its logits equal llama-cpp-python's, and every
   failure exits with its documented code and message.
@@ -147,7 +147,7 @@ def test_summary_cli_table_and_exit_status(tmp_path, capsys):
     assert "missing.log not found" in capsys.readouterr().err
 
 
-# --- the deadline plugin and gpu_sanitize.sh -------------------------------------------------------
+# --- the deadline plugin and gpu.sh sanitize -------------------------------------------------------
 
 def _pytest_with_deadline(tmp_path: Path, deadline: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_two.py").write_text("def test_a():\n    pass\n\ndef test_b():\n    pass\n")
@@ -207,7 +207,7 @@ def test_gpu_sanitize_script_with_a_stand_in_sanitizer(tmp_path):
     env = dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", OUT=str(out),
                SANITIZE_BUDGET="300", FAKE_SANITIZER_CALLS=str(calls),
                OPENJET_NATIVE_LIB=str(tmp_path / "no-such-lib.so"))   # the GPU tests skip quickly
-    r = subprocess.run(["bash", str(SCRIPTS / "gpu_sanitize.sh")], capture_output=True, text=True,
+    r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh"), "sanitize"], capture_output=True, text=True,
                        env=env, timeout=600)
     table = (out / "sanitize.md").read_text()
     assert r.returncode == 1, r.stdout + r.stderr     # initcheck's 2 errors make the run unclean
@@ -434,15 +434,24 @@ def test_agreement_script_exits_3_while_the_llama_build_is_still_running(synth_p
 
 
 def test_every_device_script_parses():
-    """A syntax error in a scripts/*.sh costs a device call; `bash -n` finds it here."""
-    scripts = sorted((REPO / "scripts").glob("*.sh"))
+    """A syntax error in a scripts/*.sh or scripts/gpu/*.sh costs a device call; `bash -n` finds it here."""
+    scripts = sorted((REPO / "scripts").glob("*.sh")) + sorted((REPO / "scripts" / "gpu").glob("*.sh"))
     assert len(scripts) >= 10
     for s in scripts:
         r = subprocess.run(["bash", "-n", str(s)], capture_output=True, text=True)
         assert r.returncode == 0, f"{s.name}: {r.stderr}"
 
 
-def test_first_runs_refuses_an_unknown_group(tmp_path):
-    r = subprocess.run(["bash", str(REPO / "scripts" / "gpu_first_runs.sh"), "everything"], capture_output=True,
-                       text=True, env={**os.environ, "OUT": str(tmp_path)})
-    assert r.returncode == 2 and "unknown group 'everything'" in r.stdout
+def test_gpu_entry_point_lists_its_commands_and_refuses_an_unknown_one(tmp_path):
+    """scripts/gpu.sh: every command it names has its script under scripts/gpu/ (and every script
+    there is a command); an unknown command exits 2 naming the ones there are."""
+    text = (SCRIPTS / "gpu.sh").read_text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("commands="))
+    commands = set(line.split('"')[1].split())
+    scripts = {p.stem for p in (SCRIPTS / "gpu").glob("*.sh")}
+    assert commands - {"session"} == scripts
+    r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh"), "everything"], capture_output=True, text=True,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 2 and "unknown command 'everything'" in r.stdout and "check" in r.stdout
+    r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh")], capture_output=True, text=True)
+    assert r.returncode == 2 and "session" in r.stdout

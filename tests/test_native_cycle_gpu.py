@@ -1,9 +1,7 @@
 """The fused speculative cycle (oj_cycle, issue 8) on the GPU, against the host path.
 
-Needs an NVIDIA GPU and the built library (ABI 4); skips with the reason otherwise. The process's
-OJ_PERSISTENT decides the path (unset: separate launches; 1: one launch per cycle), so
-`OJ_PERSISTENT=1 bash scripts/gpu_check.sh` runs all of this on the persistent kernel too; the
-rows reported to `$OPENJET_GPU_REPORT` name the path.
+Needs an NVIDIA GPU and the built library (ABI 4+); skips with the reason otherwise. oj_cycle runs
+the same kernels as verify + commit + oj_mtp_eval, as separate launches.
 
 - greedy generation through the engine's speculative loop, one oj_cycle a cycle now, equals plain
   one-token decoding (a divergence only at a logged near-tie), with MTP drafts and oracle drafts;
@@ -32,8 +30,8 @@ NEAR_TIE = ts.NEAR_TIE
 N_CYCLES = 40
 N_DRAFTS = [4, 7, 1, 0, 3, 7, 2, 5, 0]      # n_draft of cycle c: N_DRAFTS[c % 9]
 STATE_REL_MAX = 1e-4                        # the same path: the main model's verify either way
-# The MTP block of a cycle may run inside its launch (the persistent kernel) while oj_mtp_eval runs
-# its own kernels: rows summed in another order, test_native_persistent_gpu.py's bars between paths.
+# The bar the MTP rows had while a cycle could run inside one cooperative launch (rows summed in
+# another order); both sides now run the same kernels.
 MTP_REL_MAX = 2e-3
 DRAFT_TIE = 1e-2
 
@@ -64,7 +62,8 @@ def _gap(row: np.ndarray) -> float:
 
 
 def _path(be) -> str:
-    return "persistent" if be.persistent_info()[0] else "launches"
+    """The path the report rows name: the multi-kernel one, the only path since the persistent kernel left."""
+    return "launches"
 
 
 def _counting(be, calls: Counter) -> None:

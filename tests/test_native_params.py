@@ -41,20 +41,6 @@ def test_load_refuses_bad_checkpoint_parameters(synth_path, kwargs, needle):
         openjet_plugin.load(synth_path("tiny", "Q8_0"), backend="llama.cpp", **kwargs)
 
 
-@pytest.mark.parametrize("value", ["int9", "INT8", "fp16"])
-def test_an_unknown_matvec_path_is_a_reason_not_a_silent_default(model_file, monkeypatch, value):
-    monkeypatch.setenv(native.MATVEC_ENV, value)
-    ok, reason = native.native_status(model_file, 64)
-    assert not ok and native.MATVEC_ENV in reason and repr(value) in reason and "'int8'" in reason
-
-
-@pytest.mark.parametrize("value", ["", "bf16", "int8", "f16"])
-def test_a_known_matvec_path_is_not_refused_for_it(model_file, monkeypatch, value):
-    monkeypatch.setenv(native.MATVEC_ENV, value)
-    ok, reason = native.native_status(model_file, 64)
-    assert native.MATVEC_ENV not in reason       # whatever else this machine lacks, not this
-
-
 @pytest.mark.parametrize("env,value", [("OPENJET_PREFILL_GEMM", "fp8"), ("OPENJET_PREFILL_ATTN", "flash2"),
                                        ("OPENJET_PREFILL_DELTANET", "Chunked")])
 def test_an_unknown_prefill_switch_is_a_reason_not_a_silent_default(model_file, monkeypatch, env, value):

@@ -1,7 +1,7 @@
 """Batched prefill (oj_prefill, issue 9) against the 8-positions-per-oj_eval path it replaces.
 
 Needs an NVIDIA GPU and a library with oj_prefill (ABI 3); everything here skips with the reason
-otherwise. `scripts/gpu_check.sh` runs it (PYTEST_FILES) and collects the rows it reports into
+otherwise. `scripts/gpu.sh check` runs it (PYTEST_FILES) and collects the rows it reports into
 `$OPENJET_GPU_REPORT`, like tests/test_native_gpu.py's.
 
 - the state a 600-token prefill leaves (passes of 256: several, and a ragged last one) — every

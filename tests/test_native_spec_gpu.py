@@ -1,6 +1,6 @@
 """MTP speculative decoding in the native engine (issue 6) against the same engine without it.
 
-Needs an NVIDIA GPU and the built library; skips with the reason otherwise. `scripts/gpu_check.sh`
+Needs an NVIDIA GPU and the built library; skips with the reason otherwise. `scripts/gpu.sh check`
 runs it on the GPU machine; rows go to `$OPENJET_GPU_REPORT` like tests/test_native_gpu.py's.
 
 - greedy speculative output == greedy plain output (D = 1..4, MTP drafts; oracle drafts at forced

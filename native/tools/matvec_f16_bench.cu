@@ -1,5 +1,5 @@
 // matvec_f16_bench.cu: checks and times matvec_f16.cuh (fp16-activation decode matvec)
-// beside matvec.cu's bf16-split and int8 paths on the 27B Q4_K_M map's (type, shape) pairs.
+// beside matvec.cu's bf16-split reference kernels on the 27B Q4_K_M map's (type, shape) pairs.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative -Xcompiler -fopenmp native/tools/matvec_f16_bench.cu \
 //        native/matvec.cu -o mvf -lgomp        (scripts/gpu_matvec_f16.sh builds and runs it)
@@ -27,9 +27,9 @@
 //   - split sweep (model shapes): the matvec alone under OJ_MVF16_SPLIT = 1..8 at n = 1 and 5,
 //     each forced split's 5-vector outputs within 1e-5 of the vector's rms of the picked split's.
 // Timing: CUDA events, median of RUNS after warm-up, L2 flushed (256 MB memset) before each run:
-// "f16" = prep + matvec (what one call costs, as the int8 path's quantise + matvec), "f16run" =
+// "f16" = prep + matvec (what one call costs), "f16run" =
 // matvec alone on an already prepared x (the engine can prep once per x for several matrices),
-// "bf16" and "int8" = matvec.cu's paths. The 27B pass sums count x median over the map; the split
+// "bf16" = matvec.cu's reference kernels. The 27B pass sums count x median over the map; the split
 // sweep's pass lines: the matvec alone with the picked split, with split 1 forced (the kernel before
 // split-K) and with each shape's fastest split (what a perfect pick would give).
 #include <cuda_fp16.h>
@@ -70,8 +70,8 @@ static double copy_gbs() {
 }
 
 struct Shape { const char *name; int64_t K, M; };
-enum Path { F16 = 0, F16RUN, BF16, INT8, NPATH };
-static const char *path_name[NPATH] = {"f16", "f16run", "bf16", "int8"};
+enum Path { F16 = 0, F16RUN, BF16, NPATH };
+static const char *path_name[NPATH] = {"f16", "f16run", "bf16"};
 static const int TIMED_N[] = {1, 2, 5, 8};
 static const int SWEEP_S[] = {1, 2, 3, 4, 5, 6, 8};
 constexpr int NSWEEP = sizeof(SWEEP_S) / sizeof(SWEEP_S[0]);
@@ -225,7 +225,7 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
                                       8, (double)differ);
             }
         }
-        // the engine's entry points under OPENJET_MATVEC=f16 (matvec.cu's launch_any -> launch_f16)
+        // the engine's entry points (matvec.cu's launch_any -> launch_f16)
         {
             matvec_force_path(2);
             CK(cudaMemset(dy, 0xFF, 8 * M * 4));
@@ -316,9 +316,7 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
         if (n == 1 || n == 5) {
             matvec_force_path(0);
             res.ms[BF16][n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
-            matvec_force_path(1);
-            res.ms[INT8][n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
-            matvec_force_path(0);
+            matvec_force_path(2);
         }
     }
     for (int p = 0; p < NPATH; ++p)
@@ -420,15 +418,15 @@ int main(int argc, char **argv) {
                     r.bf_rms, r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
-    std::printf("\n%-16s %8s %5s | %-29s | %-17s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (prep+mv) % copy n=1 2 5 8",
-                "f16run n=1 5", "bf16 n=1 5", "int8 n=1 5", "err f64  vs bf16");
+    std::printf("\n%-16s %8s %5s | %-29s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (prep+mv) % copy n=1 2 5 8",
+                "f16run n=1 5", "bf16 n=1 5", "err f64  vs bf16");
     for (const Use &u : model) {
         const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
         auto pct = [&](double ms) { return ms > 0 ? 100.0 * (r.bytes / (ms * 1e-3) / 1e9) / g_copy : 0.0; };
-        std::printf("%-5s %-10s %8.1f %2d/%-2d | %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
+        std::printf("%-5s %-10s %8.1f %2d/%-2d | %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
                     type_name(u.type), u.s.name, r.bytes / 1e6, r.cfg1.warps, r.cfg1.split, pct(r.ms[F16][1]), pct(r.ms[F16][2]),
                     pct(r.ms[F16][5]), pct(r.ms[F16][8]), pct(r.ms[F16RUN][1]), pct(r.ms[F16RUN][5]), pct(r.ms[BF16][1]),
-                    pct(r.ms[BF16][5]), pct(r.ms[INT8][1]), pct(r.ms[INT8][5]), r.ref_err, r.bf_max, r.ok ? "" : " FAIL");
+                    pct(r.ms[BF16][5]), r.ref_err, r.bf_max, r.ok ? "" : " FAIL");
     }
     // split sweep: the matvec alone (f16run) in us per forced split; * marks the fastest, [] the picked
     std::printf("\nsplit sweep (matvec alone, us, flushed L2; forced OJ_MVF16_SPLIT -> split run; * fastest, [] picked)\n");

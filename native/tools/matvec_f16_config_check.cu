@@ -1,8 +1,8 @@
 // matvec_f16_config_check.cu: matvec_f16.cuh's host-side configuration on the CPU (no GPU needed):
-// which types stream on the copy engine under OJ_MVF16_TMA, the stage count stages_for picks for
+// which types stream on the copy engine, the stage count stages_for picks for
 // each type, vector count and device, the stages' 128-byte rounding and the shared-memory size with
-// its barriers. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it under
-// several environments and checks the rules.
+// its barriers. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
+// checks the rules.
 //
 //   nvcc -std=c++17 -arch=sm_90 -Inative native/tools/matvec_f16_config_check.cu -o mvcfg
 #include <cstdio>

@@ -18,7 +18,7 @@ when prefill_chunk is 0, through oj_eval, 8 positions a call. The engine makes t
 prefill itself when its MTP cache ends at n_past on entry; a speculating backend arranges that.
 
 Fused cycles (issue 8): `cycle` is oj_cycle, a greedy cycle in one call (verify, accept, commit,
-then the next token's MTP row and its drafts); one launch on the persistent kernel. The engine's
+then the next token's MTP row and its drafts), no Python between its launches. The engine's
 MTP cache then runs a row ahead of `_mtp_upto`: `_token_row` says for which (position, token).
 """
 
@@ -30,7 +30,7 @@ from typing import Iterable
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .. import _native
+from .. import _native, gpus
 from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
 from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
 
@@ -38,20 +38,9 @@ from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngine
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
 MIN_COMPUTE_CAPABILITY = (8, 6)
 KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
-MATVEC_ENV = "OPENJET_MATVEC"            # matvec.cu: "bf16" (bf16-split) / "int8" activations; else f16
-MATVEC_PATHS = ("", "bf16", "int8", "f16")
-DEFAULT_MATVEC = "f16"                   # matvec.cu's path when OPENJET_MATVEC is unset
-
-
-def matvec_path(environ=None) -> str:
-    """The decode-matvec path the native engine takes in a process with this environment
-    (os.environ by default): "f16", "bf16" or "int8"."""
-    value = (os.environ if environ is None else environ).get(MATVEC_ENV, "")
-    return value if value in MATVEC_PATHS[1:] else DEFAULT_MATVEC
 # The native engine's switches, read once per process, and the values each takes ("" = unset, the
-# default): matvec.cu's decode projections; prefill.cu's projections, attention and DeltaNet kernels.
-SWITCHES = {MATVEC_ENV: MATVEC_PATHS,
-            "OPENJET_PREFILL_GEMM": ("", "f16", "int8", "wgmma"),
+# default): prefill.cu's projections, attention and DeltaNet kernels.
+SWITCHES = {"OPENJET_PREFILL_GEMM": ("", "f16", "int8", "wgmma"),
             "OPENJET_PREFILL_ATTN": ("", "flash", "decode"),
             "OPENJET_PREFILL_DELTANET": ("", "sequential", "chunked")}
 N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
@@ -190,6 +179,8 @@ def native_status(model_file, n_ctx: int, kv_type: str = "f16",
     try:
         nl = _native.load()
     except BackendUnavailableError as e:
+        if gpus.first_gpu() is None:     # the first thing to say on a machine without a GPU
+            return False, f"no NVIDIA GPU visible (and {e})"
         return False, str(e)
     ffi, lib = nl.ffi, nl.lib
     major, minor = ffi.new("int32_t *"), ffi.new("int32_t *")
@@ -197,7 +188,8 @@ def native_status(model_file, n_ctx: int, kv_type: str = "f16",
     name = ffi.new("char[256]")
     rc = lib.oj_device_info(0, major, minor, free, total, name, 256)
     if rc != 0:
-        return False, f"no usable CUDA device: {_native.last_error(nl)}"
+        where = "no NVIDIA GPU visible" if gpus.first_gpu() is None else "no usable CUDA device"
+        return False, f"{where} (the CUDA runtime says: {_native.last_error(nl)})"
     gpu = ffi.string(name).decode(errors="replace")
     cc = (int(major[0]), int(minor[0]))
     if cc < MIN_COMPUTE_CAPABILITY:
@@ -747,16 +739,23 @@ class NativeBackend:
         # `prefill` is ABI 3's: a library of an older header reports none
         return {k: int(getattr(rep, k, 0)) for k in MEMORY_FIELDS}
 
-    def persistent_info(self) -> tuple[bool, str]:
-        """(whether oj_verify / oj_eval run as one cooperative launch, why not): the persistent
-        kernel of issue 8, switched by OJ_PERSISTENT at engine creation (native/persistent.cu)."""
-        lib, ffi = self._nl.lib, self._nl.ffi
-        if not hasattr(lib, "oj_persistent_info"):
-            return False, "the native library predates the persistent kernel"
-        active = ffi.new("int32_t *")
-        why = ffi.new("char[]", 512)
-        self._check(lib.oj_persistent_info(self._handle(), active, why, 512), "persistent_info")
-        return bool(active[0]), ffi.string(why).decode("utf-8", "replace")
+    def profile(self, on: bool) -> None:
+        """oj_profile: CUDA events at the phase boundaries of every main-model pass from now (on) or
+        not; either way the totals start from zero (openjet bench's per-phase table)."""
+        self._check(self._nl.lib.oj_profile(self._handle(), 1 if on else 0), "profile")
+
+    def profile_read(self) -> dict:
+        """oj_profile_read: {"passes", "span_ms", "phases": [{"name", "calls", "launches", "ms",
+        "bytes"}, ...] in pass order}, summed over the passes since profile() or the last read;
+        the totals then start from zero."""
+        ffi, lib = self._nl.ffi, self._nl.lib
+        cap = int(lib.OJ_MAX_PHASES)
+        rows = ffi.new("oj_phase[]", cap)
+        n, passes, span = ffi.new("int32_t *"), ffi.new("int32_t *"), ffi.new("double *")
+        self._check(lib.oj_profile_read(self._handle(), rows, cap, n, passes, span), "profile_read")
+        phases = [{"name": ffi.string(r.name).decode(), "calls": int(r.calls), "launches": int(r.launches),
+                   "ms": float(r.ms), "bytes": int(r.bytes)} for r in rows[0:n[0]]]
+        return {"passes": int(passes[0]), "span_ms": float(span[0]), "phases": phases}
 
     def debug_fault(self, kind: int) -> None:
         """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""

@@ -20,6 +20,12 @@ host — the same boundary llama-bench times for llama.cpp (llama_decode + synch
 - verify_ms for P positions at depth 1024: one `oj_eval` of P tokens plus the copy of their
   argmax to the host, i.e. one verification pass; the state is reset and refilled to the depth
   for every P.
+- projection_gbps for P positions at depth 1024 (right after verify_ms, same state): the same passes
+  with the engine's per-phase profile on (oj_profile: CUDA events at every phase boundary); one
+  sample = the pass's projection weight bytes (DeltaNet, attention and FFN projections, the head)
+  over the summed time of those phases. The phases summed over the samples go to the manifest
+  (info "phase_tables", keyed like the row): per phase its time, bytes, launches and calls per
+  pass, and the GPU span from the pass's first event to its last; report.py adds the floors.
 - Both are passes of the main model alone (llama.cpp runs no MTP block): a backend made to
   speculate adds MTP rows to every evaluation, which `spec.main_model_only` switches off for them.
 - prefill_tps for N new tokens at depth M: bench/prefill.py (oj_prefill from a checkpoint at M,
@@ -48,6 +54,10 @@ ENGINE = "openjet"
 WARMUP_STEPS = 8
 SPEC_WARMUP_TOKENS = 16        # one short warm-up run per speculative row (kernels of its D + 1)
 DETAILS_KEY = "spec_details"   # info key: {row_key: details}, merged by the parent
+PHASES_KEY = "phase_tables"    # info key: {row_key of a projection_gbps row: its phase table}, merged likewise
+# the profile's phases (native/engine.cu PHASE_NAMES) whose bytes are projection weights
+PROJECTION_PHASES = ("deltanet projections", "deltanet ssm_out", "attention q/k/v", "attention output",
+                     "ffn gate+up", "ffn down", "head")
 
 
 class Emitter:
@@ -138,6 +148,47 @@ def verify_samples(be, positions: int, reps: int, rng: np.random.Generator) -> l
         if r >= 0:
             samples.append(dt * 1e3)
     return samples
+
+
+def projection_gbps(read: dict) -> float:
+    """One profile read (NativeBackend.profile_read): projection weight bytes over the summed time
+    of the projection phases, GB/s."""
+    rows = [ph for ph in read["phases"] if ph["name"] in PROJECTION_PHASES]
+    ms = sum(ph["ms"] for ph in rows)
+    if ms <= 0:
+        raise ValueError(f"profile: the projection phases took {ms} ms over {read['passes']} passes")
+    return sum(ph["bytes"] for ph in rows) / (ms * 1e-3) / 1e9
+
+
+def phase_table(reads: list[dict]) -> dict:
+    """Profile reads of one pass each -> per-pass means: {"passes", "span_ms", "phases": [{"name",
+    "calls", "launches", "ms", "bytes"}]} (calls, launches and bytes are the same every pass)."""
+    n = len(reads)
+    names = [ph["name"] for ph in reads[0]["phases"]]
+    phases = []
+    for i, name in enumerate(names):
+        rows = [r["phases"][i] for r in reads]
+        phases.append({"name": name, "calls": rows[0]["calls"], "launches": rows[0]["launches"],
+                       "ms": sum(r["ms"] for r in rows) / n, "bytes": rows[0]["bytes"]})
+    return {"passes": n, "span_ms": sum(r["span_ms"] for r in reads) / n, "phases": phases}
+
+
+def profiled_samples(be, positions: int, reps: int, rng: np.random.Generator) -> tuple[list[float], dict]:
+    """`reps` profiled passes of `positions` tokens (after two warm-up passes): projection GB/s
+    per pass, and the phase table of the passes."""
+    be.profile(True)
+    try:
+        reads = []
+        for r in range(-2, reps):
+            be.eval_argmax(rng.integers(0, be.n_vocab, size=positions).tolist())
+            read = be.profile_read()
+            if read["passes"] != 1:
+                raise ValueError(f"profile: one eval of {positions} tokens read as {read['passes']} passes")
+            if r >= 0:
+                reads.append(read)
+    finally:
+        be.profile(False)
+    return [projection_gbps(x) for x in reads], phase_table(reads)
 
 
 def _pairs(text: str, what: str) -> list[tuple[float, int]]:
@@ -296,7 +347,7 @@ def run(args, out: Emitter) -> int:
     spec_todo = spec_rows(_pairs(args.spec, "--spec"), _ints(args.spec_mtp), args.spec_depth)
     from .prefill import parse_rows
     prefill_todo = parse_rows(args.prefill)
-    planned = ([("verify_ms", {"positions": p, "depth": args.verify_depth}) for p in verify]
+    planned = ([(m, {"positions": p, "depth": args.verify_depth}) for p in verify for m in ("verify_ms", "projection_gbps")]
                + [("decode_tps", {"depth": d}) for d in depths] + spec_todo
                + [("prefill_tps", {"new_tokens": n, "depth": d}) for n, d in prefill_todo])
     if not planned:
@@ -310,7 +361,7 @@ def run(args, out: Emitter) -> int:
     if too_many:
         raise ValueError(f"--verify: positions {too_many} outside 1..{MAX_POSITIONS} (one native call)")
     max_drafts = max([p["drafts"] for _, p in spec_todo], default=0)
-    need_ctx = max([args.verify_depth + MAX_POSITIONS * (args.reps + 2)]
+    need_ctx = max([args.verify_depth + 2 * MAX_POSITIONS * (args.reps + 2)]   # verify_ms, then projection_gbps
                    + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths]
                    + ([args.spec_depth + args.spec_tokens + max_drafts + 16] if spec_todo else [])
                    + [d + n + 16 for n, d in prefill_todo])
@@ -336,11 +387,16 @@ def run(args, out: Emitter) -> int:
             params = {"positions": p, "depth": args.verify_depth}
             est = fill.estimate(args.verify_depth)
             if est is not None and est + 5 > time_left():
-                out.skip("verify_ms", params, f"out of time: refilling to depth {args.verify_depth} takes ~{est:.0f} s")
+                for m in ("verify_ms", "projection_gbps"):
+                    out.skip(m, params, f"out of time: refilling to depth {args.verify_depth} takes ~{est:.0f} s")
                 continue
             fill.reset()
             fill.fill_to(args.verify_depth)
             out.result("verify_ms", params, "ms", verify_samples(be, p, args.reps, rng))
+            samples, table = profiled_samples(be, p, args.reps, rng)
+            out.result("projection_gbps", params, "GB/s", samples)
+            from .report import row_key
+            out.emit({"info": {PHASES_KEY: {row_key("projection_gbps", ENGINE, params): table}}})
 
     # decode depths and the speculative rows' depth, in order; the state only grows between them
     targets = sorted(set(depths) | ({args.spec_depth} if spec_todo else set()))

@@ -316,7 +316,7 @@ def _first_error(log: Path) -> str:
 
 
 def build_running(pb: PeerBuild) -> bool:
-    """True while another process holds the build lock (e.g. scripts/gpu_bench.sh's build)."""
+    """True while another process holds the build lock (e.g. scripts/gpu.sh bench's build)."""
     if not pb.lock.is_file():
         return False
     with open(pb.lock, "a+b") as lock:

@@ -31,6 +31,9 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     # constrained decoding per token on the CPU (bench/constraint.py); target <= 500 (5 % of 10 ms)
     "constraint_mask_us": ("µs", ("n_vocab", "grammar"), False),
     "verify_ms": ("ms", ("positions", "depth"), False),
+    # one verify pass's projection weight bytes over the summed time of its projection phases
+    # (oj_profile); the per-phase table beside it is rendered from manifest.info["phase_tables"]
+    "projection_gbps": ("GB/s", ("positions", "depth"), True),
     "spec_tps": ("tokens/s", ("acceptance", "drafts", "depth"), True),
     "spec_mtp_tps": ("tokens/s", ("drafts", "depth"), True),
     "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
@@ -43,6 +46,7 @@ SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
 ACCEPT_METRICS = ("accepted_per_cycle",)
 FALLBACK_METRICS = ("fallback_decode_tps",)
 DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
+PHASES_KEY = "phase_tables"       # manifest.info[PHASES_KEY][row_key of a projection_gbps row]: bench/ours.py's phase_table
 
 
 def result(metric: str, engine: str, params: dict, samples: Iterable[float]) -> dict:
@@ -216,6 +220,9 @@ def markdown(report: dict) -> str:
             if roof:
                 roof_o = f"{mo / roof:.0%}" if mo else ""
                 roof_p = f"{mp / roof:.0%}" if mp else ""
+        if metric == "projection_gbps":   # of the card's read rate
+            read = median_of("read_gbps", "openjet", {})
+            roof_o = f"{mo / read:.0%}" if mo and read else ""
         lines.append(f"| {metric} | {_params_text(params)} | {ours} | {peer} | {unit} | {ratio} "
                      f"| {roof_o} | {roof_p} |")
     alone = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in rows
@@ -225,6 +232,7 @@ def markdown(report: dict) -> str:
     details = man.get("info", {}).get(DETAILS_KEY, {})
     pending = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in side]
     lines += _fallback_section(man, cell, median_of)
+    lines += phase_section(man.get("info", {}).get(PHASES_KEY, {}), median_of)
     lines += _prefill_section(man.get("prefill"), median_of)
     lines += _spec_section(side, by_key, status, details, pending, median_of)
     lines += _accept_section(side, by_key, status, details, pending)
@@ -232,6 +240,44 @@ def markdown(report: dict) -> str:
         lines.append("")
         lines += [f"({i}) {n}" for i, n in enumerate(notes, 1)]
     return "\n".join(lines) + "\n"
+
+
+def phase_section(tables: dict, median_of) -> list[str]:
+    """One table per profiled pass shape (manifest.info["phase_tables"]): each phase's time, bytes,
+    floor (bytes over the card's read rate), % of floor, launches and calls per pass; then the
+    sum of the phases, the profiled pass's GPU span and the wall time of an unprofiled pass
+    (verify_ms), whose difference is the time no phase accounts for (host, launch gaps)."""
+    read = median_of("read_gbps", "openjet", {})
+    out: list[str] = []
+    for key in sorted(tables):
+        t = tables[key]
+        params = json.loads(key.split("|", 2)[2]) if key.count("|") >= 2 else {}
+        wall = median_of("verify_ms", "openjet", params) if params else None
+        out += ["", f"## One verify pass, phase by phase ({_params_text(params) or key}; mean of {t['passes']} profiled passes)", "",
+                "Time: between the CUDA events the engine records at each phase boundary (oj_profile), so a "
+                "phase's launch gaps are inside its time. Bytes: the fewest it must move (weights, KV rows "
+                f"read, recurrent state read and written). Floor: bytes over the card's read rate "
+                f"({_fmt(read) + ' GB/s' if read else 'not measured'}).", "",
+                "| phase | ms per pass | MB per pass | floor ms | % of floor | launches per pass | calls per pass |",
+                "|---|---|---|---|---|---|---|"]
+        tot_ms = tot_b = tot_l = 0.0
+        for ph in t["phases"]:
+            if not ph["calls"]:
+                continue
+            ms, b = ph["ms"], ph["bytes"]
+            tot_ms, tot_b, tot_l = tot_ms + ms, tot_b + b, tot_l + ph["launches"]
+            floor = b / (read * 1e9) * 1e3 if read and b else None
+            pct = f"{floor / ms:.0%}" if floor and ms > 0 else ""
+            out.append(f"| {ph['name']} | {ms:.3f} | {b / 1e6:,.1f} | {'' if floor is None else f'{floor:.3f}'} | {pct} "
+                       f"| {ph['launches']} | {ph['calls']} |")
+        floor = tot_b / (read * 1e9) * 1e3 if read else None
+        out.append(f"| **sum of phases** | **{tot_ms:.3f}** | {tot_b / 1e6:,.1f} | {'' if floor is None else f'{floor:.3f}'} "
+                   f"| {f'{floor / tot_ms:.0%}' if floor and tot_ms > 0 else ''} | {int(tot_l)} | |")
+        out.append(f"| profiled pass, first event to last | {t['span_ms']:.3f} | | | | | |")
+        if wall:
+            out.append(f"| unprofiled pass, wall (verify_ms median) | {wall:.3f} | | | | | |")
+            out.append(f"| wall − sum of phases (host, launch before the first kernel, copy back) | {wall - tot_ms:.3f} | | | | | |")
+    return out
 
 
 def _fallback_section(man: dict, cell, median_of) -> list[str]:

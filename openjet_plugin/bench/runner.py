@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"openjet bench: no NVIDIA GPU here: {why}.\nThe benchmark measures a GPU (our CUDA "
               "engine, llama.cpp's CUDA build and the card's bandwidth); run it on a machine with one, "
-              "e.g. scripts/gpu_bench.sh on the GPU machine.", file=sys.stderr)
+              "e.g. scripts/gpu.sh bench on the GPU machine.", file=sys.stderr)
         return 1
     if args.reps is not None and args.reps < 1:
         print("openjet bench: --reps must be at least 1", file=sys.stderr)

@@ -5,7 +5,7 @@
 # multi-position, draft-chain, greedy-decode and memory-report tests). The out-of-memory and
 # kernel-fault tests are left out: they fault on purpose.
 #
-#   bash scripts/gpu_sanitize.sh        # carry .whl (cffi, pycparser, gguf wheels)
+#   bash scripts/gpu.sh sanitize        # carry .whl (cffi, pycparser, gguf wheels)
 #
 # Environment: SANITIZE_BUDGET (seconds for the whole script, default 330), SANITIZE_TOOLS
 # (default "memcheck racecheck synccheck initcheck"), SANITIZE_K (the pytest -k selection),
@@ -14,7 +14,7 @@
 # skipped ("time budget", counted in the table) so the sanitizer still prints its summary.
 # $OUT gets sanitize.md (the table, also printed last), sanitize.json, build.log and one log per tool.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 start=$(date +%s)
 BUDGET=${SANITIZE_BUDGET:-330}
 TOOLS=$(echo ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck})   # words, single spaces

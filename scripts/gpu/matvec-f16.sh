@@ -4,7 +4,7 @@
 # counts by class, then checks and times on the 27B Q4_K_M map (< 3 minutes on an H200). Logs to
 # $OUT (or /tmp/openjet-mvf16-out). Exit status: the harness's (1 on any failed check).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-mvf16-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

@@ -4,8 +4,8 @@
 # library when stale, find or generate the q27b model, time the passes without ncu, profile them
 # with Nsight Compute (one ncu run per group), and print the table last (scripts/phase_breakdown.py).
 #
-#   bash scripts/gpu_phases.sh
-#   PHASES_REPS=2 PHASES_GROUPS="decode1 mtp" bash scripts/gpu_phases.sh
+#   bash scripts/gpu.sh phases
+#   PHASES_REPS=2 PHASES_GROUPS="decode1 mtp" bash scripts/gpu.sh phases
 #
 # Environment: PHASES_MODEL (a GGUF already on the machine; default: the bench's or
 # native_q27b.py's q27b, generated once into build/cache/bench when neither exists),
@@ -15,7 +15,7 @@
 # Output under $OUT (or /tmp/openjet-phases-out): ncu_<group>.csv, timing.json, phases.md,
 # phases.json and the logs.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-phases-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2

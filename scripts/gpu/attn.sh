@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# gpu_attn.sh: build and run native/tools/attn_prefill_bench.cu (causal flash-attention prefill,
+# gpu.sh attn: build and run native/tools/attn_prefill_bench.cu (causal flash-attention prefill,
 # native/attention_prefill.cu) on the GPU machine: checks against the decode path and an fp32
 # reference, then times it.
-#   bash scripts/gpu_attn.sh            # all cases, the deep ones (pos0 29500) included (~1 minute)
-#   bash scripts/gpu_attn.sh --quick    # the correctness cases + one deep timing case
+#   bash scripts/gpu.sh attn            # all cases, the deep ones (pos0 29500) included (~1 minute)
+#   bash scripts/gpu.sh attn --quick    # the correctness cases + one deep timing case
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-attn-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

@@ -3,7 +3,7 @@
 # matvec's weight-read pattern streams without arithmetic, against other tilings and a sequential
 # read; < 1 minute on an H200). Logs to $OUT (or /tmp/openjet-stream-out).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-stream-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

@@ -6,9 +6,9 @@
 # and final-state errors, time of both kernels (median of 10), positions/s, time per 48 layers.
 # Log, resource report and SASS go to $OUT (or /tmp/openjet-deltanet-out). Exit 1 on a failed check.
 #
-#   bash scripts/gpu_deltanet.sh        # < 1 minute on an H200
+#   bash scripts/gpu.sh deltanet        # < 1 minute on an H200
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-deltanet-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

@@ -3,7 +3,7 @@
 # engine, build llama.cpp's llama-bench (CUDA) in the background, run the benchmark, and leave the
 # report, the logs and the resume folder under $OUT. The table is printed last.
 #
-#   OPENJET_COMMIT=<sha> bash scripts/gpu_bench.sh [openjet bench arguments, e.g. --quick]
+#   OPENJET_COMMIT=<sha> bash scripts/gpu.sh bench [openjet bench arguments, e.g. --quick]
 #
 # Carry (git-ignored): .whl/ (cffi, pycparser, gguf wheels for CPython 3.12) and .carry/ holding
 #   llama_cpp_python-0.3.36-slim.tar.gz   (python -m openjet_plugin.bench.peer pack --out .carry)
@@ -15,7 +15,7 @@
 # A run that does not fit the budget exits 3; run the same command again (while the machine is
 # warm, everything built and measured so far is reused from build/cache/).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 start=$(date +%s)
 BUDGET=${BENCH_BUDGET:-560}
 OUT=${OUT:-/tmp/openjet-bench-out}

@@ -7,11 +7,11 @@
 # Log, table, resource report and SASS go to $OUT (or /tmp/openjet-gemm-f16-out). ~2-3 minutes
 # (8 cases; GB_RUNS=10 timing runs each).
 #
-#   bash scripts/gpu_gemm_f16.sh
-#   OJ_GEMMF16_CFG=4,2 bash scripts/gpu_gemm_f16.sh    # force 128 rows x 2 stages (Q4_K 8,3 / others
+#   bash scripts/gpu.sh gemm-f16
+#   OJ_GEMMF16_CFG=4,2 bash scripts/gpu.sh gemm-f16    # force 128 rows x 2 stages (Q4_K 8,3 / others
 #                                                      # 8,2; 4,2; 2,2; Q8_0 also 1,2)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-gemm-f16-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

@@ -6,11 +6,11 @@
 # P = 64, 256, 512, 2048; a summary table and the 27B stack's projection time / tokens/s last.
 # Log, table, resource report and SASS go to $OUT (or /tmp/openjet-gemm-out).
 #
-#   bash scripts/gpu_gemm.sh            # + Q5_K / Q8_0 / Q6_K on the big shapes (~2-3 minutes on an H200)
-#   bash scripts/gpu_gemm.sh --quick    # the 27B Q4_K_M map's (type, shape) pairs + one Q8_0, one Q5_K (< 2 minutes)
-#   OJ_GEMM_CFG=4,2 bash scripts/gpu_gemm.sh --quick   # force 128 rows x 2 stages (4,3 / 4,2 / 2,2)
+#   bash scripts/gpu.sh gemm            # + Q5_K / Q8_0 / Q6_K on the big shapes (~2-3 minutes on an H200)
+#   bash scripts/gpu.sh gemm --quick    # the 27B Q4_K_M map's (type, shape) pairs + one Q8_0, one Q5_K (< 2 minutes)
+#   OJ_GEMM_CFG=4,2 bash scripts/gpu.sh gemm --quick   # force 128 rows x 2 stages (4,3 / 4,2 / 2,2)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-gemm-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

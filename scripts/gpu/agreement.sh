@@ -2,13 +2,13 @@
 # Issue 5's llama.cpp agreement on the GPU machine in one command: teacher-forced top-1 agreement
 # of our native engine with llama.cpp (CUDA) on the q27b model over 256 positions.
 #
-#   bash scripts/gpu_agreement.sh [q27b_agreement.py arguments, e.g. --positions 512]
+#   bash scripts/gpu.sh agreement [q27b_agreement.py arguments, e.g. --positions 512]
 #
 # Carry (git-ignored): .whl/ (cffi, pycparser, gguf wheels for CPython 3.12) and .carry/ holding
 # llama_cpp_python-0.3.36-slim.tar.gz (python -m openjet_plugin.bench.peer pack --out .carry).
 #
 # Order: llama.cpp's CUDA build (llama-bench + libllama, ~5 minutes with -j16; shared with
-# scripts/gpu_bench.sh through build/cache/bench) starts first, in the background; meanwhile the
+# scripts/gpu.sh bench through build/cache/bench) starts first, in the background; meanwhile the
 # native engine is built, the q27b model generated (once, ~1 minute) and our engine run; then
 # llama_logits is compiled against the build and run, and the two compared.
 # AGREEMENT_BUDGET (seconds for the whole script, default 540, inside the 600 s per call): a run
@@ -17,7 +17,7 @@
 # $OUT gets agreement.json, agreement.log (the script's progress), log.txt (set-up and the build
 # logs' tails) and llama_logits.stderr.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 start=$(date +%s)
 BUDGET=${AGREEMENT_BUDGET:-540}
 OUT=${OUT:-/tmp/openjet-agreement-out}

@@ -6,7 +6,7 @@
 # Exit status: the harness's (1 on any failed check). `--ncu`: one group's kernel (MVG_ONLY, default
 # ffn) under Nsight Compute instead (stall reasons, occupancy, memory throughput; < 1 minute).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-mvgroup-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}

@@ -4,10 +4,10 @@
 # they do not fit in one call's 64 MiB, so they travel in two halves into build/site (git-ignored,
 # kept while the machine stays warm, i.e. the second call must follow the first within ~30 s).
 #
-#   1. bash scripts/gpu_cluster.sh setup   carry: .whl .carry/cluster-a
+#   1. bash scripts/gpu.sh cluster setup   carry: .whl .carry/cluster-a
 #        cffi/gguf wheels and LiteLLM into build/site, the native engine for this GPU, the q27b
 #        model (16.8 GB, generated once into build/cache/bench)
-#   2. bash scripts/gpu_cluster.sh run [cluster_load.py arguments]   carry: .carry/cluster-b
+#   2. bash scripts/gpu.sh cluster run [cluster_load.py arguments]   carry: .carry/cluster-b
 #        LiteLLM's dependencies into build/site, then scripts/cluster_load.py --gpus 0,1: 1 and 2
 #        workers at 2 and 16 conversations, one worker killed under load; the report
 #        (cluster_load.md/.json) and the logs land in $OUT
@@ -19,7 +19,7 @@
 #                                               uvicorn and openai need that the image lacks
 #                                               (docs/CLUSTER.md lists how they were chosen)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MODE=${1:-}
 shift || true
 OUT=${OUT:-/tmp/openjet-cluster-out}
@@ -45,7 +45,7 @@ setup)
 from pathlib import Path
 from openjet_plugin.bench.runner import default_model
 print('model', default_model(Path('$OPENJET_CACHE_DIR/bench'), print))" 2>&1 | tee -a "$OUT/build.log"
-    echo "gpu_cluster: setup done in $(( $(date +%s) - start )) s; now, within 30 s: bash scripts/gpu_cluster.sh run"
+    echo "gpu_cluster: setup done in $(( $(date +%s) - start )) s; now, within 30 s: bash scripts/gpu.sh cluster run"
     ;;
 run)
     [ -d "$SITE/litellm" ] || { echo "gpu_cluster: $SITE/litellm is missing: the machine was not kept warm" \
@@ -61,5 +61,5 @@ run)
     exit $rc
     ;;
 *)
-    echo "usage: bash scripts/gpu_cluster.sh setup|run [cluster_load.py arguments]"; exit 2 ;;
+    echo "usage: bash scripts/gpu.sh cluster setup|run [cluster_load.py arguments]"; exit 2 ;;
 esac

@@ -3,10 +3,10 @@
 # the carried library is stale, run the GPU test suite against the numpy reference, and print a
 # short table last. Logs and the JSON-lines report go to $OUT (or /tmp/openjet-gpu-out).
 #
-#   bash scripts/gpu_check.sh            # all GPU tests
-#   OPENJET_GPU_POSITIONS=256 PYTEST_ARGS="-k tiny" bash scripts/gpu_check.sh
+#   bash scripts/gpu.sh check            # all GPU tests (pytest -m gpu)
+#   OPENJET_GPU_POSITIONS=256 PYTEST_ARGS="-k tiny" bash scripts/gpu.sh check
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2
@@ -37,7 +37,7 @@ PY
 # 3. the GPU tests
 export OPENJET_GPU_REPORT="$OUT/report.jsonl" OPENJET_GPU_MODELS=${OPENJET_GPU_MODELS:-$PWD/.gpumodels}
 rm -f "$OPENJET_GPU_REPORT"
-timeout "${PYTEST_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -q -rs ${PYTEST_FILES:-tests/test_native_gpu.py tests/test_native_spec_gpu.py tests/test_native_prefill_gpu.py tests/test_native_persistent_gpu.py} \
+timeout "${PYTEST_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu ${PYTEST_FILES:-tests/test_native_gpu.py tests/test_native_spec_gpu.py tests/test_native_prefill_gpu.py tests/test_native_cycle_gpu.py} \
     -n "${PYTEST_WORKERS:-6}" --timeout 450 ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
 rc=$?
 grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -3

@@ -13,7 +13,7 @@
 # Environment: OUT (required), PYTHON, PRESET (default), TRAIN_SECONDS (training time per run),
 # RUNS (subset of the three tags), TRAIN_ARGS (extra flags for training.train), WORK.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 : "${OUT:?set OUT to the folder whose files come back}"
 PY=${PYTHON:-python3}

@@ -9,14 +9,14 @@
 # Log, table, build log and SASS go to $OUT (or /tmp/openjet-gemm-wgmma-out). ~1-2 minutes on an H200
 # per type (the build itself ~1-2 minutes).
 #
-#   bash scripts/gpu_gemm_wgmma.sh
-#   bash scripts/gpu_gemm_wgmma.sh --only Q6_K              # one type's cases (Q4_K | Q6_K)
-#   OJ_GEMMWG6_CFG=3,64,3,0 bash scripts/gpu_gemm_wgmma.sh  # Q6_K default config for the timing rows
+#   bash scripts/gpu.sh gemm-wgmma
+#   bash scripts/gpu.sh gemm-wgmma --only Q6_K              # one type's cases (Q4_K | Q6_K)
+#   OJ_GEMMWG6_CFG=3,64,3,0 bash scripts/gpu.sh gemm-wgmma  # Q6_K default config for the timing rows
 #                                                           # (2,128,2,0 | 3,64,3,0 | 4,64,2,0 | 2,128,2,1)
-#   OJ_GEMMWG_CFG=2,64,4 bash scripts/gpu_gemm_wgmma.sh   # default config for the timing rows
+#   OJ_GEMMWG_CFG=2,64,4 bash scripts/gpu.sh gemm-wgmma   # default config for the timing rows
 #                                                         # (2,128,2 | 2,64,4 | 3,64,3)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/openjet-gemm-wgmma-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
