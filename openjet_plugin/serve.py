@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
             eng = handler.engine(name)
             print(f"openjet serve: loaded {name} ({eng.backend_name}: {eng.backend_reason})",
                   file=sys.stderr, flush=True)
+        _warm_up(handler, [n for n, _ in models] or [DEFAULT_MODEL_NAME])
     print(f"openjet serve: http://{args.host}:{args.port}/v1 (config {config_path})", file=sys.stderr, flush=True)
 
     n_engines = max(1, len(models))
@@ -203,6 +204,22 @@ def main(argv: list[str] | None = None) -> int:
                gate=dict(client_keys=[client_key], master_key=master_key, capacity=n_engines + args.max_queue,
                          metrics=metrics, admin=args.admin, serve_metrics=not args.no_metrics))
     return 0
+
+
+def _warm_up(handler, names: list[str]) -> None:
+    """One streamed token per model through LiteLLM, so that the first client does not wait for
+    LiteLLM's lazily imported streaming code (a second on a small machine)."""
+    import litellm
+
+    litellm.custom_provider_map = [e for e in litellm.custom_provider_map if e.get("provider") != "openjet"]
+    litellm.custom_provider_map.append({"provider": "openjet", "custom_handler": handler})
+    from litellm.utils import custom_llm_setup
+
+    custom_llm_setup()
+    for name in names:
+        for _ in litellm.completion(model=f"openjet/{name}", messages=[{"role": "user", "content": "hi"}],
+                                    max_tokens=1, temperature=0, stream=True, stream_options={"include_usage": True}):
+            pass
 
 
 def _run_proxy(config_path: Path, host: str, port: int, gate: dict) -> None:

@@ -137,18 +137,18 @@ def _check_common(body: dict, allowed: set[str]) -> None:
             if not isinstance(v, bool):
                 raise RequestError(f"stream_options.{k}", f"'stream_options.{k}' must be true or false")
     for key in ("max_tokens", "max_completion_tokens"):
-        _integer(body, key, 1)
+        _integer(body, key, 1, 2**31 - 1)
     _number(body, "temperature", 0, 2)
     _number(body, "top_p", 0, 1)
     _number(body, "presence_penalty", -2, 2)
     _number(body, "frequency_penalty", -2, 2)
-    _integer(body, "seed", 0)
-    _integer(body, "top_k", 0)
+    _integer(body, "seed", 0, 2**63 - 1)
+    _integer(body, "top_k", 0, 2**31 - 1)
     _number(body, "min_p", 0, 1)
     _number(body, "repeat_penalty", 0)
     n = body.get("n")
     if n is not None:
-        _integer(body, "n", 1)
+        _integer(body, "n", 1, 2**31 - 1)
         if n != 1:
             raise RequestError("n", f"'n' = {n} is not supported: this server generates one choice per "
                                     f"request (send {n} requests instead)")
@@ -576,6 +576,16 @@ class Gate:
             except json.JSONDecodeError as exc:
                 raise RequestError(None, f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} "
                                          f"column {exc.colno}") from None
+            except RecursionError:
+                raise RequestError(None, "the request body is nested too deeply") from None
+            try:
+                json.dumps(body, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(None, "the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff "
+                                         "without its pair): not Unicode text") from None
+            except (RecursionError, ValueError):
+                raise RequestError(None, "the request body is nested too deeply or holds a number out of range") \
+                    from None
             (check_chat_body if is_chat else check_completion_body)(body)
         except RequestError as exc:
             await _reply_error(send, exc)
