@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import inspect
 import json
 import os
 import threading
@@ -210,8 +209,6 @@ class OpenJetProvider(CustomLLM):
         elif top_logprobs:
             raise _bad_request("top_logprobs needs logprobs=true")
         eng = self.engine(model)
-        if extra and not _engine_takes(eng, *extra):
-            raise _bad_request(f"{', '.join(sorted(extra))}: not supported by this version of the engine")
         sampling.update(extra)
         if text_completion:
             # a completion continues the prompt as given: no chat template
@@ -435,11 +432,6 @@ def _engine_worker(eng) -> concurrent.futures.ThreadPoolExecutor:
         if ex is None:
             ex = _workers[eng] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="openjet-engine")
         return ex
-
-
-def _engine_takes(eng, *keywords: str) -> bool:
-    params = inspect.signature(eng.generate).parameters
-    return all(k in params for k in keywords)
 
 
 def _as_dict(m: Any) -> dict:

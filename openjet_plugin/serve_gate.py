@@ -672,27 +672,49 @@ def _replay(raw: bytes, receive):
 
 
 def _hide_internal_errors(send) -> Callable:
-    """Pass responses through, except a 5xx body: that becomes a fixed message (the proxy's own
-    body can carry exception text and file paths; the server log has the details)."""
-    state = {"hide": False}
+    """Pass responses through, except error bodies: a 5xx becomes a fixed message (the proxy's own
+    body can carry exception text and file paths; the server log has the details), and a 4xx
+    keeps its message without LiteLLM's wrapping ("litellm.BadRequestError: OpenjetException - ",
+    "LiteLLM: model group ... failed ..."); an unknown model is 404 model_not_found, as OpenAI's."""
+    state: dict[str, Any] = {"mode": None, "body": b""}
 
     async def filtered(message) -> None:
-        if message["type"] == "http.response.start" and message["status"] >= 500:
-            state["hide"] = True
-            body = json.dumps({"error": {"message": "internal server error (details are in the server log)",
-                                         "type": "server_error", "param": None, "code": None}}).encode()
-            state["body"] = body
-            await send({"type": "http.response.start", "status": message["status"],
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(body)).encode())]})
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            state["mode"], state["start"] = ("hide" if message["status"] >= 500 else "clean"), message
             return
-        if state["hide"] and message["type"] == "http.response.body":
-            if not message.get("more_body", False):
-                await send({"type": "http.response.body", "body": state["body"], "more_body": False})
+        if state["mode"] is not None and message["type"] == "http.response.body":
+            state["body"] += message.get("body", b"")
+            if message.get("more_body", False):
+                return
+            status, body = _error_body(state["start"]["status"], state["body"], hide=state["mode"] == "hide")
+            await _reply(send, status, body)
             return
         await send(message)
 
     return filtered
+
+
+_LITELLM_PREFIX = re.compile(r"^(litellm\.\w+: )?(\w+Exception - )?")
+_LITELLM_SUFFIX = re.compile(r"\s*(LiteLLM: model group|Received Model Group|Available Model Group).*$", re.S)
+
+
+def _error_body(status: int, raw: bytes, *, hide: bool) -> tuple[int, bytes]:
+    if hide:
+        return status, json.dumps({"error": {"message": "internal server error (details are in the server log)",
+                                             "type": "server_error", "param": None, "code": None}}).encode()
+    try:
+        err = json.loads(raw)["error"]
+        message = str(err.get("message", ""))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return status, raw
+    message = _LITELLM_SUFFIX.sub("", _LITELLM_PREFIX.sub("", message)).strip()
+    code = err.get("code") if isinstance(err.get("code"), str) and not str(err.get("code")).isdigit() else None
+    if "Invalid model name passed in model=" in message:
+        status, code = 404, "model_not_found"
+        message = message.replace("/chat/completions: ", "").replace("/completions: ", "")
+    body = {"error": {"message": message, "type": err.get("type") or "invalid_request_error",
+                      "param": err.get("param"), "code": code}}
+    return status, json.dumps(body).encode()
 
 
 def _text_in_every_choice(send) -> Callable:

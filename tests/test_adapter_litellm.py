@@ -252,3 +252,73 @@ def test_serve_config_and_refusals(engine, capsys, monkeypatch):
     finally:
         monkeypatch.delenv("OPENJET_MODELS")
         lt_adapter.configure_proxy_handler()
+
+
+# --- OpenAI's rules (issue 27) and constraints / tool-call deltas (issue 26) -----------------------
+
+XML_CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+
+
+def test_omitted_max_tokens_is_the_context_end_for_chat_and_16_for_text(monkeypatch, engine):
+    s = ScriptedEngine(engine, "ok")
+    monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
+    litellm.completion(model="openjet/default", messages=MESSAGES)
+    assert s.calls[-1]["max_tokens"] is None                    # Engine.generate: to the end of the context
+    litellm.text_completion(model="openjet/default", prompt="def f(x):")
+    assert s.calls[-1]["max_tokens"] == lt_adapter.TEXT_COMPLETION_MAX_TOKENS == 16
+
+
+def test_text_completion_continues_the_raw_prompt(monkeypatch, engine):
+    s = ScriptedEngine(engine, " return x")
+    monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
+    r = litellm.text_completion(model="openjet/default", prompt="def f(x):", max_tokens=4)
+    assert s.prompts[-1] == "def f(x):"                         # no chat template around it
+    assert r.choices[0].text == " return x"
+
+
+def test_n_logit_bias_and_roles(monkeypatch, engine):
+    s = ScriptedEngine(engine, "ok")
+    monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
+    with pytest.raises(litellm.BadRequestError, match="n=2"):
+        litellm.completion(model="openjet/default", messages=MESSAGES, n=2, max_tokens=2)
+    with pytest.raises(litellm.BadRequestError, match="role"):
+        litellm.completion(model="openjet/default", messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    with pytest.raises(litellm.BadRequestError, match="logit_bias"):
+        litellm.completion(model="openjet/default", messages=MESSAGES, logit_bias={"x": 1}, max_tokens=2)
+    litellm.completion(model="openjet/default", messages=MESSAGES, logit_bias={"17": -100, "5": 2.5}, max_tokens=2)
+    assert s.calls[-1]["logit_bias"] == {17: -100.0, 5: 2.5}
+
+
+@pytest.mark.parametrize("kw,constraint", [
+    (dict(tools=WEATHER, tool_choice="required"), {"type": "tool_call", "tools": WEATHER, "name": None}),
+    (dict(tools=WEATHER, tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+     {"type": "tool_call", "tools": WEATHER, "name": "get_weather"}),
+    (dict(response_format={"type": "json_object"}), {"type": "json_object"}),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object"},
+                                                                  "strict": True}}),
+     {"type": "json_schema", "schema": {"type": "object"}}),
+])
+def test_forced_tool_choice_and_response_format_become_engine_constraints(monkeypatch, engine, kw, constraint):
+    s = ScriptedEngine(engine, XML_CALL if "tools" in kw else "{}")
+    monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
+    litellm.completion(model="openjet/default", messages=MESSAGES, max_tokens=40, **kw)
+    assert s.calls[-1]["constraint"] == constraint
+
+
+def test_tool_calls_stream_as_openai_deltas(monkeypatch, engine):
+    s = ScriptedEngine(engine, "Let me look.\n" + XML_CALL, piece=5)
+    monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
+    whole = litellm.completion(model="openjet/default", messages=MESSAGES, tools=WEATHER, max_tokens=60)
+    chunks = list(litellm.completion(model="openjet/default", messages=MESSAGES, tools=WEATHER, max_tokens=60,
+                                     stream=True))
+    deltas = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    # the name (with the id) as soon as <function=...> is read, the arguments when the call closes
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and not deltas[0].function.arguments
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.choices[0].message.tool_calls[0].function.arguments
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris", "days": 2}
+    assert {d.index for d in deltas} == {0}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
