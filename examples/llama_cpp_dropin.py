@@ -1,10 +1,11 @@
-"""The llama-cpp-python drop-in: change one import, keep the code.
+"""The llama-cpp-python drop-in: keep the code, add one line before it imports llama_cpp.
 
     python examples/llama_cpp_dropin.py                       # the embedded default model
     python examples/llama_cpp_dropin.py --model /models/qwen3.8-27b-q4_k_m.gguf
 
-    from llama_cpp import Llama                      # before
-    from openjet_plugin.adapters.llama_cpp import Llama   # after: same calls, same response dicts
+    import openjet_plugin.adapters.llama_cpp as dropin; dropin.install()   # the one line
+    from llama_cpp import Llama, LlamaGrammar       # now openjet's Llama, llama-cpp-python's grammar
+    # (or, without install(): from openjet_plugin.adapters.llama_cpp import Llama)
 """
 
 from __future__ import annotations
@@ -12,7 +13,11 @@ from __future__ import annotations
 import argparse
 
 import openjet_plugin
-from openjet_plugin.adapters.llama_cpp import Llama
+import openjet_plugin.adapters.llama_cpp as dropin
+
+dropin.install()
+
+from llama_cpp import Llama, LlamaGrammar  # noqa: E402  (after install(): the drop-in's Llama)
 
 
 def main() -> None:
@@ -39,6 +44,10 @@ def main() -> None:
                   {"role": "user", "content": "Say hello."}],
         max_tokens=24, temperature=0)
     print(f"chat: {chat['choices'][0]['message']['content']!r} usage {chat['usage']}")
+
+    yes_no = LlamaGrammar.from_string('root ::= "yes" | "no"')
+    answer = llm("Q: Is the sea salty? A: ", grammar=yes_no, max_tokens=4, temperature=0)["choices"][0]["text"]
+    print(f"grammar-constrained answer: {answer!r}")
 
     tokens = llm.tokenize(b"Hello, world!")
     print(f"tokens: {tokens} -> {llm.detokenize(tokens)!r}")
