@@ -196,9 +196,11 @@ class OpenJetProvider(CustomLLM):
                 f"unsupported request options for openjet: {sorted(params)}; supported: "
                 f"{sorted(_SAMPLING)}, n (1), logit_bias, tools, tool_choice, response_format, logprobs, "
                 f"top_logprobs, enable_thinking, chat_template_kwargs, reasoning_effort")
-        if text_completion and isinstance(logprobs, int) and not isinstance(logprobs, bool):
-            # /v1/completions: logprobs is the number of alternatives
-            top_logprobs, logprobs = logprobs, True
+        if text_completion and logprobs is not None:
+            # LiteLLM rebuilds a text completion from the chat response and drops its logprobs
+            # (convert_chat_to_text_completion keeps them only for HF TGI): refuse rather than lose them
+            raise _bad_request("logprobs on a text completion are not supported here (LiteLLM's conversion "
+                               "drops them); ask a chat completion with logprobs=true and top_logprobs")
         extra: dict[str, Any] = {}
         if constraint is not None:
             extra["constraint"] = constraint
@@ -277,6 +279,8 @@ class OpenJetProvider(CustomLLM):
         if req.logprobs:
             response.choices[0].logprobs = ChoiceLogprobs(content=_openai_logprobs(result.logprobs or []))
         response.model = model
+        if req.text_completion:
+            response.id = "cmpl-" + uuid.uuid4().hex          # OpenAI's prefix for completions
         response.usage = self._usage(result.stats, len(result.tokens))
         response._hidden_params["openjet"] = {"backend": req.engine.backend_name,
                                               "stats": vars(result.stats).copy()}
@@ -290,7 +294,7 @@ class OpenJetProvider(CustomLLM):
         return self._stream_chunks(self._generate(req, stream=True), req, model)
 
     def _stream_chunks(self, stream, req: _Request, model: str) -> Iterator[ModelResponseStream]:
-        chunk_id = "chatcmpl-" + uuid.uuid4().hex
+        chunk_id = ("cmpl-" if req.text_completion else "chatcmpl-") + uuid.uuid4().hex
         created = int(time.time())
         streamer = ReplyStreamer(**req.shape)
         n_tokens = 0

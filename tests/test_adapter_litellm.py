@@ -276,7 +276,9 @@ def test_text_completion_continues_the_raw_prompt(monkeypatch, engine):
     monkeypatch.setattr(lt_adapter, "shared_engine", lambda *a, **k: s)
     r = litellm.text_completion(model="openjet/default", prompt="def f(x):", max_tokens=4)
     assert s.prompts[-1] == "def f(x):"                         # no chat template around it
-    assert r.choices[0].text == " return x"
+    assert r.choices[0].text == " return x" and r.id.startswith("cmpl-")
+    with pytest.raises(litellm.BadRequestError, match="logprobs"):   # LiteLLM would drop them: refused
+        litellm.text_completion(model="openjet/default", prompt="def f(x):", max_tokens=4, logprobs=2)
 
 
 def test_n_logit_bias_and_roles(monkeypatch, engine):
