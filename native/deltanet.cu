@@ -128,9 +128,10 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st) {
     conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st);
-    check_cuda(launch(deltanet_gated_norm_kernel, dim3(n, d.hp.ssm_dt_rank), d.hp.ssm_d_state, 0, st, s.dn_out, s.z,
-                      L.ssm_norm, d.hp.rms_eps),
-               "deltanet_gated_norm");
+}
+
+void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st) {
+    check_cuda(launch(deltanet_gated_norm_kernel, dim3(n, n_heads), S, 0, st, o, z, w, eps), "deltanet_gated_norm");
 }
 
 // The chunked recurrence (deltanet_chunked.cuh) is the default since its first GPU run (7.2x the

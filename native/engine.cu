@@ -371,29 +371,26 @@ void alloc_scratch(Engine &e) {
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
 }
 
-// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual).
+// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). The norm and SwiGLU
+// run inside the projections' preps where they take the fp16 path (matvec_group_norm, matvec_swiglu).
 void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;
-    stamp(e, PH_NORM);
-    rms_norm(s.x, L.post_norm, s.xn, n, d.hp.n_embd, d.hp.rms_eps, d.hp.n_embd, e.stream);
     const Matrix *w[] = {&L.ffn_gate, &L.ffn_up};
     float *const y[] = {s.ffn_gate, s.ffn_up};
     stamp(e, PH_FFN_UP, weight_bytes(L.ffn_gate) + weight_bytes(L.ffn_up));
-    matvec_group(w, y, 2, s.xn, n, e.stream);
-    stamp(e, PH_SWIGLU);
-    swiglu(s.ffn_gate, s.ffn_up, (int64_t)n * d.hp.n_ff, e.stream);
+    matvec_group_norm(w, y, 2, s.x, L.post_norm, d.hp.rms_eps, s.xn, n, e.stream);
     stamp(e, PH_FFN_DOWN, weight_bytes(L.ffn_down));
-    matvec(L.ffn_down, s.ffn_gate, s.x, n, true, e.stream);
+    matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
-// s.xn (attn_norm'ed) -> gated attention added into s.x.
+// attn_norm(s.x) -> gated attention added into s.x.
 void attention_layer(Engine &e, Layer &L, int n, int pos0) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
     stamp(e, PH_AT_PROJ, weight_bytes(L.wq) + weight_bytes(L.wk) + weight_bytes(L.wv));
-    matvec_group(w, y, 3, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 3, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
     const uint64_t kv = (uint64_t)(pos0 + n) * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
@@ -402,20 +399,22 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0) {
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
 
-// The projections land in the layer's ring slot of this evaluation (kept for the replay).
+// attn_norm(s.x) -> Gated DeltaNet added into s.x. The projections land in the layer's ring slot of
+// this evaluation (kept for the replay).
 void deltanet_layer(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const RingSlot &r = L.ring[e.slot];
     const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
     float *const y[] = {r.qkv, s.z, r.beta, r.alpha};
     stamp(e, PH_DN_PROJ, weight_bytes(L.wqkv) + weight_bytes(L.wgate) + weight_bytes(L.wbeta) + weight_bytes(L.walpha));
-    matvec_group(w, y, 4, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 4, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
     deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
-    matvec(L.wssm_out, s.dn_out, s.x, n, true, e.stream);
+    matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
+                      e.stream);
 }
 
 void check_tokens(const Engine &e, const int32_t *tokens, int n) {
@@ -535,8 +534,6 @@ void verify(Engine &e, const int32_t *tokens, int n) {
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
-        stamp(e, PH_NORM);
-        rms_norm(s.x, L.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
         if (L.recurrent) deltanet_layer(e, L, n);
         else attention_layer(e, L, n, e.n_past);
         ffn(e, L, n);
@@ -717,7 +714,6 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
     rms_norm(s.x, m.enorm, s.cat, n, E, d.hp.rms_eps, 2 * E, e.stream);
     rms_norm(h, m.hnorm, s.cat + E, n, E, d.hp.rms_eps, 2 * E, e.stream);
     matvec(m.eh_proj, s.cat, s.x, n, false, e.stream);
-    rms_norm(s.x, m.block.attn_norm, s.xn, n, E, d.hp.rms_eps, E, e.stream);
     attention_layer(e, m.block, n, pos0);
     ffn(e, m.block, n);
     rms_norm(s.x, m.head_norm, s.draft_hidden, n, E, d.hp.rms_eps, E, e.stream);

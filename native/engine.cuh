@@ -218,6 +218,19 @@ void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulat
 // x and one launch (each output as its own matvec would give it at the launch's split), anything
 // else one matvec each.
 void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x, int n_vec, cudaStream_t st);
+// matvec.cu: matvec_group of rms_norm(x) * norm (the layer's input norm): where every member takes
+// the fp16 path, the norm is computed inside its prep (no separate norm kernel, xn untouched), else
+// rms_norm into xn first.
+void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const float *x, const float *norm, float eps,
+                       float *xn, int n_vec, cudaStream_t st);
+// matvec.cu: y (+)= W (silu(gate) * up) (the FFN's down projection): SwiGLU inside the prep on the
+// fp16 path, else computed into gate first.
+void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// matvec.cu: y (+)= W gated_norm(o) (DeltaNet's ssm_out of its normed, gated output: per head of S
+// values rms-normed, times norm and silu(z)): inside the prep on the fp16 path, else
+// deltanet_gated_norm in place first.
+void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
+                       int n_vec, bool accumulate, cudaStream_t st);
 // matvec.cu: y[n][i] = W[rows[i]] . x[n] for i < n_rows (rows on the device): the draft head over
 // a restricted vocabulary. y is [n_vec][n_rows].
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
@@ -239,9 +252,11 @@ void fault_probe(int32_t *out, cudaStream_t st);
 
 // deltanet.cu: one Gated DeltaNet layer's mixer: first replays n_replay accepted positions of ring
 // slot replay_slot into the state, then runs n new positions from ring slot `slot` (qkv, beta,
-// alpha already projected there) to s.dn_out (gated-normed, before ssm_out), committing nothing.
+// alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st);
+// deltanet.cu: o = rms_norm(o) * w * silu(z) per head of S values, in place ([n][n_heads][S]).
+void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st);
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
 // beta / alpha, ADVANCING the state by all of them (no ring slot, nothing pending), gated-normed
 // outputs to out (z: the gate projection). The same kernels and arithmetic as deltanet_mix.

@@ -744,11 +744,29 @@ void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulat
     launch_any(w, x, y, n_vec, accumulate, nullptr, w.M, st, "matvec");
 }
 
-void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x, int n_vec, cudaStream_t st) {
-    constexpr int MAX_MEMBERS = 8;
+namespace {
+
+constexpr int MAX_MEMBERS = 8;
+
+// Whether every member with rows takes the fp16 path, so that its prep can compute the input
+// (norm or SwiGLU) on the way, and the fusion is on (OJ_FUSE_PREP, below).
+bool fused_prep(const Matrix *const *w, int n, int n_vec) {
+    // OJ_FUSE_PREP=0 (read once per process): the norm and SwiGLU as their own kernels before the
+    // prep, as before the fusion, so that openjet bench can time both in one device session (the
+    // measurement that decides whether the fusion stays, issue 25).
+    static const bool off = env_is("OJ_FUSE_PREP", "0");
+    if (off || n_vec < 1 || n_vec > 8) return false;
+    for (int i = 0; i < n; ++i)
+        if (w[i]->M > 0 && !f16_fits(*w[i])) return false;
+    return true;
+}
+
+// matvec_group with the prep's input `in` (in.x alone, unless every member takes the fp16 path).
+void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepIn &in, int n_vec, cudaStream_t st) {
     if (n < 1 || n > MAX_MEMBERS) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_group: 1..8 matrices");
     for (int i = 0; i < n; ++i)
         if (w[i]->K != w[0]->K) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_group: the matrices read one x, so share K");
+    const float *x = in.x;
     // members of one type (the prepared x's order is the type's), up to GROUP_MAX, in one fp16
     // launch; everything else one matvec each
     bool done[MAX_MEMBERS] = {};
@@ -762,14 +780,75 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
                 if (!done[k] && w[k]->type == w[i]->type && w[k]->M > 0) ws[m] = *w[k], ys[m] = y[k], done[k] = true, ++m;
         if (m >= 2) {
             void *buf = f16_workspace(w[i]->K, st);
-            mvf16::prep(w[i]->type, x, w[i]->K, n_vec, buf, st);
+            mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st);
             mvf16::run_group(ws, ys, m, buf, n_vec, true, st);
+            check_launch("matvec_group");
+        } else if (m == 1) {
+            void *buf = f16_workspace(w[i]->K, st);
+            mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st);
+            mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st);
             check_launch("matvec_group");
         } else {
             done[i] = true;
             launch_any(*w[i], x, y[i], n_vec, false, nullptr, w[i]->M, st, "matvec_group");
         }
     }
+}
+
+}  // namespace
+
+void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x, int n_vec, cudaStream_t st) {
+    mvf16::PrepIn in;
+    in.x = x;
+    group_in(w, y, n, in, n_vec, st);
+}
+
+void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const float *x, const float *norm, float eps,
+                       float *xn, int n_vec, cudaStream_t st) {
+    const int64_t K = n > 0 ? w[0]->K : 0;
+    if (!fused_prep(w, n, n_vec)) {
+        rms_norm(x, norm, xn, n_vec, (int)K, eps, (int)K, st);
+        return matvec_group(w, y, n, xn, n_vec, st);
+    }
+    mvf16::PrepIn in;
+    in.x = x;
+    in.norm = norm;
+    in.eps = eps;
+    group_in(w, y, n, in, n_vec, st);
+}
+
+void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
+                       int n_vec, bool accumulate, cudaStream_t st) {
+    const Matrix *ws[] = {&w};
+    if (!fused_prep(ws, 1, n_vec) || w.M <= 0 || (S != 32 && S != 64 && S != 128)) {
+        deltanet_gated_norm(o, z, norm, n_vec, n_heads, S, eps, st);
+        return matvec(w, o, y, n_vec, accumulate, st);
+    }
+    mvf16::PrepIn in;
+    in.x = o;
+    in.head_norm = norm;
+    in.z = z;
+    in.S = S;
+    in.eps = eps;
+    void *buf = f16_workspace(w.K, st);
+    mvf16::prep(w.type, in, w.K, n_vec, buf, st);
+    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
+    check_launch("matvec_gated_norm");
+}
+
+void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st) {
+    const Matrix *ws[] = {&w};
+    if (!fused_prep(ws, 1, n_vec) || w.M <= 0) {
+        swiglu(gate, up, (int64_t)n_vec * w.K, st);
+        return matvec(w, gate, y, n_vec, accumulate, st);
+    }
+    mvf16::PrepIn in;
+    in.x = gate;
+    in.up = up;
+    void *buf = f16_workspace(w.K, st);
+    mvf16::prep(w.type, in, w.K, n_vec, buf, st);
+    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
+    check_launch("matvec_swiglu");
 }
 
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,

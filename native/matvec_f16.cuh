@@ -77,6 +77,7 @@
 
 #include "engine.cuh"
 #include "pdl.cuh"        // pdl_wait, pdl_launch_dependents, launch
+#include "reduce.cuh"     // block_sum
 #include "gemm_f16.cuh"   // nibble_pair_magic, q6_bytes, SEL_LO/HI, splat_byte_sel, mma_f16, h2u/u2h, cp.async
 
 namespace oj {
@@ -163,11 +164,28 @@ __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, 
     if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = ldexpf(1.0f, -e);
 }
 
+// What the prep reads: x as it is; or (norm set) rms_norm(x) * norm, the layer's input norm, bit
+// for bit as elementwise.cu's rms_norm_kernel computes it (every block sums each vector's squares
+// with that kernel's 256-thread loop and block_sum, then 1 / sqrt(ss / K + eps), x * scale * w); or (up set) silu(x) * up, SwiGLU with x
+// the gate. xn, when set, receives the fp32 values the prep rounds (what the unfused kernels wrote).
+struct PrepIn {
+    const float *x = nullptr;      // [n_vec][K]
+    const float *norm = nullptr;   // [K]
+    float eps = 0.0f;
+    const float *up = nullptr;     // [n_vec][K]
+    // (head_norm set) the Gated DeltaNet output norm, as deltanet.cu's gated norm kernel computes
+    // it: per head of S values (S = 32, 64 or 128, a divisor of the super-block) x / sqrt(ss / S +
+    // eps) * head_norm * silu(z), the head's sum of squares over its S / 8 lanes
+    const float *head_norm = nullptr;   // [S]
+    const float *z = nullptr;           // [n_vec][K]
+    int S = 0;
+    float *xn = nullptr;           // [n_vec][K] or nullptr
+};
+
 // One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
 // ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
 template <int TYPE>
-__global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, int64_t K, int n_vec,
-                                                   uint8_t *__restrict__ ws) {
+__global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, int n_vec, uint8_t *__restrict__ ws) {
     pdl_launch_dependents();
     pdl_wait();   // x, and the workspace the previous matvec on it may still read
     if (blockIdx.x == 0)
@@ -176,14 +194,57 @@ __global__ void __launch_bounds__(256) prep_kernel(const float *__restrict__ x, 
             reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
     const int64_t u = blockIdx.x;
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float norm_scale[8];
+    if (in.norm)   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
+        for (int vv = 0; vv < n_vec; ++vv) {
+            const float *xr = in.x + (int64_t)vv * K;
+            float ss = 0.0f;
+#pragma unroll 4
+            for (int64_t i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
+            ss = block_sum(ss);
+            if (threadIdx.x == 0) norm_scale[vv] = 1.0f / sqrtf(ss / K + in.eps);
+        }
+    __syncthreads();
     uint8_t *rec = ws + XP_OFF + u * REC;
     if (v >= n_vec) {
         if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
         return;
     }
-    const float4 *src = reinterpret_cast<const float4 *>(x + (int64_t)v * K + u * QK_K + 8 * lane);
+    const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
+    const float4 *src = reinterpret_cast<const float4 *>(in.x + at);
     const float4 a = src[0], b = src[1];
     float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    if (in.norm) {
+        const float scale = norm_scale[v];
+        const float4 *w = reinterpret_cast<const float4 *>(in.norm + u * QK_K + 8 * lane);
+        const float4 w0 = w[0], w1 = w[1];
+        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] * scale * wv[j];
+    } else if (in.head_norm) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += xv[j] * xv[j];
+        for (int off = 1; off < in.S / 8; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        const float r = sqrtf(ss / in.S + in.eps);
+        const int i0 = (8 * lane) % in.S;   // this lane's first value within its head
+        const float4 *zp = reinterpret_cast<const float4 *>(in.z + at);
+        const float4 c = zp[0], d = zp[1];
+        const float zv[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] / r * in.head_norm[i0 + j] * (zv[j] / (1.0f + expf(-zv[j])));
+    } else if (in.up) {
+        const float4 *up = reinterpret_cast<const float4 *>(in.up + at);
+        const float4 c = up[0], d = up[1];
+        const float uv[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] / (1.0f + expf(-xv[j])) * uv[j];   // reduce.cuh's silu
+    }
+    if (in.xn) {
+        float4 *dst = reinterpret_cast<float4 *>(in.xn + at);
+        dst[0] = make_float4(xv[0], xv[1], xv[2], xv[3]);
+        dst[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
+    }
     prep_store<TYPE>(xv, rec, v, lane);
 }
 
@@ -790,13 +851,18 @@ inline void check_call(int type, int64_t K, int n_vec) {
 
 // x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ);
 // also zeroes the workspace's split-K arrival counters.
-inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+inline void prep(int type, const PrepIn &in, int64_t K, int n_vec, void *ws, cudaStream_t st) {
     check_call(type, K, n_vec);
     const unsigned grid = (unsigned)(K / QK_K);
     uint8_t *w = static_cast<uint8_t *>(ws);
-    check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, x, K, n_vec, w)
-                                 : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, x, K, n_vec, w),
+    check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, in, K, n_vec, w)
+                                 : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, in, K, n_vec, w),
                "matvec_f16: prep");
+}
+inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+    PrepIn in;
+    in.x = x;
+    prep(type, in, K, n_vec, ws, st);
 }
 
 // Per device (a process may drive several; cudaFuncSetAttribute acts on the current device only).

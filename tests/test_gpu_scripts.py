@@ -449,7 +449,7 @@ def test_gpu_entry_point_lists_its_commands_and_refuses_an_unknown_one(tmp_path)
     line = next(ln for ln in text.splitlines() if ln.startswith("commands="))
     commands = set(line.split('"')[1].split())
     scripts = {p.stem for p in (SCRIPTS / "gpu").glob("*.sh")}
-    assert commands - {"session"} == scripts
+    assert commands == scripts
     r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh"), "everything"], capture_output=True, text=True,
                        env={**os.environ, "OUT": str(tmp_path)})
     assert r.returncode == 2 and "unknown command 'everything'" in r.stdout and "check" in r.stdout

@@ -34,7 +34,7 @@ if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
         --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
     export PYTHONPATH=/tmp/site:$PWD
 else
-    export PYTHONPATH=$PWD
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # keep wheels a caller already put there
 fi
 ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i 0 2>>"$LOG" | head -1 | tr -d '. ')
 if [ -z "$ARCH" ]; then

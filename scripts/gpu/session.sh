@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# A release's device session in one call: llama.cpp's llama-bench builds in the background from
+# the start; meanwhile the GPU suite runs (pytest -m gpu), then the engine switch settings in $AB
+# are timed against the default on the q27b (bench/ours.py: verify_ms and projection_gbps at 1 and
+# 5 positions, decode at depth 0), then `openjet bench` runs with llama.cpp in what time is left.
+#
+#   OPENJET_COMMIT=<sha> bash scripts/gpu.sh session [openjet bench arguments, e.g. --quick]
+#   AB="OJ_PDL=0;OJ_PDL=0 OJ_FUSE_PREP=0" SESSION_S=560 bash scripts/gpu.sh session --quick
+#
+# Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12), .carry/llama_cpp_python-*-slim.tar.gz and
+# the native library built here (openjet_plugin/native: loaded as is when it loads, else rebuilt).
+# $OUT/session.tgz holds everything (check/, ab/, bench/: the work folder $SESSION_WORK); the summary
+# is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+start=$(date +%s)
+BUDGET=${SESSION_S:-560}
+OUT=${OUT:-/tmp/openjet-session-out}
+W=${SESSION_WORK:-/tmp/openjet-session-work}   # outside $OUT: only the archive comes back
+mkdir -p "$W/check" "$W/ab" "$W/bench"
+export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
+CACHE=$OPENJET_CACHE_DIR/bench
+mkdir -p "$CACHE"
+left() { echo $(( BUDGET - ($(date +%s) - start) )); }
+
+if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >"$W/pip.log" 2>&1 || { tail -5 "$W/pip.log"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,compute_cap,memory.total,clocks.sm,clocks.mem --format=csv >"$W/gpu.txt" 2>&1
+
+# 1. llama-bench in the background (nice: the measurements keep their cores)
+SDIST=$(ls .carry/llama_cpp_python-*-slim.tar.gz .carry/llama_cpp_python-*.tar.gz 2>/dev/null | head -1)
+if [ -n "$SDIST" ]; then
+    nice -n 19 python3 -m openjet_plugin.bench.peer build --sdist "$SDIST" --cache "$CACHE" --archs 90 \
+        --jobs "$(( $(nproc) - 2 ))" >"$W/peer-build.log" 2>&1 &
+fi
+# 2. the native library: the carried one when it loads, else built here
+python3 -c "from openjet_plugin import _native; _native.load()" >"$W/native-load.log" 2>&1 \
+    || OPENJET_CUDA_ARCHS=90 python3 -m openjet_plugin.build_native >>"$W/native-load.log" 2>&1
+# 3. the q27b (once per machine), in the background while the suite runs
+python3 -c "from pathlib import Path; from openjet_plugin.bench.runner import default_model; default_model(Path('$CACHE'), print)" \
+    >"$W/model.log" 2>&1 &
+model_pid=$!
+# 4. the GPU suite
+OUT=$W/check OPENJET_GPU_POSITIONS=${OPENJET_GPU_POSITIONS:-256} PYTEST_TIMEOUT=${SESSION_CHECK_S:-210} \
+    PYTEST_WORKERS=${PYTEST_WORKERS:-8} bash scripts/gpu/check.sh >"$W/check/stdout.txt" 2>&1
+check_rc=$?
+wait $model_pid
+M=$CACHE/q27b-Q4_K_M-seed0.gguf
+# 5. the switch settings against the default, each in its own process (the engine reads them once)
+i=0
+IFS=';' read -ra SETTINGS <<<"default;${AB:-}"
+for s in "${SETTINGS[@]}"; do
+    [ -z "$s" ] && continue
+    [ "$(left)" -lt 200 ] && { echo "session: no time left for A/B '$s'" >>"$W/ab/log.txt"; break; }
+    env_args=(OJ_AB=1)
+    [ "$s" != default ] && read -ra env_args <<<"$s"
+    echo "$s" >"$W/ab/setting$i.txt"
+    timeout 90 env "${env_args[@]}" python3 -m openjet_plugin.bench.ours --model "$M" --out "$W/ab/ab$i.jsonl" \
+        --verify 1,5 --decode-depths 0 --decode-tokens 64 --reps 5 >>"$W/ab/log.txt" 2>&1
+    i=$((i + 1))
+done
+# 6. openjet bench with llama.cpp in the time left
+OUT=$W/bench BENCH_MODEL=$M BENCH_BUDGET=$(( $(left) - 15 )) bash scripts/gpu/bench.sh "$@" >"$W/bench/stdout.txt" 2>&1
+bench_rc=$?
+
+# what comes back: one archive, then the summary
+tar czf "$OUT/session.tgz" -C "$W" . 2>/dev/null
+python3 - "$W" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+w = Path(sys.argv[1])
+print("=== GPU suite:", *[l for l in (w / "check/pytest.log").read_text().splitlines()[-3:]] if (w / "check/pytest.log").exists() else ["no log"], sep="\n")
+for p in sorted((w / "ab").glob("ab*.jsonl")):
+    setting = (w / "ab" / f"setting{p.stem[2:]}.txt").read_text().strip()
+    for line in p.read_text().splitlines():
+        o = json.loads(line)
+        if "metric" in o:
+            print(f"A/B {setting:<28} {o['metric']:<16} {json.dumps(o['params'], sort_keys=True):<32} median {statistics.median(o['samples']):9.3f} {o['unit']}")
+        elif "error" in o or "skip" in o:
+            print(f"A/B {setting:<28} {o}")
+PY
+grep -E "^(FAILED|ERROR)" "$W/check/pytest.log" | head -20
+[ -f "$W/bench/bench.md" ] && sed -n '1,40p' "$W/bench/bench.md" | grep -E "^\| (read|decode|verify|projection|roofline|peak)" 
+echo "session: suite exit $check_rc, bench exit $bench_rc, $(( $(date +%s) - start )) s"
