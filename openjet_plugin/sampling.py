@@ -58,6 +58,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repeat_penalty: float = 1.0
     penalty_last_n: int = PENALTY_LAST_N
+    # the first penalty_start tokens of a history (the prompt) are outside the penalty window:
+    # llama-cpp-python's sampler sees only the tokens it sampled, never the prompt; the engine sets
+    # it to the prompt's length
+    penalty_start: int = 0
     # token id -> added to its logit before anything else (llama.cpp's logit_bias sampler comes
     # first in its chain); -inf bans a token
     logit_bias: dict | None = None
@@ -108,6 +112,10 @@ class SamplingParams:
         if n < 0:
             raise ValueError(f"penalty_last_n must be >= 0, got {n}")
         set_("penalty_last_n", n)
+        ps = _integer("penalty_start", self.penalty_start)
+        if ps < 0:
+            raise ValueError(f"penalty_start must be >= 0, got {ps}")
+        set_("penalty_start", ps)
 
         set_("stop", _stop_strings(self.stop))
         set_("logit_bias", _logit_bias(self.logit_bias))
@@ -171,10 +179,12 @@ def apply_logit_bias(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def apply_penalties(logits: np.ndarray, history: Sequence[int], params: SamplingParams,
                     inplace: bool = False) -> np.ndarray:
-    """llama.cpp's `penalties` sampler: over the last `penalty_last_n` tokens, a token seen c times
-    gets its logit divided by repeat_penalty (multiplied when <= 0), minus c * frequency_penalty,
-    minus presence_penalty. Returns a new array unless inplace (then `logits` itself)."""
+    """llama.cpp's `penalties` sampler: over the last `penalty_last_n` tokens after the first
+    `penalty_start` of `history`, a token seen c times gets its logit divided by repeat_penalty
+    (multiplied when <= 0), minus c * frequency_penalty, minus presence_penalty. Returns a new
+    array unless inplace (then `logits` itself)."""
     out = logits if inplace else np.array(logits, copy=True)
+    history = history[params.penalty_start:]
     if not params.has_penalties or not len(history):
         return out
     window = np.asarray(history[-params.penalty_last_n:], dtype=np.int64)

@@ -266,3 +266,19 @@ def test_large_flat_vocabulary_matches_the_definition(setting):
     assert len(ids) > 256
     assert ids.tolist() == list(expected)
     np.testing.assert_allclose(probs, list(expected.values()), rtol=1e-6, atol=1e-12)
+
+
+def test_penalty_window_starts_after_penalty_start():
+    """llama-cpp-python's sampler never sees the prompt: with penalty_start = the prompt's length,
+    prompt tokens are not penalised, generated ones are (within the last penalty_last_n)."""
+    logits = np.zeros(8, dtype=np.float32) + 1.0
+    history = [1, 2, 3, 4, 5, 5]                  # prompt [1, 2, 3], generated [4, 5, 5]
+    p = SamplingParams(repeat_penalty=2.0, frequency_penalty=0.25, penalty_start=3)
+    out = apply_penalties(logits, history, p)
+    np.testing.assert_allclose(out[[1, 2, 3]], 1.0)                       # the prompt: untouched
+    np.testing.assert_allclose(out[4], 1.0 / 2.0 - 0.25)
+    np.testing.assert_allclose(out[5], 1.0 / 2.0 - 0.5)
+    everything = apply_penalties(logits, history, SamplingParams(repeat_penalty=2.0, frequency_penalty=0.25))
+    np.testing.assert_allclose(everything[1], 1.0 / 2.0 - 0.25)           # penalty_start 0: prompt counts
+    with pytest.raises(ValueError, match="penalty_start"):
+        SamplingParams(penalty_start=-1)
