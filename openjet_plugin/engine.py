@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from . import chat_template
-from .errors import ContextOverflowError, OpenJetError
+from .errors import ContextOverflowError, OpenJetError, WrongArchitectureError
 from .sampling import Sampler, SamplingParams
 
 MAX_TOP_LOGPROBS = 20      # OpenAI's limit on top_logprobs
@@ -227,7 +227,10 @@ class Engine:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, stop=stop, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty,
-                                logit_bias=logit_bias)
+                                logit_bias=logit_bias,
+                                # penalties count generated tokens only, as llama-cpp-python's
+                                # sampler (which never sees the prompt) and OpenAI's do
+                                penalty_start=len(prompt_tokens))
         if params.logit_bias and max(params.logit_bias) >= self.n_vocab:
             raise ValueError(f"logit_bias names token id {max(params.logit_bias)}, outside the "
                              f"vocabulary [0, {self.n_vocab})")
@@ -673,11 +676,30 @@ def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tup
     return eog, (int(eos) if isinstance(eos, int) else None)
 
 
+def _load_foreign(path: Path, declined: "WrongArchitectureError", *, backend: str, n_ctx: int,
+                  kv_type: str, n_threads: int | None) -> Engine:
+    """A GGUF of another architecture: llama.cpp runs it (backend="native" raises, saying why)."""
+    from .backends.select import create_backend
+    from .model_file import read_foreign
+
+    info = read_foreign(path)
+    if info.n_ctx_train and n_ctx > info.n_ctx_train:
+        raise ValueError(f"n_ctx={n_ctx} exceeds the model's training context {info.n_ctx_train} ({path.name})")
+    why = f"{path.name} is a {info.architecture!r} model and the native engine runs only {declined.expected!r}"
+    be, reason = create_backend(backend, path, None, n_ctx=n_ctx, kv_type=kv_type, n_threads=n_threads,
+                                declined=why, n_layers=info.n_layers)
+    tf = info.tokenizer
+    eog, eos = _eog_tokens(tf.tokens, tf.token_type, info.metadata)
+    return Engine(be, model_path=path, config=None, metadata=info.metadata, chat_template_source=info.chat_template,
+                  eog_tokens=eog, token_eos=eos, backend_reason=reason)
+
+
 def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "auto", n_ctx: int = 4096,
          draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None, verbose: bool = False,
          n_threads: int | None = None, checkpoint_interval: int = 0, n_checkpoints: int | None = None,
          prefill_chunk: int | None = None) -> Engine:
-    """Open a qwen35 GGUF and start a backend for it.
+    """Open a GGUF and start a backend for it: a qwen35 model on the native engine where it can
+    run, anything else llama.cpp runs (another architecture included) on llama.cpp.
 
     model_path None: the embedded default model (defaults.default_model_path()).
     backend: "auto" (native when this machine and model support it, else llama.cpp; the reason is
@@ -727,7 +749,11 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     with warnings.catch_warnings():
         if not verbose:
             warnings.simplefilter("ignore")     # e.g. "no MTP block": relevant to native only
-        mf = open_model(path)
+        try:
+            mf = open_model(path)
+        except WrongArchitectureError as exc:
+            # another architecture is a fallback case, not an error: llama.cpp runs it
+            return _load_foreign(path, exc, backend=backend, n_ctx=n_ctx, kv_type=kv_type, n_threads=n_threads)
     try:
         if n_ctx > mf.config.n_ctx_train:
             raise ValueError(f"n_ctx={n_ctx} exceeds the model's training context "

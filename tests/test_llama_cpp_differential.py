@@ -231,9 +231,6 @@ PENALTIES = [{"repeat_penalty": 1.1}, {"repeat_penalty": 1.3}, {"frequency_penal
              {"presence_penalty": 0.5}, {"repeat_penalty": 1.1, "frequency_penalty": 0.2, "presence_penalty": 0.2}]
 
 
-@pytest.mark.xfail(strict=True, reason="the engine penalises the prompt's tokens too; llama-cpp-python only the "
-                                       "generated ones: Engine.generate must pass SamplingParams(penalty_start="
-                                       "len(prompt_tokens)) (engine.py, its owner's; sampling.py has the window)")
 @pytest.mark.parametrize("penalty", PENALTIES, ids=[json.dumps(p) for p in PENALTIES])
 def test_penalised_greedy_text_equals_llama_cpp_python(ref, ours, penalty):
     differ = [p for p in PROMPTS
