@@ -371,8 +371,8 @@ void alloc_scratch(Engine &e) {
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
 }
 
-// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). The norm and SwiGLU
-// run inside the projections' preps where they take the fp16 path (matvec_group_norm, matvec_swiglu).
+// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). Under OJ_FUSE_PREP=1 the
+// norm and SwiGLU run inside the projections' preps on the fp16 path (matvec_group_norm, matvec_swiglu).
 void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;

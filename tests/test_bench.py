@@ -793,6 +793,26 @@ def test_our_engine_child_measures_every_planned_row(tmp_path, monkeypatch, tiny
     assert 0.5 < mtp3["acceptance_at"][0] < 1.0 and "MTP head" in mtp3["drafts_from"]
 
 
+def test_a_failing_profile_costs_its_row_only(tmp_path, monkeypatch, tiny_model, toy_native):
+    """The per-phase profile failing (e.g. a library without oj_profile) skips projection_gbps with
+    the error; verify_ms and the decode rows are still measured."""
+    from openjet_plugin.bench import ours
+
+    def broken(be, positions, reps, rng):
+        raise RuntimeError("oj_profile: cudaEventRecord failed")
+
+    monkeypatch.setattr(ours, "profiled_samples", broken)
+    out = tmp_path / "o.jsonl"
+    rc = ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "1", "--verify-depth", "50",
+                    "--decode-depths", "0", "--decode-tokens", "4", "--reps", "3"])
+    assert rc == 0
+    res, skips, _ = _child_lines(out)
+    key = lambda m, p: report.row_key(m, "openjet", p)  # noqa: E731
+    assert set(res) == {key("verify_ms", {"positions": 1, "depth": 50}), key("decode_tps", {"depth": 0})}
+    assert skips == {key("projection_gbps", {"positions": 1, "depth": 50}):
+                     "the per-phase profile failed: RuntimeError: oj_profile: cudaEventRecord failed"}
+
+
 def test_our_engine_child_skips_spec_rows_with_reasons(tmp_path, monkeypatch, tiny_model, toy_native):
     """A failing speculative row is a skip with the engine's message; an oracle row still runs; a
     deadline that cannot fit a row gives 'out of time' skips."""

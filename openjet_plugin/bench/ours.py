@@ -393,7 +393,11 @@ def run(args, out: Emitter) -> int:
             fill.reset()
             fill.fill_to(args.verify_depth)
             out.result("verify_ms", params, "ms", verify_samples(be, p, args.reps, rng))
-            samples, table = profiled_samples(be, p, args.reps, rng)
+            try:
+                samples, table = profiled_samples(be, p, args.reps, rng)
+            except Exception as exc:  # noqa: BLE001 - the profile's failure costs its row, not the rest
+                out.skip("projection_gbps", params, f"the per-phase profile failed: {type(exc).__name__}: {exc}")
+                continue
             out.result("projection_gbps", params, "GB/s", samples)
             from .report import row_key
             out.emit({"info": {PHASES_KEY: {row_key("projection_gbps", ENGINE, params): table}}})
