@@ -530,6 +530,7 @@ void verify(Engine &e, const int32_t *tokens, int n) {
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
     e.prof.active = e.prof.on;
+    e.prof.used = 0;   // a pass that failed half-way left its events behind
     stamp(e, PH_EMBED);
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
     for (int il = 0; il < d.hp.n_layer; ++il) {
