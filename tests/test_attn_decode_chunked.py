@@ -61,7 +61,7 @@ def chunked_attention(scores: np.ndarray, values: np.ndarray, length: int, c: in
     """One (head, position) of attention_partial_chunked_kernel + attention_combine_kernel (without
     the gate): scores [>= length] (already times 1/sqrt(D)), values [>= length][D]; rows at or past
     `length` must never be read (the caller fills them with NaN). warps: the block's warps that
-    interleave row by row (chunked_scan's STEP: 4 in attention.cu, 8 in the persistent kernel)."""
+    interleave row by row (chunked_scan's STEP: 4 in attention.cu)."""
     d = values.shape[1]
     n_splits = (length + SPLIT - 1) // SPLIT
     part_m, part_l, part_acc = [], [], []
@@ -147,9 +147,3 @@ def test_chunked_softmax_with_one_dominant_score_late_in_a_chunk():
     want = (w / w.sum()) @ values[:length]
     np.testing.assert_allclose(got, want, rtol=1e-10)
     assert abs(got[0] - values[261, 0]) < 1e-6 * values[261, 0]
-
-
-# --- the KV-group kernel (attention_partial_group_kernel, OJ_ATTN_CHUNK=group) ----------------------
-
-GT = 32              # attention.cu: rows per shared-memory tile
-GROUP_WARPS = 8

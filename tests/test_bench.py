@@ -171,14 +171,15 @@ def test_markdown_has_ratio_roofline_and_pending_columns():
 
 def test_engine_switches_are_recorded_and_printed():
     from openjet_plugin.bench import manifest
-    env = {"OJ_MVF16_TMA": "all", "OPENJET_MATVEC": "bf16", "OJ_ATTN_CHUNK": "1", "PATH": "/usr/bin",
+    env = {"OJ_PDL": "1", "OPENJET_PREFILL_ATTN": "decode", "OJ_FUSE_PREP": "1", "PATH": "/usr/bin",
            "OPENJET_CACHE_DIR": "/tmp/x", "OPENJET_PREFILL_GEMM": "f16"}
     sw = manifest.engine_switches(env)
-    assert sw == {"OJ_ATTN_CHUNK": "1", "OJ_MVF16_TMA": "all", "OPENJET_MATVEC": "bf16", "OPENJET_PREFILL_GEMM": "f16"}
+    assert sw == {"OJ_FUSE_PREP": "1", "OJ_PDL": "1", "OPENJET_PREFILL_ATTN": "decode", "OPENJET_PREFILL_GEMM": "f16"}
     rep = _sample_report()
     rep["manifest"]["engine_switches"] = sw
     md = report.markdown(rep)
-    assert "Engine switches: `OJ_ATTN_CHUNK=1`, `OJ_MVF16_TMA=all`, `OPENJET_MATVEC=bf16`, `OPENJET_PREFILL_GEMM=f16`." in md
+    assert ("Engine switches: `OJ_FUSE_PREP=1`, `OJ_PDL=1`, `OPENJET_PREFILL_ATTN=decode`, "
+            "`OPENJET_PREFILL_GEMM=f16`.") in md
     rep["manifest"]["engine_switches"] = manifest.engine_switches({"PATH": "/usr/bin"})
     assert "Engine switches: none set (the engine's defaults)." in report.markdown(rep)
     assert "Engine switches: not recorded." in report.markdown(_sample_report())   # a report from before

@@ -1,9 +1,8 @@
-"""The fp16-activation option on the CPU side (OPENJET_MATVEC=f16, native/matvec_f16.cuh).
+"""The fp16-activation option on the CPU side (the decode matvecs, native/matvec_f16.cuh).
 
-The engine's f16 path rounds the input of every Q4_K / Q6_K product to fp16 under a power-of-two
+The engine's decode matvecs round the input of every Q4_K / Q6_K product to fp16 under a power-of-two
 scale per (vector, 256-value super-block); `ReferenceModel(act_f16=True)` must round the same way
-so that the GPU test (tests/test_native_gpu.py::test_kv_q8_0_matches_q8_0_reference, run with
-OPENJET_MATVEC=f16) can hold the engine's q8_0 KV cache to the same bar as the other paths: the
+so that the GPU test (tests/test_native_gpu.py::test_kv_q8_0_matches_q8_0_reference) can hold the engine's q8_0 KV cache to the same bar as the other paths: the
 fp16 rounding moves K and V by ~5e-4 relative, enough to flip q8_0 roundings against a reference
 that does not round. Checked here without a GPU:
 - `round_act_f16` / `act_f16_exponents` against an element-by-element emulation of prep_kernel

@@ -51,7 +51,7 @@ def source_digest(root: Path = REPO_ROOT) -> str:
 # environment variables that select the native engine's code paths (native/*.cu getenv; the
 # OPENJET_PREFILL_* switches are read by backends/native.py): recorded with every run so that an
 # A/B of a switch says which side each file is
-ENGINE_SWITCHES = ("OPENJET_MATVEC", "OPENJET_PREFILL_GEMM", "OPENJET_PREFILL_DELTANET", "OPENJET_PREFILL_ATTN")
+ENGINE_SWITCHES = ("OPENJET_PREFILL_GEMM", "OPENJET_PREFILL_DELTANET", "OPENJET_PREFILL_ATTN")
 
 
 def engine_switches(environ=None) -> dict:

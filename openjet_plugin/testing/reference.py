@@ -119,7 +119,7 @@ def round_kv_q8_0(x: np.ndarray, dtype=None) -> np.ndarray:
     return dequantize_kv_q8_0(*quantize_kv_q8_0(x)).astype(np.asarray(x).dtype if dtype is None else dtype)
 
 
-# --- the native engine's int8 activations (OPENJET_MATVEC=int8, native/matvec.cu) -------------
+# --- int8 activations (the int8 prefill GEMM, OPENJET_PREFILL_GEMM=int8, native/gemm_prefill.cuh) --
 
 ACT_INT8_BLOCK = 32                                  # activation values per scale
 ACT_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K", "Q8_0")    # weight types whose products round x (launch_any)
@@ -168,7 +168,7 @@ def round_act_int8(x: np.ndarray) -> np.ndarray:
     return dequantize_act_int8(q, d)
 
 
-# --- the native engine's fp16 activations (OPENJET_MATVEC=f16, native/matvec_f16.cuh) ---------
+# --- the native engine's fp16 activations (its decode matvecs, native/matvec_f16.cuh) ---------
 
 ACT_F16_BLOCK = 256                  # activation values per power-of-two scale (a K-quant super-block)
 ACT_F16_TYPES = ("Q4_K", "Q6_K")     # weight types launch_any sends to matvec_f16 (mvf16::supports)
@@ -322,7 +322,7 @@ class ReferenceModel:
         int8 roundf) and attends over the dequantised values; q and the softmax stay unrounded
         (with llama_cpu_rounding, this replaces its F16 rounding of K and V).
 
-        `act_int8=True` models the native engine's OPENJET_MATVEC=int8 path: every product with a
+        `act_int8=True` models the int8 prefill GEMM (OPENJET_PREFILL_GEMM=int8): every product with a
         Q4_K / Q5_K / Q6_K / Q8_0 weight (main layers, output head, MTP block) takes its input rows
         through `quantize_act_int8` (per 32 values, float32 d = amax/127, int8 q) and multiplies the
         dequantised weights by q * d in the reference's dtype; for Q4_K / Q5_K the mins multiply the
@@ -330,7 +330,7 @@ class ReferenceModel:
         BF16 weights and the embedding lookups are unchanged. Not combinable with
         llama_cpu_rounding (another engine's roundings).
 
-        `act_f16=True` models the native engine's OPENJET_MATVEC=f16 path (native/matvec_f16.cuh):
+        `act_f16=True` models the native engine's decode matvecs (native/matvec_f16.cuh):
         every product with a Q4_K / Q6_K weight (main layers, output head, MTP block; K a multiple
         of 256) takes its input rows through `round_act_f16` (per 256-value super-block a
         power-of-two scale, fp16 round-to-nearest-even, undone exactly) and multiplies the
@@ -343,7 +343,7 @@ class ReferenceModel:
         if llama_cpu_rounding and act_int8:
             raise ValueError("llama_cpu_rounding and act_int8 model different engines; choose one")
         if act_f16 and act_int8:
-            raise ValueError("act_f16 and act_int8 model different OPENJET_MATVEC paths (f16, int8); choose one")
+            raise ValueError("act_f16 and act_int8 model different roundings (the decode matvecs, the int8 prefill GEMM); choose one")
         if act_f16 and llama_cpu_rounding:
             raise ValueError("llama_cpu_rounding and act_f16 model different engines; choose one")
         self.llama_cpu_rounding = llama_cpu_rounding
