@@ -319,7 +319,9 @@ def test_logit_bias_reaches_the_engine(client, engine):
 
 
 def test_omitted_max_tokens_generates_to_the_end_of_the_context(client):
-    r = client.chat.completions.create(model="openjet-default", messages=MESSAGES, temperature=0)
+    # (up to ~490 tokens: seconds here, more on a busy machine)
+    r = client.with_options(timeout=300).chat.completions.create(model="openjet-default", messages=MESSAGES,
+                                                                 temperature=0)
     # OpenAI's rule: no max_tokens, no cap but the context window (not a hidden default)
     assert r.choices[0].finish_reason in ("stop", "length")
     if r.choices[0].finish_reason == "length":
