@@ -62,6 +62,11 @@ FIELD_DIFFERENCES = {
     "logprobs values": "Python float here, numpy.float32 in llama-cpp-python (whose responses json.dumps refuses)",
     "logprobs without logits_all": "llama-cpp-python raises ValueError unless logits_all=True; the drop-in answers",
     "id": "a fresh uuid on each side (the same 'cmpl-' / 'chatcmpl-' prefixes)",
+    "forced tool call": "the model writes its template's call markup under a constraint (llama-cpp-python: only the "
+                        "arguments JSON under a grammar); the response has llama-cpp-python's shape; a call cut "
+                        "by max_tokens raises RuntimeError saying so (llama-cpp-python returns the cut arguments)",
+    "response_format / grammar in chat": "the prompt closes the think block (a grammar holds from the first token "
+                                         "in llama-cpp-python, so its reply has no reasoning either)",
     "created": "each side's clock",
 }
 COMPARED = {
