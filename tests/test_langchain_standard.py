@@ -56,8 +56,10 @@ SCRIPTS = (
     ("<tool_response>", "It's sunny."),
 )
 DEFAULT_REPLY = "Hello! How can I help you today?"
-_RUNS_ON_THE_SCRIPTED_MODEL = ("random weights do not choose a tool's arguments or a joke; runs and passes "
-                               "in TestChatOpenJetScriptedModel")
+_FORCED_CALL_ON_SCRIPTED_MODEL = ("a forced call's canonical tokens break the scripted model's chain (see the class)")
+_RUNS_ON_THE_SCRIPTED_MODEL = ("random weights do not choose a tool's arguments or a joke; the tool-calling tests "
+                               "run and pass in TestChatOpenJetScriptedModel, its structured-output ones are a "
+                               "known failure there (see that class)")
 
 
 @lru_cache(maxsize=1)
@@ -201,47 +203,28 @@ class TestChatOpenJetScriptedModel(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    # --- declared off: need a model that decides which tool to call with which arguments, or
-    # what to write; they run in TestChatOpenJetScriptedModel. LangChain's convention for a
-    # standard test a model cannot pass is an xfail with a reason; run=False because the outcome
-    # is known without spending the time.
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
-    def test_tool_calling(self, model) -> None:
-        super().test_tool_calling(model)
-
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
-    async def test_tool_calling_async(self, model) -> None:
-        await super().test_tool_calling_async(model)
-
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
-    def test_tool_choice(self, model) -> None:
-        super().test_tool_choice(model)
-
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
-    def test_bind_runnables_as_tools(self, model) -> None:
-        super().test_bind_runnables_as_tools(model)
-
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
-    def test_agent_loop(self, model) -> None:
-        super().test_agent_loop(model)
-
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
+    # --- known to fail here: a forced call (structured output's function calling, a named
+    # tool_choice) is written by the constraint in canonical tokens up to the first value, which
+    # breaks this bigram-scripted model's chain (it starts its script again inside the value).
+    # The forced-call path itself is tested on the default model (tests/test_constraints.py,
+    # tests/test_adapter_langchain.py). strict: a pass here is reported, so the mark goes.
+    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
     def test_unicode_tool_call_integration(self, model) -> None:
         super().test_unicode_tool_call_integration(model)
 
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
+    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
     def test_structured_output(self, model, schema_type) -> None:
         super().test_structured_output(model, schema_type)
 
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
+    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
     async def test_structured_output_async(self, model, schema_type) -> None:
         await super().test_structured_output_async(model, schema_type)
 
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
+    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
     def test_structured_output_pydantic_2_v1(self, model) -> None:
         super().test_structured_output_pydantic_2_v1(model)
 
-    @pytest.mark.xfail(reason=_RUNS_ON_THE_SCRIPTED_MODEL, run=False)
+    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
     def test_structured_output_optional_param(self, model) -> None:
         super().test_structured_output_optional_param(model)
 
