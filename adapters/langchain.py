@@ -73,6 +73,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.v1 import ValidationError as ValidationErrorV1
 
 from openjet_plugin.parsing import TOOL_OPEN
 
@@ -306,7 +307,7 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
         self,
         schema: dict | type | None = None,
         *,
-        method: Literal["function_calling", "json_schema", "json_mode"] = "function_calling",
+        method: Literal["function_calling", "json_schema", "json_mode"] = "json_schema",
         include_raw: bool = False,
         strict: bool | None = None,
         **kwargs: Any,
@@ -314,8 +315,9 @@ class ChatOpenJet(_OpenJetParams, BaseChatModel):
         """A runnable whose output is `schema` filled in by the model (a pydantic instance for a
         pydantic class, else a dict).
 
-        method: "function_calling" forces a call of the schema as a tool; "json_schema" constrains
-        the reply to the schema; "json_mode" to any JSON object, or to the schema when one is given
+        method: "json_schema" (the default, as langchain-openai's) constrains the reply to the
+        schema, with no tool-call wrapper for the model to get wrong; "function_calling" forces a
+        call of the schema as a tool; "json_mode" to any JSON object, or to the schema when one is given
         (the prompt should ask for JSON either way: the model then writes it as it was trained to). Decoding is constrained in all three, so a reply fails to parse only when it is
         cut short (max_tokens): that raises `OutputParserException`, or with include_raw=True
         returns {"raw": message, "parsed": None, "parsing_error": the exception}.
@@ -568,7 +570,7 @@ def _response_format_constraint(fmt: Any) -> dict | None:
     if fmt is None:
         return None
     if isinstance(fmt, type) and is_basemodel_subclass(fmt):
-        return {"type": "json_schema", "schema": fmt.model_json_schema()}
+        return {"type": "json_schema", "schema": convert_to_json_schema(fmt)}
     if not isinstance(fmt, dict):
         raise ValueError(f"response_format must be a dict such as {{'type': 'json_object'}}, "
                          f"got {type(fmt).__name__}")
@@ -627,9 +629,11 @@ def _parse_json_output(message: AIMessage, model_class: type | None) -> Any:
 def _validated(value: Any, model_class: type | None, message: AIMessage) -> Any:
     if model_class is None:
         return value
+    # a pydantic.v1 model (langchain still accepts them) validates with parse_obj
+    validate = getattr(model_class, "model_validate", None) or model_class.parse_obj
     try:
-        return model_class.model_validate(value)
-    except ValidationError as exc:
+        return validate(value)
+    except (ValidationError, ValidationErrorV1) as exc:
         raise OutputParserException(f"the reply does not match {model_class.__name__}: {exc}",
                                     llm_output=_text(message)) from None
 

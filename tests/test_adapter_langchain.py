@@ -223,18 +223,18 @@ def test_tool_history_goes_back_into_the_template(scripted):
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
-def test_with_structured_output_default_path(scripted):
+def test_with_structured_output_function_calling(scripted):
     class Person(BaseModel):
         """A person."""
         name: str = Field(description="name")
         age: int = Field(description="age")
 
     scripted('<tool_call>\n{"name": "Person", "arguments": {"name": "Ada", "age": 36}}\n</tool_call>')
-    person = ChatOpenJet().with_structured_output(Person).invoke("Who wrote the first program?")
+    person = ChatOpenJet().with_structured_output(Person, method="function_calling").invoke("Who wrote the first program?")
     assert person == Person(name="Ada", age=36)
-    raw = ChatOpenJet().with_structured_output(Person, include_raw=True).invoke("?")
+    raw = ChatOpenJet().with_structured_output(Person, include_raw=True, method="function_calling").invoke("?")
     assert raw["parsed"] == Person(name="Ada", age=36) and raw["parsing_error"] is None
-    as_dict = ChatOpenJet().with_structured_output(Person.model_json_schema()).invoke("?")
+    as_dict = ChatOpenJet().with_structured_output(Person.model_json_schema(), method="function_calling").invoke("?")
     assert as_dict == {"name": "Ada", "age": 36}
 
 
@@ -244,12 +244,12 @@ def test_structured_output_that_does_not_parse_is_reported(scripted):
         name: str
 
     scripted("I would rather not.")
-    raw = ChatOpenJet().with_structured_output(Person, include_raw=True).invoke("?")
+    raw = ChatOpenJet().with_structured_output(Person, include_raw=True, method="function_calling").invoke("?")
     assert raw["parsed"] is None and raw["raw"].content == "I would rather not."
     assert isinstance(raw["parsing_error"], OutputParserException)
     assert "did not call 'Person'" in str(raw["parsing_error"])
     with pytest.raises(OutputParserException, match="did not call 'Person'"):
-        ChatOpenJet().with_structured_output(Person).invoke("?")
+        ChatOpenJet().with_structured_output(Person, method="function_calling").invoke("?")
 
 
 @pytest.mark.parametrize("piece", [1, 5, 1000])
@@ -385,15 +385,23 @@ class Person(BaseModel):
     age: int = Field(description="age")
 
 
+def test_structured_output_default_method_is_json_schema(scripted):
+    """As langchain-openai's: the reply constrained to the schema, no tool call to wrap it."""
+    s = scripted('{"name": "Ada", "age": 36}')
+    assert ChatOpenJet().with_structured_output(Person).invoke("?") == Person(name="Ada", age=36)
+    c = s.calls[-1]["constraint"]
+    assert c["type"] == "json_schema" and set(c["schema"]["properties"]) == {"name", "age"}
+
+
 def test_structured_output_methods_pass_their_constraint(scripted):
     s = scripted("<tool_call>\n<function=Person>\n<parameter=name>\nAda\n</parameter>\n"
                  "<parameter=age>\n36\n</parameter>\n</function>\n</tool_call>")
-    assert ChatOpenJet().with_structured_output(Person).invoke("?") == Person(name="Ada", age=36)
+    assert ChatOpenJet().with_structured_output(Person, method="function_calling").invoke("?") == Person(name="Ada", age=36)
     c = s.calls[-1]["constraint"]
     assert c["type"] == "tool_call" and c["name"] == "Person"
     assert [t["function"]["name"] for t in c["tools"]] == ["Person"]
     # strict=True reaches the tool definition, and closes a JSON schema's objects
-    ChatOpenJet().with_structured_output(Person, strict=True).invoke("?")
+    ChatOpenJet().with_structured_output(Person, strict=True, method="function_calling").invoke("?")
     assert s.calls[-1]["constraint"]["tools"][0]["function"]["strict"] is True
 
     s.reply = '{"name": "Ada", "age": 36}'
@@ -421,7 +429,7 @@ def test_structured_output_failures_are_never_a_silent_none(scripted):
         ChatOpenJet().with_structured_output(Person, method="json_schema").invoke("?")
     s.reply = "<tool_call>\n<function=Person>\n<parameter=name>\nAda\n</parameter>\n"
     with pytest.raises(OutputParserException, match="malformed tool call"):
-        ChatOpenJet().with_structured_output(Person).invoke("?")
+        ChatOpenJet().with_structured_output(Person, method="function_calling").invoke("?")
     with pytest.raises(ValueError, match="unknown method 'json'"):
         ChatOpenJet().with_structured_output(Person, method="json")
     with pytest.raises(ValueError, match="needs a schema"):

@@ -52,14 +52,15 @@ SCRIPTS = (
                 punchline='"To keep an eye on the mouse."')),
     ("Dict", _call("JokeDict", setup="What do cats eat for breakfast?", punchline='"Mice Krispies."')),
     # JSON mode: the schema's constraint forces '{"setup": "' (in canonical tokens, the last '"')
-    (" keys", ('"', 'Why was the cat so good at video games?", "punchline": "It had nine lives."}')),
+    # structured output (json_schema, ChatOpenJet's default) and JSON mode: the constraint forces
+    # '{"setup": "' (in canonical tokens, the last '"'); "jo" is a token of both prompts ("joke")
+    ("jo", ('"', 'Why was the cat so good at video games?", "punchline": "It had nine lives."}')),
     ("<tool_response>", "It's sunny."),
 )
 DEFAULT_REPLY = "Hello! How can I help you today?"
 _FORCED_CALL_ON_SCRIPTED_MODEL = ("a forced call's canonical tokens break the scripted model's chain (see the class)")
-_RUNS_ON_THE_SCRIPTED_MODEL = ("random weights do not choose a tool's arguments or a joke; the tool-calling tests "
-                               "run and pass in TestChatOpenJetScriptedModel, its structured-output ones are a "
-                               "known failure there (see that class)")
+_RUNS_ON_THE_SCRIPTED_MODEL = ("random weights do not choose a tool's arguments or a joke; runs and passes in "
+                               "TestChatOpenJetScriptedModel (but for the unicode forced call: see there)")
 
 
 @lru_cache(maxsize=1)
@@ -203,30 +204,13 @@ class TestChatOpenJetScriptedModel(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    # --- known to fail here: a forced call (structured output's function calling, a named
-    # tool_choice) is written by the constraint in canonical tokens up to the first value, which
-    # breaks this bigram-scripted model's chain (it starts its script again inside the value).
-    # The forced-call path itself is tested on the default model (tests/test_constraints.py,
-    # tests/test_adapter_langchain.py). strict: a pass here is reported, so the mark goes.
+    # --- known to fail here: a named tool_choice is written by the constraint in canonical tokens
+    # up to the first value, which breaks this bigram-scripted model's chain (it starts its script
+    # again inside the value). The forced-call path itself is tested on the default model
+    # (tests/test_constraints.py, tests/test_adapter_langchain.py). strict: a pass is reported.
     @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
     def test_unicode_tool_call_integration(self, model) -> None:
         super().test_unicode_tool_call_integration(model)
-
-    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
-    def test_structured_output(self, model, schema_type) -> None:
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
-    async def test_structured_output_async(self, model, schema_type) -> None:
-        await super().test_structured_output_async(model, schema_type)
-
-    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
-    def test_structured_output_pydantic_2_v1(self, model) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
-
-    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
-    def test_structured_output_optional_param(self, model) -> None:
-        super().test_structured_output_optional_param(model)
 
 
 # The suite's async tests are plain `async def`s (LangChain runs them with asyncio_mode=auto);
