@@ -276,7 +276,12 @@ def cmd_doctor(args) -> int:
         ("cpu cores", str(os.cpu_count())),
     ]
     verdicts = cpu_features.host_verdicts()
-    rows.append(("cpu: llama.cpp uses", ", ".join(n for n, v in verdicts.items() if v.usable) or "baseline x86-64 only"))
+    rows.append(("cpu: llama.cpp uses", ", ".join(n for n, v in verdicts.items()
+                                                 if v.usable and n in cpu_features.BUILD_FEATURES)
+                 or "baseline x86-64 only"))
+    rows.append(("cpu: also runs", ", ".join(n for n, v in verdicts.items()
+                                             if v.usable and n not in cpu_features.BUILD_FEATURES)
+                 or "nothing more"))
     for v in verdicts.values():
         if v.advertised and not v.usable:
             rows.append((f"cpu: {v.name} off", v.why))

@@ -44,7 +44,7 @@ BASE_ARGS = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAM
 def build_config() -> dict:
     """What the build will be: CPU options, CUDA or not, and why."""
     verdicts = cpu_features.host_verdicts()
-    cpu = [n for n, v in verdicts.items() if v.usable]
+    cpu = [n for n, v in verdicts.items() if v.usable and n in cpu_features.BUILD_FEATURES]
     args = BASE_ARGS + cpu_features.ggml_cmake_args(verdicts)
     nvcc, archs = find_nvcc(), local_gpu_archs()
     if nvcc and archs:

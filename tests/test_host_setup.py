@@ -83,6 +83,13 @@ def test_llama_build_options_follow_the_verdicts():
     assert "-DGGML_AVX2=ON" in args and "-DGGML_FMA=ON" in args
     assert "-DGGML_AVX512=OFF" in args
     assert {"-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"} <= set(args)
+    # a host that runs only part of the set gets only that part; AVX-512 / AMX stay out even where
+    # they run (the build the agreement suite validates)
+    partial = {n: V(n, True, n == "avx2", "") for n in cpu_features.PROBES}
+    assert "-DGGML_FMA=OFF" in cpu_features.ggml_cmake_args(partial)
+    everything = {n: V(n, True, True, "") for n in cpu_features.PROBES}
+    args = cpu_features.ggml_cmake_args(everything)
+    assert "-DGGML_AVX512=OFF" in args and "-DGGML_AMX_INT8=OFF" in args and "-DGGML_AVX2=ON" in args
 
 
 def test_setup_config_is_keyed_and_uses_cuda_only_with_a_gpu(monkeypatch, cache_dir):
