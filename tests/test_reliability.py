@@ -243,7 +243,10 @@ def test_ctrl_c_in_openjet_generate_exits_130_without_a_traceback(tmp_path):
     env = dict(os.environ, OPENJET_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.cli", "generate", "def main():",
                              "-n", "3500", "--n-ctx", "4096", "--temperature", "0.7", "--seed", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path,
+                            # as from a terminal: a runner started in the background (`cmd &`)
+                            # passes SIGINT down ignored, and Python then never raises on it
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = proc.stdout.read(1)             # the stream has begun
         assert first, proc.stderr.read().decode()
