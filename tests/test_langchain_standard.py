@@ -82,14 +82,12 @@ class TestChatOpenJetUnit(ChatModelUnitTests):
         return {"model": "default"}
 
 
-class TestChatOpenJetIntegration(ChatModelIntegrationTests):
+class _OpenJetIntegration(ChatModelIntegrationTests):
+    """What both integration classes declare (not collected: its name does not start with Test)."""
+
     @property
     def chat_model_class(self) -> type[ChatOpenJet]:
         return ChatOpenJet
-
-    @property
-    def chat_model_params(self) -> dict:
-        return {"model": str(default_model_path()), "temperature": 0, "max_tokens": 24}
 
     @property
     def returns_usage_metadata(self) -> bool:
@@ -111,17 +109,23 @@ class TestChatOpenJetIntegration(ChatModelIntegrationTests):
         return model.invoke("Tell me about caches.")
 
     @property
-    def model_override_value(self) -> str:
-        # the alias of the same file: loads nothing new, and response_metadata names it
-        return "default"
-
-    @property
     def has_tool_choice(self) -> bool:
         return True
 
     @property
     def supports_json_mode(self) -> bool:
         return True
+
+
+class TestChatOpenJetIntegration(_OpenJetIntegration):
+    @property
+    def chat_model_params(self) -> dict:
+        return {"model": str(default_model_path()), "temperature": 0, "max_tokens": 24}
+
+    @property
+    def model_override_value(self) -> str:
+        # the alias of the same file: loads nothing new, and response_metadata names it
+        return "default"
 
     # --- declared off: need a model that decides which tool to call with which arguments, or
     # what to write; they run in TestChatOpenJetScriptedModel. LangChain's convention for a
@@ -168,41 +172,12 @@ class TestChatOpenJetIntegration(ChatModelIntegrationTests):
         super().test_structured_output_optional_param(model)
 
 
-class TestChatOpenJetScriptedModel(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatOpenJet]:
-        return ChatOpenJet
-
+class TestChatOpenJetScriptedModel(_OpenJetIntegration):
     @property
     def chat_model_params(self) -> dict:
         return {"model": str(scripted_model_path()), "backend": "llama.cpp", "temperature": 0,
                 "max_tokens": 160}
 
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    def invoke_with_cache_read_input(self, *, stream: bool = False):
-        model = ChatOpenJet(**self.chat_model_params)
-        model.invoke("Tell me about caches.")
-        if stream:
-            full = None
-            for chunk in model.stream("Tell me about caches."):
-                full = chunk if full is None else full + chunk
-            return full
-        return model.invoke("Tell me about caches.")
-
-    @property
-    def has_tool_choice(self) -> bool:
-        return True
-
-    @property
-    def supports_json_mode(self) -> bool:
-        return True
 
     # --- known to fail here: a named tool_choice is written by the constraint in canonical tokens
     # up to the first value, which breaks this bigram-scripted model's chain (it starts its script
