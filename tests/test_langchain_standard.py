@@ -178,8 +178,7 @@ class TestChatOpenJetScriptedModel(_OpenJetIntegration):
         return {"model": str(scripted_model_path()), "backend": "llama.cpp", "temperature": 0,
                 "max_tokens": 160}
 
-
-    # --- known to fail here: a named tool_choice is written by the constraint in canonical tokens
+    # --- known to fail here: a forced tool_choice ("any") is written by the constraint in canonical tokens
     # up to the first value, which breaks this bigram-scripted model's chain (it starts its script
     # again inside the value). The forced-call path itself is tested on the default model
     # (tests/test_constraints.py, tests/test_adapter_langchain.py). strict: a pass is reported.
