@@ -158,7 +158,10 @@ def test_fuzzed_bodies_get_2xx_or_4xx_at_once_without_internals(server):
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             leaked = [w for w in ("Traceback", 'File "', "site-packages", ".py\"", "line ") if w in text
                       and not (w == "line " and "at line" in text)]
-            if not (200 <= r.status_code < 300 or 400 <= r.status_code < 500) or seconds > 1.0 or leaked:
+            # a refusal is due at once; an accepted body is a generation (up to its max_tokens on
+            # a CPU shared with the rest of the suite): it must end, not hang
+            slow = seconds > (1.0 if 400 <= r.status_code < 500 else 8.0)
+            if not (200 <= r.status_code < 300 or 400 <= r.status_code < 500) or slow or leaked:
                 problems.append(f"case {case} {route} {raw[:160]!r}: {r.status_code} in {seconds:.2f} s "
                                 f"{leaked} {text[:300]!r}")
     print(f"statuses: {dict(sorted(statuses.items()))}")
