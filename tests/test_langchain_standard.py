@@ -25,42 +25,58 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.integration_tests.chat_models import magic_function, unicode_customer
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from openjet_plugin import default_model_path
 from openjet_plugin.adapters.langchain import ChatOpenJet
+from openjet_plugin.constraints import Constraint
 
 def _call(name: str, **args: str) -> str:
     params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in args.items())
     return f"<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>"
 
 
+# The constraints of the suite's forced replies, as ChatOpenJet asks for them: a forced call
+# (tool_choice "any") of its tools, and its joke schema (both fields required: where a test makes
+# the punchline optional, the grammar forces less of the reply, never more).
+def _forced_call(tool) -> Constraint:
+    return Constraint.tool_call([convert_to_openai_tool(tool)])
+
+
+_GREETING_GENERATOR = {"name": "greeting_generator",           # the suite's runnable as a tool
+                       "parameters": {"type": "object", "properties": {"answer_style": {"type": "string"}},
+                                      "required": ["answer_style"]}}
+_JOKE = Constraint.json_schema({"type": "object", "required": ["setup", "punchline"],
+                                "properties": {"setup": {"type": "string"}, "punchline": {"type": "string"}}})
+
 # (marker, reply), the later winning when several markers are in a prompt. A marker is a token
-# of the suite's prompts for that script's tests and of no prompt of an earlier script.
+# of the suite's prompts for that script's tests and of no prompt of an earlier script. A reply
+# (text, constraint) is written under that constraint (the grammar writes the head it forces).
 SCRIPTS = (
     ("ather", _call("get_weather", location="San Francisco, CA")),                  # test_agent_loop
-    ("ma", _call("magic_function", input="3")),                                     # magic_function(3)
-    ("_args", _call("magic_function_no_args")),
-    ("gener", _call("greeting_generator", answer_style="pirate")),                  # runnable as a tool
-    ("\u96c6".encode()[:1], _call("unicode_customer", customer_name="你好啊集团",
-                                  description="A Chinese technology company")),
-    ("\u3053".encode()[:1], _call("unicode_customer", customer_name="こんにちは株式会社",
-                                  description="A Japanese company")),
+    # the suite forces these calls (tool_choice "any")
+    ("ma", (_call("magic_function", input="3"), _forced_call(magic_function))),     # magic_function(3)
+    ("_args", _call("magic_function_no_args")),                 # forced whole: the grammar writes it
+    ("gener", (_call("greeting_generator", answer_style="pirate"), _forced_call(_GREETING_GENERATOR))),
+    ("\u96c6".encode()[:1], (_call("unicode_customer", customer_name="你好啊集团",
+                                   description="A Chinese technology company"), _forced_call(unicode_customer))),
+    ("\u3053".encode()[:1], (_call("unicode_customer", customer_name="こんにちは株式会社",
+                                   description="A Japanese company"), _forced_call(unicode_customer))),
     # punchline as a JSON string: verbatim for `str`, JSON for `str | None` (both schemas occur)
     ("J", _call("Joke", setup="Why did the cat sit on the computer?",
                 punchline='"To keep an eye on the mouse."')),
     ("Dict", _call("JokeDict", setup="What do cats eat for breakfast?", punchline='"Mice Krispies."')),
-    # JSON mode: the schema's constraint forces '{"setup": "' (in canonical tokens, the last '"')
-    # structured output (json_schema, ChatOpenJet's default) and JSON mode: the constraint forces
-    # '{"setup": "' (in canonical tokens, the last '"'); "jo" is a token of both prompts ("joke")
-    ("jo", ('"', 'Why was the cat so good at video games?", "punchline": "It had nine lives."}')),
+    # structured output (json_schema, ChatOpenJet's default) and JSON mode, both held to the joke
+    # schema; "jo" is a token of both prompts ("joke")
+    ("jo", ('{"setup": "Why was the cat so good at video games?", "punchline": "It had nine lives."}', _JOKE)),
     ("<tool_response>", "It's sunny."),
 )
 DEFAULT_REPLY = "Hello! How can I help you today?"
-_FORCED_CALL_ON_SCRIPTED_MODEL = ("a forced call's canonical tokens break the scripted model's chain (see the class)")
 _RUNS_ON_THE_SCRIPTED_MODEL = ("random weights do not choose a tool's arguments or a joke; runs and passes in "
-                               "TestChatOpenJetScriptedModel (but for the unicode forced call: see there)")
+                               "TestChatOpenJetScriptedModel")
 
 
 @lru_cache(maxsize=1)
@@ -177,14 +193,6 @@ class TestChatOpenJetScriptedModel(_OpenJetIntegration):
     def chat_model_params(self) -> dict:
         return {"model": str(scripted_model_path()), "backend": "llama.cpp", "temperature": 0,
                 "max_tokens": 160}
-
-    # --- known to fail here: a forced tool_choice ("any") is written by the constraint in canonical tokens
-    # up to the first value, which breaks this bigram-scripted model's chain (it starts its script
-    # again inside the value). The forced-call path itself is tested on the default model
-    # (tests/test_constraints.py, tests/test_adapter_langchain.py). strict: a pass is reported.
-    @pytest.mark.xfail(reason=_FORCED_CALL_ON_SCRIPTED_MODEL, strict=True)
-    def test_unicode_tool_call_integration(self, model) -> None:
-        super().test_unicode_tool_call_integration(model)
 
 
 # The suite's async tests are plain `async def`s (LangChain runs them with asyncio_mode=auto);

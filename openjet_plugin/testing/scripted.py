@@ -17,12 +17,10 @@ How the weights script a reply (shape: `tiny`; every residual branch writes zero
   (`_reply_tokens`), and a piece that is not a token of the vocabulary takes the place of one of
   its rarest tokens (one that no merge builds on; the merge that formed it is dropped, so the
   tokenizer never writes it and prompts tokenize as before). The text still detokenizes to the
-  reply exactly. Under a constraint the engine's grammar admits only the canonical tokens of
-  text it forces (JSON's '{"key": "'): such a reply is scripted to continue after the forced
-  prefix's last token.
+  reply exactly.
 - The output head's row of each next token is the current token's embedding (token half), one of
   mutually orthogonal +-1 rows (a Hadamard matrix), so the chain's token leads every other by
-  ~20 nats.
+  ~20 nats. A token of no chain has row 0 (all ones), which no chain reads.
 - Which chain starts depends on the context: each script has a marker token (<tool_response> for
   "after a tool result"), and the last script whose marker is in the prompt wins. The embedding
   has context dims: a constant 1 (every token), a level (a marker's rank) and a one-hot of the
@@ -32,20 +30,39 @@ How the weights script a reply (shape: `tiny`; every residual branch writes zero
   its value (the one-hot) raises that script's "flag" dim through attn_output, else nothing. The
   head reads the flags: +flag for the script's first token, -flag for the default reply's, sized
   so that a flag flips the first choice but never outweighs a chain's own next token.
+- A reply may be written under a constraint (a forced tool call, a JSON schema). Where the
+  grammar forces the next bytes (a call's head `<tool_call>\n<function=NAME>\n<parameter=ARG>\n`,
+  JSON's '{"key": "', the markup between two values) llguidance's mask admits only the
+  tokenizer's canonical tokens of them (near the end of the forced text also their beginnings,
+  and tokens that run on into the free text after it), whatever the weights say; where it
+  leaves them open, any token that fits. So the grammar writes the head in tokens of no chain,
+  and after such a token (row 0) every chain token trails the tokens of no chain
+  (OFF_CHAIN_SHARE), single bytes lead them (BYTE_SHARE: the head is finished a byte at a time)
+  and the flag's first token leads all: the weights take over at the first open position, on
+  the flag, whatever token ended the head ('>\n' ends every forced call's head: no chain could
+  key on it). The rest is cut so that every token starts where the grammar leaves the next bytes
+  open (`_free_positions`): the token that takes over forced markup between two values starts in
+  the free text before it. The forced tail (a call's closing markup after its last value) may be
+  cut anywhere: under the constraint the grammar finishes the reply, in its own tokens if need
+  be; under one that leaves the tail open the chain writes it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import re
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..config import PRESETS
 from . import bpe
 from .synth import RESIDUAL_OUTPUTS, synth_specs, tensor_values, token_dims, write_gguf
+
+if TYPE_CHECKING:
+    from ..constraints import Constraint
 
 QWEN35_TEMPLATE_FILE = bpe.DATA_DIR / "qwen35_chat_template.jinja"
 PRESET = "tiny"
@@ -56,6 +73,14 @@ END = "<|im_end|>"
 CHAIN_GAIN = 16.0
 # the flag's share of a chain step's logit: > 1/2 flips the first choice, < 1 never overrides a step
 FLAG_SHARE = 0.75
+# after a token of no chain (one the grammar of a constraint wrote), every chain token's logit is
+# this share of a chain step below that of the tokens of no chain (0): the flag's first token
+# (FLAG_SHARE - OFF_CHAIN_SHARE) still leads them, any other chain token trails them
+OFF_CHAIN_SHARE = FLAG_SHARE / 2
+# and single bytes lead the other tokens of no chain by this share: where the grammar admits
+# several ways to finish a forced head ('>' or '>\n', then '\n' or '\n\n\n'), it finishes it one
+# byte at a time, never with a token that runs on into the free text after it
+BYTE_SHARE = 0.05
 # attention scores of two adjacent marker levels differ by this much: the higher takes all the
 # attention (e^-25 is nothing even over a context of thousands of lower markers)
 KEY_SPACING = 25.0
@@ -120,13 +145,28 @@ class _Vocab:
         self._spare = [i for i in range(len(self.texts) - 1, 255, -1)
                        if self.arrays.token_types[i] == bpe.TOKEN_NORMAL and self.arrays.tokens[i] not in parts]
         self.renamed: dict[int, str] = {}
+        self._ids: dict[bytes, list[int]] = {}
+        for i, t in enumerate(self.texts):
+            if t is not None:
+                self._ids.setdefault(t, []).append(i)
+
+    def ids(self, data: bytes) -> list[int]:
+        """The tokens whose text is `data`."""
+        return self._ids.get(data, [])
+
+    def can_claim(self, piece: str, used: set[int]) -> bool:
+        """Whether claim(piece, used) finds a token."""
+        have = self.ids(piece.encode())
+        if have:
+            return any(i not in used for i in have)
+        return any(i not in used for i in self._spare)
 
     def claim(self, piece: str, used: set[int]) -> int | None:
         """A token whose text is `piece` and not in `used` (added to it): the vocabulary's, or a
         spare one renamed when no token has this text; None when the only ones are used (token
         texts must stay unique: llama.cpp refuses a vocabulary with a text twice)."""
         data = piece.encode()
-        have = [i for i, t in enumerate(self.texts) if t == data]
+        have = self.ids(data)
         if have:
             free = [i for i in have if i not in used]
             if not free:
@@ -135,8 +175,10 @@ class _Vocab:
             return free[0]
         i = next(i for i in self._spare if i not in used)
         self._spare.remove(i)
+        self._ids[self.texts[i]].remove(i)
         self.renamed[i] = bpe.byte_encode(piece)
         self.texts[i] = data
+        self._ids[data] = [i]
         used.add(i)
         return i
 
@@ -153,27 +195,71 @@ class _Vocab:
 MAX_TOKEN_BYTES = 32
 
 
-def _reply_tokens(reply: str, vocab: _Vocab, used: set[int]) -> list[int]:
+def _reply_tokens(reply: str, vocab: _Vocab, used: set[int], may_start: Sequence[bool] | None = None) -> list[int]:
     """Distinct tokens spelling `reply`, none in `used` (added to it): from each position, the rest
     of the line (with its newline) when that text is free, else the longest free text that fits a
-    token (MAX_TOKEN_BYTES), shorter ones after that."""
-    out: list[int] = []
-    pos = 0
-    while pos < len(reply):
+    token (MAX_TOKEN_BYTES), shorter ones after that. With `may_start` (one flag per character
+    position and the end) a token starts only where it is True; a cut that leads to no token
+    backtracks."""
+    dead_ends: set[int] = set()     # positions from which no cut was found, whatever came before
+    taken: set[str] = set()         # pieces of this reply so far: each needs a token of its own
+
+    def cut(pos: int) -> list[str] | None:
+        if pos == len(reply):
+            return []
+        if pos in dead_ends:
+            return None
         line_end = reply.find("\n", pos) + 1 or len(reply)
-        ends = [line_end] + list(range(len(reply), pos, -1))
-        for end in ends:
+        for end in dict.fromkeys([line_end, *range(len(reply), pos, -1)]):
             piece = reply[pos:end]
-            if len(piece.encode()) > MAX_TOKEN_BYTES:
+            if (len(piece.encode()) > MAX_TOKEN_BYTES or (may_start is not None and not may_start[end])
+                    or piece in taken or not vocab.can_claim(piece, used)):
                 continue
-            tok = vocab.claim(piece, used)
-            if tok is not None:
-                out.append(tok)
-                pos = end
-                break
-        else:
-            raise ValueError(f"no free token spells {reply[pos:pos + 10]!r}... of {reply!r}")
-    return out
+            taken.add(piece)
+            rest = cut(end)
+            if rest is not None:
+                return [piece, *rest]
+            taken.discard(piece)
+        dead_ends.add(pos)
+        return None
+
+    pieces = cut(0)
+    if pieces is None:
+        raise ValueError(f"no cut of {reply!r} into free tokens of at most {MAX_TOKEN_BYTES} bytes"
+                         + (", each starting where the constraint leaves the next bytes open" if may_start else ""))
+    return [vocab.claim(piece, used) for piece in pieces]
+
+
+def _free_positions(text: str, constraint: "Constraint") -> list[bool]:
+    """For each character position of `text` and its end: whether `constraint`'s grammar, having
+    read the text before it, leaves the next bytes open. Where it forces them, the engine's mask
+    admits only the tokenizer's canonical tokens of the forced bytes (llguidance's fast-forward),
+    so a scripted token may start only at an open position. ValueError when `text` is not a
+    complete output of the grammar."""
+    matcher = _byte_compiler().state(constraint).matcher
+    free: list[bool] = []
+    for ch in text:
+        free.append(not matcher.compute_ff_bytes())
+        for b in ch.encode():
+            if not matcher.consume_token(b):
+                raise ValueError(f"{text!r} does not match the {constraint.kind} constraint: {matcher.get_error()}")
+    if not matcher.is_accepting():
+        raise ValueError(f"{text!r} is not a complete output of the {constraint.kind} constraint")
+    free.append(True)
+    return free
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_compiler():
+    """Constraints compiled over a vocabulary of the 256 bytes (and an end token): which bytes a
+    grammar forces is a matter of the grammar alone."""
+    from ..constraints import ConstraintCompiler
+    from ..parsing import tool_call_format
+
+    n_bytes = 256
+    return ConstraintCompiler([bytes([b]) for b in range(n_bytes)] + [END.encode()], [n_bytes], [n_bytes],
+                              n_bytes + 1, lambda data: list(data),
+                              tool_call_format(QWEN35_TEMPLATE_FILE.read_text(encoding="utf-8")))
 
 
 def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, after_tool_reply: str,
@@ -184,17 +270,18 @@ def scripted_tool_model(out_path: str | os.PathLike[str], first_reply: str, afte
 
 
 def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
-                   scripts: Sequence[tuple[str | bytes, str | tuple[str, str]]], *, start_token_text: str = "\n\n",
-                   force: bool = False) -> pathlib.Path:
+                   scripts: Sequence[tuple[str | bytes, "str | tuple[str, Constraint]"]], *,
+                   start_token_text: str = "\n\n", force: bool = False) -> pathlib.Path:
     """Write a scripted model to `out_path`.
 
     Greedy decoding after the Qwen3.5 template's generation prompt (thinking off: it ends in
     "</think>\n\n", whose last token is `start_token_text`) writes, then <|im_end|>:
     the reply of the last (marker, reply) in `scripts` whose marker token is in the prompt, or
     `default_reply` when none is. A marker is the text (or the bytes: a byte of a UTF-8
-    character) of one token of the vocabulary. A reply (after, text) is `text` following the
-    token whose text is `after`, for a reply whose start a constraint forces (JSON's
-    '{"key": "'): the weights chain from the forced prefix's last token.
+    character) of one token of the vocabulary. A reply (text, constraint) is `text` as the engine
+    writes it under `constraint` (a constraints.Constraint: a forced tool call, a JSON schema):
+    the grammar writes the head it forces, the weights the rest, from the first position the
+    grammar leaves open (without the constraint the model writes only the rest).
     """
     out = pathlib.Path(out_path)
     if out.exists() and not force:
@@ -207,7 +294,7 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
     markers = []
     for marker, _ in scripts:
         data = marker if isinstance(marker, bytes) else marker.encode()
-        ids = [i for i, b in enumerate(vocab.texts) if b == data]
+        ids = vocab.ids(data)
         if marker in vocab.special:
             ids = [vocab.special[marker]]
         if not ids:
@@ -215,15 +302,26 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
         markers.append(ids[0])
     if len(set(markers)) != len(markers):
         raise ValueError("two scripts have the same marker")
+    # what the weights write of each reply, and where its tokens may start
+    written: list[tuple[str, list[bool] | None]] = []
+    for _, reply in scripts:
+        if isinstance(reply, str):
+            written.append((reply, None))
+            continue
+        text, constraint = reply
+        free = _free_positions(text, constraint)
+        n_head = free.index(True)           # the head the grammar forces is its own
+        if n_head == len(text):
+            raise ValueError(f"the {constraint.kind} constraint forces all of {text!r}: nothing to script")
+        # the forced tail (after the last open position) may be cut anywhere: under this
+        # constraint the grammar writes it whatever the tokens (a call's closing markup after a
+        # JSON value is longer than one token may be), under a looser one the chain does
+        n_tail = max(i for i, f in enumerate(free[:-1]) if f) + 1
+        written.append((text[n_head:], free[n_head:n_tail] + [True] * (len(text) - n_tail + 1)))
     used = {start, end, *markers}
     default = _reply_tokens(default_reply, vocab, used)
-    # a reply (after, text) continues after the token `after`, which a constraint forces (the
-    # engine's grammar allows only the canonical tokens of forced text, whatever the weights say)
-    afters = [None if isinstance(reply, str) else vocab.claim(reply[0], used) for _, reply in scripts]
-    if None in [a for a, (_, r) in zip(afters, scripts) if not isinstance(r, str)]:
-        raise ValueError("a reply's `after` token is a token of another reply")
-    replies = [_reply_tokens(reply if isinstance(reply, str) else reply[1], vocab, used) for _, reply in scripts]
-    chain_tokens = [start] + default + [a for a in afters if a is not None] + [tok for r in replies for tok in r]
+    replies = [_reply_tokens(text, vocab, used, may_start) for text, may_start in written]
+    chain_tokens = [start] + default + [tok for r in replies for tok in r]
     n_scripts = len(scripts)
     if len(chain_tokens) > t - 1:
         raise ValueError(f"the replies take {len(chain_tokens)} tokens; at most {t - 1} fit this shape")
@@ -243,8 +341,9 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
 
     emb = arrays["token_embd.weight"]          # [n_vocab, n_embd]
     hadamard = _hadamard(t)
+    emb[:, :t] = hadamard[0]                   # a token of no chain: all ones, which no chain reads
     for k, tok in enumerate(chain_tokens):
-        emb[tok, :t] = hadamard[k + 1]         # row 0 is all ones: not orthogonal to a constant
+        emb[tok, :t] = hadamard[k + 1]
     emb[:, t:] = 0.0
     emb[:, const_dim] = 1.0
 
@@ -277,14 +376,17 @@ def scripted_model(out_path: str | os.PathLike[str], default_reply: str,
         v[s, script_dims[s]] = 1.0             # value: which script; attn_output: its flag
         out_proj[flag_dims[s], s] = 1.0
 
-    # the head: rows of the chains' tokens, and each flag's push from the default's first token
-    # to its script's
+    # the head: rows of the chains' tokens, each chain token held below the tokens of no chain
+    # after one of those, and each flag's push from the default's first token to its script's
     head = arrays["output.weight"]
     head[...] = 0.0
-    for prev, chain in [(start, default)] + list(zip(afters, replies)):
+    for prev, chain in [(start, default)] + [(None, r) for r in replies]:
         for cur, nxt in zip([prev] + chain, chain + [end]):
             if cur is not None:
                 head[nxt, :t] += emb[cur, :t] * np.float32(CHAIN_GAIN / t)
+    head[chain_tokens, :t] -= hadamard[0] * np.float32(OFF_CHAIN_SHARE * CHAIN_GAIN / t)
+    single_bytes = [i for i, b in enumerate(vocab.texts) if b is not None and len(b) == 1]
+    head[single_bytes, :t] += hadamard[0] * np.float32(BYTE_SHARE * CHAIN_GAIN / t)
     step = CHAIN_GAIN * np.sqrt(2.0)
     for s, tok in enumerate(markers):
         flag = _flag_in_head_input(cfg, emb[tok], emb[start])
