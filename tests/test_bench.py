@@ -309,6 +309,9 @@ def test_slim_sdist_keeps_what_the_build_needs(tmp_path):
     assert "vendor/llama.cpp/tools/llama-bench/llama-bench.cpp" in names
     assert "vendor/llama.cpp/ggml/src/ggml-cuda/CMakeLists.txt" in names
     assert not any(n.startswith("vendor/llama.cpp/models/") for n in names)
+    # llama-server (bench/peer_spec.py): its sources, and only tools/ui's CMake files of the web UI
+    assert "vendor/llama.cpp/tools/server/server-context.cpp" in names
+    assert {n for n in names if n.startswith("vendor/llama.cpp/tools/ui/")} == set(peer._SLIM_KEEP_FILES)
     assert slim.stat().st_size < 12e6
     info = peer.sdist_version(slim)
     assert info["llama_cpp_python"] == peer.PINNED_VERSION
@@ -794,6 +797,39 @@ def test_our_engine_child_measures_every_planned_row(tmp_path, monkeypatch, tiny
     assert 0.5 < mtp3["acceptance_at"][0] < 1.0 and "MTP head" in mtp3["drafts_from"]
 
 
+def test_our_mtp_rows_at_each_depth_start_from_the_shared_tokens(tmp_path, monkeypatch, tiny_model, toy_native):
+    """--spec-mtp D@DEPTH items: MTP rows at several depths, each from the state filled with the
+    shared sequence (spec.prompt_tokens) and its next token as the current one, as llama.cpp's
+    rows are given (bench/peer_spec.py)."""
+    from openjet_plugin.bench import ours
+    from openjet_plugin.bench import spec as spec_mod
+    from openjet_plugin.model_file import open_model
+
+    starts = []
+    real = spec_mod.start_point
+
+    def spy(be, depth, history, current, n_tokens):
+        starts.append((depth, list(history), current))
+        return real(be, depth, history, current, n_tokens)
+
+    monkeypatch.setattr(spec_mod, "start_point", spy)
+    out = tmp_path / "o.jsonl"
+    assert ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "", "--decode-depths", "0,96",
+                      "--decode-tokens", "4", "--spec-mtp", "1@0,2@0,2@96", "--spec-tokens", "12", "--reps", "2"]) == 0
+    res, skips, _ = _child_lines(out)
+    key = lambda m, p: report.row_key(m, "openjet", p)  # noqa: E731
+    assert skips == {}
+    assert set(res) == {key("decode_tps", {"depth": 0}), key("decode_tps", {"depth": 96}),
+                        key("spec_mtp_tps", {"drafts": 1, "depth": 0}), key("spec_mtp_tps", {"drafts": 2, "depth": 0}),
+                        key("spec_mtp_tps", {"drafts": 2, "depth": 96})}
+    with open_model(tiny_model) as mf:
+        tokens = spec_mod.prompt_tokens(mf.config.n_vocab, 97)
+    assert [(d, h, c) for d, h, c in starts] == [(0, [], tokens[0]), (96, tokens[:96], tokens[96])]
+    with pytest.raises(ValueError, match="DRAFTS@DEPTH"):
+        ours._mtp_items("2@x", 64)
+    assert ours._mtp_items("1,3@0", 64) == [(1, 64), (3, 0)]
+
+
 def test_a_failing_profile_costs_its_row_only(tmp_path, monkeypatch, tiny_model, toy_native):
     """The per-phase profile failing (e.g. a library without oj_profile) skips projection_gbps with
     the error; verify_ms and the decode rows are still measured."""
@@ -1040,7 +1076,9 @@ def test_plan_measures_speculative_rows_and_groups_cover_the_plan(tmp_path):
     planned, pending = runner.plan(s)
     spec = [r for r in planned if r[0] == "spec_tps"]
     assert len(spec) == len(s.acceptances) * len(s.drafts) and all(r[2]["depth"] == 8192 for r in spec)
-    assert [r[2]["drafts"] for r in planned if r[0] == "spec_mtp_tps"] == [1, 2, 3, 4]
+    mtp = [r for r in planned if r[0] == "spec_mtp_tps"]          # both engines, every depth (issue 28)
+    assert sorted((r[1], r[2]["depth"], r[2]["drafts"]) for r in mtp) == \
+        sorted((e, d, D) for e in ("openjet", "llama.cpp") for d in (0, 8192, 30720) for D in (1, 2, 3, 4))
     accept = [r for r in planned if r[0] == "accepted_per_cycle"]
     assert {(r[2]["temperature"], r[2]["drafts"]) for r in accept} == {(t, d) for t in (0.0, 0.7) for d in (1, 2, 3, 4)}
     assert pending == []                                                # batched prefill is measured now

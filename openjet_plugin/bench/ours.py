@@ -3,7 +3,8 @@ memory is its own and a fault cannot take the benchmark down):
 
     python -m openjet_plugin.bench.ours --model M --out RECORDS.jsonl [--verify 1,2,3,4,5]
         [--verify-depth 1024] [--decode-depths 0,8192,30720] [--decode-tokens 128] [--reps 6]
-        [--spec 0.5:1,0.5:2,...] [--spec-mtp 1,2,3,4] [--spec-depth 8192] [--spec-tokens 128]
+        [--spec 0.5:1,0.5:2,...] [--spec-mtp 1,2,3,4 | 1@0,1@8192,...] [--spec-depth 8192]
+        [--spec-tokens 128]
         [--prefill 2700:1800,12000:29500] [--deadline EPOCH_SECONDS]
     python -m openjet_plugin.bench.ours --model default.gguf --out RECORDS.jsonl --verify '' \
         --decode-depths '' --accept 0.0:1,...,0.7:4 [--accept-prompts 12] [--accept-prompt-tokens 64]
@@ -30,8 +31,13 @@ host — the same boundary llama-bench times for llama.cpp (llama_decode + synch
   speculate adds MTP rows to every evaluation, which `spec.main_model_only` switches off for them.
 - prefill_tps for N new tokens at depth M: bench/prefill.py (oj_prefill from a checkpoint at M,
   main model only); measured first, from their own fill, so that no MTP row is in their state.
-- spec_tps / spec_mtp_tps at the spec depth: bench/spec.py (speculative cycles from a checkpoint,
-  oracle drafts at a forced acceptance, or the model's MTP head).
+- spec_tps at the spec depth, spec_mtp_tps at each depth asked (D@DEPTH; a bare D: the spec
+  depth): bench/spec.py (speculative cycles from a checkpoint, oracle drafts at a forced
+  acceptance, or the model's MTP head). The state the decode and speculative rows start from is
+  the shared token sequence (spec.prompt_tokens) that llama.cpp's spec_mtp_tps rows are given too
+  (bench/peer_spec.py): at depth d, positions 0..d-1 filled and token d the current one. (At
+  depth 0 the first cycle's MTP step has no previous position: it reads the engine's row 0, as a
+  fill from a reset does; llama.cpp drafts first after its prompt's one token.)
 - accepted_per_cycle (--accept, on the trained default model): bench/acceptance.py.
 
 Every result line is a JSON object {"metric", "engine", "params", "unit", "samples"}; lines
@@ -95,6 +101,8 @@ class Filler:
         self.tokens = 0
         self.seconds = 0.0
         self.appended: list[int] = []
+        # when set, position i is filled with source[i] (the shared sequence) instead of a random token
+        self.source: list[int] | None = None
 
     @property
     def rate(self) -> float | None:
@@ -112,7 +120,12 @@ class Filler:
         del self.appended[self.be.n_past:]          # a checkpoint restored the state to here
         while self.be.n_past < depth:
             n = min(FILL_TOKENS_PER_CALL, depth - self.be.n_past)
-            toks = self.rng.integers(0, self.be.n_vocab, size=n).tolist()
+            if self.source is not None:
+                toks = self.source[self.be.n_past:self.be.n_past + n]
+                if len(toks) != n:
+                    raise ValueError(f"the fill's token source ends at {len(self.source)}, before depth {depth}")
+            else:
+                toks = self.rng.integers(0, self.be.n_vocab, size=n).tolist()
             t0 = time.perf_counter()
             self.be.eval_argmax(toks)
             self.seconds += time.perf_counter() - t0
@@ -209,26 +222,41 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in (text or "").split(",") if x.strip()]
 
 
-def spec_rows(pairs: list[tuple[float, int]], mtp: list[int], depth: int) -> list[tuple[str, dict]]:
+def _mtp_items(text: str, spec_depth: int) -> list[tuple[int, int]]:
+    """'1,2' -> [(1, spec_depth), (2, spec_depth)]; '1@0,4@8192' -> [(1, 0), (4, 8192)]: (drafts, depth)."""
+    out = []
+    for item in (x.strip() for x in (text or "").split(",") if x.strip()):
+        d, sep, depth = item.partition("@")
+        try:
+            out.append((int(d), int(depth) if sep else spec_depth))
+        except ValueError:
+            raise ValueError(f"--spec-mtp: expected DRAFTS or DRAFTS@DEPTH items like 4@8192, got {item!r}") from None
+    return out
+
+
+def spec_rows(pairs: list[tuple[float, int]], mtp: list[tuple[int, int]], depth: int) -> list[tuple[str, dict]]:
+    """Oracle rows at the spec depth, MTP rows at their (drafts, depth)."""
     return ([("spec_tps", {"acceptance": a, "drafts": d, "depth": depth}) for a, d in pairs]
-            + [("spec_mtp_tps", {"drafts": d, "depth": depth}) for d in mtp])
+            + [("spec_mtp_tps", {"drafts": d, "depth": dep}) for d, dep in mtp])
 
 
-def spec_phase(be, args, out: Emitter, history: list[int], rng: np.random.Generator, time_left) -> None:
-    """Every spec_tps / spec_mtp_tps row at the spec depth, from the checkpoint there (bench/spec.py).
-    Each row becomes a result or a skip with its reason."""
+def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: list[int], current: int,
+               time_left) -> None:
+    """The speculative rows at depth len(history), from the checkpoint there (bench/spec.py), with
+    `current` the token at that position. Each row becomes a result or a skip with its reason."""
     from . import spec
 
-    d, n = args.spec_depth, args.spec_tokens
-    pairs, mtp = _pairs(args.spec, "--spec"), _ints(args.spec_mtp)
-    rows = spec_rows(pairs, mtp, d)
+    d, n = len(history), args.spec_tokens
+    pairs = [r for r in rows if r[0] == "spec_tps"]
+    mtp = [r for r in rows if r[0] == "spec_mtp_tps"]
+    rows = pairs + mtp
 
     def skip(which, reason: str) -> None:
         for metric, params in which:
             out.skip(metric, params, reason)
 
     try:
-        point = spec.start_point(be, d, history, int(rng.integers(0, be.n_vocab)), n)
+        point = spec.start_point(be, d, history, int(current), n)
     except Exception as exc:  # noqa: BLE001 - the rows say why, the rest of the benchmark goes on
         skip(rows, f"speculative start point at depth {d} failed: {type(exc).__name__}: {exc}")
         return
@@ -344,7 +372,8 @@ def run(args, out: Emitter) -> int:
     depths = _ints(args.decode_depths)
     if depths != sorted(set(depths)):
         raise ValueError(f"--decode-depths must be increasing, got {depths}")
-    spec_todo = spec_rows(_pairs(args.spec, "--spec"), _ints(args.spec_mtp), args.spec_depth)
+    spec_todo = spec_rows(_pairs(args.spec, "--spec"), _mtp_items(args.spec_mtp, args.spec_depth), args.spec_depth)
+    spec_depths = sorted({p["depth"] for _, p in spec_todo})
     from .prefill import parse_rows
     prefill_todo = parse_rows(args.prefill)
     planned = ([(m, {"positions": p, "depth": args.verify_depth}) for p in verify for m in ("verify_ms", "projection_gbps")]
@@ -363,7 +392,7 @@ def run(args, out: Emitter) -> int:
     max_drafts = max([p["drafts"] for _, p in spec_todo], default=0)
     need_ctx = max([args.verify_depth + 2 * MAX_POSITIONS * (args.reps + 2)]   # verify_ms, then projection_gbps
                    + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths]
-                   + ([args.spec_depth + args.spec_tokens + max_drafts + 16] if spec_todo else [])
+                   + [d + args.spec_tokens + max_drafts + 16 for d in spec_depths]
                    + [d + n + 16 for n, d in prefill_todo])
     n_ctx = max(args.n_ctx, need_ctx)
     mf = open_model(args.model)
@@ -402,14 +431,19 @@ def run(args, out: Emitter) -> int:
             from .report import row_key
             out.emit({"info": {PHASES_KEY: {row_key("projection_gbps", ENGINE, params): table}}})
 
-    # decode depths and the speculative rows' depth, in order; the state only grows between them
-    targets = sorted(set(depths) | ({args.spec_depth} if spec_todo else set()))
+    # decode depths and the speculative rows' depths, in order; the state only grows between them,
+    # filled with the shared sequence (one token more: the current token at the deepest depth)
+    targets = sorted(set(depths) | set(spec_depths))
+
+    def spec_at(d: int) -> list[tuple[str, dict]]:
+        return [r for r in spec_todo if r[1]["depth"] == d]
 
     def rows_at(d: int) -> list[tuple[str, dict]]:
-        return (([("decode_tps", {"depth": d})] if d in depths else [])
-                + (spec_todo if spec_todo and d == args.spec_depth else []))
+        return ([("decode_tps", {"depth": d})] if d in depths else []) + spec_at(d)
 
+    from .spec import prompt_tokens
     fill.reset()
+    fill.source = prompt_tokens(be.n_vocab, max(targets, default=0) + 1)
     for i, d in enumerate(targets):
         todo = max(0, d - be.n_past)
         est = fill.estimate(todo) or 0.0
@@ -419,7 +453,7 @@ def run(args, out: Emitter) -> int:
                      f"~{est:.0f} s at {rate or 0:.0f} tokens/s ({fill_note(be)})",
                      [r for x in targets[i:] for r in rows_at(x)])
             break
-        if spec_todo and d <= args.spec_depth:
+        if spec_depths and d <= spec_depths[-1]:
             fill.fill_to(d)                        # with MTP rows: the speculative rows need them
         else:
             with main_model_only(be):
@@ -432,8 +466,8 @@ def run(args, out: Emitter) -> int:
                                          restore=lambda d=d: restore_to(be, d))
             out.result("decode_tps", {"depth": d}, "tokens/s", samples)
             restore_to(be, d)
-        if spec_todo and d == args.spec_depth:
-            spec_phase(be, args, out, fill.appended[:d], rng, time_left)
+        if spec_at(d):
+            spec_phase(be, args, out, spec_at(d), fill.appended[:d], fill.source[d], time_left)
             restore_to(be, d)
     if fill.rate:
         out.emit({"info": {"openjet_fill_tps": round(fill.rate, 1), "openjet_fill_note": fill_note(be)}})
@@ -452,7 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--spec", default="", help="oracle rows as ACCEPTANCE:DRAFTS items, e.g. 0.8:4,0.9:4")
-    ap.add_argument("--spec-mtp", default="", help="draft depths of the MTP-head rows, e.g. 1,2,3,4")
+    ap.add_argument("--spec-mtp", default="", help="MTP-head rows as DRAFTS (at --spec-depth) or DRAFTS@DEPTH "
+                                                   "items, e.g. 1,2,3,4 or 1@0,1@8192")
     ap.add_argument("--spec-depth", type=int, default=8192)
     ap.add_argument("--spec-tokens", type=int, default=128)
     ap.add_argument("--prefill", default="", help="prefill_tps rows as NEW_TOKENS:DEPTH items, e.g. 2700:1800")

@@ -44,8 +44,9 @@ SLIM_NAME = f"llama_cpp_python-{PINNED_VERSION}-slim.tar.gz"
 # where the carried sdist is looked for, relative to the repository root (.carry/ is git-ignored)
 CARRY_DIR = ".carry"
 
-# Parts of the sdist the llama-bench build never reads (documentation, model vocabularies, tests,
-# the web UI and the GPU backends we do not build): dropped when repacking for the GPU machine.
+# Parts of the sdist the llama-bench and llama-server build never reads (documentation, model
+# vocabularies, tests, the web UI's sources and the GPU backends we do not build): dropped when
+# repacking for the GPU machine.
 _SLIM_DROP_DIRS = (
     "docs", "examples", "tests", "docker",                        # llama-cpp-python's own
     "vendor/llama.cpp/docs", "vendor/llama.cpp/models", "vendor/llama.cpp/tests",
@@ -56,22 +57,41 @@ _SLIM_DROP_DIRS = (
     "sycl", "vulkan", "opencl", "hexagon", "metal", "et", "webgpu", "openvino", "cann", "virtgpu",
     "zdnn", "zendnn", "musa", "hip"))
 
+# ... except what configuring llama-server reads from tools/ui (LLAMA_BUILD_SERVER adds the folder;
+# with no UI built or downloaded, these make an empty asset table: scripts/ui-assets.cmake)
+_SLIM_KEEP_FILES = tuple(f"vendor/llama.cpp/tools/ui/{f}" for f in (
+    "CMakeLists.txt", "sources.cmake", "ui.cpp.in", "ui.h.in"))
+
 # the sdist's own git data: only the commit ids are kept
 _LLAMA_HEAD = ".git/modules/vendor/llama.cpp/HEAD"
 _KEEP_GIT_FILES = (".git/HEAD", _LLAMA_HEAD)
 
-# One configuration; the cache key includes it, so changing it rebuilds.
+# One configuration; the cache key includes it, so changing it rebuilds. The server is configured
+# for its speculative decoding (peer_spec.py): no web UI, and no download of a prebuilt one (the
+# GPU machine reaches no network; tools/ui's CMake files alone make an empty asset table).
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=ON", "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
 )
+# `--archs cpu`: the same build without CUDA, for testing the machinery on a machine without a GPU
+CPU_ARCHS = "cpu"
+
+
+def cmake_options(archs: str) -> list[str]:
+    """CMAKE_OPTIONS for these CUDA architectures (or CPU_ARCHS: GGML_CUDA off)."""
+    if archs == CPU_ARCHS:
+        return [o if o != "-DGGML_CUDA=ON" else "-DGGML_CUDA=OFF" for o in CMAKE_OPTIONS]
+    return [*CMAKE_OPTIONS, f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
 
 
 # llama-bench, and libllama (with the ggml libraries, shared: llama.cpp's default) for the tools
 # that call llama.cpp's C API, e.g. native/tools/llama_logits.cpp (compile_llama_logits).
 # llama-bench links libllama anyway; naming `llama` keeps that true should the bench stop needing it.
 BUILD_TARGETS = ("llama-bench", "llama")
+# llama-server, for llama.cpp's own MTP speculative decoding (peer_spec.py). Built in a second step
+# after BUILD_TARGETS: should it fail, llama-bench's rows still run and the spec rows say why.
+SERVER_TARGET = "llama-server"
 
 
 def build_targets(llama_src: Path) -> list[str]:
@@ -139,8 +159,9 @@ def pack_slim(full_sdist: Path, out: Path) -> Path:
     with tarfile.open(full_sdist) as src, tarfile.open(tmp, "w:gz", compresslevel=9) as dst:
         for m in src.getmembers():
             rel = m.name.split("/", 1)[1] if "/" in m.name else ""
-            if any(rel == d or rel.startswith(d + "/") for d in _SLIM_DROP_DIRS):
-                continue
+            if rel not in _SLIM_KEEP_FILES and any(rel == d or rel.startswith(d + "/") for d in _SLIM_DROP_DIRS):
+                if not (m.isdir() and any(k.startswith(rel + "/") for k in _SLIM_KEEP_FILES)):
+                    continue
             # the git data (38 MB) goes; the vendored llama.cpp's commit id stays (sdist_version)
             if (rel == ".git" or rel.startswith(".git/")) and rel not in _KEEP_GIT_FILES:
                 if not (m.isdir() and any(k.startswith(rel + "/") for k in _KEEP_GIT_FILES)):
@@ -194,14 +215,32 @@ class PeerBuild:
     def ready(self) -> bool:
         return self.ok_marker.is_file() and self.binary.is_file()
 
+    @property
+    def server_binary(self) -> Path:
+        return self.root / "build" / "bin" / SERVER_TARGET
+
+    @property
+    def server_failed_marker(self) -> Path:
+        """Written (with the first error) when the build of llama-server failed; BUILD_OK still is."""
+        return self.root / "SERVER_FAILED"
+
+    def server_problem(self) -> str | None:
+        """None when llama-server is built; else why not (call after ready())."""
+        if self.server_binary.is_file():
+            return None
+        if self.server_failed_marker.is_file():
+            return f"llama-server failed to build: {self.server_failed_marker.read_text().strip()}; see {self.log}"
+        return f"llama-server is not in the build at {self.root}"
+
 
 def build_dir(cache: Path, sdist: Path, archs: str) -> PeerBuild:
-    key = hashlib.sha256(" ".join(CMAKE_OPTIONS + (archs, sdist.name)).encode()).hexdigest()[:10]
+    key = hashlib.sha256(" ".join((*CMAKE_OPTIONS, SERVER_TARGET, archs, sdist.name)).encode()).hexdigest()[:10]
     return PeerBuild(cache / f"llama.cpp-{PINNED_VERSION}-sm{archs.replace(';', '_')}-{key}")
 
 
 def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
-    """Unpack, configure and build llama-bench and libllama; holds pb.lock while building. Idempotent."""
+    """Unpack, configure and build llama-bench and libllama, then llama-server (its failure is
+    recorded in pb.server_failed_marker, not raised); holds pb.lock while building. Idempotent."""
     pb.root.mkdir(parents=True, exist_ok=True)
     with open(pb.lock, "a+b") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
@@ -222,8 +261,12 @@ def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
                 shutil.rmtree(tmp, ignore_errors=True)
         llama = src / "vendor" / "llama.cpp"
         bdir = pb.root / "build"
-        configure = ["cmake", "-S", str(llama), "-B", str(bdir), *CMAKE_OPTIONS,
-                     f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
+        # a source without the server's folders (a slim sdist packed before they were kept) still
+        # builds llama-bench: the server is configured off and its absence recorded
+        server_failure = server_source_problem(llama)
+        configure = ["cmake", "-S", str(llama), "-B", str(bdir), *(
+            o if not (server_failure and o == "-DLLAMA_BUILD_SERVER=ON") else "-DLLAMA_BUILD_SERVER=OFF"
+            for o in cmake_options(archs))]
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"]
         compile_ = ["cmake", "--build", str(bdir), "--target", *build_targets(llama), "-j", str(jobs)]
@@ -240,10 +283,33 @@ def build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) -> Path:
                 if r.returncode != 0:
                     raise PeerError(f"llama.cpp {step} failed (exit {r.returncode}); see {pb.log}")
             log.write(f"built in {time.time() - t0:.0f} s\n")
-        if not pb.binary.is_file():
-            raise PeerError(f"the build finished but {pb.binary} is missing; see {pb.log}")
+            if not pb.binary.is_file():
+                raise PeerError(f"the build finished but {pb.binary} is missing; see {pb.log}")
+            if not server_failure:
+                server = ["cmake", "--build", str(bdir), "--target", SERVER_TARGET, "-j", str(jobs)]
+                log.write(f"$ {' '.join(server)}\n")
+                log.flush()
+                start = log.tell()
+                r = subprocess.run(server, stdout=log, stderr=subprocess.STDOUT, env=env)
+                log.write(f"{SERVER_TARGET}: exit {r.returncode}, {time.time() - t0:.0f} s in all\n")
+                if r.returncode != 0 or not pb.server_binary.is_file():
+                    log.flush()
+                    server_failure = f"exit {r.returncode}: {_first_error(pb.log, start)}"
+        pb.server_failed_marker.unlink(missing_ok=True)
+        if server_failure:
+            pb.server_failed_marker.write_text(server_failure + "\n")
         pb.ok_marker.write_text(f"{time.time() - t0:.0f}\n")
         return pb.binary
+
+
+def server_source_problem(llama_src: Path) -> str | None:
+    """Why llama-server cannot be configured from this source, or None."""
+    need = [llama_src / "tools" / d / "CMakeLists.txt" for d in ("server", "ui", "cli")]
+    gone = [str(p.parent.relative_to(llama_src)) for p in need if not p.is_file()]
+    if gone:
+        return (f"{', '.join(gone)} not in the llama.cpp source (repack the slim sdist: "
+                "python -m openjet_plugin.bench.peer pack)")
+    return None
 
 
 def llama_include_dirs(llama_src: Path) -> list[Path]:
@@ -303,11 +369,13 @@ def start_background_build(sdist: Path, pb: PeerBuild, archs: str, jobs: int) ->
                             stdout=out, stderr=subprocess.STDOUT)
 
 
-def _first_error(log: Path) -> str:
-    """The first line of a build log that reports an error (what a reader needs first)."""
+def _first_error(log: Path, start: int = 0) -> str:
+    """The first line of a build log (from byte `start`) that reports an error (what a reader needs first)."""
     if not log.is_file():
         return "no build log"
-    lines = log.read_text(errors="replace").splitlines()
+    with open(log, "rb") as f:
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()
     for i, line in enumerate(lines):
         if "error" in line.lower() and not line.startswith("$ "):
             detail = " ".join(x.strip() for x in lines[i + 1:i + 4] if x.strip())

@@ -235,6 +235,7 @@ def markdown(report: dict) -> str:
     lines += phase_section(man.get("info", {}).get(PHASES_KEY, {}), median_of)
     lines += _prefill_section(man.get("prefill"), median_of)
     lines += _spec_section(side, by_key, status, details, pending, median_of)
+    lines += spec_vs_spec_section(side, by_key, status, details, median_of)
     lines += _accept_section(side, by_key, status, details, pending)
     if notes:
         lines.append("")
@@ -385,6 +386,60 @@ def _spec_section(side, by_key, status, details, pending, median_of) -> list[str
     if extra:
         out += [""] + extra
     return out
+
+
+def _acceptance(d: dict) -> float | None:
+    """Accepted drafts over drafts made, pooled over a row's repetitions (either engine's details)."""
+    made, taken = d.get("drafts_proposed"), d.get("drafts_accepted")
+    return taken / made if isinstance(made, int) and made > 0 and isinstance(taken, int) else None
+
+
+def spec_vs_spec_section(side, by_key, status, details, median_of) -> list[str]:
+    """spec_mtp_tps of both engines row by row (depth x D): each drafting with its model's MTP head
+    from the same prompt tokens, each with the acceptance it measured."""
+    keys = sorted((k for k in side if k[0] == "spec_mtp_tps"),
+                  key=lambda k: (side[k]["depth"], side[k]["drafts"]))
+    peer_keys = [k for k in keys if row_key(k[0], "llama.cpp", side[k]) in by_key
+                 or row_key(k[0], "llama.cpp", side[k]) in status]
+    if not peer_keys:
+        return []
+    default = next((d.get("llama_cpp_default_drafts") for d in details.values()
+                    if d.get("llama_cpp_default_drafts") is not None), None)
+    out = ["", "## MTP speculation, openjet against llama.cpp (same prompt tokens, greedy, one sequence)", "",
+           "Both engines start each repetition at the depth from the same token ids (bench/spec.py "
+           "prompt_tokens), draft D tokens every cycle with the model's MTP head and verify greedily. "
+           "openjet: its speculative cycles on our clock (N tokens from the current token on). llama.cpp: "
+           "llama-server --spec-type draft-mtp --spec-draft-n-max D, one slot, flash attention, each "
+           "repetition one request timed by llama.cpp itself (predicted_per_second: the N tokens after "
+           "the first, which comes from the prompt). Acceptance: accepted drafts / drafts made, over all "
+           "repetitions, as each engine counts them. ×: ratio of medians to the same engine's plain "
+           "decode at that depth"
+           + (f"; D = {default} is llama.cpp's default (*)." if default is not None else "."), "",
+           "| depth | D | openjet tokens/s | openjet acceptance | llama.cpp tokens/s | llama.cpp acceptance "
+           "| openjet/llama.cpp | openjet × its decode | llama.cpp × its decode |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    warnings: list[str] = []
+    for k in keys:
+        params = side[k]
+        depth, D = params["depth"], params["drafts"]
+        cells, meds, accs = [], [], []
+        for eng in ENGINES:
+            key = row_key("spec_mtp_tps", eng, params)
+            r = by_key.get(key)
+            cells.append(_cell(r) if r else status.get(key, "—"))
+            meds.append(r["median"] if r else None)
+            a = _acceptance(details.get(key, {})) if r else None
+            accs.append(f"{a:.1%}" if a is not None else "")
+        plain = [median_of("decode_tps", eng, {"depth": depth}) for eng in ENGINES]
+        mark = " *" if default is not None and D == default else ""
+        out.append(f"| {depth} | {D}{mark} | {cells[0]} | {accs[0]} | {cells[1]} | {accs[1]} | {_ratio(*meds)} "
+                   f"| {_ratio(meds[0], plain[0])} | {_ratio(meds[1], plain[1])} |")
+        # greedy output from the same fresh state must not depend on the repetition
+        d = details.get(row_key("spec_mtp_tps", "llama.cpp", params), {})
+        if d.get("reps_differing_from_first"):
+            warnings.append(f"- llama.cpp, depth {depth}, D {D}: {d['reps_differing_from_first']} of "
+                            f"{d.get('reps', '?')} repetitions generated other tokens than the first")
+    return out + ([""] + warnings if warnings else [])
 
 
 def _accept_section(side, by_key, status, details, pending) -> list[str]:

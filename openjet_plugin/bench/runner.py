@@ -7,12 +7,13 @@ The run, in order (each step's finished measurements go to the resume folder at 
      a background thread;
   4. the card: streaming read and copy rates (the roofline probe);
   5. our engine, in a child process: verification passes at depth 1K, decode at each depth, and
-     speculative decoding at depth 8K (oracle drafts at forced acceptance rates, and the model's
-     own MTP head); in a second child, real MTP acceptance on the trained default model; in a
+     speculative decoding (oracle drafts at forced acceptance rates at depth 8K, the model's own
+     MTP head at each depth); in a second child, real MTP acceptance on the trained default model; in a
      third, the two prefill scenarios (oj_prefill; its own child so that the longer context they
      need does not count in the decode run's peak memory);
   6. llama.cpp (waiting for its build): decode at each depth, batches of 1..D+1 at depth 1K,
-     the two prefill scenarios;
+     the two prefill scenarios, and its own MTP speculative decoding at each depth and D through
+     llama-server (bench/peer_spec.py; one server per D), from the same tokens as ours;
   7. the manifest's end state; JSON and markdown out.
 With --time-budget, steps that no longer fit are left for the next run with the same --resume.
 Exit status: 0 complete; 1 no GPU or bad arguments; 3 incomplete for lack of time (run again
@@ -85,8 +86,9 @@ def spec_params(s: Settings, acceptance: float, drafts: int) -> dict:
     return {"acceptance": float(acceptance), "drafts": int(drafts), "depth": s.spec_depth}
 
 
-def spec_mtp_params(s: Settings, drafts: int) -> dict:
-    return {"drafts": int(drafts), "depth": s.spec_depth}
+def spec_mtp_params(drafts: int, depth: int) -> dict:
+    """spec_mtp_tps rows: measured at every decode depth, by both engines (same params)."""
+    return {"drafts": int(drafts), "depth": int(depth)}
 
 
 def accept_params(drafts: int, temperature: float) -> dict:
@@ -96,7 +98,12 @@ def accept_params(drafts: int, temperature: float) -> dict:
 def spec_rows(s: Settings) -> list[tuple[str, str, dict]]:
     """Speculative decoding on the bench model (our engine's child, bench/spec.py)."""
     return ([("spec_tps", OURS, spec_params(s, a, d)) for a in s.acceptances for d in s.drafts]
-            + [("spec_mtp_tps", OURS, spec_mtp_params(s, d)) for d in s.drafts])
+            + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for dep in s.depths for d in s.drafts])
+
+
+def peer_spec_rows(s: Settings, drafts: int) -> list[tuple[str, str, dict]]:
+    """llama.cpp's own MTP speculative decoding at draft depth D, every depth (bench/peer_spec.py)."""
+    return [("spec_mtp_tps", PEER, spec_mtp_params(drafts, dep)) for dep in s.depths]
 
 
 def accept_rows(s: Settings) -> list[tuple[str, str, dict]]:
@@ -124,6 +131,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     rows += [("fallback_decode_tps", PEER, {"depth": 0})]
     rows += [CONSTRAINT_ROW]
     rows += spec_rows(s) + accept_rows(s)
+    rows += [r for d in s.drafts for r in peer_spec_rows(s, d)]
     return rows, []
 
 
@@ -240,7 +248,8 @@ def group_ours(run: Run) -> None:
               if not all(run.store.has(m, OURS, {"positions": p, "depth": s.verify_depth}) for m in ("verify_ms", "projection_gbps"))]
     depths = [d for d in s.depths if not run.store.has("decode_tps", OURS, {"depth": d})]
     spec = [(a, d) for a in s.acceptances for d in s.drafts if not run.store.has("spec_tps", OURS, spec_params(s, a, d))]
-    mtp = [d for d in s.drafts if not run.store.has("spec_mtp_tps", OURS, spec_mtp_params(s, d))]
+    mtp = [(d, dep) for dep in s.depths for d in s.drafts
+           if not run.store.has("spec_mtp_tps", OURS, spec_mtp_params(d, dep))]
     peak_row = ("peak_mem_gb", OURS, {"max_depth": max(s.depths)})
     if not verify and not depths and not spec and not mtp and run.store.has(*peak_row):
         return
@@ -251,13 +260,13 @@ def group_ours(run: Run) -> None:
     cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model),
            "--verify", ",".join(map(str, verify)), "--verify-depth", str(s.verify_depth),
            "--decode-depths", ",".join(map(str, depths)), "--decode-tokens", str(s.decode_tokens),
-           "--spec", ",".join(f"{a}:{d}" for a, d in spec), "--spec-mtp", ",".join(map(str, mtp)),
+           "--spec", ",".join(f"{a}:{d}" for a, d in spec), "--spec-mtp", ",".join(f"{d}@{dep}" for d, dep in mtp),
            "--spec-depth", str(s.spec_depth), "--spec-tokens", str(s.decode_tokens),
            "--reps", str(s.reps), "--n-ctx", str(n_ctx)]
     rows = ([(m, OURS, {"positions": p, "depth": s.verify_depth}) for p in verify for m in ("verify_ms", "projection_gbps")]
             + [("decode_tps", OURS, {"depth": d}) for d in depths]
             + [("spec_tps", OURS, spec_params(s, a, d)) for a, d in spec]
-            + [("spec_mtp_tps", OURS, spec_mtp_params(s, d)) for d in mtp])
+            + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for d, dep in mtp])
     run.log(f"openjet: {len(rows)} measurements in a child process (n_ctx {n_ctx})")
     with smi.PeakMemory() as pm:
         made = _run_child(run, "ours", cmd, rows)
@@ -375,6 +384,54 @@ def group_peer_prefill(run: Run, new_tokens: int, depth: int) -> None:
             run.add("prefill_tps", PEER, {"new_tokens": t.n_prompt, "depth": t.n_depth}, t.tokens_per_second())
 
 
+PEER_REQUEST_TIMEOUT = 900.0   # seconds for one llama-server request (a 30K prefill takes ~15 s on an H200)
+
+
+def group_peer_spec(run: Run, drafts: int) -> None:
+    """llama.cpp's MTP speculative decoding at draft depth `drafts`, at every depth: one
+    llama-server, the same prompt tokens as our spec_mtp_tps rows (bench/peer_spec.py)."""
+    from functools import partial
+
+    from ..model_file import open_model
+    from . import peer_spec
+    from .spec import prompt_tokens
+
+    s = run.settings
+    todo = [p for _, _, p in peer_spec_rows(s, drafts) if not run.store.has("spec_mtp_tps", PEER, p)]
+    if not todo:
+        return
+    _peer_binary(run)
+    pb = run.peer_build
+    assert pb is not None
+    problem = pb.server_problem()
+    if problem:
+        raise peer.PeerError(problem)
+    default = peer_spec.default_draft_max(pb.llama_src)
+    with open_model(run.model) as mf:
+        n_vocab = mf.config.n_vocab
+    depths = sorted(p["depth"] for p in todo)
+    tokens = prompt_tokens(n_vocab, depths[-1] + 1)
+    n_ctx = depths[-1] + 1 + s.decode_tokens + 1 + drafts + 64
+    command = partial(peer_spec.server_command, pb.server_binary, run.model, drafts, n_ctx)
+    log_path = run.cache / f"llama-server-{run.session}.log"
+
+    def on_row(depth: int, samples: list[float], runs) -> None:
+        params = spec_mtp_params(drafts, depth)
+        run.add("spec_mtp_tps", PEER, params, samples)
+        details = peer_spec.row_details(runs, s.decode_tokens, drafts, default)
+        key = report.row_key("spec_mtp_tps", PEER, params)
+        run.store.update_info(spec_details={**run.store.info.get("spec_details", {}), key: details})
+        run.log(f"llama.cpp spec D={drafts} depth {depth}: median "
+                f"{report._fmt(sorted(samples)[len(samples) // 2])} tokens/s, acceptance {details['acceptance']:.2f}")
+
+    run.log(f"llama.cpp: MTP speculation, D = {drafts}, depths {depths} (llama-server, n_ctx {n_ctx})")
+    with peer_spec.LlamaServer(command, log_path, load_timeout=min(peer_spec.LOAD_TIMEOUT, run.left())) as server:
+        run.store.update_info(llama_server={"command": server.cmd, "default_drafts": default})
+        # a request that hangs must not hold the run forever: none takes minutes on the GPU
+        peer_spec.measure(server, {d: tokens[:d + 1] for d in depths}, s.decode_tokens, s.reps,
+                          lambda: min(run.left(), PEER_REQUEST_TIMEOUT), on_row)
+
+
 def group_fallback(run: Run) -> None:
     """openjet's llama.cpp backend on the peer's CUDA libllama: decode at depth 0 (bench/fallback.py)."""
     s = run.settings
@@ -467,6 +524,12 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
             need = load + (d + (s.reps + 1) * n) / pp
             out.append((f"llama.cpp prefill {n}@{d}", need, [("prefill_tps", PEER, {"new_tokens": n, "depth": d})],
                         lambda r, n=n, d=d: group_peer_prefill(r, n, d)))
+        # one llama-server per D; every repetition (and each row's warm-up) prefills its depth
+        # afresh (peer_spec.py says why), and speculation decodes at least as fast as plain decode
+        spec = load + sum((s.reps + 1) * (dep / pp + s.decode_tokens / tg) for dep in s.depths)
+        for D in s.drafts:
+            out.append((f"llama.cpp spec D={D}", spec, peer_spec_rows(s, D),
+                        lambda r, D=D: group_peer_spec(r, D)))
     return out
 
 
@@ -633,7 +696,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", type=_name_list, default=(),
                     help="run only the measurement groups whose names start with these, comma-separated "
                          "(groups: card, openjet acceptance, openjet prefill, openjet, llama.cpp decode, "
-                         "llama.cpp verify, llama.cpp prefill); e.g. --only 'openjet prefill,llama.cpp prefill'; "
+                         "llama.cpp verify, llama.cpp prefill, llama.cpp spec); e.g. --only 'openjet prefill,"
+                         "llama.cpp prefill'; "
                          "an item ending in '=' selects that exact name ('openjet=': not acceptance or prefill)")
     ap.add_argument("--prefill", type=_prefill_list,
                     help="prefill scenarios as NEW_TOKENS:DEPTH items (default 2700:1800,12000:29500; --quick 2700:1800)")
@@ -755,7 +819,7 @@ def main(argv: list[str] | None = None) -> int:
     man["llama_cpp"] = dict(peer.sdist_version(sdist) if sdist else {"sdist": f"unavailable: {peer_problem}"})
     if pb is not None:
         man["llama_cpp"]["build"] = str(pb.root)
-        man["llama_cpp"]["cmake_options"] = list(peer.CMAKE_OPTIONS) + [f"-DCMAKE_CUDA_ARCHITECTURES={arch}"]
+        man["llama_cpp"]["cmake_options"] = peer.cmake_options(arch)
     man["llama_cpp"]["llama_bench"] = info.get("llama_bench", "unavailable: llama-bench did not run")
     man["settings"] = asdict(settings)
     man["stats"] = ("median of the samples; lo/hi: order-statistic 95% confidence interval for the median "

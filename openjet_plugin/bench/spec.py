@@ -40,6 +40,19 @@ def oracle_note(be) -> str:
     fused = getattr(be, "supports_cycle", False) and getattr(be, "supports_speculative", False)
     return ORACLE_CYCLE_NOTE if fused else ORACLE_NOTE
 MTP_NOTE = "the model's MTP head drafts (its passes are timed)"
+
+# The token sequence every speculative row starts from, on both engines: positions 0..d-1 are the
+# state at depth d, position d is the current token (bench/peer_spec.py sends tokens[0..d] to
+# llama-server). Made in blocks, each from its own seed, so that every prefix is the same whatever
+# length a caller asks for.
+PROMPT_SEED, PROMPT_BLOCK = 28, 4096
+
+
+def prompt_tokens(n_vocab: int, n: int) -> list[int]:
+    """The first n tokens of the shared sequence (uniform over the vocabulary, as llama-bench's)."""
+    blocks = [np.random.default_rng([PROMPT_SEED, b]).integers(0, n_vocab, size=PROMPT_BLOCK)
+              for b in range(-(-n // PROMPT_BLOCK))]
+    return np.concatenate(blocks)[:n].tolist() if blocks else []
 # the history handed to each cycle: greedy verification without penalties reads none of it, and
 # copying the whole 8K-token history every cycle would time host list copies
 HISTORY_TAIL = 64

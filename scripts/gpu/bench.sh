@@ -71,7 +71,8 @@ sleep 1   # let tee flush
 
 # 5. what comes back: report, logs, resume folder
 cp "$RUN"/records.jsonl "$RUN"/identity.json "$RUN"/info.json "$OUT/resume/" 2>/dev/null
-for f in "$CACHE"/llama.cpp-*/build.log "$CACHE"/peer-build-driver.log "$CACHE"/ours-*.log; do
+for f in "$CACHE"/llama.cpp-*/build.log "$CACHE"/llama.cpp-*/SERVER_FAILED "$CACHE"/peer-build-driver.log \
+         "$CACHE"/ours-*.log "$CACHE"/llama-server-*.log; do
     [ -f "$f" ] && { echo "=== tail of $f"; tail -25 "$f"; } >>"$LOG"
 done
 [ -f "$OUT/bench.md" ] && cat "$OUT/bench.md"
