@@ -573,9 +573,11 @@ def run_groups(run: Run) -> None:
 
 # --- model, report ---------------------------------------------------------------------------------------
 
-def default_model(cache: Path, log) -> Path:
-    """The generated q27b Q4_K_M (exact 27B shapes, 16.8 GB), made once into the cache."""
-    path = cache / "q27b-Q4_K_M-seed0.gguf"
+def default_model(cache: Path, log, mtp_accuracy: float | None = None) -> Path:
+    """The generated q27b Q4_K_M (exact 27B shapes, 16.8 GB), made once into the cache; one file per
+    --mtp-accuracy (its MTP head right after that share of the tokens; synth.py, "MTP accuracy")."""
+    path = cache / ("q27b-Q4_K_M-seed0.gguf" if mtp_accuracy is None
+                    else f"q27b-Q4_K_M-seed0-mtp{float(mtp_accuracy):g}.gguf")
     if path.is_file():
         return path
     cache.mkdir(parents=True, exist_ok=True)
@@ -588,7 +590,7 @@ def default_model(cache: Path, log) -> Path:
     tmp = cache / f".q27b-{os.getpid()}.gguf"
     log(f"generating the q27b Q4_K_M model into {path} (once)")
     try:
-        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True)
+        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True, mtp_accuracy=mtp_accuracy)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -702,6 +704,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", type=_prefill_list,
                     help="prefill scenarios as NEW_TOKENS:DEPTH items (default 2700:1800,12000:29500; --quick 2700:1800)")
     ap.add_argument("--no-ours", action="store_true", help="do not run our engine")
+    ap.add_argument("--mtp-accuracy", type=float, metavar="R",
+                    help="generate the bench model with an MTP head right after a share R of the tokens "
+                         "(e.g. 0.75; default: after nearly all); not with --model")
     return ap
 
 
@@ -765,7 +770,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"llama.cpp: {exc}")
 
     try:
-        model = Path(args.model) if args.model else default_model(cache, log)
+        if args.model and args.mtp_accuracy is not None:
+            raise ValueError("--mtp-accuracy applies to the generated bench model, not to --model")
+        model = Path(args.model) if args.model else default_model(cache, log, args.mtp_accuracy)
         if not model.is_file():
             raise FileNotFoundError(f"--model {model}: no such file")
         from ..model_file import open_model
@@ -815,6 +822,10 @@ def main(argv: list[str] | None = None) -> int:
                     "tied_output": weight["tied_output"], "config": config.to_dict(),
                     "bytes_per_position_by_depth": {str(d): roofline.bytes_per_position(weight["weight_bytes"], config, d)
                                                     for d in settings.depths}}
+    # the rate the generated model's MTP head was made right at (--mtp-accuracy; None: not set); the
+    # spec rows' details hold the acceptance each measured
+    from ..testing.synth import mtp_accuracy_of
+    man["model"]["mtp_accuracy"] = mtp_accuracy_of(model)
     man["prefill"] = prefill_manifest(config, settings, man["gpu"].get("name"))
     man["llama_cpp"] = dict(peer.sdist_version(sdist) if sdist else {"sdist": f"unavailable: {peer_problem}"})
     if pb is not None:

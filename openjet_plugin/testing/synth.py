@@ -15,6 +15,8 @@ Two ways to a quantised file:
   directly, tensor by tensor, with the types `q4_k_m_type_map` says llama.cpp would choose: random
   blocks, except the few tensors that carry the confidence structure, quantised from float row
   chunks by `quantize_rows` (see "The direct writer's confidence structure").
+Both take `mtp_accuracy`: an MTP head that drafts the main model's next choice after a chosen share
+of the tokens instead of nearly all (see "MTP accuracy").
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import os
 import pathlib
 import sys
 import zlib
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -99,6 +103,10 @@ CONTEXT_LOGIT_GAIN = 4.5
 # 98-99.7% of positions of tiny and small (at 0.5 only ~65%: the mixed-in context outweighs the
 # token half)
 MTP_CONTEXT_GAIN = 0.3
+# With `mtp_accuracy` (a draft head right at a chosen rate, see "MTP accuracy" below): eh_proj's
+# token half is this many times the embedding's, so that the context half of the draft head's input
+# weighs this much less and decides only the tokens right at the switch's threshold.
+MTP_SWITCH_TOKEN_GAIN = 16.0
 
 
 def token_dims(config: ModelConfig) -> int:
@@ -140,8 +148,10 @@ def _matrix_std(spec: TensorSpec, config: ModelConfig) -> float:
     return gain / np.sqrt(n_in)
 
 
-def tensor_values(spec: TensorSpec, seed: int, config: ModelConfig) -> np.ndarray:
-    """float32 values of one tensor, as numpy `[ne1, ne0]` (or `[ne0]` for a vector)."""
+def tensor_values(spec: TensorSpec, seed: int, config: ModelConfig,
+                  mtp_accuracy: float | None = None) -> np.ndarray:
+    """float32 values of one tensor, as numpy `[ne1, ne0]` (or `[ne0]` for a vector).
+    `mtp_accuracy` changes only the MTP block's eh_proj and FFN (see "MTP accuracy")."""
     name = spec.name
     g = _rng(seed, name)
     if len(spec.ne) == 1:
@@ -179,8 +189,10 @@ def tensor_values(spec: TensorSpec, seed: int, config: ModelConfig) -> np.ndarra
         # context half (at full size it would outweigh the token half in the shared head)
         t = token_dims(config)
         values[:t] = 0.0
-        values[np.arange(t), np.arange(t)] = 1.0
+        values[np.arange(t), np.arange(t)] = 1.0 if mtp_accuracy is None else MTP_SWITCH_TOKEN_GAIN
         values[t:] *= np.float32(MTP_CONTEXT_GAIN)
+    if mtp_accuracy is not None and name in mtp_ffn_names(config):
+        _put_switch(values, name, mtp_switch(seed, config, mtp_accuracy))
     return values
 
 
@@ -213,6 +225,208 @@ def _n_real_tokens() -> int:
     """Rows of the vocabulary that are real tokens (the rest are UNUSED padding)."""
     doc = bpe.load_shipped()
     return len(doc["tokens"]) + len(doc["special_tokens"])
+
+
+# --- MTP accuracy: a draft head right at a chosen rate ------------------------------------------
+# The structure above makes the MTP head draft successor_of[x] after token x, the main model's own
+# next choice, at 98-99.7% of positions at every draft slot: no trained MTP head is that good
+# (Qwen3.8-27B's: ~0.91 on code, ~0.49 on prose, teacher-forced). `mtp_accuracy=r` makes the draft
+# head right after a fraction r of the real tokens and wrong after the others, with values of the
+# MTP block's eh_proj and FFN only: the same tensors and types, the main model's bytes unchanged.
+# - A seeded direction a over the token half (not its last dim, the direct writer's bias dim)
+#   scores every token: p(x) = <a, sign of x's embedding>, about N(0, 1) over the vocabulary.
+#   theta is set between the n_right-th and the next smallest |p| of the real tokens,
+#   n_right = round(r * n_real): exactly n_right of them have |p(x)| < theta, the "right" tokens.
+# - The MTP block's FFN multiplies the token half of its residual stream by
+#   h(p) = 1 - phi(p / theta) / phi(1), phi(z) = silu(z) + silu(-z) = z tanh(z / 2): h > 0 for the
+#   right tokens, 0 at |p| = theta, below -2 from |p| = 2 theta on. SwiGLU computes it without
+#   biases, with two units per token dim k: gate +z and -z (z = p / theta, read from the token half
+#   of the FFN's input), up = dim k, down = -1 / phi(1) into dim k.
+# - h > 0: the head's input still points at x's embedding, so it drafts successor_of[x] (right where
+#   the main model follows its successor map); h < 0: it points away from it, and the draft is some
+#   other token, with little confidence (never the main model's successor choice).
+# z reads the FFN's input after its RMSNorm, whose scale kappa depends on the whole stream; the
+# token half is nearly all of it (eh_proj's token half is MTP_SWITCH_TOKEN_GAIN times the
+# embedding's: eh_proj's context rows and the MTP attention add ~0.02% of the energy), so kappa is
+# computed from the weights (`_mtp_kappa`; measured on tiny: within 1e-5). The same gain lets the
+# head's context half outbid its token half only where |h| is small: measured, tokens within 1-3%
+# of theta (with 4x less gain: 6%) that the switch counts right draft wrong. llama.cpp's own
+# quantiser rounds the F32 path's gate rows later, which moves each token's threshold a little
+# (mostly < 10%) but not the share; the direct writer's rounding is counted in (`mtp_switch`).
+# Chained drafts: eh_proj copies the token, never h, into the token half, so the draft after token y
+# is right iff y is a right token, whatever h (main hidden state or the head's own output) comes
+# with it. A draft at slot k is made after the previous draft, which is the main model's token when
+# the slot is reached at all (drafts 1..k-1 accepted); on a greedy continuation (a walk through
+# ever new tokens of the successor map) each slot's acceptance is then r times the share of positions
+# at which the main model follows its successor map (~0.97-0.99).
+MTP_ACCURACY_KEY = "openjet.synth.mtp_accuracy"
+
+
+@dataclass(frozen=True)
+class MtpSwitch:
+    """The float rows of the MTP FFN's switch units for one (seed, config, accuracy) (see above).
+
+    Units u and n_dims + u (u < n_dims) serve token dim u: gate rows `gate_plus` and `gate_minus`
+    (= -gate_plus, up to the file's rounding), up rows `up[u]` at column u, and `down` at row u of
+    both their columns."""
+    accuracy: float
+    n_right: int            # real tokens whose drafts stay right
+    theta: float            # the threshold on p; a token is right iff its `critical` is below it
+    p: np.ndarray           # [n_real] p(x) of the real tokens, as the file's + gate row computes it
+    critical: np.ndarray    # [n_real] the theta above which x is right (|p| with exact rows)
+    gate_plus: np.ndarray   # [n_embd] gate rows (token half only), theta applied
+    gate_minus: np.ndarray
+    up: np.ndarray          # [n_dims] up weight of unit u (and of its twin) on token dim u
+    down: float             # -1/phi(1), or 0 when every token is right
+
+    @property
+    def n_dims(self) -> int:
+        return len(self.up)
+
+    def right(self) -> np.ndarray:
+        """Boolean `[n_real]`: the tokens after which the draft head stays right."""
+        return self.critical < self.theta
+
+
+def mtp_accuracy_of(path: str | os.PathLike[str]) -> float | None:
+    """The `mtp_accuracy` a generated file was made with (its MTP_ACCURACY_KEY), or None: made
+    without it, or not a generated file."""
+    from ..tokenizer import read_gguf_metadata
+
+    value = read_gguf_metadata(path, prefix=MTP_ACCURACY_KEY).get(MTP_ACCURACY_KEY)
+    return None if value is None else round(float(value), 6)
+
+
+def _phi(z: float) -> float:
+    return float(z * np.tanh(z / 2.0))
+
+
+def mtp_ffn_names(config: ModelConfig) -> tuple[str, str, str]:
+    """The MTP block's FFN tensors, which carry the switch."""
+    p = f"blk.{config.mtp_layer}."
+    return p + "ffn_gate.weight", p + "ffn_up.weight", p + "ffn_down.weight"
+
+
+def _spec(config: ModelConfig, name: str) -> TensorSpec:
+    return next(s for s in synth_specs(config) if s.name == name)
+
+
+def check_mtp_accuracy(config: ModelConfig, accuracy: float | None) -> None:
+    """ValueError naming what is wrong with `accuracy` for `config` (None: the option is off)."""
+    if accuracy is None:
+        return
+    if isinstance(accuracy, bool) or not isinstance(accuracy, (int, float)) or not 0.0 < accuracy <= 1.0:
+        raise ValueError(f"mtp_accuracy must be a number in (0, 1], got {accuracy!r}")
+    if config.mtp_layer is None:
+        raise ValueError("mtp_accuracy needs an MTP block; this config has nextn_predict_layers = 0")
+    if 2 * (token_dims(config) - 1) > config.n_ff:
+        raise ValueError(f"mtp_accuracy needs 2 * (n_embd/2 - 1) = {2 * (token_dims(config) - 1)} MTP FFN "
+                         f"units; n_ff is {config.n_ff}")
+    n_right = round(accuracy * min(_n_real_tokens(), config.n_vocab))
+    if n_right < 1:
+        raise ValueError(f"mtp_accuracy {accuracy} leaves no token right")
+
+
+def _mtp_kappa(config: ModelConfig, token_half: np.ndarray, seed: int) -> float:
+    """Expected scale of the MTP FFN's input RMSNorm: sqrt(n_embd) / |residual|, the residual being
+    eh_proj's token half `token_half` (per dim, fixed) plus its context half, whose expected energy
+    is (n_embd - t) * var(context rows) * |[enorm(e), hnorm(h)]|^2 (hnorm(h): its weights' energy).
+    The MTP attention's part is left out: at MTP_SWITCH_TOKEN_GAIN, ~1e-5 of the energy."""
+    il, n, t = config.mtp_layer, config.n_embd, token_dims(config)
+    w_e = tensor_values(_spec(config, f"blk.{il}.nextn.enorm.weight"), seed, config).astype(np.float64)
+    w_h = tensor_values(_spec(config, f"blk.{il}.nextn.hnorm.weight"), seed, config).astype(np.float64)
+    cat = (n / t) * np.sum(w_e[:t] ** 2) + np.sum(w_h ** 2)
+    context = (n - t) * MTP_CONTEXT_GAIN ** 2 / (2 * n) * cat
+    return float(np.sqrt(n / (np.sum(token_half.astype(np.float64) ** 2) + context)))
+
+
+@lru_cache(maxsize=8)
+def mtp_switch(seed: int, config: ModelConfig, accuracy: float, gate_type: str | None = None) -> MtpSwitch:
+    """The switch of a generated model (seed, config) with `mtp_accuracy=accuracy`. `gate_type`: the
+    GGML type its gate row is written in (the direct writer's), whose rounding p(x) then includes;
+    None: float values (the F32 path; llama.cpp's quantiser rounds them later, a little)."""
+    check_mtp_accuracy(config, accuracy)
+    il, t, n = config.mtp_layer, token_dims(config), config.n_embd
+    n_dims = t - 1
+    n_real = min(_n_real_tokens(), config.n_vocab)
+    if gate_type is None:
+        emb = tensor_values(_spec(config, "token_embd.weight"), seed, config)
+        signs = np.sign(emb[:n_real, :n_dims]).astype(np.float64)
+    else:
+        signs = _embedding_signs(seed, config, 0, n_real)[:, :n_dims].astype(np.float64)
+    # the residual's token half after eh_proj: enorm(e) (e: +-EMBED_STD on the token half, zero
+    # elsewhere, so its RMS is EMBED_STD * sqrt(t/n)) times the token gain
+    w_e = tensor_values(_spec(config, f"blk.{il}.nextn.enorm.weight"), seed, config).astype(np.float64)
+    token_half = MTP_SWITCH_TOKEN_GAIN * np.sqrt(n / t) * w_e[:t]
+    kappa = _mtp_kappa(config, token_half, seed)
+    w_post = tensor_values(_spec(config, f"blk.{il}.post_attention_norm.weight"), seed, config).astype(np.float64)
+    # the FFN input's token dim k is kappa * w_post[k] * token_half[k] * sign_k: these rows read
+    # sum_k a_k sign_k = p(x) (gate, before the 1/theta) and token_half[k] * sign_k (up)
+    a = _rng(seed, "mtp_accuracy/direction").standard_normal(n_dims)
+    a /= np.linalg.norm(a)
+    read = kappa * w_post[:n_dims] * token_half[:n_dims]
+    rows = np.zeros((2, n), dtype=np.float32)
+    rows[0, :n_dims] = a / read
+    rows[1] = -rows[0]
+    if gate_type is not None:
+        # the two rows as the file will hold them (an asymmetric type such as Q4_K rounds -v and v
+        # differently): each token's critical theta from both
+        import gguf
+
+        rows = gguf.quants.dequantize(quantize_rows(rows, gate_type), gguf.GGMLQuantizationType[gate_type])
+        rows = rows.reshape(2, n).astype(np.float32)
+    z = signs @ (rows[:, :n_dims].astype(np.float64) * read).T          # [n_real, 2] at theta = 1
+    critical = _critical_theta(z[:, 0], z[:, 1])
+    n_right = round(accuracy * n_real)
+    if n_right >= n_real:
+        theta, down, rows = float("inf"), 0.0, np.zeros_like(rows)
+    else:
+        c = np.sort(critical)
+        theta = float(0.5 * (c[n_right - 1] + c[n_right]))
+        rows, down = (rows / np.float32(theta)).astype(np.float32), -1.0 / _phi(1.0)
+    up = (1.0 / (kappa * w_post[:n_dims])).astype(np.float32)
+    return MtpSwitch(float(accuracy), n_right, theta, z[:, 0], critical, rows[0], rows[1], up, down)
+
+
+def _critical_theta(z_plus: np.ndarray, z_minus: np.ndarray) -> np.ndarray:
+    """Per token, the theta at which h = 1 - (silu(z+/theta) + silu(z-/theta)) / phi(1) crosses 0
+    (z-: the second unit's gate, -z+ up to rounding): |z+| when z- = -z+; by bisection otherwise
+    (0 where h stays positive)."""
+    if np.array_equal(z_minus, -z_plus):
+        return np.abs(z_plus)
+
+    def h(theta):
+        sp, sm = z_plus / theta, z_minus / theta
+        with np.errstate(over="ignore"):
+            return 1.0 - (sp / (1 + np.exp(-sp)) + sm / (1 + np.exp(-sm))) / _phi(1.0)
+
+    scale = np.maximum(np.abs(z_plus), np.abs(z_minus))
+    lo, hi = scale * 1e-3 + 1e-12, scale * 10.0 + 1e-12           # h(lo) < 0 < h(hi) where it crosses
+    crosses = h(lo) < 0
+    for _ in range(60):
+        mid = np.sqrt(lo * hi)
+        neg = h(mid) < 0
+        lo, hi = np.where(neg, mid, lo), np.where(neg, hi, mid)
+    return np.where(crosses, np.sqrt(lo * hi), 0.0)
+
+
+def _put_switch(values: np.ndarray, name: str, sw: MtpSwitch) -> None:
+    """Write the switch units into the float values of one MTP FFN tensor (F32 path)."""
+    m = sw.n_dims
+    k = np.arange(m)
+    if name.endswith("ffn_gate.weight"):
+        values[:m] = sw.gate_plus
+        values[m:2 * m] = sw.gate_minus
+    elif name.endswith("ffn_up.weight"):
+        values[:2 * m] = 0.0
+        values[k, k] = sw.up
+        values[m + k, k] = sw.up
+    elif name.endswith("ffn_down.weight"):
+        values[:, :2 * m] = 0.0
+        values[k, k] = sw.down
+        values[k, m + k] = sw.down
+    else:
+        raise ValueError(f"tensor {name!r} carries no part of the MTP switch")
 
 
 # --- llama.cpp's Q4_K_M recipe ------------------------------------------------------------------
@@ -559,15 +773,19 @@ def write_gguf(path: str | os.PathLike[str], config: ModelConfig,
     return path
 
 
-def _synth_metadata(preset: str | None, seed: int) -> dict[str, object]:
-    # provenance, read by tests
-    return {"openjet.synth.preset": preset or "custom", "openjet.synth.seed": seed}
+def _synth_metadata(preset: str | None, seed: int, mtp_accuracy: float | None = None) -> dict[str, object]:
+    # provenance, read by tests; the MTP accuracy also by the bench, to label its rows
+    meta: dict[str, object] = {"openjet.synth.preset": preset or "custom", "openjet.synth.seed": seed}
+    if mtp_accuracy is not None:
+        meta[MTP_ACCURACY_KEY] = float(mtp_accuracy)
+    return meta
 
 
 def _write_synth(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[TensorSpec, str]],
-                 data: Iterator[np.ndarray], *, file_type: int, preset: str | None, seed: int) -> None:
+                 data: Iterator[np.ndarray], *, file_type: int, preset: str | None, seed: int,
+                 mtp_accuracy: float | None = None) -> None:
     write_gguf(path, config, tensors, data, name=f"openjet-synth-{preset or 'custom'}", file_type=file_type,
-               extra_metadata=_synth_metadata(preset, seed))
+               extra_metadata=_synth_metadata(preset, seed, mtp_accuracy))
 
 
 def rewrite_chat_template(src: str | os.PathLike[str], dst: str | os.PathLike[str],
@@ -612,9 +830,10 @@ def rewrite_chat_template(src: str | os.PathLike[str], dst: str | os.PathLike[st
     return dst
 
 
-def _f32_tensors(specs: list[TensorSpec], seed: int, config: ModelConfig) -> Iterator[np.ndarray]:
+def _f32_tensors(specs: list[TensorSpec], seed: int, config: ModelConfig,
+                 mtp_accuracy: float | None = None) -> Iterator[np.ndarray]:
     for spec in specs:
-        yield tensor_values(spec, seed, config)
+        yield tensor_values(spec, seed, config, mtp_accuracy)
 
 
 def _random_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
@@ -668,10 +887,11 @@ PAD_BIAS_WEIGHT = -8.0
 
 
 def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
-                        config: ModelConfig) -> Iterator[np.ndarray]:
+                        config: ModelConfig, mtp_accuracy: float | None = None) -> Iterator[np.ndarray]:
     """The direct writer's tensors in turn, with the confidence structure: one tensor in memory at a
     time (at most ~1 GB, the 27B's Q6_K output head)."""
     t_half = token_dims(config)
+    switch_names = mtp_ffn_names(config) if mtp_accuracy is not None else ()
     for spec in specs:
         t = types[spec.name]
         name = spec.name
@@ -680,7 +900,10 @@ def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: in
             continue
         n_rows, n_cols = spec.ne[1], spec.ne[0]
         std = float(_matrix_std(spec, config))
-        if name == "token_embd.weight":
+        if name in switch_names:
+            sw = mtp_switch(seed, config, mtp_accuracy, types[switch_names[0]])
+            yield _direct_switch_tensor(spec, t, seed, config, sw, std)
+        elif name == "token_embd.weight":
             yield _direct_embedding(spec, t, seed, config)
         elif name == "output.weight":
             yield _direct_output_head(spec, t, seed, config)
@@ -690,11 +913,41 @@ def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: in
         elif name.endswith("nextn.eh_proj.weight"):
             # token-half rows copy the token half of enorm(embedding) (the first n_embd inputs)
             eye = np.zeros((t_half, n_cols), dtype=np.float32)
-            eye[np.arange(t_half), np.arange(t_half)] = 1.0
+            eye[np.arange(t_half), np.arange(t_half)] = 1.0 if mtp_accuracy is None else MTP_SWITCH_TOKEN_GAIN
             context = _random_rows(spec, t, t_half, n_rows, std * MTP_CONTEXT_GAIN, seed)
             yield np.concatenate([quantize_rows(eye, t), context])
         else:
             yield _random_rows(spec, t, 0, n_rows, std, seed)
+
+
+def _direct_switch_tensor(spec: TensorSpec, ggml_type: str, seed: int, config: ModelConfig, sw: MtpSwitch,
+                          std: float) -> np.ndarray:
+    """One of the MTP FFN's tensors with the switch units (`mtp_accuracy`): their rows (gate, up) or
+    columns (down) quantised from floats, the other units random blocks as without the switch."""
+    m, name = sw.n_dims, spec.name
+    n_rows, n_cols = spec.ne[1], spec.ne[0]
+    k = np.arange(m)
+    if name.endswith("ffn_gate.weight"):
+        head = quantize_rows(np.stack([sw.gate_plus, sw.gate_minus]), ggml_type)
+        return np.concatenate([np.repeat(head[:1], m, axis=0), np.repeat(head[1:], m, axis=0),
+                               _random_rows(spec, ggml_type, 2 * m, n_rows, std, seed)])
+    if name.endswith("ffn_up.weight"):
+        head = np.zeros((2 * m, n_cols), dtype=np.float32)
+        head[k, k] = sw.up
+        head[m + k, k] = sw.up
+        return np.concatenate([quantize_rows(head, ggml_type), _random_rows(spec, ggml_type, 2 * m, n_rows, std, seed)])
+    if name.endswith("ffn_down.weight"):
+        # token-half rows: the switch's two entries each; context rows: random blocks, those over the
+        # switch units' columns zeroed (whole blocks: a few random units beside them go silent too)
+        t_half = token_dims(config)
+        token_rows = np.zeros((t_half, n_cols), dtype=np.float32)
+        token_rows[k, k] = sw.down
+        token_rows[k, m + k] = sw.down
+        context = _random_rows(spec, ggml_type, t_half, n_rows, std, seed)
+        per, nbytes = _BLOCK_BYTES[ggml_type]
+        context[:, :-(-2 * m // per) * nbytes] = 0
+        return np.concatenate([quantize_rows(token_rows, ggml_type), context])
+    raise ValueError(f"tensor {name!r} carries no part of the MTP switch")
 
 
 def _zero_rows(ggml_type: str, n_rows: int, n_cols: int) -> np.ndarray:
@@ -792,12 +1045,16 @@ def _resolve(preset: str | None, config: ModelConfig | None) -> ModelConfig:
 
 
 def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: str = "F32", seed: int = 0,
-                force: bool = False, config: ModelConfig | None = None, direct: bool | None = None) -> pathlib.Path:
+                force: bool = False, config: ModelConfig | None = None, direct: bool | None = None,
+                mtp_accuracy: float | None = None) -> pathlib.Path:
     """Write a generated qwen35 GGUF to `out_path` and return its path.
 
     preset: a key of `config.PRESETS` (ignored when `config` is given); quant: one of QUANTS;
     direct: write random quantised blocks with `q4_k_m_type_map` instead of running llama.cpp's
-    quantiser (only for Q4_K_M; the default, None, means "only for q27b").
+    quantiser (only for Q4_K_M; the default, None, means "only for q27b");
+    mtp_accuracy: the share of real tokens after which the MTP head drafts the main model's
+    successor choice (see "MTP accuracy"; recorded as `openjet.synth.mtp_accuracy`); None: the
+    head follows the successor map everywhere, as before (the file is byte for byte the same).
     The file appears atomically (temporary file in the same folder, then os.replace); an existing
     file is refused unless `force`.
     """
@@ -813,25 +1070,28 @@ def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: s
                          f"(its F32 intermediate would not fit on disk); got quant={quant!r}")
     if direct and quant != "Q4_K_M":
         raise ValueError(f"the direct writer makes Q4_K_M files only; got quant={quant!r}")
+    check_mtp_accuracy(cfg, mtp_accuracy)
     if out.exists() and not force:
         raise FileExistsError(f"{out}: file exists; pass force=True (--force) to overwrite it")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent}: output folder does not exist")
 
     specs = synth_specs(cfg)
+    acc = {"mtp_accuracy": mtp_accuracy}
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp_f32 = out.with_name(f".{out.name}.{os.getpid()}.f32.tmp")
     try:
         if direct:
             types = q4_k_m_type_map(cfg)
-            _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs], _structured_tensors(specs, types, seed, cfg),
-                        file_type=FTYPES["Q4_K_M"], preset=name, seed=seed)
+            _write_synth(tmp, cfg, [(s, types[s.name]) for s in specs],
+                         _structured_tensors(specs, types, seed, cfg, **acc),
+                         file_type=FTYPES["Q4_K_M"], preset=name, seed=seed, **acc)
         elif quant == "F32":
-            _write_synth(tmp, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg),
-                        file_type=FTYPES["F32"], preset=name, seed=seed)
+            _write_synth(tmp, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg, **acc),
+                        file_type=FTYPES["F32"], preset=name, seed=seed, **acc)
         else:
-            _write_synth(tmp_f32, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg),
-                        file_type=FTYPES["F32"], preset=name, seed=seed)
+            _write_synth(tmp_f32, cfg, [(s, "F32") for s in specs], _f32_tensors(specs, seed, cfg, **acc),
+                        file_type=FTYPES["F32"], preset=name, seed=seed, **acc)
             llama_quantize(tmp_f32, tmp, quant)
         os.replace(tmp, out)
     finally:
@@ -914,13 +1174,17 @@ def synth_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="overwrite an existing file")
     ap.add_argument("--direct", action="store_true",
                     help="write random Q4_K_M blocks directly instead of quantising an F32 file")
+    ap.add_argument("--mtp-accuracy", type=float, default=None, metavar="R",
+                    help="make the MTP head draft the main model's next choice after a share R of the "
+                         "tokens (e.g. 0.75; default: after nearly every token)")
     args = ap.parse_args(argv)
     quant = args.quant or ("Q4_K_M" if args.preset in DIRECT_ONLY else "F32")
     try:
         path = synth_model(args.out, preset=args.preset, quant=quant, seed=args.seed, force=args.force,
-                           direct=True if args.direct else None)
+                           direct=True if args.direct else None, mtp_accuracy=args.mtp_accuracy)
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"openjet synth: error: {exc}", file=sys.stderr)
         return 2
-    print(f"{path}: {args.preset} {quant} seed={args.seed} ({path.stat().st_size / 1e6:.1f} MB)")
+    acc = "" if args.mtp_accuracy is None else f" mtp_accuracy={args.mtp_accuracy}"
+    print(f"{path}: {args.preset} {quant} seed={args.seed}{acc} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
