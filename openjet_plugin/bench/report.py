@@ -235,7 +235,8 @@ def markdown(report: dict) -> str:
     lines += phase_section(man.get("info", {}).get(PHASES_KEY, {}), median_of)
     lines += _prefill_section(man.get("prefill"), median_of)
     lines += _spec_section(side, by_key, status, details, pending, median_of)
-    lines += spec_vs_spec_section(side, by_key, status, details, median_of)
+    lines += spec_vs_spec_section(side, by_key, status, details, median_of,
+                                  man.get("model", {}).get("mtp_accuracy"))
     lines += _accept_section(side, by_key, status, details, pending)
     if notes:
         lines.append("")
@@ -394,9 +395,10 @@ def _acceptance(d: dict) -> float | None:
     return taken / made if isinstance(made, int) and made > 0 and isinstance(taken, int) else None
 
 
-def spec_vs_spec_section(side, by_key, status, details, median_of) -> list[str]:
+def spec_vs_spec_section(side, by_key, status, details, median_of, mtp_accuracy: float | None = None) -> list[str]:
     """spec_mtp_tps of both engines row by row (depth x D): each drafting with its model's MTP head
-    from the same prompt tokens, each with the acceptance it measured."""
+    from the same prompt tokens, each with the acceptance it measured. mtp_accuracy: the rate a
+    generated model's MTP head was made right at (`openjet bench --mtp-accuracy`), None otherwise."""
     keys = sorted((k for k in side if k[0] == "spec_mtp_tps"),
                   key=lambda k: (side[k]["depth"], side[k]["drafts"]))
     peer_keys = [k for k in keys if row_key(k[0], "llama.cpp", side[k]) in by_key
@@ -414,7 +416,12 @@ def spec_vs_spec_section(side, by_key, status, details, median_of) -> list[str]:
            "the first, which comes from the prompt). Acceptance: accepted drafts / drafts made, over all "
            "repetitions, as each engine counts them. ×: ratio of medians to the same engine's plain "
            "decode at that depth"
-           + (f"; D = {default} is llama.cpp's default (*)." if default is not None else "."), "",
+           + (f"; D = {default} is llama.cpp's default (*)." if default is not None else ".")
+           + (f" The model's MTP head was made to be right after {mtp_accuracy:.0%} of the tokens "
+              "(--mtp-accuracy): the measured acceptance is that rate times the share of positions where "
+              "the main model follows its successor map (0.97-0.99)." if mtp_accuracy is not None else
+              " The model's MTP head is as generated or trained (no --mtp-accuracy): on a random-weight "
+              "model it is right ~99% of the time, far above a real model's."), "",
            "| depth | D | openjet tokens/s | openjet acceptance | llama.cpp tokens/s | llama.cpp acceptance "
            "| openjet/llama.cpp | openjet × its decode | llama.cpp × its decode |",
            "|---|---|---|---|---|---|---|---|---|"]
