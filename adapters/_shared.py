@@ -65,21 +65,22 @@ _engines_lock = threading.Lock()
 
 def shared_engine(model: str | os.PathLike[str] | None = None, *, backend: str = "auto",
                   n_ctx: int = 4096, draft_depth: int = 4, kv_type: str = "f16",
-                  seed: int | None = None):
+                  seed: int | None = None, n_slots: int | None = 1):
     """The one Engine for these load options, loaded on first use and reused by every caller.
 
-    The engine serialises requests with its own lock, so sharing it across threads is safe; the
-    lock here only keeps two first callers from loading the same model twice.
+    The engine runs up to n_slots requests at once and queues the rest itself, so sharing it
+    across threads is safe; the lock here only keeps two first callers from loading the same
+    model twice.
     """
     import openjet_plugin
 
     path = resolve_model(model)
-    key = (str(path), backend, int(n_ctx), int(draft_depth), kv_type, seed)
+    key = (str(path), backend, int(n_ctx), int(draft_depth), kv_type, seed, n_slots)
     with _engines_lock:
         eng = _engines.get(key)
         if eng is None or getattr(eng, "_closed", False):
             eng = openjet_plugin.load(path, backend=backend, n_ctx=n_ctx, draft_depth=draft_depth,
-                                      kv_type=kv_type, seed=seed)
+                                      kv_type=kv_type, seed=seed, n_slots=n_slots)
             _engines[key] = eng
         return eng
 

@@ -117,6 +117,11 @@ class _OpenJetParams(BaseModel):
     kv_type: Literal["f16", "q8_0"] = "f16"
     """Type of the attention KV cache."""
 
+    n_slots: int | None = 1
+    """Conversations the engine holds at once: that many concurrent calls (threads, `abatch`)
+    generate together, sharing the engine's passes. None: the backend's choice for a server
+    (llama.cpp 4; the native engine 1 until its multi-sequence pass exists)."""
+
     temperature: float = 0.8
     """Sampling temperature; 0 is greedy."""
 
@@ -149,7 +154,8 @@ class _OpenJetParams(BaseModel):
 
     def _engine_for(self, model: str | None):
         return shared_engine(model if model is not None else self.model, backend=self.backend,
-                             n_ctx=self.n_ctx, draft_depth=self.draft_depth, kv_type=self.kv_type)
+                             n_ctx=self.n_ctx, draft_depth=self.draft_depth, kv_type=self.kv_type,
+                             n_slots=self.n_slots)
 
     def _sampling(self, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
         """This call's sampling options: the fields, overridden by per-call keywords."""

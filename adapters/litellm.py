@@ -9,7 +9,9 @@
 astreaming). It renders the messages with the model's own chat template, runs `Engine.generate`
 and returns LiteLLM's `ModelResponse` (or streaming chunks) with the engine's own token counts as
 usage. One engine per model file and load options is loaded once and shared by every call
-(`_shared.shared_engine`); async calls run on that engine's one worker thread in arrival order.
+(`_shared.shared_engine`); async calls run on that engine's worker threads in arrival order, one
+thread per engine slot (`n_slots`: that many requests generate at once and share the engine's
+passes).
 
 OpenAI's rules: without max_tokens a chat reply may run to the end of the context window; a text
 completion (`litellm.text_completion`, the proxy's /v1/completions) continues the prompt as given
@@ -42,6 +44,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import queue
 import threading
 import time
 import uuid
@@ -116,20 +119,23 @@ class OpenJetProvider(CustomLLM):
 
     aliases: model name -> GGUF path ("default" always means the embedded model).
     allow_paths: accept a model name that is a path to a file (library use); False for servers.
-    backend, n_ctx, draft_depth, kv_type: how engines are loaded (see `openjet_plugin.load`).
+    backend, n_ctx, draft_depth, kv_type, n_slots: how engines are loaded (see `openjet_plugin.load`;
+    n_slots None: the backend's choice for a server).
     observer: told about each request's queueing and its engine stats (`serve_gate.ServerMetrics`
     in `openjet serve`): engine_waiting(±1), engine_running(±1), engine_finished(stats).
 
-    Async calls run on one worker thread per engine, in arrival order: a request waiting for a busy
-    engine holds no thread, and one whose client leaves before its turn never runs.
+    Async calls run on one worker thread per engine slot, in arrival order: a request waiting for
+    a busy engine holds no thread, and one whose client leaves before its turn never runs.
     """
 
     def __init__(self, *, aliases: dict[str, str] | None = None, allow_paths: bool = True,
-                 backend: str = "auto", n_ctx: int = 4096, draft_depth: int = 4, kv_type: str = "f16"):
+                 backend: str = "auto", n_ctx: int = 4096, draft_depth: int = 4, kv_type: str = "f16",
+                 n_slots: int | None = 1):
         super().__init__()
         self.aliases = dict(aliases or {})
         self.allow_paths = allow_paths
-        self.load_options = dict(backend=backend, n_ctx=n_ctx, draft_depth=draft_depth, kv_type=kv_type)
+        self.load_options = dict(backend=backend, n_ctx=n_ctx, draft_depth=draft_depth, kv_type=kv_type,
+                                 n_slots=n_slots)
         self.observer: Any = None
 
     # --- model names ------------------------------------------------------------------------------
@@ -424,18 +430,53 @@ class OpenJetProvider(CustomLLM):
 
 
 _DONE = object()
-_workers: "weakref.WeakKeyDictionary[Any, concurrent.futures.ThreadPoolExecutor]" = weakref.WeakKeyDictionary()
+
+
+class _EngineWorkers:
+    """The threads that run an engine's async requests, one per slot (the engine serves that many
+    at once; the rest wait in this queue, not in threads of their own). All of them start with
+    the pool: a burst of requests adds no thread."""
+
+    def __init__(self, n: int):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._work, name=f"openjet-engine-{i}", daemon=True).start()
+        self._n = n
+
+    def submit(self, fn) -> concurrent.futures.Future:
+        job: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((job, fn))
+        return job
+
+    def shutdown(self) -> None:
+        for _ in range(self._n):
+            self._queue.put(None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, fn = item
+            if not job.set_running_or_notify_cancel():
+                continue                    # cancelled while waiting: never runs
+            try:
+                job.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the job
+                job.set_exception(exc)
+
+
+_workers: "weakref.WeakKeyDictionary[Any, _EngineWorkers]" = weakref.WeakKeyDictionary()
 _workers_lock = threading.Lock()
 
 
-def _engine_worker(eng) -> concurrent.futures.ThreadPoolExecutor:
-    """The one thread that runs an engine's async requests (the engine serves one at a time; the
-    rest wait in this executor's queue, not in threads of their own)."""
+def _engine_worker(eng) -> _EngineWorkers:
     with _workers_lock:
-        ex = _workers.get(eng)
-        if ex is None:
-            ex = _workers[eng] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="openjet-engine")
-        return ex
+        pool = _workers.get(eng)
+        if pool is None:
+            pool = _workers[eng] = _EngineWorkers(getattr(eng, "n_slots", 1))
+            weakref.finalize(eng, pool.shutdown)     # the threads end with the engine
+        return pool
 
 
 def _as_dict(m: Any) -> dict:
@@ -521,6 +562,12 @@ def _load_options_from_env() -> dict[str, Any]:
                 opts[key] = int(os.environ[env])
             except ValueError:
                 raise ValueError(f"{env} must be an integer, got {os.environ[env]!r}") from None
+    slots = os.environ.get("OPENJET_SLOTS")
+    if slots:
+        try:
+            opts["n_slots"] = None if slots == "auto" else int(slots)
+        except ValueError:
+            raise ValueError(f"OPENJET_SLOTS must be an integer or 'auto', got {slots!r}") from None
     return opts
 
 
@@ -531,7 +578,7 @@ proxy_handler = OpenJetProvider(allow_paths=False)
 
 
 def configure_proxy_handler() -> OpenJetProvider:
-    """(Re)read OPENJET_MODELS / OPENJET_BACKEND / OPENJET_N_CTX / OPENJET_DRAFT_DEPTH into
+    """(Re)read OPENJET_MODELS / OPENJET_BACKEND / OPENJET_N_CTX / OPENJET_DRAFT_DEPTH / OPENJET_SLOTS into
     `proxy_handler` (done at import, and again by `openjet serve` after it sets them)."""
     proxy_handler.aliases = _aliases_from_env()
     proxy_handler.load_options.update(_load_options_from_env())

@@ -1,11 +1,19 @@
 """load(), Engine and the per-request stats: the API the adapters and the CLI stand on.
 
 The engine owns everything above "tokens in, logits out": sampling (sampling.py), stop strings,
-UTF-8-safe streaming, conversation reuse, the lock and the stats. A backend (backends/base.py)
+UTF-8-safe streaming, conversation reuse, the slots and the stats. A backend (backends/base.py)
 only holds the model state, so every backend behaves the same to a caller.
 
-Conversation reuse: `_tokens` is always exactly the token list in the backend's state. A new
-prompt is compared with it; the common prefix is kept and only the rest is evaluated. Going back
+Slots: an engine holds n_slots conversations at once (`load(n_slots=...)`), each a slot with its
+own sequence of the backend's state (KV cache region, recurrent state, n_past) and its own token
+list; a request takes a free slot for its whole run (the one whose tokens share the longest
+prefix with its prompt, else the least recently used) and waits, in arrival order, while none is
+free. Concurrent requests run the same generation loop in their own threads; the backend gathers
+their evals into shared passes (llama.cpp: backends/llama_cpp_sequences.py). With one slot (the
+default, and the native backend's only mode for now) requests run one at a time, as before.
+
+Conversation reuse: a slot's `tokens` is always exactly the token list in its sequence's state. A
+new prompt is compared with it; the common prefix is kept and only the rest is evaluated. Going back
 inside the state uses the backend's rollback; where that is refused (recurrent DeltaNet state) the
 newest checkpoint before the difference is restored if the backend keeps checkpoints (one is saved
 before the last token of every prompt), else the state is reset and re-prefilled. Either way the
@@ -16,12 +24,14 @@ from __future__ import annotations
 
 import atexit
 import codecs
+import itertools
 import logging
 import os
 import threading
 import time
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -116,7 +126,7 @@ _LIVE_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 @atexit.register
 def _close_live_engines() -> None:
     for eng in list(_LIVE_ENGINES):
-        if eng._owner not in (None, threading.get_ident()):
+        if eng._held_by_another_thread():
             continue                    # another thread's stream is open: closing would wait for it
         try:
             eng.close()
@@ -125,11 +135,35 @@ def _close_live_engines() -> None:
 
 
 class EngineBusyError(OpenJetError, RuntimeError):
-    """A new request in the thread whose stream is still open (it would wait for itself)."""
+    """A new request in the thread whose stream is still open, with no other slot free (it would
+    wait for itself)."""
+
+
+class _Slot:
+    """One conversation the engine holds: a sequence of the backend's state and exactly the
+    tokens in it."""
+
+    def __init__(self, index: int, backend):
+        self.index = index
+        self.backend = backend                  # the backend itself with one slot, else its sequence view
+        self.tokens: list[int] = []             # exactly what the sequence's state holds
+        self.logits: np.ndarray | None = None   # logits after tokens[-1], when known
+        self.owner: int | None = None           # the thread whose request holds the slot
+        self.last_used = 0
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Engine:
-    """One model, one conversation state, one request at a time. Use `load()` to make one."""
+    """One model and n_slots conversation states; one request per slot at a time. Use `load()`
+    to make one."""
 
     def __init__(self, backend, *, model_path: str | os.PathLike[str], config, metadata: dict,
                  chat_template_source: str | None, eog_tokens: Sequence[int], token_eos: int | None,
@@ -145,14 +179,18 @@ class Engine:
         self.backend_name: str = backend.name
         self.backend_reason = backend_reason
         self.last_stats: GenerationStats | None = None
-        self._lock = threading.Lock()
-        self._owner: int | None = None
-        self._tokens: list[int] = []             # exactly what the backend's state holds
-        self._logits: np.ndarray | None = None   # logits after _tokens[-1], when known
+        # a backend holding several sequences hands out one view per sequence: a slot each
+        views = backend.sequences() if getattr(backend, "n_sequences", 1) > 1 else [backend]
+        self._slots = [_Slot(i, v) for i, v in enumerate(views)]
+        self._cv = threading.Condition()
+        self._waiting: deque[object] = deque()  # requests waiting for a slot, in arrival order
+        self._uses = itertools.count(1)
         self._closed = False
-        self._stream_ref: weakref.ref | None = None
+        self._streams: "weakref.WeakKeyDictionary[Iterator, int]" = weakref.WeakKeyDictionary()
         self._constraints = None                 # constraints.ConstraintCompiler, built at first use
         self._speculator = self._make_speculator(backend)
+        if self._speculator is not None and len(self._slots) > 1:
+            raise ValueError("speculative decoding runs on a one-slot engine")
         _LIVE_ENGINES.add(self)
 
     @staticmethod
@@ -181,6 +219,24 @@ class Engine:
     @property
     def supports_speculative(self) -> bool:
         return bool(self._backend.supports_speculative)
+
+    @property
+    def n_slots(self) -> int:
+        """Conversations held at once: requests that run concurrently."""
+        return len(self._slots)
+
+    # slot 0's state (the only one on a one-slot engine), as the engine had before slots
+    @property
+    def _tokens(self) -> list[int]:
+        return self._slots[0].tokens
+
+    @_tokens.setter
+    def _tokens(self, value: list[int]) -> None:
+        self._slots[0].tokens = value
+
+    @property
+    def _logits(self) -> np.ndarray | None:
+        return self._slots[0].logits
 
     # --- text <-> tokens -----------------------------------------------------------------------
     def tokenize(self, text: str | bytes, add_special: bool = False, parse_special: bool = True) -> list[int]:
@@ -245,7 +301,7 @@ class Engine:
             grammar = self._grammar_state(constraint, prompt, prompt_tokens)
         events = self._run(prompt_tokens, params, grammar, n_top)
         if stream:
-            self._stream_ref = weakref.ref(events)
+            self._streams[events] = threading.get_ident()
             return events
         parts: list[str] = []
         tokens: list[int] = []
@@ -312,17 +368,27 @@ class Engine:
     def close(self) -> None:
         if self._closed:
             return
-        if self._owner == threading.get_ident():
-            # this thread's own open stream: end it (its cleanup releases the lock); another
-            # thread's stream is waited for
-            stream = self._stream_ref() if self._stream_ref is not None else None
-            if stream is not None:
-                stream.close()
-        with self._lock:
+        me = threading.get_ident()
+        if any(s.owner == me for s in self._slots):
+            # this thread's own open streams: end them (their cleanup frees their slots); other
+            # threads' streams are waited for
+            for stream, thread in list(self._streams.items()):
+                if thread == me and not stream.gi_running:
+                    stream.close()
+        with self._cv:
+            while any(s.owner is not None for s in self._slots):
+                self._cv.wait()
+            if self._closed:
+                return
             self._closed = True
+            self._cv.notify_all()           # requests waiting for a slot: the engine is closed
             self._backend.close()
             if self._model_file is not None:
                 self._model_file.close()
+
+    def _held_by_another_thread(self) -> bool:
+        me = threading.get_ident()
+        return any(s.owner not in (None, me) for s in self._slots)
 
     def __enter__(self) -> "Engine":
         return self
@@ -362,33 +428,55 @@ class Engine:
             raise ValueError("prompt is empty: give at least one token of text")
         return tokens
 
-    def _acquire(self) -> None:
-        if self._owner == threading.get_ident():
-            raise EngineBusyError("this thread still has an open stream on this engine; "
-                                  "exhaust it or call .close() on it before the next request")
-        self._lock.acquire()
-        self._owner = threading.get_ident()
+    def _acquire(self, prompt: list[int]) -> _Slot:
+        """A free slot for this request: the one whose tokens share the longest prefix with the
+        prompt (the least recently used among equals). Waits, in arrival order, while none is
+        free."""
+        me = threading.get_ident()
+        with self._cv:
+            self._check_open()
+            if any(s.owner == me for s in self._slots):
+                # this thread's own open stream holds a slot: waiting could be waiting for itself
+                if not any(s.owner is None for s in self._slots):
+                    raise EngineBusyError("this thread still has an open stream on this engine; "
+                                          "exhaust it or call .close() on it before the next request")
+            else:
+                ticket = object()
+                self._waiting.append(ticket)
+                try:
+                    while not (self._waiting[0] is ticket and any(s.owner is None for s in self._slots)):
+                        self._cv.wait()
+                        self._check_open()
+                finally:
+                    self._waiting.remove(ticket)
+                    self._cv.notify_all()
+            free = [s for s in self._slots if s.owner is None]
+            slot = max(free, key=lambda s: (_common_prefix(s.tokens, prompt), -s.last_used))
+            slot.owner = me
+            return slot
 
-    def _release(self) -> None:
-        self._owner = None
-        self._lock.release()
+    def _release(self, slot: _Slot) -> None:
+        with self._cv:
+            slot.owner = None
+            slot.last_used = next(self._uses)
+            self._cv.notify_all()
 
-    def _forget_state(self) -> None:
-        self._tokens, self._logits = [], None
-        try:
-            self._backend.reset()
-        except Exception:  # noqa: BLE001 - the original error is the one to report
-            log.exception("backend reset failed")
+    def _forget_state(self, slot: _Slot | None = None) -> None:
+        """Empty a slot's state (None: every slot's; no request may be running)."""
+        for s in ([slot] if slot is not None else self._slots):
+            s.tokens, s.logits = [], None
+            try:
+                s.backend.reset()
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.exception("backend reset failed")
 
-    def _prefill(self, prompt: list[int], want_logits: bool) -> tuple[np.ndarray | None, int | None, int]:
-        """Bring the backend state to `prompt`; return (logits or None, argmax or None, cached)."""
-        b = self._backend
-        common = 0
-        limit = min(len(self._tokens), len(prompt))
-        while common < limit and self._tokens[common] == prompt[common]:
-            common += 1
-        if common == len(prompt) == len(self._tokens) and self._logits is not None:
-            return self._logits, None, common          # the same prompt again: nothing to evaluate
+    def _prefill(self, slot: _Slot, prompt: list[int], want_logits: bool
+                 ) -> tuple[np.ndarray | None, int | None, int]:
+        """Bring the slot's state to `prompt`; return (logits or None, argmax or None, cached)."""
+        b = slot.backend
+        common = _common_prefix(slot.tokens, prompt)
+        if common == len(prompt) == len(slot.tokens) and slot.logits is not None:
+            return slot.logits, None, common          # the same prompt again: nothing to evaluate
         if common == len(prompt):
             common -= 1                                # at least one token must be evaluated for logits
         if common < b.n_past and not b.rollback(common):
@@ -399,8 +487,8 @@ class Engine:
                 b.reset()
                 common = 0
             log.debug("backend %s could not roll back; resumed from %d tokens", b.name, common)
-        self._tokens = list(prompt[:common])
-        self._logits = None
+        slot.tokens = list(prompt[:common])
+        slot.logits = None
         todo = prompt[common:]
         save = getattr(b, "save_checkpoint", None)
         if save is not None:
@@ -408,58 +496,56 @@ class Engine:
             # history that changes after it (a regenerated or re-rendered reply), resumes here
             if len(todo) > 1:
                 b.eval(todo[:-1])
-                self._tokens += todo[:-1]
+                slot.tokens += todo[:-1]
                 todo = todo[-1:]
             save()
         if want_logits:
             logits = b.eval(todo)
-            self._tokens += todo
-            self._logits = logits
+            slot.tokens += todo
+            slot.logits = logits
             return logits, None, common
         top = b.eval_argmax(todo)
-        self._tokens += todo
+        slot.tokens += todo
         return None, top, common
 
-    def _prefill_before_last(self, prompt: list[int]) -> int:
+    def _prefill_before_last(self, slot: _Slot, prompt: list[int]) -> int:
         """Speculative requests: bring the state to prompt[:-1] (the last prompt token enters the
         first cycle, which emits the first tokens). Returns the cached prompt tokens."""
-        b = self._backend
+        b = slot.backend
         head = prompt[:-1]
-        common = 0
-        limit = min(len(self._tokens), len(head))
-        while common < limit and self._tokens[common] == head[common]:
-            common += 1
+        common = _common_prefix(slot.tokens, head)
         if common < b.n_past and not b.rollback(common):
             common = b.restore_checkpoint(common)
-        self._tokens = list(head[:common])
-        self._logits = None
+        slot.tokens = list(head[:common])
+        slot.logits = None
         if len(head) > common:
             b.eval(head[common:])
-            self._tokens = list(head)
+            slot.tokens = list(head)
         b.save_checkpoint()
         return common
 
     def _run(self, prompt: list[int], params: SamplingParams, grammar=None,
              n_top: int | None = None) -> Iterator[Chunk]:
-        """The generation loop, as a generator: the lock is taken at the first next() and released
-        when it finishes or is closed (a stream dropped early leaves `_tokens` equal to the state)."""
-        self._acquire()
+        """The generation loop, as a generator: a slot is taken at the first next() and freed
+        when it finishes or is closed (a stream dropped early leaves the slot's tokens equal to
+        its state)."""
+        slot = self._acquire(prompt)
         try:
             self._check_open()
-            yield from self._generate_locked(prompt, params, grammar, n_top)
+            yield from self._generate_locked(slot, prompt, params, grammar, n_top)
         except Exception:
             # a backend that failed mid-call may hold a partial state: forget it
-            self._forget_state()
+            self._forget_state(slot)
             raise
         finally:
-            self._release()
+            self._release(slot)
 
-    def _generate_locked(self, prompt: list[int], params: SamplingParams, grammar=None,
+    def _generate_locked(self, slot: _Slot, prompt: list[int], params: SamplingParams, grammar=None,
                          n_top: int | None = None) -> Iterator[Chunk]:
-        """grammar: a constraints.GrammarState that masks every draw and takes every emitted
-        token (on a speculative backend the speculator feeds it, drafts included); n_top: None
-        (no logprobs) or the number of alternatives per token."""
-        b = self._backend
+        """The loop of one request on its slot. grammar: a constraints.GrammarState that masks
+        every draw and takes every emitted token (on a speculative backend the speculator feeds
+        it, drafts included); n_top: None (no logprobs) or the number of alternatives per token."""
+        b = slot.backend
         stats = GenerationStats(prompt_tokens=len(prompt), backend=b.name)
         self.last_stats = stats
         sampler = Sampler(params)
@@ -474,12 +560,12 @@ class Engine:
         rows: list[np.ndarray] = []  # with logprobs: the target's logits row of each queued token
         t0 = time.perf_counter()
         if spec is not None:
-            cached = self._prefill_before_last(prompt)
+            cached = self._prefill_before_last(slot, prompt)
             spec.begin(prompt)
             rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
             logits, top = None, prompt[-1]      # the last prompt token is the first cycle's current
         else:
-            logits, top, cached = self._prefill(prompt, want_logits=not argmax_only)
+            logits, top, cached = self._prefill(slot, prompt, want_logits=not argmax_only)
             if argmax_only and top is None:
                 top = int(np.argmax(logits))
         t1 = time.perf_counter()
@@ -495,7 +581,7 @@ class Engine:
         paused = 0.0          # time the caller spent between stream chunks is not decode time
         chosen = top if argmax_only else None     # the next token when it is known without sampling
         if spec is not None:
-            queue = self._cycle(spec, top, history, params, rng, params.max_tokens, stats, grammar,
+            queue = self._cycle(slot, spec, top, history, params, rng, params.max_tokens, stats, grammar,
                                 rows if want_rows else None)
             chosen = queue.pop(0)
         try:
@@ -526,7 +612,7 @@ class Engine:
                 if hit:
                     finish = "stop"
                     break
-                if len(generated) >= params.max_tokens or len(self._tokens) + 1 > self.n_ctx:
+                if len(generated) >= params.max_tokens or len(slot.tokens) + 1 > self.n_ctx:
                     finish = "length"
                     break
                 out = text.take()
@@ -537,19 +623,20 @@ class Engine:
                     unreported = []
                     unreported_lp = [] if want_rows else None
                 # evaluate the token just sampled to get the next logits
-                self._logits = None
+                slot.logits = None
                 if spec is not None:
                     if not queue:
-                        queue = self._cycle(spec, tok, history, params, rng, params.max_tokens - len(generated),
-                                            stats, grammar, rows if want_rows else None)
+                        queue = self._cycle(slot, spec, tok, history, params, rng,
+                                            params.max_tokens - len(generated), stats, grammar,
+                                            rows if want_rows else None)
                     chosen = queue.pop(0)
                 elif argmax_only:
                     chosen = b.eval_argmax([tok])
-                    self._tokens.append(tok)
+                    slot.tokens.append(tok)
                 else:
                     logits = b.eval([tok])
-                    self._tokens.append(tok)
-                    self._logits = logits
+                    slot.tokens.append(tok)
+                    slot.logits = logits
         finally:
             stats.decode_seconds = time.perf_counter() - t1 - paused
             stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
@@ -566,14 +653,14 @@ class Engine:
             top = [TokenLogprob(int(i), self._backend.detokenize([int(i)]), float(x[i]) - lse) for i in ids]
         return TokenLogprob(int(tok), self._backend.detokenize([int(tok)]), float(x[tok]) - lse, top)
 
-    def _cycle(self, spec, tok: int, history: list[int], params: SamplingParams, rng, max_emit: int,
-               stats: GenerationStats, grammar=None, rows: list | None = None) -> list[int]:
+    def _cycle(self, slot: _Slot, spec, tok: int, history: list[int], params: SamplingParams, rng,
+               max_emit: int, stats: GenerationStats, grammar=None, rows: list | None = None) -> list[int]:
         """One speculative cycle from tok: the state takes tok and the accepted drafts; returns
         the emitted tokens (the last is the next cycle's current token). grammar (the request's
         GrammarState) is left after the emitted tokens; rows, when given, gets the target's
         logits row of each emitted token."""
         emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit, grammar=grammar, rows_out=rows)
-        self._tokens += [tok] + emitted[:-1]
+        slot.tokens += [tok] + emitted[:-1]
         stats.cycles += 1
         stats.drafts_proposed += depth
         stats.drafts_accepted += accepted
@@ -662,6 +749,16 @@ class _TextAssembler:
 
 # --- load -------------------------------------------------------------------------------------------
 
+MAX_SLOTS = 64
+
+
+def check_slots(n_slots: object) -> int | None:
+    if n_slots is not None and (isinstance(n_slots, bool) or not isinstance(n_slots, int)
+                                or not 1 <= n_slots <= MAX_SLOTS):
+        raise ValueError(f"n_slots must be an integer in [1, {MAX_SLOTS}] or None (the backend's choice), "
+                         f"got {n_slots!r}")
+    return n_slots
+
 def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tuple[set[int], int | None]:
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     eog: set[int] = set()
@@ -677,7 +774,7 @@ def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tup
 
 
 def _load_foreign(path: Path, declined: "WrongArchitectureError", *, backend: str, n_ctx: int,
-                  kv_type: str, n_threads: int | None) -> Engine:
+                  kv_type: str, n_threads: int | None, n_slots: int | None = 1) -> Engine:
     """A GGUF of another architecture: llama.cpp runs it (backend="native" raises, saying why)."""
     from .backends.select import create_backend
     from .model_file import read_foreign
@@ -687,7 +784,7 @@ def _load_foreign(path: Path, declined: "WrongArchitectureError", *, backend: st
         raise ValueError(f"n_ctx={n_ctx} exceeds the model's training context {info.n_ctx_train} ({path.name})")
     why = f"{path.name} is a {info.architecture!r} model and the native engine runs only {declined.expected!r}"
     be, reason = create_backend(backend, path, None, n_ctx=n_ctx, kv_type=kv_type, n_threads=n_threads,
-                                declined=why, n_layers=info.n_layers)
+                                declined=why, n_layers=info.n_layers, n_slots=n_slots)
     tf = info.tokenizer
     eog, eos = _eog_tokens(tf.tokens, tf.token_type, info.metadata)
     return Engine(be, model_path=path, config=None, metadata=info.metadata, chat_template_source=info.chat_template,
@@ -697,7 +794,7 @@ def _load_foreign(path: Path, declined: "WrongArchitectureError", *, backend: st
 def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "auto", n_ctx: int = 4096,
          draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None, verbose: bool = False,
          n_threads: int | None = None, checkpoint_interval: int = 0, n_checkpoints: int | None = None,
-         prefill_chunk: int | None = None) -> Engine:
+         prefill_chunk: int | None = None, n_slots: int | None = 1) -> Engine:
     """Open a GGUF and start a backend for it: a qwen35 model on the native engine where it can
     run, anything else llama.cpp runs (another architecture included) on llama.cpp.
 
@@ -712,6 +809,11 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     prefill_chunk (native): positions per batched prefill pass (oj_prefill), 64..4096, or 0 for
     none (prompts then go 8 positions per call); None: the backend's default (2048). Its buffers
     grow with it (the backend's memory report, `prefill`).
+    n_slots: conversations held at once, so that as many requests (threads) run concurrently and
+    share the backend's passes (see Engine); each has its own n_ctx positions of KV cache and its
+    own recurrent state. None: the backend's choice for a server (llama.cpp: 4, see
+    backends/llama_cpp.py DEFAULT_SERVE_SEQUENCES). The native backend runs one sequence per pass
+    until its multi-sequence kernels exist: it takes 1 whatever is asked (logged).
     """
     from .backends.select import create_backend
     from .defaults import default_model_path
@@ -740,6 +842,7 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     if n_threads is not None and (isinstance(n_threads, bool) or not isinstance(n_threads, int)
                                   or n_threads < 1):
         raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
+    check_slots(n_slots)
 
     path = Path(default_model_path() if model_path is None else model_path).expanduser()
     if not path.exists():
@@ -753,7 +856,8 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
             mf = open_model(path)
         except WrongArchitectureError as exc:
             # another architecture is a fallback case, not an error: llama.cpp runs it
-            return _load_foreign(path, exc, backend=backend, n_ctx=n_ctx, kv_type=kv_type, n_threads=n_threads)
+            return _load_foreign(path, exc, backend=backend, n_ctx=n_ctx, kv_type=kv_type, n_threads=n_threads,
+                                 n_slots=n_slots)
     try:
         if n_ctx > mf.config.n_ctx_train:
             raise ValueError(f"n_ctx={n_ctx} exceeds the model's training context "
@@ -771,7 +875,7 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
         if prefill_chunk is not None:       # native only, like the checkpoint options
             ckpt["prefill_chunk"] = prefill_chunk
         be, reason = create_backend(backend, path, mf, n_ctx=n_ctx, draft_depth=draft_depth, checkpoints=ckpt,
-                                    kv_type=kv_type, seed=seed, n_threads=n_threads)
+                                    kv_type=kv_type, seed=seed, n_threads=n_threads, n_slots=n_slots)
     except BaseException:
         mf.close()
         raise

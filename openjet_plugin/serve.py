@@ -25,8 +25,10 @@ LiteLLM's admin routes (UI, key management, /openapi.json, /routes), which are c
 
 Requests: a body that breaks the OpenAI API's rules is answered 400 naming the field before
 anything is queued; an omitted max_tokens generates to the end of the context window for chat
-(OpenAI's rule) and 16 tokens for text completions (OpenAI's default there); at most one request
-per engine runs and `--max-queue` more wait, beyond that 503 with Retry-After; `/metrics`
+(OpenAI's rule) and 16 tokens for text completions (OpenAI's default there); each engine runs
+`--slots` requests at once (their tokens share the engine's passes; default 4 on llama.cpp, 1 on
+the native engine until its multi-sequence pass exists) and `--max-queue` more wait, beyond that
+503 with Retry-After; `/metrics`
 (Prometheus text) shows the queue and per-request engine stats. Deterministic errors are not
 retried (num_retries 0).
 """
@@ -41,6 +43,9 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+
+from .backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
+from .engine import MAX_SLOTS
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 MIN_KEY_LENGTH, MIN_KEY_DISTINCT = 32, 12
@@ -95,6 +100,8 @@ def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, m
         env["OPENJET_N_CTX"] = str(args.n_ctx)
     if args.draft_depth is not None:
         env["OPENJET_DRAFT_DEPTH"] = str(args.draft_depth)
+    # "auto": the backend's choice (llama.cpp: 4 slots; native: 1, see engine.load)
+    env["OPENJET_SLOTS"] = "auto" if args.slots is None else str(args.slots)
     return env
 
 
@@ -112,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", help=argparse.SUPPRESS)      # refused with the reason: see _client_key
     p.add_argument("--api-key-file", help="file holding the key clients must send (default: $OPENJET_API_KEY, "
                    "else a random one on loopback)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="requests each engine runs at once, sharing its passes (default: 4 on llama.cpp; "
+                   "1 on the native engine, which serves one sequence per pass for now)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a busy engine; more get 503 with Retry-After (default 16)")
     p.add_argument("--admin", action="store_true", help="open LiteLLM's admin routes (UI, key management, "
@@ -155,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_queue < 0:
         print(f"openjet serve: --max-queue must be >= 0, got {args.max_queue}", file=sys.stderr)
         return 2
+    if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
+        print(f"openjet serve: --slots must be in 1..{MAX_SLOTS}, got {args.slots}", file=sys.stderr)
+        return 2
     models = [parse_model(m) for m in args.model]
     if args.gpus is not None or args.workers is not None:
         return serve_cluster(args, models)
@@ -189,21 +202,32 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ServerMetrics()
     handler.observer = metrics
     atexit.register(close_shared_engines)
+    names = [n for n, _ in models] or [DEFAULT_MODEL_NAME]
+    # requests running at once: the engines' slots (known once loaded; before that, what the
+    # backend will take where --backend says which)
+    running = len(names) * _slots_guess(args)
     if args.preload:
         # load every served model before listening, so "answers /health/liveliness" means "ready"
         # (the cluster waits for that before its front accepts requests)
-        for name in [n for n, _ in models] or [DEFAULT_MODEL_NAME]:
+        running = 0
+        for name in names:
             eng = handler.engine(name)
-            print(f"openjet serve: loaded {name} ({eng.backend_name}: {eng.backend_reason})",
-                  file=sys.stderr, flush=True)
-        _warm_up(handler, [n for n, _ in models] or [DEFAULT_MODEL_NAME])
+            running += eng.n_slots
+            print(f"openjet serve: loaded {name} ({eng.backend_name}: {eng.backend_reason}; "
+                  f"{eng.n_slots} slot{'s' if eng.n_slots > 1 else ''})", file=sys.stderr, flush=True)
+        _warm_up(handler, names)
     print(f"openjet serve: http://{args.host}:{args.port}/v1 (config {config_path})", file=sys.stderr, flush=True)
 
-    n_engines = max(1, len(models))
     _run_proxy(config_path, args.host, args.port,
-               gate=dict(client_keys=[client_key], master_key=master_key, capacity=n_engines + args.max_queue,
+               gate=dict(client_keys=[client_key], master_key=master_key, capacity=running + args.max_queue,
                          metrics=metrics, admin=args.admin, serve_metrics=not args.no_metrics))
     return 0
+
+
+def _slots_guess(args: argparse.Namespace) -> int:
+    """Slots per engine before any is loaded: --slots, else what the backend takes where
+    --backend names it (auto: llama.cpp's, the fallback that runs everywhere)."""
+    return args.slots or (1 if args.backend == "native" else DEFAULT_SERVE_SEQUENCES)
 
 
 def _warm_up(handler, names: list[str]) -> None:
@@ -343,7 +367,7 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
 
     serve_args = ["--preload"] + [a for m in args.model for a in ("--model", m)]
     for flag, value in (("--backend", args.backend), ("--n-ctx", args.n_ctx), ("--draft-depth", args.draft_depth),
-                        ("--max-queue", args.max_queue)):
+                        ("--max-queue", args.max_queue), ("--slots", args.slots)):
         if value is not None:
             serve_args += [flag, str(value)]
     tmp = tempfile.TemporaryDirectory(prefix="openjet-cluster-")
@@ -374,7 +398,8 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
         # the front has no engine: its queue is the workers' (each refuses beyond its own)
         _run_proxy(config_path, args.host, args.port,
                    gate=dict(client_keys=[client_key], master_key=master_key,
-                             capacity=len(specs) * (1 + args.max_queue), metrics=ServerMetrics(),
+                             capacity=len(specs) * (_slots_guess(args) + args.max_queue),
+                             metrics=ServerMetrics(),
                              admin=args.admin, serve_metrics=not args.no_metrics))
     except RuntimeError as exc:
         print(f"openjet serve: {exc}", file=sys.stderr)

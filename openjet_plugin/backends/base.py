@@ -52,3 +52,12 @@ class Backend(Protocol):
 #         # back to the newest checkpoint with <= n_max tokens; returns its n_past (0: state reset)
 # The engine saves one before the last token of every prompt and restores one when rollback()
 # refuses; a backend without them is reset and re-prefilled instead.
+
+# Optional, for backends that hold several sequences (conversations) at once:
+#     n_sequences: int                                  # > 1: the engine makes one slot per sequence
+#     def sequences(self) -> list[Backend]: ...
+#         # one view per sequence, each the protocol above over that sequence's own state
+#         # (KV region, recurrent state, n_past); evals from different threads may run at once
+#         # and the backend serves them together (llama_cpp_sequences.py)
+# A backend without them holds one sequence (the native engine's CUDA cycle, for now: its
+# multi-sequence pass would plug in here, with a view per sequence as llama.cpp's).

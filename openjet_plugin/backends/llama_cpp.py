@@ -4,6 +4,11 @@ It only turns tokens into logits; the engine samples. One `llama_cpp.Llama` hold
 one sequence's memory (KV cache for the attention layers, recurrent state for the DeltaNet layers).
 Logits are requested for the last token of each batch only.
 
+With n_seq > 1 the context holds n_seq sequences (llama.cpp's own slots: n_seq_max, a KV stream
+of n_ctx positions and a recurrent state each) and the backend is used through its
+`sequences()`, one view per engine slot, whose evals share `llama_decode` passes
+(llama_cpp_sequences.py).
+
 Where it runs (`gpu_placement`): on the GPU when llama-cpp-python was built with GPU support
 (setup_llama.py builds it so where a GPU and a CUDA toolkit are present) and one is visible —
 every layer when the model fits in the free memory, else as many as fit — with flash attention,
@@ -23,9 +28,20 @@ import numpy as np
 
 from .. import cpu_features, gpus
 from ..errors import BackendUnavailableError
+from .llama_cpp_sequences import (
+    MAX_CHECKPOINTS,
+    LlamaCppSequence,
+    PassScheduler,
+    load_partial_state,
+    save_partial_state,
+)
 
 KV_TYPES = {"f16": 1, "q8_0": 8}   # GGML_TYPE_F16, GGML_TYPE_Q8_0
-MAX_CHECKPOINTS = 3
+MAX_SEQUENCES = 64
+# Sequences (engine slots) a server opens where the user does not say: 4 concurrent requests
+# share each pass, while the KV cache (n_ctx positions per sequence; only the attention layers'
+# in qwen35) and the recurrent states stay at 4x one conversation's.
+DEFAULT_SERVE_SEQUENCES = 4
 
 
 def default_threads() -> int:
@@ -80,22 +96,28 @@ def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers
 
 
 @contextlib.contextmanager
-def _without_extra_buffers(llama_cpp_module):
-    """Llama() takes no use_extra_bufts; its model parameters start from
-    llama_model_default_params(), so that is where the flag is turned off, for one construction."""
+def _default_params(llama_cpp_module, function: str, **fields):
+    """Llama() takes neither use_extra_bufts nor n_seq_max / kv_unified; its model and context
+    parameters start from llama_model_default_params() / llama_context_default_params(), so that
+    is where those fields are set, for one construction."""
     low = importlib.import_module(llama_cpp_module.__name__ + ".llama_cpp")
-    original = low.llama_model_default_params
+    original = getattr(low, function)
 
     def params():
         p = original()
-        p.use_extra_bufts = False
+        for k, v in fields.items():
+            setattr(p, k, v)
         return p
 
-    low.llama_model_default_params = params
+    setattr(low, function, params)
     try:
         yield
     finally:
-        low.llama_model_default_params = original
+        setattr(low, function, original)
+
+
+def _without_extra_buffers(llama_cpp_module):
+    return _default_params(llama_cpp_module, "llama_model_default_params", use_extra_bufts=False)
 
 
 class LlamaCppBackend:
@@ -103,9 +125,11 @@ class LlamaCppBackend:
     supports_speculative = False
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int, *, kv_type: str = "f16",
-                 n_threads: int | None = None, n_batch: int = 512, n_layers: int | None = None):
+                 n_threads: int | None = None, n_batch: int = 512, n_layers: int | None = None,
+                 n_seq: int = 1):
         """n_layers: the model's block count (from its metadata), to split a model that does not
-        fit in GPU memory."""
+        fit in GPU memory. n_seq: sequences (conversations) the context holds, n_ctx positions
+        each; with more than one, use `sequences()`."""
         try:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - a dependency of the package
@@ -128,10 +152,16 @@ class LlamaCppBackend:
         # advertised (cpu_features.py): no extra buffer types there
         self.extra_buffers = not cpu_features.amx_faults()
         guard = contextlib.nullcontext() if self.extra_buffers else _without_extra_buffers(llama_cpp)
+        if isinstance(n_seq, bool) or not isinstance(n_seq, int) or not 1 <= n_seq <= MAX_SEQUENCES:
+            raise ValueError(f"n_seq must be an integer in [1, {MAX_SEQUENCES}], got {n_seq!r}")
+        # one KV stream per sequence (kv_unified off): each gets the n_ctx positions it was
+        # promised, and a sequence that fills its own never takes room from another
+        seq_guard = (contextlib.nullcontext() if n_seq == 1 else
+                     _default_params(llama_cpp, "llama_context_default_params", n_seq_max=n_seq, kv_unified=False))
         try:
-            with guard:
+            with guard, seq_guard:
                 self._llm = llama_cpp.Llama(
-                    model_path=os.fspath(model_path), n_ctx=n_ctx, n_batch=min(n_batch, n_ctx),
+                    model_path=os.fspath(model_path), n_ctx=n_ctx * n_seq, n_batch=min(n_batch, n_ctx),
                     n_threads=threads, n_threads_batch=threads, n_gpu_layers=self.placement.n_gpu_layers,
                     logits_all=False, verbose=False, **kwargs)
         except (ValueError, RuntimeError) as exc:
@@ -139,11 +169,30 @@ class LlamaCppBackend:
                 f"llama.cpp could not load {os.fspath(model_path)}: {exc}") from None
         # llama.cpp rounds the context up (to a multiple of 256); the limit callers asked for is
         # the one the engine enforces
-        self.n_ctx = min(n_ctx, self._llm.n_ctx())
+        self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx_seq(self._llm.ctx))
         self.n_vocab = self._llm.n_vocab()
         self.n_threads = threads
+        self.n_sequences = n_seq
         # (n_past, recurrent state) pairs, oldest first; see save_checkpoint
         self._checkpoints: list[tuple[int, ctypes.Array]] = []
+        self._scheduler: PassScheduler | None = None
+        self._sequences: list[LlamaCppSequence] = []
+        if n_seq > 1:
+            self._scheduler = PassScheduler(llama_cpp, self._llm.ctx, self.n_vocab, self._llm.n_batch, n_seq)
+            self._sequences = [LlamaCppSequence(self, i) for i in range(n_seq)]
+
+    def sequences(self) -> list[LlamaCppSequence]:
+        """One view per sequence (n_seq > 1): the backend an engine slot uses."""
+        return list(self._sequences)
+
+    @property
+    def pass_counts(self) -> dict[str, int]:
+        """Shared-pass counters of the multi-sequence scheduler (empty with one sequence)."""
+        sc = self._scheduler
+        if sc is None:
+            return {}
+        return {"passes": sc.passes, "shared_passes": sc.shared_passes,
+                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass}
 
     # --- tokens <-> text ------------------------------------------------------------------------
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
@@ -162,6 +211,8 @@ class LlamaCppBackend:
     def eval(self, tokens: list[int]) -> np.ndarray:
         if not tokens:
             raise ValueError("eval needs at least one token")
+        if self._scheduler is not None:
+            raise RuntimeError("this context holds several sequences: evaluate through sequences()")
         self._llm.eval(tokens)
         ptr = self._lib.llama_get_logits_ith(self._llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True)
@@ -182,10 +233,8 @@ class LlamaCppBackend:
         n = self.n_past
         if n == 0 or any(p == n for p, _ in self._checkpoints):
             return
-        lib, flags = self._lib, self._lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        size = lib.llama_state_seq_get_size_ext(self._llm.ctx, 0, flags)
-        buf = (ctypes.c_uint8 * size)()
-        if lib.llama_state_seq_get_data_ext(self._llm.ctx, buf, size, 0, flags) != size:
+        buf = save_partial_state(self._lib, self._llm.ctx, 0)
+        if buf is None:
             return          # a checkpoint is an optimisation; without it we re-prefill
         self._checkpoints.append((n, buf))
         del self._checkpoints[:-MAX_CHECKPOINTS]
@@ -196,8 +245,7 @@ class LlamaCppBackend:
         usable = [c for c in self._checkpoints if c[0] <= n_max]
         if usable:
             pos, buf = max(usable, key=lambda c: c[0])
-            lib, flags = self._lib, self._lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-            if (lib.llama_state_seq_set_data_ext(self._llm.ctx, buf, len(buf), 0, flags) == len(buf)
+            if (load_partial_state(self._lib, self._llm.ctx, 0, buf)
                     and self._llm._ctx.kv_cache_seq_rm(0, pos, -1)):
                 self._llm.n_tokens = pos
                 self._checkpoints = [c for c in self._checkpoints if c[0] <= pos]
@@ -229,6 +277,9 @@ class LlamaCppBackend:
             self._lib.llama_memory_clear(mem, True)
 
     def close(self) -> None:
+        scheduler, self._scheduler = getattr(self, "_scheduler", None), None
+        if scheduler is not None:
+            scheduler.close()           # its thread ends before the context is freed
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.close()

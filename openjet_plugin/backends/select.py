@@ -70,13 +70,16 @@ def choose_backend(backend: str, model_file, n_ctx: int, kv_type: str = "f16") -
 def create_backend(backend: str, model_path: str | os.PathLike[str], model_file, *, n_ctx: int,
                    draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None,
                    checkpoints: dict | None = None,
-                   n_threads: int | None = None, declined: str | None = None, n_layers: int | None = None):
+                   n_threads: int | None = None, declined: str | None = None, n_layers: int | None = None,
+                   n_slots: int | None = 1):
     """Start the chosen backend; returns (backend object, reason).
 
     declined: why the native engine cannot take this file at all (another architecture:
     model_file is then None); the model goes to llama.cpp, or backend="native" raises.
-    n_layers: the model's block count, for llama.cpp's GPU placement."""
-    from .llama_cpp import LlamaCppBackend
+    n_layers: the model's block count, for llama.cpp's GPU placement.
+    n_slots: sequences the backend holds (None: its default for a server); the native backend
+    holds one until its multi-sequence pass exists."""
+    from .llama_cpp import DEFAULT_SERVE_SEQUENCES, LlamaCppBackend
 
     if declined is not None:
         check_backend_name(backend)
@@ -91,7 +94,12 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
         mod, _ = _native_module()
         try:
             # checkpoints: {"n_checkpoints": K, "checkpoint_interval": N}, only when asked for
-            return mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed, **(checkpoints or {})), reason
+            be = mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed, **(checkpoints or {}))
+            if n_slots not in (None, 1):
+                # its CUDA cycle serves one sequence (one KV cache, one DeltaNet state) per pass
+                log.warning("openjet: the native backend serves one conversation at a time for now; "
+                            "n_slots=%d becomes 1", n_slots)
+            return be, reason
         except Exception as exc:  # noqa: BLE001
             if backend == "native":
                 raise BackendUnavailableError(
@@ -99,7 +107,8 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
             reason = f"native backend failed to start ({type(exc).__name__}: {exc}); using llama.cpp"
     if n_layers is None and model_file is not None:
         n_layers = model_file.config.n_layer + model_file.config.n_layer_nextn
-    be = LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads, n_layers=n_layers)
+    be = LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads, n_layers=n_layers,
+                         n_seq=DEFAULT_SERVE_SEQUENCES if n_slots is None else n_slots)
     reason = f"{reason}; llama.cpp runs on the {be.placement.where}"
     if backend == "auto":
         # no GPU is the normal case on many machines: say it, but do not warn about it
