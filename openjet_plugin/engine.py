@@ -188,6 +188,7 @@ class Engine:
         self._closed = False
         self._streams: "weakref.WeakKeyDictionary[Iterator, int]" = weakref.WeakKeyDictionary()
         self._constraints = None                 # constraints.ConstraintCompiler, built at first use
+        self._constraints_lock = threading.Lock()
         self._speculator = self._make_speculator(backend)
         if self._speculator is not None and len(self._slots) > 1:
             raise ValueError("speculative decoding runs on a one-slot engine")
@@ -340,7 +341,12 @@ class Engine:
         return tool_call_format(self.chat_template)
 
     def _constraint_compiler(self):
-        """The vocabulary as llguidance sees it: built from the GGUF's own tokenizer once."""
+        """The vocabulary as llguidance sees it: built from the GGUF's own tokenizer once (the
+        first of concurrent requests builds it, the others wait for it)."""
+        with self._constraints_lock:
+            return self._build_constraint_compiler()
+
+    def _build_constraint_compiler(self):
         if self._constraints is None:
             from .constraints import ConstraintCompiler
             from .errors import ModelFileError

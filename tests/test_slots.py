@@ -349,3 +349,39 @@ def test_serve_with_two_slots_streams_two_requests_interleaved(model, tmp_path):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# --- where users set it ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [0, -1, 65, 2.0, True, "4"])
+def test_load_refuses_a_bad_slot_count(model, bad):
+    with pytest.raises(ValueError, match="n_slots"):
+        openjet_plugin.load(model, backend="llama.cpp", n_ctx=64, n_slots=bad)
+
+
+def test_load_n_slots_none_takes_the_backends_default(model):
+    from openjet_plugin.backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
+
+    with openjet_plugin.load(model, backend="llama.cpp", n_ctx=64, n_threads=1, n_slots=None) as eng:
+        assert eng.n_slots == DEFAULT_SERVE_SEQUENCES and eng.n_ctx == 64
+
+
+def test_serve_slots_option_reaches_the_provider(monkeypatch, capsys):
+    from openjet_plugin import serve
+
+    args = serve._parser().parse_args(["--slots", "3"])
+    assert serve.proxy_environment([], args, "sk-m")["OPENJET_SLOTS"] == "3"
+    assert serve.proxy_environment([], serve._parser().parse_args([]), "sk-m")["OPENJET_SLOTS"] == "auto"
+    assert serve._slots_guess(serve._parser().parse_args(["--backend", "native"])) == 1
+    monkeypatch.setattr(serve, "_run_proxy", lambda *a, **k: pytest.fail("the server started"))
+    assert serve.main(["--slots", "0"]) == 2
+    assert "--slots" in capsys.readouterr().err
+
+    from openjet_plugin.adapters import litellm as provider
+
+    for value, want in (("auto", None), ("2", 2)):
+        monkeypatch.setenv("OPENJET_SLOTS", value)
+        assert provider._load_options_from_env()["n_slots"] == want
+    monkeypatch.setenv("OPENJET_SLOTS", "many")
+    with pytest.raises(ValueError, match="OPENJET_SLOTS"):
+        provider._load_options_from_env()
