@@ -385,3 +385,47 @@ def test_serve_slots_option_reaches_the_provider(monkeypatch, capsys):
     monkeypatch.setenv("OPENJET_SLOTS", "many")
     with pytest.raises(ValueError, match="OPENJET_SLOTS"):
         provider._load_options_from_env()
+
+
+def test_concurrent_sampled_requests_with_logprobs_and_a_constraint_equal_each_alone(model):
+    """Per-request state (sampler, seed, grammar, logprobs) stays with its request."""
+    asks = [dict(prompt=PROMPTS[0], temperature=0.9, seed=7),
+            dict(prompt=PROMPTS[1], temperature=0.7, seed=3, top_k=20, logprobs=True, top_logprobs=3),
+            dict(prompt=PROMPTS[2], temperature=0, repeat_penalty=1.3, presence_penalty=0.5),
+            dict(prompt="Answer in JSON: ", temperature=0.8, seed=11, constraint={"type": "json_object"})]
+
+    def run(eng, ask):
+        ask = dict(ask)
+        r = eng.generate(ask.pop("prompt"), max_tokens=N_TOKENS, **ask)
+        return r.tokens, [(lp.token, round(lp.logprob, 4)) for lp in (r.logprobs or [])]
+
+    with openjet_plugin.load(model, backend="llama.cpp", n_ctx=256, n_threads=1) as one:
+        want = [run(one, a) for a in asks]
+    with openjet_plugin.load(model, backend="llama.cpp", n_ctx=256, n_threads=1, n_slots=4) as eng:
+        got = run_threads([lambda a=a: run(eng, a) for a in asks])
+    assert got == want
+
+
+def test_more_threads_than_slots_with_abandoned_streams_all_correct(model, alone):
+    """6 threads x 3 requests on 2 slots: requests wait for a slot, some streams are dropped
+    midway; every finished reply is the one-slot engine's, and all slots end free."""
+    with openjet_plugin.load(model, backend="llama.cpp", n_ctx=256, n_threads=1, n_slots=2) as eng:
+        def worker(t):
+            out = []
+            for k in range(3):
+                p = PROMPTS[(t + k) % len(PROMPTS)]
+                if (t + k) % 3 == 0:
+                    stream = eng.generate(p, max_tokens=N_TOKENS, temperature=0, stream=True)
+                    next(stream)
+                    stream.close()                            # a client that hung up
+                else:
+                    out.append((p, stream_tokens(eng, p)))
+            return out
+
+        results = run_threads([lambda t=t: worker(t) for t in range(6)])
+        for r in results:
+            assert not isinstance(r, BaseException), r
+            for p, toks in r:
+                assert toks == alone[p], p
+        assert all(s.owner is None for s in eng._slots) and not eng._waiting
+        assert eng._backend.pass_counts["shared_passes"] > 0
