@@ -429,3 +429,21 @@ def test_more_threads_than_slots_with_abandoned_streams_all_correct(model, alone
                 assert toks == alone[p], p
         assert all(s.owner is None for s in eng._slots) and not eng._waiting
         assert eng._backend.pass_counts["shared_passes"] > 0
+
+
+def test_gpu_placement_keeps_room_for_the_extra_sequences(model, monkeypatch, tmp_path):
+    from openjet_plugin.backends import llama_cpp as llama_backend
+    from openjet_plugin.config import PRESETS
+
+    class Offload:
+        def llama_supports_gpu_offload(self):
+            return True
+
+    per_seq = llama_backend.sequence_bytes(PRESETS["q27b"], 4096)
+    assert 200 << 20 < per_seq < 2 << 30                  # 16 attention layers' KV at 4096 + 48 DeltaNet states
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"\0" * (4 << 20))
+    monkeypatch.setattr(llama_backend.gpus, "first_gpu",
+                        lambda: ("Test GPU", (4 << 20) + llama_backend.GPU_RESERVE_BYTES + per_seq))
+    assert llama_backend.gpu_placement(Offload(), f, 10, extra_bytes=per_seq).n_gpu_layers == -1
+    assert llama_backend.gpu_placement(Offload(), f, 10, extra_bytes=3 * per_seq).n_gpu_layers == 0

@@ -75,8 +75,20 @@ class Placement:
         return self.n_gpu_layers != 0
 
 
-def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers: int | None) -> Placement:
-    """How many layers llama.cpp puts on the GPU, and why."""
+def sequence_bytes(config, n_ctx: int, kv_type: str = "f16") -> int:
+    """Memory one more sequence takes in llama.cpp: the attention layers' K and V for n_ctx
+    positions and the DeltaNet layers' recurrent state (conv window + delta-rule state, fp32)."""
+    per_value = {"f16": 2.0, "q8_0": 34 / 32}[kv_type]
+    kv = len(config.attention_layers()) * 2 * config.kv_dim * n_ctx * per_value
+    state = (config.ssm_conv_dim * (config.ssm_conv_kernel - 1) + config.ssm_dt_rank * config.ssm_d_state ** 2) * 4
+    return int(kv) + len(config.deltanet_layers()) * state
+
+
+def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers: int | None,
+                  extra_bytes: int = 0) -> Placement:
+    """How many layers llama.cpp puts on the GPU, and why. extra_bytes: memory kept back beyond
+    GPU_RESERVE_BYTES (the sequences after the first: `sequence_bytes` each)."""
+    reserve = GPU_RESERVE_BYTES + extra_bytes
     gpu = gpus.first_gpu()
     if gpu is None:
         return Placement(0, "CPU (no NVIDIA GPU visible)")
@@ -85,11 +97,11 @@ def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers
         return Placement(0, f"CPU ({name} is here, but this llama-cpp-python build has no GPU support: "
                             "`python -m openjet_plugin.setup_llama --force` builds one where a CUDA toolkit is present)")
     size = os.path.getsize(model_path)
-    if size + GPU_RESERVE_BYTES <= free:
+    if size + reserve <= free:
         return Placement(-1, f"GPU ({name}: every layer, {free / 2**30:.1f} GiB free)")
     if not n_layers:
         return Placement(0, f"CPU ({name} has {free / 2**30:.1f} GiB free, the model is {size / 2**30:.1f} GiB)")
-    fit = max(0, int(n_layers * (free - GPU_RESERVE_BYTES) / size))
+    fit = max(0, int(n_layers * (free - reserve) / size))
     if fit == 0:
         return Placement(0, f"CPU ({name} has {free / 2**30:.1f} GiB free: no layer fits)")
     return Placement(fit, f"GPU and CPU ({name}: {fit} of {n_layers} layers fit in {free / 2**30:.1f} GiB free)")
@@ -126,10 +138,12 @@ class LlamaCppBackend:
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int, *, kv_type: str = "f16",
                  n_threads: int | None = None, n_batch: int = 512, n_layers: int | None = None,
-                 n_seq: int = 1):
+                 n_seq: int = 1, seq_bytes: int = 0):
         """n_layers: the model's block count (from its metadata), to split a model that does not
         fit in GPU memory. n_seq: sequences (conversations) the context holds, n_ctx positions
-        each; with more than one, use `sequences()`."""
+        each; with more than one, use `sequences()`. seq_bytes: the memory of one sequence
+        (`sequence_bytes`, where the model's dimensions are known), kept free on the GPU for each
+        after the first."""
         try:
             import llama_cpp
         except ImportError as exc:  # pragma: no cover - a dependency of the package
@@ -141,7 +155,7 @@ class LlamaCppBackend:
             raise ValueError(f"kv_type must be one of {sorted(KV_TYPES)}, got {kv_type!r}")
         self._lib = llama_cpp
         threads = n_threads or default_threads()
-        self.placement = gpu_placement(llama_cpp, model_path, n_layers)
+        self.placement = gpu_placement(llama_cpp, model_path, n_layers, extra_bytes=(n_seq - 1) * seq_bytes)
         kwargs = {}
         if kv_type != "f16":
             # a quantised V cache needs flash attention in llama.cpp

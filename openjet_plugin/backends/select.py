@@ -79,7 +79,7 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
     n_layers: the model's block count, for llama.cpp's GPU placement.
     n_slots: sequences the backend holds (None: its default for a server); the native backend
     holds one until its multi-sequence pass exists."""
-    from .llama_cpp import DEFAULT_SERVE_SEQUENCES, LlamaCppBackend
+    from .llama_cpp import DEFAULT_SERVE_SEQUENCES, LlamaCppBackend, sequence_bytes
 
     if declined is not None:
         check_backend_name(backend)
@@ -107,8 +107,11 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
             reason = f"native backend failed to start ({type(exc).__name__}: {exc}); using llama.cpp"
     if n_layers is None and model_file is not None:
         n_layers = model_file.config.n_layer + model_file.config.n_layer_nextn
+    n_seq = DEFAULT_SERVE_SEQUENCES if n_slots is None else n_slots
+    # another architecture's dimensions are not known here: its sequences share GPU_RESERVE_BYTES
+    seq_bytes = sequence_bytes(model_file.config, n_ctx, kv_type) if model_file is not None and n_seq > 1 else 0
     be = LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads, n_layers=n_layers,
-                         n_seq=DEFAULT_SERVE_SEQUENCES if n_slots is None else n_slots)
+                         n_seq=n_seq, seq_bytes=seq_bytes)
     reason = f"{reason}; llama.cpp runs on the {be.placement.where}"
     if backend == "auto":
         # no GPU is the normal case on many machines: say it, but do not warn about it
