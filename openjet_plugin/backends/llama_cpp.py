@@ -195,6 +195,12 @@ class LlamaCppBackend:
             self._scheduler = PassScheduler(llama_cpp, self._llm.ctx, self.n_vocab, self._llm.n_batch, n_seq)
             self._sequences = [LlamaCppSequence(self, i) for i in range(n_seq)]
 
+    def _one_sequence(self) -> None:
+        # these methods act on sequence 0 and llama-cpp-python's own bookkeeping of it: with
+        # several sequences they would cut into another slot's state
+        if self._scheduler is not None:
+            raise RuntimeError("this context holds several sequences: use them through sequences()")
+
     def sequences(self) -> list[LlamaCppSequence]:
         """One view per sequence (n_seq > 1): the backend an engine slot uses."""
         return list(self._sequences)
@@ -225,8 +231,7 @@ class LlamaCppBackend:
     def eval(self, tokens: list[int]) -> np.ndarray:
         if not tokens:
             raise ValueError("eval needs at least one token")
-        if self._scheduler is not None:
-            raise RuntimeError("this context holds several sequences: evaluate through sequences()")
+        self._one_sequence()
         self._llm.eval(tokens)
         ptr = self._lib.llama_get_logits_ith(self._llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True)
@@ -244,6 +249,7 @@ class LlamaCppBackend:
 
     def save_checkpoint(self) -> None:
         """Remember the recurrent state at n_past (the oldest of MAX_CHECKPOINTS is dropped)."""
+        self._one_sequence()
         n = self.n_past
         if n == 0 or any(p == n for p, _ in self._checkpoints):
             return
@@ -256,6 +262,7 @@ class LlamaCppBackend:
     def restore_checkpoint(self, n_max: int) -> int:
         """Go back to the newest checkpoint with at most n_max tokens; return its n_past.
         0 means none was usable and the state was reset."""
+        self._one_sequence()
         usable = [c for c in self._checkpoints if c[0] <= n_max]
         if usable:
             pos, buf = max(usable, key=lambda c: c[0])
@@ -268,6 +275,7 @@ class LlamaCppBackend:
         return 0
 
     def rollback(self, n_keep: int) -> bool:
+        self._one_sequence()
         if not 0 <= n_keep <= self.n_past:
             raise ValueError(f"rollback to {n_keep} tokens, but the state holds {self.n_past}")
         if n_keep == self.n_past:
@@ -284,6 +292,7 @@ class LlamaCppBackend:
         return True
 
     def reset(self) -> None:
+        self._one_sequence()
         self._checkpoints = []
         self._llm.reset()
         mem = self._lib.llama_get_memory(self._llm.ctx)
