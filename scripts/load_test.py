@@ -31,7 +31,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
+REPO = Path(__file__).resolve().parents[1]
 API_KEY = "sk-openjet-load-" + "0" * 16
 MODEL = "openjet-default"
 CONVERSATIONS = [
@@ -51,20 +53,24 @@ def free_port() -> int:
 
 
 def start_server(log_path: Path, port: int | None = None, threads: str | None = None,
-                 startup_s: float = 180.0, max_queue: int | None = None) -> tuple[subprocess.Popen, str]:
-    """`python -m openjet_plugin.serve` on a free loopback port; returns (process, base URL)."""
+                 startup_s: float = 180.0, max_queue: int | None = None, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`python -m openjet_plugin.serve` on a free loopback port (args: more of its options, env:
+    more environment, over ours); returns (process, base URL) once it answers its health check.
+    The models and master key of the caller's environment are left out: the server's own are used."""
     import httpx
 
     port = port or free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
-    env["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
-    env["OPENJET_API_KEY"] = API_KEY
+    child = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
+    child["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    child["OPENJET_API_KEY"] = API_KEY
     if threads:
-        env["OPENJET_THREADS"] = threads
+        child["OPENJET_THREADS"] = threads
+    child.update(env or {})
     log = open(log_path, "wb")
     extra = ["--max-queue", str(max_queue)] if max_queue is not None else []
-    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port), *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port), *extra, *args],
+                            stdout=log, stderr=subprocess.STDOUT, env=child, cwd=REPO)
     log.close()
     deadline = time.monotonic() + startup_s
     while True:

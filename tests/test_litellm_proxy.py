@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,12 +24,6 @@ STARTUP_SECONDS = 120
 N_CTX = 512             # small, so a request without max_tokens (to the context's end) is quick
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -52,42 +44,21 @@ def _listening_addresses(port: int) -> set[str]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    sys.path.insert(0, str(REPO / "scripts"))
+    from load_test import start_server, stop_server
+
     import openjet_plugin
 
     openjet_plugin.default_model_path()            # generate the model before the server needs it
-    port = _free_port()
     log_path = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
-    env["OPENJET_THREADS"] = env.get("OPENJET_THREADS", "2")
-    env["OPENJET_API_KEY"] = API_KEY
-    cmd = [sys.executable, "-m", "openjet_plugin.serve", "--config", str(REPO / "examples" / "litellm_proxy.yaml"),
-           "--port", str(port), "--n-ctx", str(N_CTX)]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, base = start_server(log_path, startup_s=STARTUP_SECONDS,
+                              env={"OPENJET_API_KEY": API_KEY,
+                                   "OPENJET_THREADS": os.environ.get("OPENJET_THREADS", "2")},
+                              args=["--config", str(REPO / "examples" / "litellm_proxy.yaml"), "--n-ctx", str(N_CTX)])
     try:
-        import httpx
-
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the proxy exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"the proxy did not start in {STARTUP_SECONDS} s:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield {"port": port, "proc": proc, "log": log_path}
+        yield {"port": int(base.rsplit(":", 1)[1]), "proc": proc, "log": log_path}
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,7 @@ on llama.cpp, Qwen's `<function=...><parameter=...>` form parsed into OpenAI `to
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -39,43 +35,19 @@ def get_weather(city: str, days: int) -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import httpx
-
     from openjet_plugin.testing.scripted import scripted_tool_model
 
     work = tmp_path_factory.mktemp("agent")
     model = scripted_tool_model(work / "qwen35-tool.gguf", CALL, ANSWER)
     sys.path.insert(0, str(REPO / "scripts"))
-    from load_test import free_port
+    from load_test import start_server, stop_server
 
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
-    env.update(OPENJET_API_KEY=API_KEY, OPENJET_THREADS="1")
-    log_path = work / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port), "--model",
-                                 f"qwen-tool={model}", "--backend", "llama.cpp", "--n-ctx", "1024"],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, base = start_server(work / "serve.log", threads="1", startup_s=120, env={"OPENJET_API_KEY": API_KEY},
+                              args=["--model", f"qwen-tool={model}", "--backend", "llama.cpp", "--n-ctx", "1024"])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"openjet serve exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"{base}/v1"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
 
 
 def _ask(client, messages: list, stream: bool) -> dict:

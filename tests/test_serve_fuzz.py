@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,42 +100,22 @@ def server(tmp_path_factory):
     import httpx
 
     sys.path.insert(0, str(REPO / "scripts"))
-    from load_test import free_port
+    from load_test import start_server, stop_server
 
     import openjet_plugin
 
     openjet_plugin.default_model_path()
-    port = free_port()
     log_path = tmp_path_factory.mktemp("fuzz") / "serve.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
-    env.update(OPENJET_API_KEY=API_KEY, OPENJET_THREADS="1")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port), "--n-ctx", "256",
-                                 "--preload"],
-                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc, base = start_server(log_path, threads="1", startup_s=120, env={"OPENJET_API_KEY": API_KEY},
+                              args=["--n-ctx", "256", "--preload"])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
         # the first streamed request through the proxy pays for LiteLLM's lazy imports (~0.5 s here,
         # after `--preload`'s own warm-up): the second counts
-        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=dict(CHAT, stream=True),
+        httpx.post(f"{base}/v1/chat/completions", json=dict(CHAT, stream=True),
                    headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60).raise_for_status()
-        yield {"url": f"http://127.0.0.1:{port}", "proc": proc, "log": log_path}
+        yield {"url": base, "proc": proc, "log": log_path}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop_server(proc)
 
 
 def test_fuzzed_bodies_get_2xx_or_4xx_at_once_without_internals(server):

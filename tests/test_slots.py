@@ -13,18 +13,18 @@ a long prompt goes in n_batch chunks while another sequence keeps decoding; `ope
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import openjet_plugin
 from openjet_plugin.errors import ContextOverflowError
+
+REPO = Path(__file__).resolve().parents[1]
 
 PROMPTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n\nclass Config:",
            "for i in range(10):"]
@@ -290,36 +290,17 @@ def test_a_thread_with_an_open_stream_takes_another_free_slot(engine, alone):
 API_KEY = "sk-openjet-test-" + "1" * 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_serve_with_two_slots_streams_two_requests_interleaved(model, tmp_path):
     import httpx
 
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OPENJET_MODELS", "LITELLM_MASTER_KEY"))}
-    env.update(OPENJET_THREADS="1", OPENJET_API_KEY=API_KEY, LITELLM_LOCAL_MODEL_COST_MAP="True")
+    sys.path.insert(0, str(REPO / "scripts"))
+    from load_test import start_server, stop_server
+
     log_path = tmp_path / "serve.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "openjet_plugin.serve", "--port", str(port), "--slots", "2",
-                                 "--n-ctx", "512", "--backend", "llama.cpp", "--preload"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
+    proc, base = start_server(log_path, threads="1", env={"OPENJET_API_KEY": API_KEY},
+                              args=["--slots", "2", "--n-ctx", "512", "--backend", "llama.cpp", "--preload"])
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health/liveliness", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.5)
         assert "2 slots" in log_path.read_text()
 
         def stream(prompt: str, delay: float) -> list[tuple[float, str]]:
@@ -344,11 +325,7 @@ def test_serve_with_two_slots_streams_two_requests_interleaved(model, tmp_path):
         # the second request's first token came while the first was still streaming
         assert second[0][0] < first[-1][0], (second[0][0] - first[0][0], first[-1][0] - first[0][0])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
 
 
 # --- where users set it ---------------------------------------------------------------------------
