@@ -329,7 +329,20 @@ class ReplyStreamer:
 
 # --- async ------------------------------------------------------------------------------------------
 
-_DONE = object()
+# a producer thread's last item on a stream's queue: (DONE, None), or (DONE, exc) when it failed
+DONE = object()
+
+
+async def drain(queue: asyncio.Queue) -> AsyncIterator[Any]:
+    """Yield the items a producer thread puts on `queue` as (item, None) until (DONE, exc); then
+    raise exc if there is one (the producer's error reaches the consumer)."""
+    while True:
+        item, exc = await queue.get()
+        if item is DONE:
+            if exc is not None:
+                raise exc
+            return
+        yield item
 
 
 async def iterate_in_thread(make_iterator: Callable[[], Iterator[Any]]) -> AsyncIterator[Any]:
@@ -355,22 +368,17 @@ async def iterate_in_thread(make_iterator: Callable[[], Iterator[Any]]) -> Async
                 close = getattr(it, "close", None)
                 if close is not None:
                     close()
-            loop.call_soon_threadsafe(queue.put_nowait, (_DONE, None))
+            loop.call_soon_threadsafe(queue.put_nowait, (DONE, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, (_DONE, exc))
+                loop.call_soon_threadsafe(queue.put_nowait, (DONE, exc))
             except RuntimeError:       # the loop is gone: nobody is listening any more
                 pass
 
     thread = threading.Thread(target=produce, name="openjet-stream", daemon=True)
     thread.start()
     try:
-        while True:
-            item, exc = await queue.get()
-            if item is _DONE:
-                if exc is not None:
-                    raise exc
-                return
+        async for item in drain(queue):
             yield item
     finally:
         cancelled.set()

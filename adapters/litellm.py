@@ -71,8 +71,10 @@ from litellm.types.utils import (  # noqa: E402
 
 from ._shared import (  # noqa: E402
     DEFAULT_ALIASES,
+    DONE,
     Reply,
     ReplyStreamer,
+    drain,
     openai_messages_for_template,
     openai_tools,
     prompt_opens_think,
@@ -387,18 +389,13 @@ class OpenJetProvider(CustomLLM):
                         put(c)
                 finally:
                     chunks.close()         # ends the engine's stream: the engine is free again
-                put(_DONE)
+                put(DONE)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, raised there
-                put(_DONE, exc)
+                put(DONE, exc)
 
         job = self._submit(req.engine, produce)
         try:
-            while True:
-                item, exc = await queue.get()
-                if item is _DONE:
-                    if exc is not None:
-                        raise exc
-                    return
+            async for item in drain(queue):
                 yield item
         finally:
             cancelled.set()
@@ -428,8 +425,6 @@ class OpenJetProvider(CustomLLM):
     async def _on_engine(self, eng, fn):
         return await asyncio.wrap_future(self._submit(eng, fn))
 
-
-_DONE = object()
 
 
 class _EngineWorkers:
