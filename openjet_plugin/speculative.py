@@ -27,6 +27,9 @@ p), where p is the target's next-token distribution after the same bias/penaltie
 min-p/temperature as non-speculative sampling (`sampling.token_distribution`) and q the draft's own
 distribution (zero outside the draft vocabulary). The emitted sequence therefore has the target's
 distribution whatever the drafts are; drafts change only how many tokens a cycle yields.
+
+Draft trees (speculative_tree.py, `SpeculativeDecoder(tree=...)`) replace the chain by a tree of
+drafts verified in one pass; the same invariant holds for the accepted path.
 """
 
 from __future__ import annotations
@@ -601,15 +604,37 @@ class SpeculativeDecoder:
     one call, 1 + depth <= 9 positions; commit = keep the accepted positions by replay, see the
     module docstring) and a Drafter (its MTP block over the draft vocabulary) or a DraftSource
     of its own when drafting runs inside the engine.
+
+    `tree` (a speculative_tree.TreePolicy, or a verify budget 2..16): each cycle drafts a tree
+    (the draft source's propose_tree), verifies all its nodes in one pass (the target's
+    verify_tree) and commits the accepted path (commit_path); `tree_rule` is the sampled rule
+    (speculative_tree.STANDARD_TREE_RULE). Stats are then speculative_tree.TreeStats. A target
+    without tree verification (the native engine, until its CUDA tree pass) is refused at once.
     """
 
     def __init__(self, target: Target, drafts: DraftSource | None,
-                 policy: DepthPolicy | int = DEFAULT_DRAFT_DEPTH, rule: SampledRule = STANDARD_RULE):
+                 policy: DepthPolicy | int = DEFAULT_DRAFT_DEPTH, rule: SampledRule = STANDARD_RULE,
+                 *, tree=None, tree_rule=None):
         self.policy = policy if isinstance(policy, DepthPolicy) else DepthPolicy(policy)
-        if drafts is None:
+        self.tree = None
+        self.tree_rule = tree_rule
+        if tree is not None:
+            # draft trees (speculative_tree.py) instead of chains; the depth policy is not used
+            from .speculative_tree import STANDARD_TREE_RULE, TreePolicy
+            self.tree = tree if isinstance(tree, TreePolicy) else TreePolicy(tree)
+            self.tree_rule = tree_rule if tree_rule is not None else STANDARD_TREE_RULE
+            if not (hasattr(target, "verify_tree") and hasattr(target, "commit_path")):
+                raise NotImplementedError(
+                    f"tree={self.tree.budget}: {type(target).__name__} has no tree verification "
+                    f"(verify_tree/commit_path); the native engine gets it with its CUDA tree pass "
+                    f"(issue 28), until then use chains (tree=None)")
+            if drafts is None or not hasattr(drafts, "propose_tree"):
+                raise NotImplementedError(f"tree={self.tree.budget}: the draft source "
+                                          f"{type(drafts).__name__} cannot propose trees (propose_tree)")
+        elif drafts is None:
             self.policy = DepthPolicy(0)
         self.target = target
-        self.drafts = drafts if self.policy.depth > 0 else None
+        self.drafts = drafts if self.policy.depth > 0 or self.tree is not None else None
         self.rule = rule
         self.last_stats: SpeculativeStats | None = None
 
@@ -636,7 +661,13 @@ class SpeculativeDecoder:
             raise ValueError(f"max_tokens must be at least 1, got {limit}")
         stop = frozenset(int(t) for t in stop_tokens)
         rng = rng if rng is not None else np.random.default_rng(params.seed)
-        stats = SpeculativeStats(self.policy.depth)
+        tree = self.tree
+        if tree is not None:
+            from .speculative_tree import DraftTree, TreeStats, verify_tree_greedy, verify_tree_sampled
+            stats = TreeStats(tree.budget - 1)
+            tree.reset()
+        else:
+            stats = SpeculativeStats(self.policy.depth)
         self.last_stats = stats
         self.policy.reset()
         T = self.target
@@ -650,24 +681,41 @@ class SpeculativeDecoder:
         history = list(prompt)
         n_out = 0
         while True:
-            # a cycle yields at most depth + 1 tokens: never draft past the request's end
-            depth = min(self.policy.next_depth(), limit - n_out - 1)
-            if depth > 0:
-                drafts, qs = self.drafts.propose(pos, current, prev_hidden, history, depth, params, rng)
-                drafts = [int(t) for t in drafts][:depth]
-                depth = len(drafts)          # an oracle may run out of continuation
+            # a cycle yields at most (drafts on its accepted path) + 1 tokens: never draft past the
+            # request's end
+            room = limit - n_out - 1
+            if tree is None:
+                depth = min(self.policy.next_depth(), room)
+                if depth > 0:
+                    drafts, qs = self.drafts.propose(pos, current, prev_hidden, history, depth, params, rng)
+                    drafts = [int(t) for t in drafts][:depth]
+                    depth = len(drafts)          # an oracle may run out of continuation
+                else:
+                    drafts, qs = [], []
+                tokens = [current] + drafts
+                logits, hid = T.verify(tokens)
+                hists = [history + drafts[:i] for i in range(len(tokens))]
+                if params.greedy:
+                    v = verify_greedy([int(token_distribution(logits[i], params, hists[i])[0][0])
+                                       for i in range(len(tokens))], drafts)
+                else:
+                    p = _TargetDistributions(logits, params, hists)
+                    v = verify_sampled(p, qs[:depth], drafts, rng, self.rule)
+                n_accepted, path_hidden = v.n_accepted, hid
             else:
-                drafts, qs = [], []
-            tokens = [current] + drafts
-            logits, hid = T.verify(tokens)
-            hists = [history + drafts[:i] for i in range(len(tokens))]
-            if params.greedy:
-                v = verify_greedy([int(token_distribution(logits[i], params, hists[i])[0][0])
-                                   for i in range(len(tokens))], drafts)
-            else:
+                dt = (self.drafts.propose_tree(pos, current, prev_hidden, history, tree, room, params, rng)
+                      if room > 0 else DraftTree([current], [-1]))
+                logits, hid = T.verify_tree(dt.tokens, dt.parent)
+                hists = [history + [int(dt.tokens[j]) for j in dt.path(i)[1:]] for i in range(dt.n)]
                 p = _TargetDistributions(logits, params, hists)
-                v = verify_sampled(p, qs[:depth], drafts, rng, self.rule)
-            emitted = drafts[:v.n_accepted] + [v.token]
+                if params.greedy:
+                    tv = verify_tree_greedy(dt, _Tops(p))
+                else:
+                    tv = verify_tree_sampled(dt, p, rng, self.tree_rule)
+                tokens = [int(dt.tokens[i]) for i in tv.path]
+                drafts, v = tokens[1:], tv
+                n_accepted, path_hidden = tv.n_accepted, [hid[i] for i in tv.path]
+            emitted = drafts[:n_accepted] + [v.token]
 
             finish = None
             n_emit = len(emitted)
@@ -678,12 +726,19 @@ class SpeculativeDecoder:
             if finish is None and n_out + n_emit >= limit:
                 n_emit, finish = limit - n_out, "length"
             # committed: the current token and the drafts before the last token yielded
-            n_commit = min(v.n_accepted + 1, n_emit)
-            T.commit(n_commit)
+            n_commit = min(n_accepted + 1, n_emit)
+            if tree is None:
+                T.commit(n_commit)
+            else:
+                T.commit_path(tv.path[:n_commit])
             if self.drafts is not None:
-                self.drafts.commit(pos, tokens[:n_commit], [prev_hidden] + list(hid[:n_commit - 1]))
-            stats.record(depth, v.n_accepted, n_emit)
-            self.policy.update(depth, v.n_accepted)
+                self.drafts.commit(pos, tokens[:n_commit], [prev_hidden] + list(path_hidden[:n_commit - 1]))
+            if tree is None:
+                stats.record(depth, n_accepted, n_emit)
+                self.policy.update(depth, n_accepted)
+            else:
+                stats.record_tree(dt, tv, n_emit)
+                tree.update(dt, tv)
 
             yielded = emitted[:n_emit]
             history.extend(yielded)
@@ -692,9 +747,22 @@ class SpeculativeDecoder:
             yield out, finish
             if finish:
                 return
-            pos += v.n_accepted + 1
+            pos += n_accepted + 1
             current = v.token
-            prev_hidden = hid[v.n_accepted]
+            prev_hidden = path_hidden[n_accepted]
+
+
+class _Tops:
+    """The target's argmax after each position (greedy verification), computed when first read."""
+
+    def __init__(self, p: "_TargetDistributions"):
+        self.p = p
+
+    def __len__(self) -> int:
+        return len(self.p)
+
+    def __getitem__(self, i: int) -> int:
+        return self.p[i].top()
 
 
 class _TargetDistributions:
@@ -724,7 +792,8 @@ class ReferenceTarget:
     accepted tokens: whole-state copies are fine for the reference (the native engine instead
     replays the accepted positions' DeltaNet intermediates). The K/V caches only grow, so they
     are cut back by position rather than copied. Reaches into the reference's state attributes
-    (`_conv`, `_ssm`, `_kv`), which hold the whole per-conversation state.
+    (`_conv`, `_ssm`, `_kv`), which hold the whole per-conversation state. A draft tree needs no
+    copy: `verify_tree` leaves the committed state alone and `commit_path` takes the path's.
     """
 
     def __init__(self, model):
@@ -771,6 +840,15 @@ class ReferenceTarget:
             m.forward(self._last[:n])          # the replay of the accepted positions
         self._saved, self._last = None, []
 
+    def verify_tree(self, tokens, parent):
+        """A draft tree in one evaluation (`ReferenceModel.forward_tree`): the committed state is
+        untouched until commit_path, so nothing needs saving."""
+        logits, hidden = self.model.forward_tree([int(t) for t in tokens], parent)
+        return logits, list(hidden.copy())
+
+    def commit_path(self, path) -> None:
+        self.model.commit_tree(path)
+
 
 class ReferenceDrafter:
     """The reference model's MTP block as a Drafter (its cache is the model's MTP cache)."""
@@ -789,10 +867,20 @@ class ReferenceDrafter:
         logits, h_mtp = self.model.mtp_logits(h, int(token), pos=pos)
         return (logits[vocab_ids] if vocab_ids is not None else None), h_mtp
 
+    def step_branch(self, pos, token, hidden, vocab_ids, path):
+        """A draft-tree node's step on its own branch (`ReferenceModel.mtp_branch`)."""
+        logits, h_mtp, row = self.model.mtp_branch(hidden, int(token), pos, list(path))
+        return (logits[vocab_ids] if vocab_ids is not None else logits), h_mtp, row
+
 
 def reference_decoder(model, depth: int | DepthPolicy = DEFAULT_DRAFT_DEPTH,
-                      vocab: DraftVocab | None = None) -> SpeculativeDecoder:
-    """A speculative decoder with the reference model as target and its MTP head as drafter."""
+                      vocab: DraftVocab | None = None, tree=None) -> SpeculativeDecoder:
+    """A speculative decoder with the reference model as target and its MTP head as drafter;
+    `tree` (a TreePolicy, or a budget) drafts and verifies trees instead of chains."""
     policy = depth if isinstance(depth, DepthPolicy) else DepthPolicy(depth)
+    if tree is not None:
+        from .speculative_tree import MTPTreeDrafts
+        return SpeculativeDecoder(ReferenceTarget(model), MTPTreeDrafts(ReferenceDrafter(model), vocab),
+                                  policy, tree=tree)
     drafts = MTPDrafts(ReferenceDrafter(model), vocab) if policy.depth > 0 else None
     return SpeculativeDecoder(ReferenceTarget(model), drafts, policy)

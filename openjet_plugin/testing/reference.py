@@ -293,6 +293,25 @@ class _KVCache:
         keep = self.pos < p0
         self.k, self.v, self.pos = self.k[keep], self.v[keep], self.pos[keep]
 
+    def prefix(self, p0: int, rows=()) -> "_KVCache":
+        """A new cache: this one's rows at positions < p0, then `rows` ((k, v) pairs of one row
+        each) at positions p0, p0 + 1, ..: what a draft-tree node sees of its own branch."""
+        out = _KVCache.__new__(_KVCache)
+        keep = self.pos < p0
+        out.k = np.concatenate([self.k[keep]] + [k for k, _ in rows])
+        out.v = np.concatenate([self.v[keep]] + [v for _, v in rows])
+        out.pos = np.concatenate([self.pos[keep], np.arange(p0, p0 + len(rows), dtype=np.int64)])
+        return out
+
+
+class _TreeEval:
+    """What `forward_tree` keeps for `commit_tree`: per node its position and hidden, per DeltaNet
+    layer the conv and recurrent state after each node, per attention layer each node's K/V row."""
+
+    def __init__(self, n_past, tokens, parent, positions, hidden, conv, ssm, kv):
+        self.n_past, self.tokens, self.parent, self.positions = n_past, tokens, parent, positions
+        self.hidden, self.conv, self.ssm, self.kv = hidden, conv, ssm, kv
+
 
 # --- the model -----------------------------------------------------------------------------
 
@@ -305,6 +324,9 @@ class ReferenceModel:
     - `mtp_logits(h, next_token, pos=None)`: one MTP step -> (logits, h_mtp); `mtp_prefill()` runs
       it over the main positions seen so far as llama.cpp's draft context does; `mtp_reset()`.
     - `state()`: every piece of per-conversation state, by name (see `state`).
+    - `forward_tree(tokens, parent)` / `commit_tree(path)`: a draft tree evaluated in one call
+      (tree attention mask, DeltaNet from each node's parent state), then one path kept;
+      `mtp_branch(h, token, pos, path)`: an MTP step of a tree node on its own branch.
     """
 
     def __init__(self, path: str | Path, dtype=np.float64, llama_cpu_rounding: bool = False,
@@ -478,6 +500,7 @@ class ReferenceModel:
         self.n_past = 0
         self.tokens: list[int] = []
         self.hidden = np.zeros((0, c.n_embd), dtype=self.dtype)
+        self._tree: _TreeEval | None = None
         self._conv: dict[int, np.ndarray] = {}
         self._ssm: dict[int, np.ndarray] = {}
         self._kv: dict[int, _KVCache] = {}
@@ -526,6 +549,7 @@ class ReferenceModel:
         tokens = self._check_tokens(tokens)
         c = self.config
         n = len(tokens)
+        self._tree = None
         positions = np.arange(self.n_past, self.n_past + n)
         x = self.weight("token_embd.weight")[tokens]
         for il in range(c.n_layer):
@@ -536,6 +560,92 @@ class ReferenceModel:
         self.n_past += n
         return self.head(h)
 
+    def forward_tree(self, tokens, parent) -> tuple[np.ndarray, np.ndarray]:
+        """Evaluate a draft tree provisionally -> (logits `[n, n_vocab]`, hidden `[n, n_embd]`),
+        row i for node i (its logits predict the token after node i on its path).
+
+        The layout is speculative_tree's: node 0 is the current token at position n_past (parent
+        -1); node i > 0 is a child of parent[i] < i and sits at n_past + its depth. Node i sees
+        what decoding its path one token at a time would: every attention layer attends over the
+        committed positions and node i's ancestors and itself (the tree mask
+        `tree_ancestors(parent)`), every DeltaNet layer runs its conv and recurrence from
+        parent[i]'s state (the root from the committed state). The committed state is unchanged
+        until `commit_tree(path)` keeps one path.
+
+        The nodes go through the layers together, layer by layer as one pass would, but each
+        node's row on its own: a product of one row is what a one-token step computes, while
+        OpenBLAS's rows of a many-row product differ from it in the last bits. So each node's
+        logits, hidden and state equal those of one-token-at-a-time decoding of its path, bit for
+        bit, which is the invariant a commit relies on.
+        """
+        from ..speculative_tree import check_tree_parents, tree_ancestors
+
+        tokens = self._check_tokens(tokens)
+        c = self.config
+        n = len(tokens)
+        parent = check_tree_parents(parent, n)
+        seen = tree_ancestors(parent)
+        depth = seen.sum(axis=1) - 1
+        positions = (self.n_past + depth).astype(np.int64)
+        emb = self.weight("token_embd.weight")
+        xs = [emb[tokens[i:i + 1]] for i in range(n)]
+        conv: dict[int, list] = {}
+        ssm: dict[int, list] = {}
+        kv: dict[int, list] = {}
+        for il in range(c.n_layer):
+            if c.is_recurrent(il):
+                cs, ss = [None] * n, [None] * n
+                for i in range(n):
+                    c0 = self._conv[il] if parent[i] < 0 else cs[parent[i]]
+                    s0 = self._ssm[il] if parent[i] < 0 else ss[parent[i]]
+
+                    def mixer(cur, i=i, c0=c0, s0=s0):
+                        out, cs[i], ss[i] = self._deltanet_from(il, cur, c0, s0)
+                        return out
+                    xs[i] = self._block(il, xs[i], mixer)
+                conv[il], ssm[il] = cs, ss
+            else:
+                rows: list = [None] * n
+                for i in range(n):
+                    # the committed rows, then the ancestors' (positions n_past .. n_past + depth - 1)
+                    view = self._kv[il].prefix(self.n_past, [rows[j] for j in np.flatnonzero(seen[i]) if j != i])
+
+                    def mixer(cur, i=i, view=view):
+                        out = self._attention(il, cur, positions[i:i + 1], view)
+                        rows[i] = (view.k[-1:], view.v[-1:])
+                        return out
+                    xs[i] = self._block(il, xs[i], mixer)
+                kv[il] = rows
+        hs = [rms_norm(x, self.weight("output_norm.weight"), c.rms_eps) for x in xs]
+        logits = np.concatenate([self.head(h) for h in hs])
+        hidden = np.concatenate(hs)
+        self._tree = _TreeEval(self.n_past, tokens, parent, positions, hidden, conv, ssm, kv)
+        return logits, hidden
+
+    def commit_tree(self, path) -> None:
+        """Keep the nodes of `path` (node 0, then each a child of the one before) from the last
+        `forward_tree` as positions n_past..: the DeltaNet layers take the last node's state, the
+        attention layers the path's K/V rows; everything else of the tree is dropped."""
+        t = self._tree
+        if t is None or t.n_past != self.n_past:
+            raise RuntimeError("commit_tree needs a forward_tree at the current position first")
+        path = [int(i) for i in path]
+        if not path or path[0] != 0:
+            raise ValueError(f"a committed path starts at the root (node 0), got {path}")
+        for a, b in zip(path, path[1:]):
+            if not 0 < b < len(t.tokens) or t.parent[b] != a:
+                raise ValueError(f"node {b} is not a child of node {a}: {path} is not a path of the tree")
+        last = path[-1]
+        for il in t.conv:
+            self._conv[il], self._ssm[il] = t.conv[il][last], t.ssm[il][last]
+        for il, rows in t.kv.items():
+            for i in path:
+                self._kv[il].append(rows[i][0], rows[i][1], t.positions[i:i + 1])
+        self.hidden = np.concatenate([self.hidden, t.hidden[path]])
+        self.tokens.extend(int(t.tokens[i]) for i in path)
+        self.n_past += len(path)
+        self._tree = None
+
     def layer(self, il: int, x: np.ndarray, positions) -> np.ndarray:
         """Main layer il on its input x `[n, n_embd]` at positions; updates that layer's state.
 
@@ -544,14 +654,16 @@ class ReferenceModel:
         c = self.config
         if not 0 <= il < c.n_layer:
             raise ValueError(f"layer {il} is not a main layer (0..{c.n_layer - 1})")
-        p = f"blk.{il}."
         positions = np.asarray(positions, dtype=np.int64)
-        cur = rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps)
         if c.is_recurrent(il):
-            cur = self._deltanet(il, cur)
-        else:
-            cur = self._attention(il, cur, positions, self._kv[il])
-        x = x + cur
+            return self._block(il, x, lambda cur: self._deltanet(il, cur))
+        return self._block(il, x, lambda cur: self._attention(il, cur, positions, self._kv[il]))
+
+    def _block(self, il: int, x: np.ndarray, mixer) -> np.ndarray:
+        """Main layer il around its token mixer (`mixer(normed x)`: DeltaNet or attention)."""
+        c = self.config
+        p = f"blk.{il}."
+        x = x + mixer(rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps))
         return x + self._ffn(il, rms_norm(x, self.weight(p + "post_attention_norm.weight"), c.rms_eps))
 
     def head(self, h: np.ndarray) -> np.ndarray:
@@ -617,6 +729,14 @@ class ReferenceModel:
 
     def _deltanet(self, il: int, x: np.ndarray) -> np.ndarray:
         """Gated DeltaNet (build_layer_attn_linear) over n tokens, updating conv and recurrent state."""
+        out, self._conv[il], self._ssm[il] = self._deltanet_from(il, x, self._conv[il], self._ssm[il])
+        return out
+
+    def _deltanet_from(self, il: int, x: np.ndarray, conv_state: np.ndarray,
+                       ssm_state: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Gated DeltaNet of layer il over n tokens from the given conv and recurrent state ->
+        (output, conv state, recurrent state after the last token); the inputs are not changed
+        (a draft tree's siblings start from one parent state)."""
         c = self.config
         p = f"blk.{il}."
         n = len(x)
@@ -633,11 +753,11 @@ class ReferenceModel:
         # causal depthwise conv (ggml_ssm_conv) over [state | new inputs] along time
         w = self.weight(p + "ssm_conv1d.weight")                          # [conv_dim, kernel]
         kernel = w.shape[1]
-        conv_in = np.concatenate([self._conv[il].T, qkv])                 # [kernel-1+n, conv_dim]
+        conv_in = np.concatenate([conv_state.T, qkv])                     # [kernel-1+n, conv_dim]
         conv = np.zeros_like(qkv)
         for i in range(kernel):
             conv += conv_in[i:i + n] * w[:, i]
-        self._conv[il] = np.ascontiguousarray(conv_in[n:].T)              # last kernel-1 inputs
+        conv_state = np.ascontiguousarray(conv_in[n:].T)                  # last kernel-1 inputs
         conv = silu(conv)
 
         q = conv[:, :key_dim].reshape(n, Hk, S)
@@ -649,7 +769,7 @@ class ReferenceModel:
         q = q[:, key_head]
         k = k[:, key_head]
 
-        state = self._ssm[il]                                             # [Hv, S(j), S(i)]
+        state = ssm_state                                                 # [Hv, S(j), S(i)]
         out = np.empty((n, Hv, S), dtype=self.dtype)
         for t in range(n):
             state = state * decay[t][:, None, None]
@@ -658,10 +778,9 @@ class ReferenceModel:
             delta = (v[t] - sk) * beta[t][:, None]
             state = state + delta[:, :, None] * kt[:, None, :]
             out[t] = np.einsum("hji,hi->hj", state, q[t])
-        self._ssm[il] = state
 
         out = rms_norm(out, self.weight(p + "ssm_norm.weight"), c.rms_eps) * silu(z)
-        return self._mm(out.reshape(n, Hv * S), p + "ssm_out.weight")
+        return self._mm(out.reshape(n, Hv * S), p + "ssm_out.weight"), conv_state, state
 
     # -- MTP --
     def mtp_logits(self, h: np.ndarray, next_token: int, pos: int | None = None):
@@ -684,6 +803,37 @@ class ReferenceModel:
         if pos is None:
             pos = int(self._mtp_kv.pos.max()) + 1 if len(self._mtp_kv.pos) else 0
         self._mtp_kv.remove_from(pos)
+        return self._mtp_block(h, tok, pos, self._mtp_kv)
+
+    def mtp_branch(self, h: np.ndarray, next_token: int, pos: int, path: list[tuple[np.ndarray, np.ndarray]]):
+        """One MTP step of a draft-tree node -> (logits `[n_vocab]`, h_mtp `[n_embd]`, its row).
+
+        The node sits at MTP position `pos`; `path` holds the MTP cache rows `(k, v)` (each
+        `[1, n_head_kv, head_dim]`, as this method returns them) of its ancestors at positions
+        pos - len(path) .. pos - 1, oldest first. Its attention sees the MTP cache's rows before
+        pos - len(path), then `path`, then its own row; the MTP cache itself is not changed (a
+        sibling's rows never reach another branch). With the rows of the steps before it, a
+        chain of branch steps computes exactly what `mtp_logits` steps compute.
+        """
+        c = self.config
+        if c.mtp_layer is None:
+            raise ValueError(f"{self.path}: model has no MTP block (nextn_predict_layers = 0)")
+        tok = int(self._check_tokens([next_token])[0])
+        h = np.asarray(h, dtype=self.dtype).reshape(-1)
+        if h.shape != (c.n_embd,):
+            raise ValueError(f"h must have {c.n_embd} values, got {h.shape}")
+        base = int(pos) - len(path)
+        if base < 0:
+            raise ValueError(f"an MTP step at position {pos} cannot have {len(path)} ancestor rows")
+        view = self._mtp_kv.prefix(base, path)
+        logits, hm = self._mtp_block(h, tok, int(pos), view)
+        return logits, hm, (view.k[-1:].copy(), view.v[-1:].copy())
+
+    def _mtp_block(self, h: np.ndarray, tok: int, pos: int, cache: "_KVCache"):
+        """The MTP block at position pos on (token tok, hidden h), attending over `cache` (which
+        gets its K/V row) -> (logits `[n_vocab]`, h_mtp `[n_embd]`)."""
+        c = self.config
+        il = c.mtp_layer
         p = f"blk.{il}."
         emb_name = p + "nextn.embed_tokens.weight"
         e = self.weight(emb_name if self.has(emb_name) else "token_embd.weight")[tok]
@@ -691,7 +841,7 @@ class ReferenceModel:
                               rms_norm(h, self.weight(p + "nextn.hnorm.weight"), c.rms_eps)])
         x = self._mm(cat[None], p + "nextn.eh_proj.weight")                 # [1, n_embd]
         cur = rms_norm(x, self.weight(p + "attn_norm.weight"), c.rms_eps)
-        x = x + self._attention(il, cur, np.array([pos]), self._mtp_kv)
+        x = x + self._attention(il, cur, np.array([pos]), cache)
         x = x + self._ffn(il, rms_norm(x, self.weight(p + "post_attention_norm.weight"), c.rms_eps))
         norm_name = p + "nextn.shared_head_norm.weight"
         hm = rms_norm(x, self.weight(norm_name if self.has(norm_name) else "output_norm.weight"),
