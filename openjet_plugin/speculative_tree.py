@@ -22,12 +22,14 @@ Shape (EAGLE-2's dynamic tree, best-first). Every node's MTP step gives the draf
 the token after it; its children are candidate slots j = 1, 2, .. (the j-th most probable token
 for greedy requests, the j-th draw without replacement for sampled ones) with the estimated
 probability that verification reaches them: score(child) = score(parent) * a(q_j), where q_j is
-the j-th largest draft probability and a() the acceptance estimate: q corrected by the acceptance
-measured on verified trees (`AcceptanceCalibration`), or q itself (`calibrate=False`). Measured
-on the reference (tests/test_tree_speculation.py): the calibration gains where the head's
-probabilities are off (the tiny generated model's under-confident head: 7.20 vs 6.55 tokens per
-cycle at budget 8) and costs little where they are about right (the trained default model: 0.05
-to 0.08 fewer). The tree takes slots in order of score until `budget` positions are used. Scores never grow along a path, so
+the j-th largest draft probability and a() the acceptance estimate: q itself by default, or q
+corrected by the acceptance measured on verified trees (`TreePolicy(calibrate=True)`,
+`AcceptanceCalibration`). Measured on the reference (tests/test_tree_speculation.py, budget 8):
+on the trained default model q itself did as well or better (greedy 3.61 vs 3.56 tokens per
+cycle over 4 x 64 tokens, 3.56 vs 3.48 over 8 x 64, 3.51 with the calibration carried over 512
+tokens), while the tiny generated model's under-confident head gained from it over 3 x 24 tokens
+(7.20 vs 6.55; equal over 4 x 64). The tree takes slots in order of score until `budget`
+positions are used. Scores never grow along a path, so
 this picks the budget - 1 slots of highest score, which maximises the expected accepted length
 sum_i P(node i reached) under the estimate; the shape follows the draft probabilities: a confident
 head makes a deep chain, a hesitant one a wide bush. Each node taken is expanded by one MTP step
@@ -300,7 +302,7 @@ class TreePolicy:
     """
 
     def __init__(self, budget: int = DEFAULT_TREE_BUDGET, max_children: int = DEFAULT_MAX_CHILDREN,
-                 calibrate: bool = True, prior: float = 4.0, carry: bool = False):
+                 calibrate: bool = False, prior: float = 4.0, carry: bool = False):
         if isinstance(budget, bool) or not isinstance(budget, int) or not 2 <= budget <= MAX_TREE_BUDGET:
             raise ValueError(f"tree budget must be an integer in [2, {MAX_TREE_BUDGET}], got {budget!r}")
         if isinstance(max_children, bool) or not isinstance(max_children, int) or max_children < 1:
