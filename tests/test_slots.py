@@ -238,7 +238,7 @@ def test_an_interrupted_eval_counts_exactly_what_went_into_the_state(model):
     multi = LlamaCppBackend(model, 256, n_threads=1, n_batch=16, n_seq=2)
     try:
         a, _ = multi.sequences()
-        sched = multi._scheduler
+        sched = multi._passes
         submit = sched.submit
 
         class InterruptedWait(threading.Event):

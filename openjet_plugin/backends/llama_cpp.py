@@ -1,13 +1,15 @@
 """LlamaCppBackend: llama.cpp (through llama-cpp-python), the backend that works everywhere.
 
 It only turns tokens into logits; the engine samples. One `llama_cpp.Llama` holds the model and
-one sequence's memory (KV cache for the attention layers, recurrent state for the DeltaNet layers).
-Logits are requested for the last token of each batch only.
+the context; a sequence's memory is its KV cache for the attention layers and recurrent state for
+the DeltaNet layers. Logits are requested for the last token of each eval only.
 
-With n_seq > 1 the context holds n_seq sequences (llama.cpp's own slots: n_seq_max, a KV stream
-of n_ctx positions and a recurrent state each) and the backend is used through its
-`sequences()`, one view per engine slot, whose evals share `llama_decode` passes
-(llama_cpp_sequences.py).
+A sequence's n_past, eval, rollback and recurrent checkpoints live in one place,
+`LlamaCppSequence` (llama_cpp_sequences.py). With one sequence the backend is that of sequence 0
+and decodes in the caller's thread. With n_seq > 1 the context holds n_seq sequences (llama.cpp's
+own slots: n_seq_max, a KV stream of n_ctx positions and a recurrent state each) and the backend
+is used through its `sequences()`, one view per engine slot, whose evals share `llama_decode`
+passes.
 
 Where it runs (`gpu_placement`): on the GPU when llama-cpp-python was built with GPU support
 (setup_llama.py builds it so where a GPU and a CUDA toolkit are present) and one is visible —
@@ -19,7 +21,6 @@ run it (cpu_features.py), llama.cpp's extra CPU buffer types (its AMX path) are 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import os
 from dataclasses import dataclass
@@ -28,12 +29,11 @@ import numpy as np
 
 from .. import cpu_features, gpus
 from ..errors import BackendUnavailableError
-from .llama_cpp_sequences import (
+from .llama_cpp_sequences import (  # noqa: F401 - MAX_CHECKPOINTS: callers read it here
     MAX_CHECKPOINTS,
     LlamaCppSequence,
+    OneSequencePasses,
     PassScheduler,
-    load_partial_state,
-    save_partial_state,
 )
 
 KV_TYPES = {"f16": 1, "q8_0": 8}   # GGML_TYPE_F16, GGML_TYPE_Q8_0
@@ -187,29 +187,24 @@ class LlamaCppBackend:
         self.n_vocab = self._llm.n_vocab()
         self.n_threads = threads
         self.n_sequences = n_seq
-        # (n_past, recurrent state) pairs, oldest first; see save_checkpoint
-        self._checkpoints: list[tuple[int, ctypes.Array]] = []
-        self._scheduler: PassScheduler | None = None
-        self._sequences: list[LlamaCppSequence] = []
-        if n_seq > 1:
-            self._scheduler = PassScheduler(llama_cpp, self._llm.ctx, self.n_vocab, self._llm.n_batch, n_seq)
-            self._sequences = [LlamaCppSequence(self, i) for i in range(n_seq)]
-
-    def _one_sequence(self) -> None:
-        # these methods act on sequence 0 and llama-cpp-python's own bookkeeping of it: with
-        # several sequences they would cut into another slot's state
-        if self._scheduler is not None:
-            raise RuntimeError("this context holds several sequences: use them through sequences()")
+        # one sequence decodes in the caller's thread; several share the scheduler's passes
+        self._passes: OneSequencePasses | PassScheduler
+        if n_seq == 1:
+            self._passes = OneSequencePasses(llama_cpp, self._llm.ctx, self.n_vocab, self._llm.n_batch)
+        else:
+            self._passes = PassScheduler(llama_cpp, self._llm.ctx, self.n_vocab, self._llm.n_batch, n_seq)
+        self._sequences = [LlamaCppSequence(self, i) for i in range(n_seq)]
 
     def sequences(self) -> list[LlamaCppSequence]:
-        """One view per sequence (n_seq > 1): the backend an engine slot uses."""
+        """One view per sequence: the backend an engine slot uses (with one, the backend itself
+        is sequence 0's view)."""
         return list(self._sequences)
 
     @property
     def pass_counts(self) -> dict[str, int]:
         """Shared-pass counters of the multi-sequence scheduler (empty with one sequence)."""
-        sc = self._scheduler
-        if sc is None:
+        sc = self._passes
+        if not isinstance(sc, PassScheduler):
             return {}
         return {"passes": sc.passes, "shared_passes": sc.shared_passes,
                 "max_sequences_in_a_pass": sc.max_sequences_in_a_pass}
@@ -223,86 +218,44 @@ class LlamaCppBackend:
         # text containing them (a chat history fed back keeps its exact tokens)
         return self._llm.detokenize(list(tokens), special=True)
 
-    # --- state ----------------------------------------------------------------------------------
+    # --- state: that of sequence 0 (n_past, eval, rollback, checkpoints: LlamaCppSequence) ------
+    def _only_sequence(self) -> LlamaCppSequence:
+        # with several sequences, acting on "the" state would cut into another slot's
+        if self.n_sequences > 1:
+            raise RuntimeError("this context holds several sequences: use them through sequences()")
+        return self._sequences[0]
+
     @property
     def n_past(self) -> int:
-        return int(self._llm.n_tokens)
+        return self._only_sequence().n_past
 
     def eval(self, tokens: list[int]) -> np.ndarray:
-        if not tokens:
-            raise ValueError("eval needs at least one token")
-        self._one_sequence()
-        self._llm.eval(tokens)
-        ptr = self._lib.llama_get_logits_ith(self._llm.ctx, -1)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True)
+        return self._only_sequence().eval(tokens)
 
     def eval_argmax(self, tokens: list[int]) -> int:
-        return int(np.argmax(self.eval(tokens)))
-
-    # --- checkpoints: how a recurrent state goes back -------------------------------------------
-    # llama.cpp cannot cut DeltaNet state back to an earlier position, but it can copy out just
-    # the recurrent part of a sequence's state ("partial" state: conv + delta-rule state, no KV)
-    # and put it back; the attention KV cache is then cut to the same position. This is what
-    # llama.cpp's server calls context checkpoints. The engine saves one before the last prompt
-    # token of each request, so a regenerated reply or a history that changes after that point
-    # re-prefills from there instead of from the start.
+        return self._only_sequence().eval_argmax(tokens)
 
     def save_checkpoint(self) -> None:
-        """Remember the recurrent state at n_past (the oldest of MAX_CHECKPOINTS is dropped)."""
-        self._one_sequence()
-        n = self.n_past
-        if n == 0 or any(p == n for p, _ in self._checkpoints):
-            return
-        buf = save_partial_state(self._lib, self._llm.ctx, 0)
-        if buf is None:
-            return          # a checkpoint is an optimisation; without it we re-prefill
-        self._checkpoints.append((n, buf))
-        del self._checkpoints[:-MAX_CHECKPOINTS]
+        self._only_sequence().save_checkpoint()
 
     def restore_checkpoint(self, n_max: int) -> int:
-        """Go back to the newest checkpoint with at most n_max tokens; return its n_past.
-        0 means none was usable and the state was reset."""
-        self._one_sequence()
-        usable = [c for c in self._checkpoints if c[0] <= n_max]
-        if usable:
-            pos, buf = max(usable, key=lambda c: c[0])
-            if (load_partial_state(self._lib, self._llm.ctx, 0, buf)
-                    and self._llm._ctx.kv_cache_seq_rm(0, pos, -1)):
-                self._llm.n_tokens = pos
-                self._checkpoints = [c for c in self._checkpoints if c[0] <= pos]
-                return pos
-        self.reset()
-        return 0
+        return self._only_sequence().restore_checkpoint(n_max)
 
     def rollback(self, n_keep: int) -> bool:
-        self._one_sequence()
-        if not 0 <= n_keep <= self.n_past:
-            raise ValueError(f"rollback to {n_keep} tokens, but the state holds {self.n_past}")
-        if n_keep == self.n_past:
-            return True
-        if n_keep == 0:
-            self.reset()
-            return True
-        # llama.cpp refuses to cut recurrent state partially (unless it keeps snapshots) and
-        # then leaves the state as it was
-        if not self._llm._ctx.kv_cache_seq_rm(0, n_keep, -1):
-            return False
-        self._llm.n_tokens = n_keep
-        self._checkpoints = [c for c in self._checkpoints if c[0] <= n_keep]
-        return True
+        return self._only_sequence().rollback(n_keep)
 
     def reset(self) -> None:
-        self._one_sequence()
-        self._checkpoints = []
-        self._llm.reset()
-        mem = self._lib.llama_get_memory(self._llm.ctx)
-        if mem is not None:
-            self._lib.llama_memory_clear(mem, True)
+        self._only_sequence().reset()
+
+    @property
+    def _checkpoints(self) -> list:
+        """Sequence 0's (n_past, recurrent state) checkpoints, oldest first (tests count them)."""
+        return self._only_sequence()._checkpoints
 
     def close(self) -> None:
-        scheduler, self._scheduler = getattr(self, "_scheduler", None), None
-        if scheduler is not None:
-            scheduler.close()           # its thread ends before the context is freed
+        passes, self._passes = getattr(self, "_passes", None), None
+        if passes is not None:
+            passes.close()              # the scheduler's thread ends before the context is freed
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
             llm.close()

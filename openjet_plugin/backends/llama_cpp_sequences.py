@@ -8,16 +8,20 @@ name their sequence, so the weights are read once for every sequence in it.
 
 `LlamaCppSequence` is what the engine's generation loop sees as its backend for one slot (the
 same methods as `LlamaCppBackend`: eval, eval_argmax, rollback, n_past, checkpoints, reset,
-tokenize). Its eval does not call llama.cpp itself: it hands its tokens to the `PassScheduler`
-and waits. The scheduler's thread fills each pass from what the request threads have handed in:
-every waiting decode step first, then prompt chunks in arrival order, at most n_batch tokens in
-all, so a long prompt goes in over several passes and the other sequences keep decoding between
-them. Before a pass it waits (at most one pass's duration) for the sequences of the previous pass
-to come back with their next token: they are sampling, and a pass that waits for them serves them
-together instead of one pass each.
+tokenize); it is the one place that keeps a sequence's n_past and recurrent checkpoints. A
+context of one sequence is its sequence 0 too (`LlamaCppBackend` with n_seq=1 delegates to it),
+decoding through `OneSequencePasses`: the same batches, in the calling thread.
 
-Only the scheduler's thread decodes; every other use of the context (cutting a sequence, copying
-its recurrent state) takes `context_lock`, which a pass holds while it runs.
+With several sequences a sequence's eval does not call llama.cpp itself: it hands its tokens to
+the `PassScheduler` and waits. The scheduler's thread fills each pass from what the request
+threads have handed in: every waiting decode step first, then prompt chunks in arrival order, at
+most n_batch tokens in all, so a long prompt goes in over several passes and the other sequences
+keep decoding between them. Before a pass it waits (at most one pass's duration) for the
+sequences of the previous pass to come back with their next token: they are sampling, and a pass
+that waits for them serves them together instead of one pass each.
+
+There only the scheduler's thread decodes; every other use of the context (cutting a sequence,
+copying its recurrent state) takes `context_lock`, which a pass holds while it runs.
 """
 
 from __future__ import annotations
@@ -72,22 +76,94 @@ class _Work:
         return len(self.tokens) - self.done
 
 
-class PassScheduler:
+class _Passes:
+    """What both ways of running passes share: the batch, its decode, and `context_lock`, held by
+    every use of the context (a pass, cutting a sequence, copying its recurrent state)."""
+
+    def __init__(self, lib, ctx, n_vocab: int, n_batch: int):
+        self._lib, self._ctx = lib, ctx
+        self.n_vocab, self.n_batch = n_vocab, n_batch
+        self.context_lock = threading.Lock()
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)
+
+    def _free_batch(self) -> None:
+        if self._batch is not None:
+            self._lib.llama_batch_free(self._batch)
+            self._batch = None
+
+    def _decode(self, chosen: list[tuple[_Work, int]]) -> tuple[int, list[np.ndarray | None]]:
+        """One llama_decode of the chosen tokens; a logits row for each work it finishes."""
+        b, lib = self._batch, self._lib
+        i = 0
+        last = []
+        for w, n in chosen:
+            finishes = n == w.left
+            for k in range(w.done, w.done + n):
+                b.token[i] = w.tokens[k]
+                b.pos[i] = w.n_past + k
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = w.seq
+                b.logits[i] = 0
+                i += 1
+            b.logits[i - 1] = finishes
+            last.append(i - 1 if finishes else None)
+        b.n_tokens = i
+        rc = lib.llama_decode(self._ctx, b)
+        rows: list[np.ndarray | None] = []
+        for j in last:
+            if rc != 0 or j is None:
+                rows.append(None)
+            else:
+                ptr = lib.llama_get_logits_ith(self._ctx, j)
+                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True))
+        return rc, rows
+
+
+class OneSequencePasses(_Passes):
+    """The passes of a context that holds one sequence: its eval decodes in the calling thread,
+    n_batch tokens a pass (the batches llama-cpp-python's Llama.eval makes), with no thread."""
+
+    def submit(self, seq: int, tokens: list[int], n_past: int) -> _Work:
+        if self._batch is None:
+            raise RuntimeError("the llama.cpp context is closed")
+        return _Work(seq, tokens, n_past, 0)
+
+    def wait(self, work: _Work) -> None:
+        """Run the work's passes; `done` counts each pass as it ends, so an interruption between
+        two leaves it counting what went into the state."""
+        while work.left:
+            n = min(work.left, self.n_batch)
+            with self.context_lock:
+                rc, (row,) = self._decode([(work, n)])
+            if rc != 0:
+                work.error = RuntimeError(f"llama_decode returned {rc}")
+                break
+            work.done += n
+            if not work.left:
+                work.logits = row
+        work.event.set()
+
+    def cancel(self, seq: int) -> None:
+        """Nothing runs on its own: an interrupted wait has already stopped."""
+
+    def close(self) -> None:
+        self._free_batch()
+
+
+class PassScheduler(_Passes):
     """Gathers the eval calls of several sequences into shared `llama_decode` passes (see the
     module docstring). Counters: `passes`, `shared_passes` (passes with tokens of more than one
     sequence), `max_sequences_in_a_pass`."""
 
     def __init__(self, lib, ctx, n_vocab: int, n_batch: int, n_seq: int):
-        self._lib, self._ctx = lib, ctx
-        self.n_vocab, self.n_batch, self.n_seq = n_vocab, n_batch, n_seq
-        self.context_lock = threading.Lock()
+        super().__init__(lib, ctx, n_vocab, n_batch)
+        self.n_seq = n_seq
         self._cv = threading.Condition()
         self._pending: list[_Work] = []
         self._in_pass: set[int] = set()        # sequences with tokens in the pass running now
         self._expected: set[int] = set()       # the sequences of the previous pass
         self._last_pass_seconds = 0.0
         self._order = itertools.count()
-        self._batch = lib.llama_batch_init(n_batch, 0, 1)
         self._thread: threading.Thread | None = None
         self._closed = False
         self.passes = 0
@@ -110,6 +186,10 @@ class PassScheduler:
             self._pending.append(work)
             self._cv.notify_all()
         return work
+
+    def wait(self, work: _Work) -> None:
+        """Until the work is done or failed (the scheduler's thread runs its passes)."""
+        work.event.wait()
 
     def cancel(self, seq: int) -> None:
         """Drop sequence seq's unfinished work (its caller gave up, e.g. on Ctrl-C) and wait for a
@@ -136,9 +216,7 @@ class PassScheduler:
                 w.error = RuntimeError("the llama.cpp context was closed")
                 w.event.set()
             self._pending = []
-        if self._batch is not None:
-            self._lib.llama_batch_free(self._batch)
-            self._batch = None
+        self._free_batch()
 
     # --- the scheduler's thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -204,39 +282,13 @@ class PassScheduler:
             budget -= n
         return chosen
 
-    def _decode(self, chosen: list[tuple[_Work, int]]) -> tuple[int, list[np.ndarray | None]]:
-        """One llama_decode of the chosen tokens; a logits row for each work it finishes."""
-        b, lib = self._batch, self._lib
-        i = 0
-        last = []
-        for w, n in chosen:
-            finishes = n == w.left
-            for k in range(w.done, w.done + n):
-                b.token[i] = w.tokens[k]
-                b.pos[i] = w.n_past + k
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = w.seq
-                b.logits[i] = 0
-                i += 1
-            b.logits[i - 1] = finishes
-            last.append(i - 1 if finishes else None)
-        b.n_tokens = i
-        rc = lib.llama_decode(self._ctx, b)
-        rows: list[np.ndarray | None] = []
-        for j in last:
-            if rc != 0 or j is None:
-                rows.append(None)
-            else:
-                ptr = lib.llama_get_logits_ith(self._ctx, j)
-                rows.append(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).astype(np.float32, copy=True))
-        return rc, rows
-
 
 # --- a sequence, as the engine's loop sees a backend --------------------------------------------
 
 class LlamaCppSequence:
-    """Sequence `seq` of a LlamaCppBackend opened with several: the Backend protocol
-    (backends/base.py) over that sequence's own KV stream, recurrent state and n_past."""
+    """Sequence `seq` of a LlamaCppBackend: the Backend protocol (backends/base.py) over that
+    sequence's own KV stream, recurrent state and n_past. With one sequence the backend is this
+    view of sequence 0; with several, the engine holds one per slot."""
 
     supports_speculative = False
 
@@ -245,7 +297,7 @@ class LlamaCppSequence:
         self._lib = owner._lib
         self._ctx = owner._llm.ctx
         self._mem = owner._lib.llama_get_memory(owner._llm.ctx)
-        self._scheduler: PassScheduler = owner._scheduler
+        self._passes: OneSequencePasses | PassScheduler = owner._passes
         self.seq = seq
         self.name = owner.name
         self.n_ctx = owner.n_ctx
@@ -269,12 +321,12 @@ class LlamaCppSequence:
         if self._n_past + len(tokens) > self.n_ctx:
             # refused here, before the batch: another sequence's pass never sees it
             raise ContextOverflowError(self._n_past + len(tokens), self.n_ctx)
-        work = self._scheduler.submit(self.seq, list(tokens), self._n_past)
+        work = self._passes.submit(self.seq, list(tokens), self._n_past)
         try:
-            work.event.wait()
+            self._passes.wait(work)
         finally:
             if not work.event.is_set():
-                self._scheduler.cancel(self.seq)    # interrupted (Ctrl-C): stop it, count what went in
+                self._passes.cancel(self.seq)       # interrupted (Ctrl-C): stop it, count what went in
             self._n_past += work.done
         if work.error is not None:
             raise work.error
@@ -292,20 +344,29 @@ class LlamaCppSequence:
         if n_keep == 0:
             self.reset()
             return True
-        # llama.cpp refuses to cut a recurrent state partially and then leaves it as it was
-        with self._scheduler.context_lock:
+        # llama.cpp refuses to cut a recurrent state partially (unless it keeps snapshots) and
+        # then leaves it as it was
+        with self._passes.context_lock:
             if not self._lib.llama_memory_seq_rm(self._mem, self.seq, n_keep, -1):
                 return False
         self._n_past = n_keep
         self._checkpoints = [c for c in self._checkpoints if c[0] <= n_keep]
         return True
 
+    # --- checkpoints: how a recurrent state goes back -------------------------------------------
+    # llama.cpp cannot cut DeltaNet state back to an earlier position, but it can copy out just
+    # the recurrent part of a sequence's state ("partial" state: conv + delta-rule state, no KV)
+    # and put it back; the attention KV cache is then cut to the same position. This is what
+    # llama.cpp's server calls context checkpoints. The engine saves one before the last prompt
+    # token of each request, so a regenerated reply or a history that changes after that point
+    # re-prefills from there instead of from the start.
+
     def save_checkpoint(self) -> None:
-        """As LlamaCppBackend.save_checkpoint, for this sequence."""
+        """Remember the recurrent state at n_past (the oldest of MAX_CHECKPOINTS is dropped)."""
         n = self._n_past
         if n == 0 or any(p == n for p, _ in self._checkpoints):
             return
-        with self._scheduler.context_lock:
+        with self._passes.context_lock:
             buf = save_partial_state(self._lib, self._ctx, self.seq)
         if buf is None:
             return          # a checkpoint is an optimisation; without it we re-prefill
@@ -313,10 +374,12 @@ class LlamaCppSequence:
         del self._checkpoints[:-MAX_CHECKPOINTS]
 
     def restore_checkpoint(self, n_max: int) -> int:
+        """Go back to the newest checkpoint with at most n_max tokens; return its n_past.
+        0 means none was usable and the state was reset."""
         usable = [c for c in self._checkpoints if c[0] <= n_max]
         if usable:
             pos, buf = max(usable, key=lambda c: c[0])
-            with self._scheduler.context_lock:
+            with self._passes.context_lock:
                 ok = (load_partial_state(self._lib, self._ctx, self.seq, buf)
                       and self._lib.llama_memory_seq_rm(self._mem, self.seq, pos, -1))
             if ok:
@@ -327,8 +390,8 @@ class LlamaCppSequence:
         return 0
 
     def reset(self) -> None:
-        self._scheduler.cancel(self.seq)
-        with self._scheduler.context_lock:
+        self._passes.cancel(self.seq)
+        with self._passes.context_lock:
             self._lib.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
         self._n_past = 0
         self._checkpoints = []
