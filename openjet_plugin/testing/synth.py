@@ -16,7 +16,8 @@ Two ways to a quantised file:
   blocks, except the few tensors that carry the confidence structure, quantised from float row
   chunks by `quantize_rows` (see "The direct writer's confidence structure").
 Both take `mtp_accuracy`: an MTP head that drafts the main model's next choice after a chosen share
-of the tokens instead of nearly all (see "MTP accuracy").
+of the tokens instead of nearly all (see "MTP accuracy"), and `mtp_runner_up`: where that head is
+wrong, the right token its second choice after a chosen share of those tokens (see "MTP runner-up").
 """
 
 from __future__ import annotations
@@ -149,9 +150,10 @@ def _matrix_std(spec: TensorSpec, config: ModelConfig) -> float:
 
 
 def tensor_values(spec: TensorSpec, seed: int, config: ModelConfig,
-                  mtp_accuracy: float | None = None) -> np.ndarray:
+                  mtp_accuracy: float | None = None, mtp_runner_up: float | None = None) -> np.ndarray:
     """float32 values of one tensor, as numpy `[ne1, ne0]` (or `[ne0]` for a vector).
-    `mtp_accuracy` changes only the MTP block's eh_proj and FFN (see "MTP accuracy")."""
+    `mtp_accuracy` changes only the MTP block's eh_proj and FFN (see "MTP accuracy"),
+    `mtp_runner_up` only its FFN (see "MTP runner-up")."""
     name = spec.name
     g = _rng(seed, name)
     if len(spec.ne) == 1:
@@ -192,7 +194,8 @@ def tensor_values(spec: TensorSpec, seed: int, config: ModelConfig,
         values[np.arange(t), np.arange(t)] = 1.0 if mtp_accuracy is None else MTP_SWITCH_TOKEN_GAIN
         values[t:] *= np.float32(MTP_CONTEXT_GAIN)
     if mtp_accuracy is not None and name in mtp_ffn_names(config):
-        _put_switch(values, name, mtp_switch(seed, config, mtp_accuracy))
+        decoy = None if mtp_runner_up is None else mtp_decoy(seed, config, mtp_accuracy, mtp_runner_up)
+        _put_switch(values, name, mtp_switch(seed, config, mtp_accuracy), decoy)
     return values
 
 
@@ -278,6 +281,7 @@ class MtpSwitch:
     gate_minus: np.ndarray
     up: np.ndarray          # [n_dims] up weight of unit u (and of its twin) on token dim u
     down: float             # -1/phi(1), or 0 when every token is right
+    p_minus: np.ndarray | None = None   # [n_real] the - gate row's value (-p up to the file's rounding)
 
     @property
     def n_dims(self) -> int:
@@ -385,7 +389,7 @@ def mtp_switch(seed: int, config: ModelConfig, accuracy: float, gate_type: str |
         theta = float(0.5 * (c[n_right - 1] + c[n_right]))
         rows, down = (rows / np.float32(theta)).astype(np.float32), -1.0 / _phi(1.0)
     up = (1.0 / (kappa * w_post[:n_dims])).astype(np.float32)
-    return MtpSwitch(float(accuracy), n_right, theta, z[:, 0], critical, rows[0], rows[1], up, down)
+    return MtpSwitch(float(accuracy), n_right, theta, z[:, 0], critical, rows[0], rows[1], up, down, z[:, 1])
 
 
 def _critical_theta(z_plus: np.ndarray, z_minus: np.ndarray) -> np.ndarray:
@@ -410,10 +414,12 @@ def _critical_theta(z_plus: np.ndarray, z_minus: np.ndarray) -> np.ndarray:
     return np.where(crosses, np.sqrt(lo * hi), 0.0)
 
 
-def _put_switch(values: np.ndarray, name: str, sw: MtpSwitch) -> None:
-    """Write the switch units into the float values of one MTP FFN tensor (F32 path)."""
+def _put_switch(values: np.ndarray, name: str, sw: MtpSwitch, decoy: "MtpDecoy | None" = None) -> None:
+    """Write the switch units (and the decoy's two units, `mtp_runner_up`) into the float values of
+    one MTP FFN tensor (F32 path)."""
     m = sw.n_dims
     k = np.arange(m)
+    down = sw.down if decoy is None else decoy.switch_down
     if name.endswith("ffn_gate.weight"):
         values[:m] = sw.gate_plus
         values[m:2 * m] = sw.gate_minus
@@ -423,10 +429,195 @@ def _put_switch(values: np.ndarray, name: str, sw: MtpSwitch) -> None:
         values[m + k, k] = sw.up
     elif name.endswith("ffn_down.weight"):
         values[:, :2 * m] = 0.0
-        values[k, k] = sw.down
-        values[k, m + k] = sw.down
+        values[k, k] = down
+        values[k, m + k] = down
     else:
         raise ValueError(f"tensor {name!r} carries no part of the MTP switch")
+    if decoy is not None and decoy.strength > 0:
+        units = slice(2 * m, 2 * m + 2)
+        if name.endswith("ffn_down.weight"):
+            values[:, units] = decoy.down_cols
+        else:
+            values[units] = decoy.gate_rows if name.endswith("ffn_gate.weight") else decoy.up_rows
+
+
+# --- MTP runner-up: where the draft head is wrong, the right token second -------------------------
+# Where the switch above makes the draft head wrong, its draft is some other token with little
+# confidence and the right token (successor_of[x]) is ranked last: a draft tree's second branch
+# never wins there. A trained MTP head is not like that: where its top-1 misses, the right token is
+# very often its second or third choice (EAGLE's top-k recall is far above its top-1).
+# `mtp_runner_up=q` (with `mtp_accuracy`) makes the right token the head's second choice after a
+# share q of the wrong tokens, and its first choice a decoy: one fixed real token D (the successor
+# of a seeded right token), the same after every wrong token. Only the MTP FFN changes (the right
+# tokens and their share stay the switch's):
+# - two more FFN units (after the switch's 2 * n_dims) add a constant vector to the token half of
+#   the residual: gate and up both read c times token dim 0 of the FFN's input (+ for one unit, -
+#   for its twin), and silu(z) z + silu(-z) (-z) = z^2 exactly, for any z: the input's dim 0 is
+#   +-v0 (v0 = kappa * w_post[0] * token_half[0], the same for every token), so both units together
+#   give the constant (c v0)^2, and their down column writes it as delta * token_half[k] * d_k into
+#   token dim k, d = the signs of D's predecessor's embedding (the head row of D);
+# - the switch's down becomes -(1 - delta) / phi(1): the token half after the FFN is then
+#   token_half[k] * (h s_k + delta d_k) with h = 1 - (1 - delta) phi(p / theta) / phi(1).
+# With s the token's signs, the logit of successor_of[x] minus that of D is
+# (h - delta) * sum_k w_k (1 - s_k d_k) (w_k > 0: token_half times the shared head norm), so the
+# right tokens (h > delta iff phi(p / theta) < phi(1) iff |p| < theta) are the switch's, whatever
+# delta; after a wrong token D leads, and the successor is second iff it still beats every other
+# row, whose logits are linear in delta too. So each wrong token is a runner-up for delta in an
+# interval known from the weights (`_runner_up_interval`), and delta is set, as theta is, where
+# exactly n_runner = round(q * n_wrong) of the intervals hold it (in the widest such gap: the
+# context half, the MTP attention and llama.cpp's rounding move logits by ~0.1 nats, which flips
+# only tokens whose interval ends within a few % of delta). The head's last token dim (the direct
+# writer's bias dim; never switched) is counted in exactly. Chained drafts: as for the switch, the
+# class of a draft depends only on its input token (eh_proj copies the token, and the decoy vector
+# is constant), so the draft after token y has the right token second iff y is a runner-up token.
+# q = 0 adds nothing (delta = 0: the MTP FFN's values are those of mtp_accuracy alone).
+MTP_RUNNER_UP_KEY = "openjet.synth.mtp_runner_up"
+
+
+@dataclass(frozen=True)
+class MtpDecoy:
+    """The decoy of one (seed, config, accuracy, runner_up) (see "MTP runner-up"): which token it is,
+    its strength delta, which wrong tokens then rank the right token second, and the float weights
+    of its two FFN units (unit 2 * n_dims and its twin)."""
+    runner_up: float
+    decoy: int               # the token the head drafts after a wrong token (D)
+    strength: float          # delta (0: no decoy)
+    n_runner: int            # wrong tokens after which the right token is second (ideal logits)
+    lo: np.ndarray           # [n_real] delta interval in which token x is a runner-up (empty for
+    hi: np.ndarray           #   right tokens: lo = hi = nan)
+    switch_down: float       # the switch units' down weight, -(1 - delta) / phi(1)
+    gate_rows: np.ndarray    # [2, n_embd]
+    up_rows: np.ndarray      # [2, n_embd]
+    down_cols: np.ndarray    # [n_embd, 2]
+
+    def runner(self) -> np.ndarray:
+        """Boolean `[n_real]`: the tokens after which the head drafts D and ranks the right token second."""
+        with np.errstate(invalid="ignore"):
+            return (self.lo < self.strength) & (self.strength < self.hi)
+
+
+def mtp_runner_up_of(path: str | os.PathLike[str]) -> float | None:
+    """The `mtp_runner_up` a generated file was made with (its MTP_RUNNER_UP_KEY), or None."""
+    from ..tokenizer import read_gguf_metadata
+
+    value = read_gguf_metadata(path, prefix=MTP_RUNNER_UP_KEY).get(MTP_RUNNER_UP_KEY)
+    return None if value is None else round(float(value), 6)
+
+
+def check_mtp_runner_up(config: ModelConfig, accuracy: float | None, runner_up: float | None) -> None:
+    """ValueError naming what is wrong with `runner_up` (None: the option is off) beside `accuracy`."""
+    if runner_up is None:
+        return
+    if isinstance(runner_up, bool) or not isinstance(runner_up, (int, float)) or not 0.0 <= runner_up <= 1.0:
+        raise ValueError(f"mtp_runner_up must be a number in [0, 1], got {runner_up!r}")
+    if accuracy is None:
+        raise ValueError("mtp_runner_up needs mtp_accuracy: it shapes the drafts the accuracy switch makes wrong")
+    check_mtp_accuracy(config, accuracy)
+    if round(accuracy * min(_n_real_tokens(), config.n_vocab)) >= min(_n_real_tokens(), config.n_vocab):
+        raise ValueError(f"mtp_runner_up needs mtp_accuracy < 1 (at {accuracy} no draft is wrong)")
+    if 2 * token_dims(config) > config.n_ff:
+        raise ValueError(f"mtp_runner_up needs 2 * (n_embd/2 - 1) + 2 = {2 * token_dims(config)} MTP FFN "
+                         f"units; n_ff is {config.n_ff}")
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (1.0 + np.exp(-x))
+
+
+def _runner_up_interval(alpha: np.ndarray, beta: np.ndarray, own: np.ndarray, decoy_col: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Per row i (a wrong token, its successor's head row in column own[i]) of logits
+    alpha + delta * beta `[rows, n_real]`: the open interval of delta in (0, 1) in which the decoy's
+    column leads and own[i] beats every other column -> (lo, hi), lo >= hi where there is none."""
+    r = np.arange(len(own))
+    a = alpha[r, own][:, None] - alpha          # own minus each column: must stay > 0
+    b = beta[r, own][:, None] - beta
+    a[r, own] = 1.0                             # own and the decoy: not among "the others"
+    b[r, own] = 0.0
+    a[:, decoy_col] = -(a[:, decoy_col])        # the decoy must beat own instead
+    b[:, decoy_col] = -(b[:, decoy_col])
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = -a / b
+    lo = np.max(np.where(b > 0, bound, 0.0), axis=1)
+    hi = np.min(np.where(b < 0, bound, 1.0), axis=1)
+    never = np.any((b == 0) & (a <= 0), axis=1)
+    lo[never], hi[never] = 1.0, 0.0
+    return np.clip(lo, 0.0, 1.0), np.clip(hi, 0.0, 1.0)
+
+
+def _strength_for(lo: np.ndarray, hi: np.ndarray, n_runner: int) -> float:
+    """The delta in the widest gap between interval ends at which exactly n_runner of the intervals
+    (lo, hi) hold it (else, failing that, the nearest count)."""
+    if n_runner == 0:
+        return 0.0
+    keep = lo < hi
+    lo, hi = np.sort(lo[keep]), np.sort(hi[keep])
+    ends = np.unique(np.clip(np.concatenate([lo, hi, [0.0, 1.0]]), 0.0, 1.0))
+    mids = 0.5 * (ends[:-1] + ends[1:])
+    count = np.searchsorted(lo, mids, side="left") - np.searchsorted(hi, mids, side="right")
+    width = np.diff(ends)
+    miss = np.abs(count - n_runner)
+    best = np.lexsort((-width, miss))[0]        # the exact count first, then the widest gap
+    return float(mids[best])
+
+
+@lru_cache(maxsize=8)
+def mtp_decoy(seed: int, config: ModelConfig, accuracy: float, runner_up: float,
+              gate_type: str | None = None) -> MtpDecoy:
+    """The decoy of a generated model (seed, config) with `mtp_accuracy=accuracy` and
+    `mtp_runner_up=runner_up` (see "MTP runner-up"); `gate_type` as for `mtp_switch`."""
+    check_mtp_runner_up(config, accuracy, runner_up)
+    sw = mtp_switch(seed, config, accuracy, gate_type)
+    il, t, n, m = config.mtp_layer, token_dims(config), config.n_embd, sw.n_dims
+    n_real = min(_n_real_tokens(), config.n_vocab)
+    if gate_type is None:
+        signs = np.sign(tensor_values(_spec(config, "token_embd.weight"), seed, config)[:n_real, :t])
+    else:
+        signs = _embedding_signs(seed, config, 0, n_real)
+    signs = signs.astype(np.float64)
+    w_e = tensor_values(_spec(config, f"blk.{il}.nextn.enorm.weight"), seed, config).astype(np.float64)
+    token_half = MTP_SWITCH_TOKEN_GAIN * np.sqrt(n / t) * w_e[:t]
+    w_head = tensor_values(_spec(config, f"blk.{il}.nextn.shared_head_norm.weight"), seed, config)[:t]
+    right = sw.right()
+    succ = successor_of(seed, config)
+    pred_of_decoy = int(_rng(seed, "mtp_runner_up/decoy").choice(np.flatnonzero(right)))
+    decoy = int(succ[pred_of_decoy])
+    # u(x) = phi(p / theta) / phi(1) as the file's two gate rows compute it
+    z_minus = -sw.p if sw.p_minus is None else sw.p_minus
+    u = (_silu(sw.p / sw.theta) + _silu(z_minus / sw.theta)) / _phi(1.0)
+    wrong = np.flatnonzero(~right)
+    n_runner = int(round(runner_up * len(wrong)))
+    # token half after the FFN: token_half * (s * h + delta * d) on the switched dims (h = 1 - (1 -
+    # delta) u), token_half * (s + delta * d) on the last; the head's token-half logit of
+    # successor_of[j] is its dot with w_head * signs[j]: alpha + delta * beta
+    d = signs[pred_of_decoy]
+    s_w, u_w = signs[wrong], u[wrong][:, None]
+    switched = np.arange(t) < m
+    r0 = token_half * s_w * np.where(switched, 1.0 - u_w, 1.0)
+    r1 = token_half * (np.where(switched, s_w * u_w, 0.0) + d)
+    alpha = (r0 * w_head) @ signs.T
+    beta = (r1 * w_head) @ signs.T
+    lo_w, hi_w = _runner_up_interval(alpha, beta, wrong, pred_of_decoy)
+    strength = _strength_for(lo_w, hi_w, n_runner)
+    lo, hi = np.full(n_real, np.nan), np.full(n_real, np.nan)
+    lo[wrong], hi[wrong] = lo_w, hi_w
+    n_got = int(np.sum((lo_w < strength) & (strength < hi_w)))
+    # the two units: gate = up = +-c * (FFN input dim 0); their product (c v0)^2 = P is chosen so
+    # that the down entries are about as large as the switch's (one block scale serves both)
+    switch_down = -(1.0 - strength) / _phi(1.0)
+    gate_rows = np.zeros((2, n), dtype=np.float32)
+    down_cols = np.zeros((n, 2), dtype=np.float32)
+    if strength > 0:
+        kappa = _mtp_kappa(config, token_half, seed)
+        w_post = tensor_values(_spec(config, f"blk.{il}.post_attention_norm.weight"), seed, config)
+        v0 = kappa * float(w_post[0]) * token_half[0]
+        power = strength * float(np.mean(token_half)) / abs(switch_down)
+        c = np.sqrt(power) / v0
+        gate_rows[0, 0], gate_rows[1, 0] = c, -c
+        down_cols[:t, :] = (strength * token_half * d / power)[:, None]
+    return MtpDecoy(float(runner_up), decoy, strength, n_got, lo, hi, float(switch_down),
+                    gate_rows, gate_rows.copy(), down_cols)
 
 
 # --- llama.cpp's Q4_K_M recipe ------------------------------------------------------------------
@@ -773,19 +964,22 @@ def write_gguf(path: str | os.PathLike[str], config: ModelConfig,
     return path
 
 
-def _synth_metadata(preset: str | None, seed: int, mtp_accuracy: float | None = None) -> dict[str, object]:
-    # provenance, read by tests; the MTP accuracy also by the bench, to label its rows
+def _synth_metadata(preset: str | None, seed: int, mtp_accuracy: float | None = None,
+                    mtp_runner_up: float | None = None) -> dict[str, object]:
+    # provenance, read by tests; the MTP accuracy and runner-up share also by the bench, to label its rows
     meta: dict[str, object] = {"openjet.synth.preset": preset or "custom", "openjet.synth.seed": seed}
     if mtp_accuracy is not None:
         meta[MTP_ACCURACY_KEY] = float(mtp_accuracy)
+    if mtp_runner_up is not None:
+        meta[MTP_RUNNER_UP_KEY] = float(mtp_runner_up)
     return meta
 
 
 def _write_synth(path: pathlib.Path, config: ModelConfig, tensors: list[tuple[TensorSpec, str]],
                  data: Iterator[np.ndarray], *, file_type: int, preset: str | None, seed: int,
-                 mtp_accuracy: float | None = None) -> None:
+                 mtp_accuracy: float | None = None, mtp_runner_up: float | None = None) -> None:
     write_gguf(path, config, tensors, data, name=f"openjet-synth-{preset or 'custom'}", file_type=file_type,
-               extra_metadata=_synth_metadata(preset, seed, mtp_accuracy))
+               extra_metadata=_synth_metadata(preset, seed, mtp_accuracy, mtp_runner_up))
 
 
 def rewrite_chat_template(src: str | os.PathLike[str], dst: str | os.PathLike[str],
@@ -831,9 +1025,9 @@ def rewrite_chat_template(src: str | os.PathLike[str], dst: str | os.PathLike[st
 
 
 def _f32_tensors(specs: list[TensorSpec], seed: int, config: ModelConfig,
-                 mtp_accuracy: float | None = None) -> Iterator[np.ndarray]:
+                 mtp_accuracy: float | None = None, mtp_runner_up: float | None = None) -> Iterator[np.ndarray]:
     for spec in specs:
-        yield tensor_values(spec, seed, config, mtp_accuracy)
+        yield tensor_values(spec, seed, config, mtp_accuracy, mtp_runner_up)
 
 
 def _random_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
@@ -887,7 +1081,8 @@ PAD_BIAS_WEIGHT = -8.0
 
 
 def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: int,
-                        config: ModelConfig, mtp_accuracy: float | None = None) -> Iterator[np.ndarray]:
+                        config: ModelConfig, mtp_accuracy: float | None = None,
+                        mtp_runner_up: float | None = None) -> Iterator[np.ndarray]:
     """The direct writer's tensors in turn, with the confidence structure: one tensor in memory at a
     time (at most ~1 GB, the 27B's Q6_K output head)."""
     t_half = token_dims(config)
@@ -902,7 +1097,9 @@ def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: in
         std = float(_matrix_std(spec, config))
         if name in switch_names:
             sw = mtp_switch(seed, config, mtp_accuracy, types[switch_names[0]])
-            yield _direct_switch_tensor(spec, t, seed, config, sw, std)
+            decoy = (None if mtp_runner_up is None else
+                     mtp_decoy(seed, config, mtp_accuracy, mtp_runner_up, types[switch_names[0]]))
+            yield _direct_switch_tensor(spec, t, seed, config, sw, std, decoy)
         elif name == "token_embd.weight":
             yield _direct_embedding(spec, t, seed, config)
         elif name == "output.weight":
@@ -921,31 +1118,43 @@ def _structured_tensors(specs: list[TensorSpec], types: dict[str, str], seed: in
 
 
 def _direct_switch_tensor(spec: TensorSpec, ggml_type: str, seed: int, config: ModelConfig, sw: MtpSwitch,
-                          std: float) -> np.ndarray:
-    """One of the MTP FFN's tensors with the switch units (`mtp_accuracy`): their rows (gate, up) or
-    columns (down) quantised from floats, the other units random blocks as without the switch."""
+                          std: float, decoy: MtpDecoy | None = None) -> np.ndarray:
+    """One of the MTP FFN's tensors with the switch units (`mtp_accuracy`) and the decoy's two
+    (`mtp_runner_up`): their rows (gate, up) or columns (down) quantised from floats, the other
+    units random blocks as without them."""
     m, name = sw.n_dims, spec.name
     n_rows, n_cols = spec.ne[1], spec.ne[0]
     k = np.arange(m)
+    n_units = 2 * m + (2 if decoy is not None and decoy.strength > 0 else 0)
+    down = sw.down if decoy is None else decoy.switch_down
+    # the other units' rows as without the decoy (the same draws, its two rows dropped)
+    rest = _random_rows(spec, ggml_type, 2 * m, n_rows, std, seed)[n_units - 2 * m:]
     if name.endswith("ffn_gate.weight"):
         head = quantize_rows(np.stack([sw.gate_plus, sw.gate_minus]), ggml_type)
-        return np.concatenate([np.repeat(head[:1], m, axis=0), np.repeat(head[1:], m, axis=0),
-                               _random_rows(spec, ggml_type, 2 * m, n_rows, std, seed)])
+        parts = [np.repeat(head[:1], m, axis=0), np.repeat(head[1:], m, axis=0)]
+        if n_units > 2 * m:
+            parts.append(quantize_rows(decoy.gate_rows, ggml_type))
+        return np.concatenate([*parts, rest])
     if name.endswith("ffn_up.weight"):
-        head = np.zeros((2 * m, n_cols), dtype=np.float32)
+        head = np.zeros((n_units, n_cols), dtype=np.float32)
         head[k, k] = sw.up
         head[m + k, k] = sw.up
-        return np.concatenate([quantize_rows(head, ggml_type), _random_rows(spec, ggml_type, 2 * m, n_rows, std, seed)])
+        if n_units > 2 * m:
+            head[2 * m:] = decoy.up_rows
+        return np.concatenate([quantize_rows(head, ggml_type), rest])
     if name.endswith("ffn_down.weight"):
-        # token-half rows: the switch's two entries each; context rows: random blocks, those over the
-        # switch units' columns zeroed (whole blocks: a few random units beside them go silent too)
+        # token-half rows: the switch's two entries each (and the decoy's); context rows: random
+        # blocks, those over the switch units' columns zeroed (whole blocks: a few random units
+        # beside them go silent too)
         t_half = token_dims(config)
         token_rows = np.zeros((t_half, n_cols), dtype=np.float32)
-        token_rows[k, k] = sw.down
-        token_rows[k, m + k] = sw.down
+        token_rows[k, k] = down
+        token_rows[k, m + k] = down
+        if n_units > 2 * m:
+            token_rows[:, 2 * m:n_units] = decoy.down_cols[:t_half]
         context = _random_rows(spec, ggml_type, t_half, n_rows, std, seed)
         per, nbytes = _BLOCK_BYTES[ggml_type]
-        context[:, :-(-2 * m // per) * nbytes] = 0
+        context[:, :-(-n_units // per) * nbytes] = 0
         return np.concatenate([quantize_rows(token_rows, ggml_type), context])
     raise ValueError(f"tensor {name!r} carries no part of the MTP switch")
 
@@ -1046,7 +1255,7 @@ def _resolve(preset: str | None, config: ModelConfig | None) -> ModelConfig:
 
 def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: str = "F32", seed: int = 0,
                 force: bool = False, config: ModelConfig | None = None, direct: bool | None = None,
-                mtp_accuracy: float | None = None) -> pathlib.Path:
+                mtp_accuracy: float | None = None, mtp_runner_up: float | None = None) -> pathlib.Path:
     """Write a generated qwen35 GGUF to `out_path` and return its path.
 
     preset: a key of `config.PRESETS` (ignored when `config` is given); quant: one of QUANTS;
@@ -1054,7 +1263,10 @@ def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: s
     quantiser (only for Q4_K_M; the default, None, means "only for q27b");
     mtp_accuracy: the share of real tokens after which the MTP head drafts the main model's
     successor choice (see "MTP accuracy"; recorded as `openjet.synth.mtp_accuracy`); None: the
-    head follows the successor map everywhere, as before (the file is byte for byte the same).
+    head follows the successor map everywhere, as before (the file is byte for byte the same);
+    mtp_runner_up (needs mtp_accuracy < 1): among the tokens after which the head is wrong, the
+    share after which it ranks the right token second, behind one fixed decoy token (see "MTP
+    runner-up"; recorded as `openjet.synth.mtp_runner_up`); None: the right token is never second.
     The file appears atomically (temporary file in the same folder, then os.replace); an existing
     file is refused unless `force`.
     """
@@ -1071,13 +1283,14 @@ def synth_model(out_path: str | os.PathLike[str], preset: str = "tiny", quant: s
     if direct and quant != "Q4_K_M":
         raise ValueError(f"the direct writer makes Q4_K_M files only; got quant={quant!r}")
     check_mtp_accuracy(cfg, mtp_accuracy)
+    check_mtp_runner_up(cfg, mtp_accuracy, mtp_runner_up)
     if out.exists() and not force:
         raise FileExistsError(f"{out}: file exists; pass force=True (--force) to overwrite it")
     if not out.parent.is_dir():
         raise FileNotFoundError(f"{out.parent}: output folder does not exist")
 
     specs = synth_specs(cfg)
-    acc = {"mtp_accuracy": mtp_accuracy}
+    acc = {"mtp_accuracy": mtp_accuracy, "mtp_runner_up": mtp_runner_up}
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     tmp_f32 = out.with_name(f".{out.name}.{os.getpid()}.f32.tmp")
     try:
@@ -1177,14 +1390,19 @@ def synth_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-accuracy", type=float, default=None, metavar="R",
                     help="make the MTP head draft the main model's next choice after a share R of the "
                          "tokens (e.g. 0.75; default: after nearly every token)")
+    ap.add_argument("--mtp-runner-up", type=float, default=None, metavar="Q",
+                    help="with --mtp-accuracy: after a share Q of the tokens where the MTP head is wrong, "
+                         "rank the right token second (e.g. 0.6; default: never)")
     args = ap.parse_args(argv)
     quant = args.quant or ("Q4_K_M" if args.preset in DIRECT_ONLY else "F32")
     try:
         path = synth_model(args.out, preset=args.preset, quant=quant, seed=args.seed, force=args.force,
-                           direct=True if args.direct else None, mtp_accuracy=args.mtp_accuracy)
+                           direct=True if args.direct else None, mtp_accuracy=args.mtp_accuracy,
+                           mtp_runner_up=args.mtp_runner_up)
     except (FileExistsError, FileNotFoundError, ValueError) as exc:
         print(f"openjet synth: error: {exc}", file=sys.stderr)
         return 2
     acc = "" if args.mtp_accuracy is None else f" mtp_accuracy={args.mtp_accuracy}"
+    acc += "" if args.mtp_runner_up is None else f" mtp_runner_up={args.mtp_runner_up}"
     print(f"{path}: {args.preset} {quant} seed={args.seed}{acc} ({path.stat().st_size / 1e6:.1f} MB)")
     return 0
