@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import OpenJetError
@@ -41,6 +42,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="positions per batched prefill pass on the native backend, 64..4096; "
                         "0 = off, 8 positions per call (default 2048)")
+
+
+def _add_serving_args(p: argparse.ArgumentParser) -> None:
+    """What the memory estimate assumes: the context and slots of `openjet serve`."""
+    p.add_argument("--n-ctx", type=int, default=4096, help="context window in tokens, per slot (default 4096)")
+    p.add_argument("--slots", type=int, default=None,
+                   help="conversations served at once, as `openjet serve --slots` (default: the backend's, "
+                        "4 on llama.cpp, 1 on native)")
+    p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="KV cache type (default f16)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -75,12 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", help="system message")
     c.add_argument("--think", action="store_true", help="enable thinking (reasoning) mode")
 
-    i = sub.add_parser("info", help="hyperparameters, tensor types and validation verdict of a GGUF")
+    i = sub.add_parser("info", help="hyperparameters, tensor types and validation verdict of a GGUF, "
+                                    "and the memory serving it takes")
     i.add_argument("model")
+    _add_serving_args(i)
 
     d = sub.add_parser("doctor", help="what this machine can run, and which backend auto picks")
     d.add_argument("--model", "-m", help="GGUF to check against (default: the embedded default)")
-    d.add_argument("--n-ctx", type=int, default=4096)
+    _add_serving_args(d)
 
     for name, (_, _, help_) in DELEGATED.items():
         sub.add_parser(name, help=help_, add_help=False)
@@ -254,8 +266,17 @@ def cmd_info(args) -> int:
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"model file not found: {args.model}")
     text = describe(args.model)
+    ok = "verdict: OK" in text
+    if ok:
+        from .backends.select import choose_backend
+        from .model_file import open_model
+
+        with open_model(args.model) as mf:
+            backend, _ = choose_backend("auto", mf, args.n_ctx, args.kv_type)
+            plan = serving_memory(mf, backend, args.n_ctx, args.slots, args.kv_type)
+        text += "".join(f"\n{k}: {v}" for k, v in plan.rows())
     print(text)
-    return 0 if "verdict: OK" in text else 1
+    return 0 if ok else 1
 
 
 def cmd_doctor(args) -> int:
@@ -302,11 +323,13 @@ def cmd_doctor(args) -> int:
     model = args.model or str(default_model_path())
     ok_run, how = check_runs(model)
     rows.append(("llama.cpp runs here", ("yes: " if ok_run else "NO: ") + how))
+    plan = None
     try:
         with open_model(model) as mf:
-            ok, why = native_verdict(mf, args.n_ctx)
+            ok, why = native_verdict(mf, args.n_ctx, args.kv_type)
             rows.append(("native backend", ("usable: " if ok else "not usable: ") + why))
-            name, reason = choose_backend("auto", mf, args.n_ctx)
+            name, reason = choose_backend("auto", mf, args.n_ctx, args.kv_type)
+            plan = serving_memory(mf, name, args.n_ctx, args.slots, args.kv_type)
     except WrongArchitectureError as exc:
         arch = read_foreign(model).architecture
         rows.append(("native backend", f"not usable: {Path(model).name} is a {arch!r} model, "
@@ -318,10 +341,74 @@ def cmd_doctor(args) -> int:
         rows.append(("backend=auto runs", f"llama.cpp on the {where} ({reason})"))
     else:
         rows.append(("backend=auto runs", f"native on the GPU ({reason})"))
+    if plan is not None:
+        rows += plan.rows()
+    else:
+        from .backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
+
+        slots = args.slots or DEFAULT_SERVE_SEQUENCES
+        rows.append(("serving", f"{slots} slot{'s' if slots > 1 else ''} x {args.n_ctx} context on llama.cpp; "
+                                f"the memory a slot takes is not known for a {arch!r} model"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0 if ok_run or name == "native" else 1
+
+
+# --- memory of N slots, before loading -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class ServingMemory:
+    """What serving a model takes on a backend, from the estimators each backend keeps: the slots
+    it runs (conversations at once) of n_ctx positions each, the memory each slot holds, and the
+    memory held once whatever the slots."""
+    backend: str
+    slots: int
+    n_ctx: int
+    per_slot: dict[str, int]      # kv_cache, recurrent_state
+    once: dict[str, int]          # weights (+ the native engine's working buffers)
+    note: str = ""                # why slots differs from what was asked
+
+    @property
+    def total(self) -> int:
+        return sum(self.once.values()) + self.slots * sum(self.per_slot.values())
+
+    def rows(self) -> list[tuple[str, str]]:
+        from .model_file import _human_bytes
+
+        slot = " + ".join(f"{_PURPOSE[k]} {_human_bytes(v)}" for k, v in self.per_slot.items())
+        once = " + ".join(f"{_PURPOSE[k]} {_human_bytes(v)}" for k, v in self.once.items())
+        return [("serving", f"{self.slots} slot{'s' if self.slots > 1 else ''} x {self.n_ctx} context "
+                            f"on {self.backend}{self.note}"),
+                ("memory", f"{_human_bytes(self.total)} = {once} once + {self.slots} x ({slot}) per slot")]
+
+
+_PURPOSE = {"kv_cache": "KV cache", "recurrent_state": "recurrent state", "weights": "weights",
+            "buffers": "working buffers"}
+
+
+def serving_memory(model_file, backend: str, n_ctx: int, slots: int | None = None,
+                   kv_type: str = "f16") -> ServingMemory:
+    """The memory `openjet serve --slots slots` takes for model_file on backend ("native" or
+    "llama.cpp"), before loading it. slots None: the backend's default (llama.cpp
+    DEFAULT_SERVE_SEQUENCES; native 1, the only count it serves today)."""
+    if slots is not None and slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
+    if n_ctx < 16:
+        raise ValueError(f"n_ctx must be an integer >= 16, got {n_ctx}")
+    if backend == "native":
+        from .backends.native import estimate_device_bytes
+
+        est = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type)
+        note = f" (it serves one conversation at a time: --slots {slots} becomes 1)" if (slots or 1) > 1 else ""
+        return ServingMemory(
+            "native", 1, n_ctx, {"kv_cache": est["kv_cache"], "recurrent_state": est["recurrent_state"]},
+            {"weights": est["weights"], "buffers": est["activations"] + est["checkpoints"] + est["prefill"]}, note)
+    from .backends.llama_cpp import DEFAULT_SERVE_SEQUENCES, sequence_memory
+
+    weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
+    return ServingMemory("llama.cpp", DEFAULT_SERVE_SEQUENCES if slots is None else slots, n_ctx,
+                         sequence_memory(model_file.config, n_ctx, kv_type), {"weights": weights})
 
 
 def _run(cmd: list[str]) -> str | None:

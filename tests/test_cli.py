@@ -120,6 +120,71 @@ def test_doctor_says_which_backend_auto_picks_and_why(model, capsys):
     assert "llama.cpp on the " in runs or "native on the GPU (" in runs
 
 
+def _per_slot_formula(c, n_ctx: int, value_bytes: float) -> tuple[int, int]:
+    """llama.cpp's memory of one sequence, written out: (KV cache, recurrent state)."""
+    kv = len(c.attention_layers()) * 2 * (c.n_head_kv * c.head_dim) * n_ctx * value_bytes
+    conv = c.ssm_conv_dim * (c.ssm_conv_kernel - 1)
+    state = c.ssm_dt_rank * c.ssm_d_state * c.ssm_d_state
+    return int(kv), len(c.deltanet_layers()) * (conv + state) * 4
+
+
+@pytest.mark.parametrize("slots,n_ctx,kv_type", [(None, 4096, "f16"), (2, 1024, "f16"), (7, 512, "q8_0")])
+def test_serving_memory_on_llama_cpp_is_the_formula(model, slots, n_ctx, kv_type):
+    from openjet_plugin.model_file import open_model
+
+    with open_model(model) as mf:
+        plan = cli.serving_memory(mf, "llama.cpp", n_ctx, slots, kv_type)
+        weights = sum(t.n_bytes for t in mf.tensors.values())
+        kv, state = _per_slot_formula(mf.config, n_ctx, {"f16": 2, "q8_0": 34 / 32}[kv_type])
+    want_slots = 4 if slots is None else slots                     # serve's default on llama.cpp
+    assert plan.slots == want_slots and plan.n_ctx == n_ctx
+    assert plan.per_slot == {"kv_cache": kv, "recurrent_state": state}
+    assert plan.once == {"weights": weights}
+    assert plan.total == weights + want_slots * (kv + state)
+    assert weights <= os.path.getsize(model) < weights + (1 << 20)      # the tensors are the file
+    rows = dict(plan.rows())
+    assert rows["serving"] == f"{want_slots} slots x {n_ctx} context on llama.cpp"
+    assert rows["memory"].endswith(" per slot") and f"once + {want_slots} x (KV cache " in rows["memory"]
+
+
+def test_serving_memory_on_native_is_its_estimate_for_one_slot(model):
+    from openjet_plugin.backends.native import estimate_device_bytes
+    from openjet_plugin.model_file import open_model
+
+    with open_model(model) as mf:
+        plan = cli.serving_memory(mf, "native", 2048, 4)
+        est = estimate_device_bytes(mf, 2048)
+    assert plan.slots == 1 and "--slots 4 becomes 1" in dict(plan.rows())["serving"]
+    assert plan.per_slot == {"kv_cache": est["kv_cache"], "recurrent_state": est["recurrent_state"]}
+    assert plan.total == est["total"]
+
+
+def test_info_and_doctor_report_slots_context_and_memory(model, capsys, monkeypatch):
+    from openjet_plugin.backends import select
+    from openjet_plugin.model_file import _human_bytes, open_model
+
+    # the backend auto picks decides the numbers: make it llama.cpp on any machine
+    monkeypatch.setattr(select, "native_verdict", lambda *a, **k: (False, "test: no native"))
+    with open_model(model) as mf:
+        c, weights = mf.config, sum(t.n_bytes for t in mf.tensors.values())
+    kv, state = _per_slot_formula(c, 2048, 2)
+    total = _human_bytes(weights + 3 * (kv + state))
+
+    assert cli.main(["info", str(model), "--slots", "3", "--n-ctx", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "serving: 3 slots x 2048 context on llama.cpp" in out
+    assert (f"memory: {total} = weights {_human_bytes(weights)} once + 3 x (KV cache {_human_bytes(kv)} "
+            f"+ recurrent state {_human_bytes(state)}) per slot") in out
+
+    assert cli.main(["doctor", "--model", str(model), "--slots", "3", "--n-ctx", "2048"]) == 0
+    rows = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in capsys.readouterr().out.splitlines()}
+    assert rows["serving"] == "3 slots x 2048 context on llama.cpp"
+    assert rows["memory"].startswith(f"{total} = weights ")
+
+    assert cli.main(["info", str(model)]) == 0                 # serve's default: 4 slots x 4096
+    assert "serving: 4 slots x 4096 context on llama.cpp" in capsys.readouterr().out
+
+
 def test_chat_reads_lines_until_exit(model):
     r = openjet("chat", "-m", model, "--max-tokens", "6", "--temperature", "0",
                 stdin="Hello there\nAnd again\n/exit\nnot read\n")

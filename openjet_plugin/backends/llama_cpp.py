@@ -75,13 +75,18 @@ class Placement:
         return self.n_gpu_layers != 0
 
 
-def sequence_bytes(config, n_ctx: int, kv_type: str = "f16") -> int:
-    """Memory one more sequence takes in llama.cpp: the attention layers' K and V for n_ctx
-    positions and the DeltaNet layers' recurrent state (conv window + delta-rule state, fp32)."""
+def sequence_memory(config, n_ctx: int, kv_type: str = "f16") -> dict[str, int]:
+    """Memory one sequence takes in llama.cpp, by purpose: kv_cache, the attention layers' K and V
+    for n_ctx positions; recurrent_state, the DeltaNet layers' conv window + delta-rule state (fp32)."""
     per_value = {"f16": 2.0, "q8_0": 34 / 32}[kv_type]
     kv = len(config.attention_layers()) * 2 * config.kv_dim * n_ctx * per_value
     state = (config.ssm_conv_dim * (config.ssm_conv_kernel - 1) + config.ssm_dt_rank * config.ssm_d_state ** 2) * 4
-    return int(kv) + len(config.deltanet_layers()) * state
+    return {"kv_cache": int(kv), "recurrent_state": len(config.deltanet_layers()) * state}
+
+
+def sequence_bytes(config, n_ctx: int, kv_type: str = "f16") -> int:
+    """Memory one more sequence takes in llama.cpp (`sequence_memory`, all of it)."""
+    return sum(sequence_memory(config, n_ctx, kv_type).values())
 
 
 def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers: int | None,
