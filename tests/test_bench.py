@@ -1078,7 +1078,12 @@ def test_plan_measures_speculative_rows_and_groups_cover_the_plan(tmp_path):
     assert len(spec) == len(s.acceptances) * len(s.drafts) and all(r[2]["depth"] == 8192 for r in spec)
     mtp = [r for r in planned if r[0] == "spec_mtp_tps"]          # both engines, every depth (issue 28)
     assert sorted((r[1], r[2]["depth"], r[2]["drafts"]) for r in mtp) == \
-        sorted((e, d, D) for e in ("openjet", "llama.cpp") for d in (0, 8192, 30720) for D in (1, 2, 3, 4))
+        sorted([("llama.cpp", d, D) for d in (0, 8192, 30720) for D in (1, 2, 3, 4)]
+               # ours also at D = 7: the chain with a budget-8 tree's verify budget
+               + [("openjet", d, D) for d in (0, 8192, 30720) for D in (1, 2, 3, 4, 7)])
+    trees = [r for r in planned if r[0] == "spec_tree_tps"]
+    assert sorted((r[1], r[2]["depth"], r[2]["budget"], r[2]["shape"]) for r in trees) == \
+        [("openjet", d, 8, "q") for d in (0, 8192, 30720)]
     accept = [r for r in planned if r[0] == "accepted_per_cycle"]
     assert {(r[2]["temperature"], r[2]["drafts"]) for r in accept} == {(t, d) for t in (0.0, 0.7) for d in (1, 2, 3, 4)}
     assert pending == []                                                # batched prefill is measured now

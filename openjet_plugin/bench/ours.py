@@ -4,7 +4,7 @@ memory is its own and a fault cannot take the benchmark down):
     python -m openjet_plugin.bench.ours --model M --out RECORDS.jsonl [--verify 1,2,3,4,5]
         [--verify-depth 1024] [--decode-depths 0,8192,30720] [--decode-tokens 128] [--reps 6]
         [--spec 0.5:1,0.5:2,...] [--spec-mtp 1,2,3,4 | 1@0,1@8192,...] [--spec-depth 8192]
-        [--spec-tokens 128]
+        [--spec-tokens 128] [--spec-tree 8 | 8@8192,8:calibrated@0,...]
         [--prefill 2700:1800,12000:29500] [--deadline EPOCH_SECONDS]
     python -m openjet_plugin.bench.ours --model default.gguf --out RECORDS.jsonl --verify '' \
         --decode-depths '' --accept 0.0:1,...,0.7:4 [--accept-prompts 12] [--accept-prompt-tokens 64]
@@ -38,6 +38,9 @@ host — the same boundary llama-bench times for llama.cpp (llama_decode + synch
   (bench/peer_spec.py): at depth d, positions 0..d-1 filled and token d the current one. (At
   depth 0 the first cycle's MTP step has no previous position: it reads the engine's row 0, as a
   fill from a reset does; llama.cpp drafts first after its prompt's one token.)
+- spec_tree_tps (--spec-tree BUDGET[:SHAPE][@DEPTH]): draft trees of B verify positions from the
+  MTP head through the engine's tree decoder (bench/spec.py), from the same start points; a build
+  without `speculative_native.native_tree_decoder` records each such row as not measured, and why.
 - accepted_per_cycle (--accept, on the trained default model): bench/acceptance.py.
 
 Every result line is a JSON object {"metric", "engine", "params", "unit", "samples"}; lines
@@ -234,10 +237,71 @@ def _mtp_items(text: str, spec_depth: int) -> list[tuple[int, int]]:
     return out
 
 
-def spec_rows(pairs: list[tuple[float, int]], mtp: list[tuple[int, int]], depth: int) -> list[tuple[str, dict]]:
-    """Oracle rows at the spec depth, MTP rows at their (drafts, depth)."""
+def _tree_items(text: str, spec_depth: int) -> list[tuple[int, str, int]]:
+    """'8,16:calibrated@0' -> [(8, 'q', spec_depth), (16, 'calibrated', 0)]: (budget, shape, depth)."""
+    from .spec import TREE_SHAPES
+
+    out = []
+    for item in (x.strip() for x in (text or "").split(",") if x.strip()):
+        head, sep, depth = item.partition("@")
+        budget, _, shape = head.partition(":")
+        try:
+            out.append((int(budget), shape or "q", int(depth) if sep else spec_depth))
+        except ValueError:
+            raise ValueError(f"--spec-tree: expected BUDGET[:SHAPE][@DEPTH] items like 8:q@8192, got {item!r}") from None
+        if out[-1][1] not in TREE_SHAPES:
+            raise ValueError(f"--spec-tree: shape {out[-1][1]!r} in {item!r} is not one of {', '.join(TREE_SHAPES)}")
+    return out
+
+
+def tree_params(budget: int, shape: str, depth: int) -> dict:
+    return {"budget": int(budget), "depth": int(depth), "shape": shape}
+
+
+def spec_rows(pairs: list[tuple[float, int]], mtp: list[tuple[int, int]], depth: int,
+              trees: list[tuple[int, str, int]] = ()) -> list[tuple[str, dict]]:
+    """Oracle rows at the spec depth, MTP rows at their (drafts, depth), tree rows at their
+    (budget, shape, depth)."""
     return ([("spec_tps", {"acceptance": a, "drafts": d, "depth": depth}) for a, d in pairs]
-            + [("spec_mtp_tps", {"drafts": d, "depth": dep}) for d, dep in mtp])
+            + [("spec_mtp_tps", {"drafts": d, "depth": dep}) for d, dep in mtp]
+            + [("spec_tree_tps", tree_params(b, sh, dep)) for b, sh, dep in trees])
+
+
+def tree_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], point, vocab, vocab_text, time_left,
+               factory=None) -> None:
+    """The spec_tree_tps rows from one start point: each a result with its details, or a skip with
+    its reason (no MTP head, no tree decoder in this build, not the native engine, out of time, a
+    failure). `factory(be, budget, shape, vocab)` -> make(rep) (default: the native engine's)."""
+    from . import spec
+
+    factory = factory or spec.native_tree_factory
+    n = args.spec_tokens
+    seconds_per_token = 1.5 / point.plain_tps
+    for i, (metric, params) in enumerate(rows):
+        est = (args.reps + 0.2) * n * seconds_per_token
+        if est + 10 > time_left():
+            for m, p in rows[i:]:
+                out.skip(m, p, f"out of time: a speculative row of {args.reps} x {n} tokens takes ~{est:.0f} s")
+            return
+        if not getattr(be, "has_mtp", False):
+            out.skip(metric, params, f"{Path(args.model).name} has no MTP block: nothing drafts")
+            continue
+        try:
+            make = factory(be, params["budget"], params["shape"], vocab)
+        except spec.TreeUnavailable as exc:
+            out.skip(metric, params, str(exc))
+            continue
+        t0 = time.perf_counter()
+        try:
+            samples, details = spec.measure_tree_row(make, point, params["budget"], n, args.reps, SPEC_WARMUP_TOKENS)
+        except Exception as exc:  # noqa: BLE001 - one row's failure is recorded and the rest go on
+            out.skip(metric, params, f"{type(exc).__name__}: {exc}")
+            continue
+        seconds_per_token = 1.2 * (time.perf_counter() - t0) / ((args.reps + 0.2) * n)
+        details["drafts_from"] = f"{spec.TREE_NOTE}; shape: {spec.TREE_SHAPES[params['shape']]}" + (
+            f"; draft vocabulary: {vocab_text}" if vocab_text else "")
+        out.result(metric, params, "tokens/s", samples)
+        out.details(metric, params, details)
 
 
 def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: list[int], current: int,
@@ -249,6 +313,7 @@ def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: li
     d, n = len(history), args.spec_tokens
     pairs = [r for r in rows if r[0] == "spec_tps"]
     mtp = [r for r in rows if r[0] == "spec_mtp_tps"]
+    trees = [r for r in rows if r[0] == "spec_tree_tps"]
     rows = pairs + mtp
 
     def skip(which, reason: str) -> None:
@@ -258,15 +323,15 @@ def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: li
     try:
         point = spec.start_point(be, d, history, int(current), n)
     except Exception as exc:  # noqa: BLE001 - the rows say why, the rest of the benchmark goes on
-        skip(rows, f"speculative start point at depth {d} failed: {type(exc).__name__}: {exc}")
+        skip(rows + trees, f"speculative start point at depth {d} failed: {type(exc).__name__}: {exc}")
         return
     vocab = vocab_text = None
-    if mtp and getattr(be, "has_mtp", False):
+    if (mtp or trees) and getattr(be, "has_mtp", False):
         try:
             vocab, vocab_text = spec.draft_vocab(args.model, be.n_vocab)
         except Exception as exc:  # noqa: BLE001
-            skip(rows[len(pairs):], f"draft vocabulary of {args.model}: {type(exc).__name__}: {exc}")
-            rows = rows[:len(pairs)]
+            skip(rows[len(pairs):] + trees, f"draft vocabulary of {args.model}: {type(exc).__name__}: {exc}")
+            rows, trees = rows[:len(pairs)], []
     seconds_per_token = 1.5 / point.plain_tps      # a speculative row is rarely slower than this
     for i, (metric, params) in enumerate(rows):
         est = (args.reps + 0.2) * n * seconds_per_token
@@ -293,6 +358,8 @@ def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: li
         details["drafts_from"] = note
         out.result(metric, params, "tokens/s", samples)
         out.details(metric, params, details)
+    if trees:
+        tree_phase(be, args, out, trees, point, vocab, vocab_text, time_left)
 
 
 def fill_note(be) -> str:
@@ -372,7 +439,8 @@ def run(args, out: Emitter) -> int:
     depths = _ints(args.decode_depths)
     if depths != sorted(set(depths)):
         raise ValueError(f"--decode-depths must be increasing, got {depths}")
-    spec_todo = spec_rows(_pairs(args.spec, "--spec"), _mtp_items(args.spec_mtp, args.spec_depth), args.spec_depth)
+    spec_todo = spec_rows(_pairs(args.spec, "--spec"), _mtp_items(args.spec_mtp, args.spec_depth), args.spec_depth,
+                          _tree_items(args.spec_tree, args.spec_depth))
     spec_depths = sorted({p["depth"] for _, p in spec_todo})
     from .prefill import parse_rows
     prefill_todo = parse_rows(args.prefill)
@@ -389,7 +457,8 @@ def run(args, out: Emitter) -> int:
     too_many = [p for p in verify if not 1 <= p <= MAX_POSITIONS]
     if too_many:
         raise ValueError(f"--verify: positions {too_many} outside 1..{MAX_POSITIONS} (one native call)")
-    max_drafts = max([p["drafts"] for _, p in spec_todo], default=0)
+    # a tree of budget B drafts up to B - 1 tokens deep
+    max_drafts = max([p["drafts"] if "drafts" in p else p["budget"] - 1 for _, p in spec_todo], default=0)
     need_ctx = max([args.verify_depth + 2 * MAX_POSITIONS * (args.reps + 2)]   # verify_ms, then projection_gbps
                    + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths]
                    + [d + args.spec_tokens + max_drafts + 16 for d in spec_depths]
@@ -488,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", default="", help="oracle rows as ACCEPTANCE:DRAFTS items, e.g. 0.8:4,0.9:4")
     ap.add_argument("--spec-mtp", default="", help="MTP-head rows as DRAFTS (at --spec-depth) or DRAFTS@DEPTH "
                                                    "items, e.g. 1,2,3,4 or 1@0,1@8192")
+    ap.add_argument("--spec-tree", default="", help="draft-tree rows as BUDGET[:SHAPE][@DEPTH] items (SHAPE: q or "
+                                                    "calibrated; DEPTH: --spec-depth), e.g. 8,8@0")
     ap.add_argument("--spec-depth", type=int, default=8192)
     ap.add_argument("--spec-tokens", type=int, default=128)
     ap.add_argument("--prefill", default="", help="prefill_tps rows as NEW_TOKENS:DEPTH items, e.g. 2700:1800")

@@ -36,6 +36,8 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "projection_gbps": ("GB/s", ("positions", "depth"), True),
     "spec_tps": ("tokens/s", ("acceptance", "drafts", "depth"), True),
     "spec_mtp_tps": ("tokens/s", ("drafts", "depth"), True),
+    # draft trees of `budget` verify positions a cycle from the MTP head, shaped by `shape`
+    "spec_tree_tps": ("tokens/s", ("budget", "depth", "shape"), True),
     "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
     "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
     "peak_mem_gb": ("GB", (), False),
@@ -43,6 +45,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
 CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
 # shown in their own tables under the main one (their columns differ)
 SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
+TREE_METRICS = ("spec_tree_tps",)
 ACCEPT_METRICS = ("accepted_per_cycle",)
 FALLBACK_METRICS = ("fallback_decode_tps",)
 DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
@@ -182,7 +185,7 @@ def markdown(report: dict) -> str:
     for src in (results, man.get("not_measured", [])):
         for r in src:
             rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
-    side = {k: v for k, v in rows.items() if k[0] in SPEC_METRICS + ACCEPT_METRICS + FALLBACK_METRICS}
+    side = {k: v for k, v in rows.items() if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS}
     rows = {k: v for k, v in rows.items() if k not in side}
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
@@ -226,7 +229,7 @@ def markdown(report: dict) -> str:
         lines.append(f"| {metric} | {_params_text(params)} | {ours} | {peer} | {unit} | {ratio} "
                      f"| {roof_o} | {roof_p} |")
     alone = [p for p in man.get("pending", []) if (p["metric"], params_key(p["params"])) not in rows
-             and p["metric"] not in SPEC_METRICS + ACCEPT_METRICS]
+             and p["metric"] not in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS]
     for metric, params_text, reason in _collapse(alone):
         lines.append(f"| {metric} | {params_text} | {reason} | | {METRICS[metric][0]} | | | |")
     details = man.get("info", {}).get(DETAILS_KEY, {})
@@ -237,6 +240,7 @@ def markdown(report: dict) -> str:
     lines += _spec_section(side, by_key, status, details, pending, median_of)
     lines += spec_vs_spec_section(side, by_key, status, details, median_of,
                                   man.get("model", {}).get("mtp_accuracy"))
+    lines += tree_section(side, by_key, status, details, median_of, man.get("model", {}))
     lines += _accept_section(side, by_key, status, details, pending)
     if notes:
         lines.append("")
@@ -426,7 +430,7 @@ def spec_vs_spec_section(side, by_key, status, details, median_of, mtp_accuracy:
            "| openjet/llama.cpp | openjet × its decode | llama.cpp × its decode |",
            "|---|---|---|---|---|---|---|---|---|"]
     warnings: list[str] = []
-    for k in keys:
+    for k in peer_keys:                 # our chains that llama.cpp does not run are in the spec table only
         params = side[k]
         depth, D = params["depth"], params["drafts"]
         cells, meds, accs = [], [], []
@@ -447,6 +451,71 @@ def spec_vs_spec_section(side, by_key, status, details, median_of, mtp_accuracy:
             warnings.append(f"- llama.cpp, depth {depth}, D {D}: {d['reps_differing_from_first']} of "
                             f"{d.get('reps', '?')} repetitions generated other tokens than the first")
     return out + ([""] + warnings if warnings else [])
+
+
+def head_text(model: dict) -> str:
+    """What the bench model's MTP head was made to do (manifest.model: mtp_accuracy, mtp_runner_up)."""
+    acc, second = model.get("mtp_accuracy"), model.get("mtp_runner_up")
+    if acc is None:
+        return ("The model's MTP head is as generated or trained (no --mtp-accuracy): on a random-weight "
+                "model it is right ~99% of the time.")
+    text = f"The model's MTP head was made to be right after {acc:.0%} of the tokens (--mtp-accuracy {acc:g})"
+    if second is None:
+        return text + "; where it is wrong its second choice is no better (no --mtp-runner-up)."
+    return (text + f", and where it is wrong to rank the right token second after {second:.0%} of those tokens "
+            f"(--mtp-runner-up {second:g}).")
+
+
+def tree_section(side, by_key, status, details, median_of, model: dict) -> list[str]:
+    """spec_tree_tps rows against our chains with the same verify budget: the chain of the most
+    tokens per cycle among D <= budget - 1, and the fastest such chain, at the same depth."""
+    keys = sorted((k for k in side if k[0] in TREE_METRICS),
+                  key=lambda k: (side[k]["depth"], side[k]["budget"], side[k]["shape"]))
+    if not keys:
+        return []
+    out = ["", "## Draft trees against chains with the same verify budget (openjet, greedy)", "",
+           "A tree of B positions (the current token and B - 1 drafts from the MTP head's top choices, "
+           "shaped every cycle; shape q: best-first by the head's probabilities, calibrated: corrected by "
+           "the acceptance measured) verified in one pass, against our spec_mtp_tps chains at the same "
+           "depth whose verify budget D + 1 is at most B: best by tokens per cycle and fastest by tokens/s "
+           "(they may differ). Ratios: tree over that chain (tokens/s: of medians). " + head_text(model), "",
+           "| depth | B | shape | tree tokens/s | tree tokens/cycle | positions/cycle | side accepts/cycle "
+           "| best chain (tokens/cycle) | tree/chain tokens/cycle | fastest chain (tokens/s) "
+           "| tree/chain tokens/s | greedy = plain |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in keys:
+        params = side[k]
+        depth, budget, shape = params["depth"], params["budget"], params["shape"]
+        key = row_key("spec_tree_tps", "openjet", params)
+        r = by_key.get(key)
+        if r is None:
+            out.append(f"| {depth} | {budget} | {shape} | {status.get(key, '—')} | | | | | | | | |")
+            continue
+        d = details.get(key, {})
+        chains = []
+        for D in range(1, budget):
+            ck = row_key("spec_mtp_tps", "openjet", {"drafts": D, "depth": depth})
+            c = by_key.get(ck)
+            tpc = details.get(ck, {}).get("tokens_per_cycle")
+            if c is not None:
+                chains.append((D, c["median"], tpc))
+        with_tpc = [c for c in chains if c[2]]
+        best = max(with_tpc, key=lambda c: c[2]) if with_tpc else None
+        fastest = max(chains, key=lambda c: c[1]) if chains else None
+        tpc = d.get("tokens_per_cycle")
+        same = ""
+        if "runs_differing_from_plain" in d:
+            bad = d["runs_differing_from_plain"]
+            same = "yes" if bad == 0 else f"{bad} of {d.get('reps', '?')} runs differ (first at token {d.get('first_difference')})"
+        out.append(
+            f"| {depth} | {budget} | {shape} | {_cell(r)} | {_fmt(tpc) if tpc else ''} "
+            f"| {_fmt(d['positions_per_cycle']) if d.get('positions_per_cycle') else ''} "
+            f"| {_fmt(d['side_accepts_per_cycle']) if 'side_accepts_per_cycle' in d else ''} "
+            f"| {f'D = {best[0]}: {_fmt(best[2])}' if best else 'no chain measured'} "
+            f"| {_ratio(tpc, best[2]) if best else ''} "
+            f"| {f'D = {fastest[0]}: {_fmt(fastest[1])}' if fastest else 'no chain measured'} "
+            f"| {_ratio(r['median'], fastest[1]) if fastest else ''} | {same} |")
+    return out
 
 
 def _accept_section(side, by_key, status, details, pending) -> list[str]:

@@ -59,6 +59,11 @@ class Settings:
     spec_depth: int = 8192
     acceptances: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9)
     drafts: tuple[int, ...] = (1, 2, 3, 4)
+    # spec_tree_tps: draft trees of these verify budgets (positions per cycle) and shapes at every
+    # depth, beside our chains of D = budget - 1 (the chain with the same verify budget, which the
+    # report compares the tree with together with every shorter chain measured)
+    tree_budgets: tuple[int, ...] = (8,)
+    tree_shapes: tuple[str, ...] = ("q",)
     # accepted_per_cycle: the trained default model on held-out stdlib files
     accept_temperatures: tuple[float, ...] = (0.0, 0.7)
     accept_prompts: int = 12
@@ -95,10 +100,22 @@ def accept_params(drafts: int, temperature: float) -> dict:
     return {"drafts": int(drafts), "model": ACCEPT_MODEL, "temperature": float(temperature)}
 
 
+def tree_params(budget: int, shape: str, depth: int) -> dict:
+    """spec_tree_tps rows: a draft tree of `budget` verify positions, shaped by `shape`."""
+    return {"budget": int(budget), "depth": int(depth), "shape": shape}
+
+
+def our_chain_drafts(s: Settings) -> tuple[int, ...]:
+    """Our spec_mtp_tps depths: the ones both engines run, and D = B - 1 for each tree budget B."""
+    return tuple(sorted(set(s.drafts) | {b - 1 for b in s.tree_budgets}))
+
+
 def spec_rows(s: Settings) -> list[tuple[str, str, dict]]:
     """Speculative decoding on the bench model (our engine's child, bench/spec.py)."""
     return ([("spec_tps", OURS, spec_params(s, a, d)) for a in s.acceptances for d in s.drafts]
-            + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for dep in s.depths for d in s.drafts])
+            + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for dep in s.depths for d in our_chain_drafts(s)]
+            + [("spec_tree_tps", OURS, tree_params(b, sh, dep)) for dep in s.depths for b in s.tree_budgets
+               for sh in s.tree_shapes])
 
 
 def peer_spec_rows(s: Settings, drafts: int) -> list[tuple[str, str, dict]]:
@@ -248,25 +265,29 @@ def group_ours(run: Run) -> None:
               if not all(run.store.has(m, OURS, {"positions": p, "depth": s.verify_depth}) for m in ("verify_ms", "projection_gbps"))]
     depths = [d for d in s.depths if not run.store.has("decode_tps", OURS, {"depth": d})]
     spec = [(a, d) for a in s.acceptances for d in s.drafts if not run.store.has("spec_tps", OURS, spec_params(s, a, d))]
-    mtp = [(d, dep) for dep in s.depths for d in s.drafts
+    mtp = [(d, dep) for dep in s.depths for d in our_chain_drafts(s)
            if not run.store.has("spec_mtp_tps", OURS, spec_mtp_params(d, dep))]
+    trees = [(b, sh, dep) for dep in s.depths for b in s.tree_budgets for sh in s.tree_shapes
+             if not run.store.has("spec_tree_tps", OURS, tree_params(b, sh, dep))]
     peak_row = ("peak_mem_gb", OURS, {"max_depth": max(s.depths)})
-    if not verify and not depths and not spec and not mtp and run.store.has(*peak_row):
+    if not verify and not depths and not spec and not mtp and not trees and run.store.has(*peak_row):
         return
     from ..backends.native import MAX_POSITIONS
     n_ctx = max([s.verify_depth + 2 * MAX_POSITIONS * (s.reps + 2)]
                 + [d + (s.reps + 1) * s.decode_tokens + 64 for d in s.depths]
-                + [s.spec_depth + s.decode_tokens + max(s.drafts) + 64])
+                + [s.spec_depth + s.decode_tokens + max(our_chain_drafts(s)) + 64])
     cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(run.model),
            "--verify", ",".join(map(str, verify)), "--verify-depth", str(s.verify_depth),
            "--decode-depths", ",".join(map(str, depths)), "--decode-tokens", str(s.decode_tokens),
            "--spec", ",".join(f"{a}:{d}" for a, d in spec), "--spec-mtp", ",".join(f"{d}@{dep}" for d, dep in mtp),
+           "--spec-tree", ",".join(f"{b}:{sh}@{dep}" for b, sh, dep in trees),
            "--spec-depth", str(s.spec_depth), "--spec-tokens", str(s.decode_tokens),
            "--reps", str(s.reps), "--n-ctx", str(n_ctx)]
     rows = ([(m, OURS, {"positions": p, "depth": s.verify_depth}) for p in verify for m in ("verify_ms", "projection_gbps")]
             + [("decode_tps", OURS, {"depth": d}) for d in depths]
             + [("spec_tps", OURS, spec_params(s, a, d)) for a, d in spec]
-            + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for d, dep in mtp])
+            + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for d, dep in mtp]
+            + [("spec_tree_tps", OURS, tree_params(b, sh, dep)) for b, sh, dep in trees])
     run.log(f"openjet: {len(rows)} measurements in a child process (n_ctx {n_ctx})")
     with smi.PeakMemory() as pm:
         made = _run_child(run, "ours", cmd, rows)
@@ -573,11 +594,13 @@ def run_groups(run: Run) -> None:
 
 # --- model, report ---------------------------------------------------------------------------------------
 
-def default_model(cache: Path, log, mtp_accuracy: float | None = None) -> Path:
+def default_model(cache: Path, log, mtp_accuracy: float | None = None, mtp_runner_up: float | None = None) -> Path:
     """The generated q27b Q4_K_M (exact 27B shapes, 16.8 GB), made once into the cache; one file per
-    --mtp-accuracy (its MTP head right after that share of the tokens; synth.py, "MTP accuracy")."""
+    --mtp-accuracy (its MTP head right after that share of the tokens; synth.py, "MTP accuracy") and
+    --mtp-runner-up (where it is wrong, the right token second after that share; "MTP runner-up")."""
     path = cache / ("q27b-Q4_K_M-seed0.gguf" if mtp_accuracy is None
-                    else f"q27b-Q4_K_M-seed0-mtp{float(mtp_accuracy):g}.gguf")
+                    else f"q27b-Q4_K_M-seed0-mtp{float(mtp_accuracy):g}"
+                         + ("" if mtp_runner_up is None else f"-ru{float(mtp_runner_up):g}") + ".gguf")
     if path.is_file():
         return path
     cache.mkdir(parents=True, exist_ok=True)
@@ -590,7 +613,8 @@ def default_model(cache: Path, log, mtp_accuracy: float | None = None) -> Path:
     tmp = cache / f".q27b-{os.getpid()}.gguf"
     log(f"generating the q27b Q4_K_M model into {path} (once)")
     try:
-        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True, mtp_accuracy=mtp_accuracy)
+        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True, mtp_accuracy=mtp_accuracy,
+                    mtp_runner_up=mtp_runner_up)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -707,6 +731,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mtp-accuracy", type=float, metavar="R",
                     help="generate the bench model with an MTP head right after a share R of the tokens "
                          "(e.g. 0.75; default: after nearly all); not with --model")
+    ap.add_argument("--mtp-runner-up", type=float, metavar="Q",
+                    help="with --mtp-accuracy: where the generated model's MTP head is wrong, rank the right "
+                         "token second after a share Q of those tokens (e.g. 0.8; default: never); not with --model")
     return ap
 
 
@@ -770,9 +797,13 @@ def main(argv: list[str] | None = None) -> int:
             log(f"llama.cpp: {exc}")
 
     try:
-        if args.model and args.mtp_accuracy is not None:
-            raise ValueError("--mtp-accuracy applies to the generated bench model, not to --model")
-        model = Path(args.model) if args.model else default_model(cache, log, args.mtp_accuracy)
+        if args.model and (args.mtp_accuracy is not None or args.mtp_runner_up is not None):
+            raise ValueError("--mtp-accuracy and --mtp-runner-up apply to the generated bench model, not to --model")
+        if args.mtp_runner_up is not None:
+            from ..testing.synth import check_mtp_runner_up
+            from ..config import PRESETS
+            check_mtp_runner_up(PRESETS["q27b"], args.mtp_accuracy, args.mtp_runner_up)
+        model = Path(args.model) if args.model else default_model(cache, log, args.mtp_accuracy, args.mtp_runner_up)
         if not model.is_file():
             raise FileNotFoundError(f"--model {model}: no such file")
         from ..model_file import open_model
@@ -824,8 +855,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     for d in settings.depths}}
     # the rate the generated model's MTP head was made right at (--mtp-accuracy; None: not set); the
     # spec rows' details hold the acceptance each measured
-    from ..testing.synth import mtp_accuracy_of
+    from ..testing.synth import mtp_accuracy_of, mtp_runner_up_of
     man["model"]["mtp_accuracy"] = mtp_accuracy_of(model)
+    man["model"]["mtp_runner_up"] = mtp_runner_up_of(model)
     man["prefill"] = prefill_manifest(config, settings, man["gpu"].get("name"))
     man["llama_cpp"] = dict(peer.sdist_version(sdist) if sdist else {"sdist": f"unavailable: {peer_problem}"})
     if pb is not None:

@@ -12,6 +12,14 @@ rows, the model's own greedy continuation of x is decoded plainly (one position 
   is (the backend keeps the MTP cache in step as it would in serving).
 - spec_mtp_tps (drafts D, depth d): the same cycles with the model's own MTP head drafting (over the
   draft vocabulary the engine would use), whatever acceptance it gets: the draft cost made visible.
+- spec_tree_tps (budget B, depth d, shape): draft trees from the MTP head (speculative_tree.py), all
+  B positions of a tree verified in one pass, through the SpeculativeDecoder that the engine's
+  `speculative_native.native_tree_decoder(backend, budget, vocab)` returns (imported when the row
+  runs: a build without it, or a backend that is not the native engine, records the row as not
+  measured with the reason). The decoder starts from the tokens of the start point (a prefill of
+  the depth: not timed); one sample = the tokens after its first cycle / the wall time from the end
+  of the first cycle to the last. `measure_tree_row` takes any factory of such decoders (the
+  tests give it the numpy reference's).
 
 One sample = N tokens emitted / wall time of the cycles that emitted them (greedy verification
 copies the D + 1 argmax ids to the host every cycle, so each cycle waits for the GPU). Details per
@@ -210,3 +218,112 @@ def mtp_factory(be, vocab, depth: int):
     def make(rep: int):
         return NativeSpeculator(be, DepthPolicy(depth, adaptive=False), vocab)
     return make
+
+
+# --- draft trees (spec_tree_tps) ---------------------------------------------------------------------
+
+# shape policies of a spec_tree_tps row (speculative_tree.TreePolicy): the slots of each cycle's tree
+# are the budget - 1 best of the candidate tree, scored by the head's own probabilities ("q") or by
+# those corrected with the acceptance measured on verified trees ("calibrated")
+TREE_SHAPES = {"q": "best-first by the MTP head's probabilities",
+               "calibrated": "best-first by the MTP head's probabilities corrected by measured acceptance"}
+TREE_NOTE = ("draft trees from the model's MTP head, every node verified in one pass; timed from the end "
+             "of each run's first cycle (its prefill of the depth is not timed)")
+
+
+class TreeUnavailable(Exception):
+    """A spec_tree_tps row cannot run here; the message says why (it becomes the row's reason)."""
+
+
+def tree_policy(budget: int, shape: str):
+    """The TreePolicy of a row's (budget, shape)."""
+    from ..speculative_tree import TreePolicy
+
+    if shape not in TREE_SHAPES:
+        raise ValueError(f"tree shape {shape!r} is not one of {', '.join(TREE_SHAPES)}")
+    return TreePolicy(int(budget), calibrate=shape == "calibrated")
+
+
+def native_tree_factory(be, budget: int, shape: str, vocab):
+    """`make(rep)` -> a tree SpeculativeDecoder on the native engine `be`, or TreeUnavailable: `be` is
+    not the native engine, or this build's speculative_native has no `native_tree_decoder`."""
+    try:
+        from ..backends.native import NativeBackend
+    except Exception as exc:  # noqa: BLE001 - no native binding at all: the row says so
+        raise TreeUnavailable(f"no native engine here ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(be, NativeBackend):
+        raise TreeUnavailable(f"the backend is {type(be).__name__}, not the native engine: tree verification "
+                              f"runs on the native engine's tree pass only")
+    try:
+        from .. import speculative_native
+        make_decoder = speculative_native.native_tree_decoder
+    except (ImportError, AttributeError) as exc:
+        raise TreeUnavailable(f"this build has no native tree decoder (speculative_native.native_tree_decoder: "
+                              f"{type(exc).__name__}: {exc})") from exc
+    # the documented signature takes a budget; the calibrated shape hands it the TreePolicy instead
+    # (as SpeculativeDecoder(tree=...) accepts either)
+    tree = int(budget) if shape == "q" else tree_policy(budget, shape)
+
+    def make(rep: int):
+        return make_decoder(be, tree, vocab)
+    return make
+
+
+def reference_tree_factory(model, budget: int, shape: str, vocab=None):
+    """`make(rep)` -> a tree SpeculativeDecoder on the numpy reference (the CPU tests' stand-in)."""
+    from ..speculative import reference_decoder
+
+    def make(rep: int):
+        return reference_decoder(model, vocab=vocab, tree=tree_policy(budget, shape))
+    return make
+
+
+def run_tree_cycles(decoder, prompt: list[int], n_tokens: int) -> tuple[list[int], int, float, object]:
+    """Greedy tree cycles of `decoder` from `prompt` until n_tokens are emitted: (tokens, tokens of the
+    first cycle, seconds from the end of the first cycle to the end, stats)."""
+    out: list[int] = []
+    first, t0 = 0, None
+    for toks, _ in decoder.cycles(prompt, greedy_params(), max_tokens=n_tokens, rng=np.random.default_rng(0)):
+        out += toks
+        if t0 is None:
+            first, t0 = len(out), time.perf_counter()
+    return out, first, time.perf_counter() - t0, decoder.last_stats
+
+
+def measure_tree_row(make_decoder, point: StartPoint, budget: int, n_tokens: int, reps: int,
+                     warmup_tokens: int) -> tuple[list[float], dict]:
+    """`reps` timed runs of `n_tokens` from the start point (after one short warm-up):
+    (tokens/s samples, details as a spec row's, plus the tree's positions, MTP steps and side
+    branches per cycle)."""
+    from ..speculative_tree import TreeStats
+
+    samples, ms_cycle, diverged = [], [], []
+    total = TreeStats(budget - 1)
+    for r in range(-1, reps):
+        n = min(warmup_tokens, n_tokens) if r < 0 else n_tokens
+        out, first, dt, st = run_tree_cycles(make_decoder(r), point.history, n)
+        if r < 0:
+            continue
+        # the first cycle (and the prefill before it) is outside the clock
+        samples.append((len(out) - first) / dt if dt > 0 and len(out) > first else float("nan"))
+        ms_cycle.append(1e3 * dt / max(st.cycles - 1, 1))
+        total = total.merge(st)
+        diverged.append(first_difference(out, point.continuation[:n]))
+    if not all(np.isfinite(samples)):
+        raise RuntimeError(f"a run of {n_tokens} tokens ended in its first cycle: nothing was timed "
+                           f"(ask for more tokens than a cycle yields, {budget})")
+    cycles = max(total.cycles, 1)
+    details = {
+        "tokens_per_cycle": round(total.tokens_per_cycle, 4),
+        "acceptance_at": [round(total.acceptance_at(i), 4) for i in range(budget - 1)],
+        "positions_per_cycle": round(total.positions_verified / cycles, 4),
+        "draft_steps_per_cycle": round(total.draft_steps / cycles, 4),
+        "side_accepts_per_cycle": round(total.side_accepts / cycles, 4),
+        "ms_per_cycle": [round(x, 3) for x in ms_cycle],
+        "cycles": total.cycles, "drafts_proposed": total.drafts_proposed,
+        "drafts_accepted": total.drafts_accepted, "tokens": n_tokens, "reps": reps,
+        "runs_differing_from_plain": sum(1 for d in diverged if d >= 0),
+        "first_difference": min((d for d in diverged if d >= 0), default=-1),
+        "plain_tps_at_start": round(point.plain_tps, 2),
+    }
+    return samples, details
