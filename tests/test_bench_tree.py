@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from openjet_plugin.bench import ours, report, runner, spec
+from test_bench import tiny_model, toy_native  # noqa: F401 - fixtures: the toy native engine
 from openjet_plugin.speculative import reference_decoder
 from openjet_plugin.speculative_tree import TreePolicy
 from openjet_plugin.testing.reference import ReferenceModel
@@ -180,3 +181,31 @@ def test_runner_plans_tree_rows_and_names_the_runner_up_model(tmp_path):
     assert not [r for r in planned if r[0] == "spec_mtp_tps" and r[1] == "llama.cpp" and r[2]["drafts"] == 7]
     args = runner.parser().parse_args(["--mtp-accuracy", "0.75", "--mtp-runner-up", "0.8"])
     assert args.mtp_runner_up == 0.8
+
+
+def test_the_child_runs_tree_rows_last_and_records_each(tmp_path, tiny_model, toy_native):
+    """ours.main with --spec-tree on the real NativeBackend over the toy engine (tests/test_bench.py):
+    the chain and decode rows at both depths are measured as before (the tree decoder's reset comes
+    after every checkpoint's last use), and every tree row is a result or a skip with its reason
+    (whether this build and the toy engine have tree verification), never a crash."""
+    from test_bench import _child_lines
+
+    out = tmp_path / "o.jsonl"
+    assert ours.main(["--model", str(tiny_model), "--out", str(out), "--verify", "", "--decode-depths", "0,96",
+                      "--decode-tokens", "4", "--spec-mtp", "1@0,2@96", "--spec-tree", "8@0,4:calibrated@96",
+                      "--spec-tokens", "12", "--reps", "2"]) == 0
+    res, skips, lines = _child_lines(out)
+    key = lambda m, p: report.row_key(m, "openjet", p)  # noqa: E731
+    assert not [x for x in lines if "error" in x]
+    assert {key("decode_tps", {"depth": 0}), key("decode_tps", {"depth": 96}),
+            key("spec_mtp_tps", {"drafts": 1, "depth": 0}), key("spec_mtp_tps", {"drafts": 2, "depth": 96})} <= set(res)
+    trees = [key("spec_tree_tps", {"budget": 8, "depth": 0, "shape": "q"}),
+             key("spec_tree_tps", {"budget": 4, "depth": 96, "shape": "calibrated"})]
+    for k in trees:
+        assert (k in res) != (k in skips), k
+        if k in skips:
+            assert skips[k], k
+            print(f"{k}: skipped: {skips[k]}")
+    assert set(res) | set(skips) == {key("decode_tps", {"depth": 0}), key("decode_tps", {"depth": 96}),
+                                     key("spec_mtp_tps", {"drafts": 1, "depth": 0}),
+                                     key("spec_mtp_tps", {"drafts": 2, "depth": 96}), *trees}

@@ -268,17 +268,19 @@ def spec_rows(pairs: list[tuple[float, int]], mtp: list[tuple[int, int]], depth:
 
 
 def tree_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], point, vocab, vocab_text, time_left,
-               factory=None) -> None:
+               factory=None, prefill_seconds: float = 0.0) -> None:
     """The spec_tree_tps rows from one start point: each a result with its details, or a skip with
     its reason (no MTP head, no tree decoder in this build, not the native engine, out of time, a
-    failure). `factory(be, budget, shape, vocab)` -> make(rep) (default: the native engine's)."""
+    failure). `factory(be, budget, shape, vocab)` -> make(rep) (default: the native engine's). The
+    tree decoder resets the engine and prefills the point's history at every run (about
+    `prefill_seconds` each, not timed): run these rows after every row that restores a checkpoint."""
     from . import spec
 
     factory = factory or spec.native_tree_factory
     n = args.spec_tokens
     seconds_per_token = 1.5 / point.plain_tps
     for i, (metric, params) in enumerate(rows):
-        est = (args.reps + 0.2) * n * seconds_per_token
+        est = (args.reps + 1) * prefill_seconds + (args.reps + 0.2) * n * seconds_per_token
         if est + 10 > time_left():
             for m, p in rows[i:]:
                 out.skip(m, p, f"out of time: a speculative row of {args.reps} x {n} tokens takes ~{est:.0f} s")
@@ -305,9 +307,11 @@ def tree_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], point, voca
 
 
 def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: list[int], current: int,
-               time_left) -> None:
+               time_left):
     """The speculative rows at depth len(history), from the checkpoint there (bench/spec.py), with
-    `current` the token at that position. Each row becomes a result or a skip with its reason."""
+    `current` the token at that position. Each chain row becomes a result or a skip with its reason;
+    the tree rows (spec_tree_tps) are left for `tree_phase`, after every checkpoint's last use, and
+    skipped here only when the start point fails. Returns the start point (None: it failed)."""
     from . import spec
 
     d, n = len(history), args.spec_tokens
@@ -324,20 +328,20 @@ def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: li
         point = spec.start_point(be, d, history, int(current), n)
     except Exception as exc:  # noqa: BLE001 - the rows say why, the rest of the benchmark goes on
         skip(rows + trees, f"speculative start point at depth {d} failed: {type(exc).__name__}: {exc}")
-        return
+        return None
     vocab = vocab_text = None
-    if (mtp or trees) and getattr(be, "has_mtp", False):
+    if mtp and getattr(be, "has_mtp", False):
         try:
             vocab, vocab_text = spec.draft_vocab(args.model, be.n_vocab)
         except Exception as exc:  # noqa: BLE001
-            skip(rows[len(pairs):] + trees, f"draft vocabulary of {args.model}: {type(exc).__name__}: {exc}")
-            rows, trees = rows[:len(pairs)], []
+            skip(rows[len(pairs):], f"draft vocabulary of {args.model}: {type(exc).__name__}: {exc}")
+            rows = rows[:len(pairs)]
     seconds_per_token = 1.5 / point.plain_tps      # a speculative row is rarely slower than this
     for i, (metric, params) in enumerate(rows):
         est = (args.reps + 0.2) * n * seconds_per_token
         if est + 10 > time_left():
             skip(rows[i:], f"out of time: a speculative row of {args.reps} x {n} tokens takes ~{est:.0f} s")
-            return
+            return point
         D = params["drafts"]
         if metric == "spec_tps":
             make = spec.oracle_factory(be, point, params["acceptance"], D)
@@ -358,8 +362,31 @@ def spec_phase(be, args, out: Emitter, rows: list[tuple[str, dict]], history: li
         details["drafts_from"] = note
         out.result(metric, params, "tokens/s", samples)
         out.details(metric, params, details)
-    if trees:
-        tree_phase(be, args, out, trees, point, vocab, vocab_text, time_left)
+    return point
+
+
+def trees_last(be, args, out: Emitter, rows: list[tuple[str, dict]], points: dict, fill_rate, time_left) -> None:
+    """The spec_tree_tps rows at every depth whose start point was made (the others were skipped
+    with their reason already), as plain passes of the backend (the tree decoder keeps the MTP
+    cache itself), after everything else: each run resets the engine."""
+    from . import spec
+    from .spec import main_model_only
+
+    rows = [r for r in rows if r[1]["depth"] in points]
+    if not rows:
+        return
+    vocab = vocab_text = None
+    if getattr(be, "has_mtp", False):
+        try:
+            vocab, vocab_text = spec.draft_vocab(args.model, be.n_vocab)
+        except Exception as exc:  # noqa: BLE001
+            for metric, params in rows:
+                out.skip(metric, params, f"draft vocabulary of {args.model}: {type(exc).__name__}: {exc}")
+            return
+    with main_model_only(be):
+        for d in sorted({p["depth"] for _, p in rows}):
+            tree_phase(be, args, out, [r for r in rows if r[1]["depth"] == d], points[d], vocab, vocab_text,
+                       time_left, prefill_seconds=d / fill_rate if fill_rate else 0.0)
 
 
 def fill_note(be) -> str:
@@ -511,6 +538,7 @@ def run(args, out: Emitter) -> int:
         return ([("decode_tps", {"depth": d})] if d in depths else []) + spec_at(d)
 
     from .spec import prompt_tokens
+    points: dict[int, object] = {}          # depth -> its speculative start point (the tree rows')
     fill.reset()
     fill.source = prompt_tokens(be.n_vocab, max(targets, default=0) + 1)
     for i, d in enumerate(targets):
@@ -536,10 +564,13 @@ def run(args, out: Emitter) -> int:
             out.result("decode_tps", {"depth": d}, "tokens/s", samples)
             restore_to(be, d)
         if spec_at(d):
-            spec_phase(be, args, out, spec_at(d), fill.appended[:d], fill.source[d], time_left)
+            point = spec_phase(be, args, out, spec_at(d), fill.appended[:d], fill.source[d], time_left)
+            if point is not None:
+                points[d] = point
             restore_to(be, d)
     if fill.rate:
         out.emit({"info": {"openjet_fill_tps": round(fill.rate, 1), "openjet_fill_note": fill_note(be)}})
+    trees_last(be, args, out, [r for r in spec_todo if r[0] == "spec_tree_tps"], points, fill.rate, time_left)
     be.close()
     mf.close()
     return 0
