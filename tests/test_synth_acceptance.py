@@ -370,9 +370,10 @@ def test_bench_model_is_cached_per_accuracy(tmp_path, monkeypatch):
 
     made = []
 
-    def fake_synth_model(out, preset, quant, seed, force, mtp_accuracy=None):
-        made.append((preset, mtp_accuracy))
-        return synth_model(out, "tiny", "F32", seed=seed, force=force, mtp_accuracy=mtp_accuracy)
+    def fake_synth_model(out, preset, quant, seed, force, mtp_accuracy=None, mtp_runner_up=None):
+        made.append((preset, mtp_accuracy) if mtp_runner_up is None else (preset, mtp_accuracy, mtp_runner_up))
+        return synth_model(out, "tiny", "F32", seed=seed, force=force, mtp_accuracy=mtp_accuracy,
+                           mtp_runner_up=mtp_runner_up)
 
     monkeypatch.setattr(synth, "synth_model", fake_synth_model)
     monkeypatch.setattr(runner.shutil, "disk_usage", lambda p: namedtuple("usage", "free")(10 ** 12))
@@ -385,3 +386,8 @@ def test_bench_model_is_cached_per_accuracy(tmp_path, monkeypatch):
     assert mtp_accuracy_of(switched) == 0.75 and mtp_accuracy_of(plain) is None
     assert runner.parser().parse_args(["--mtp-accuracy", "0.5"]).mtp_accuracy == 0.5
     assert runner.parser().parse_args([]).mtp_accuracy is None
+    # --mtp-runner-up: its own file too, its share in the metadata
+    from openjet_plugin.testing.synth import mtp_runner_up_of
+    second = runner.default_model(tmp_path, logs.append, 0.75, 0.8)
+    assert second.name == "q27b-Q4_K_M-seed0-mtp0.75-ru0.8.gguf" and made[-1] == ("q27b", 0.75, 0.8)
+    assert mtp_runner_up_of(second) == 0.8 and mtp_runner_up_of(switched) is None

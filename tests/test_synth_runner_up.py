@@ -67,7 +67,7 @@ def first_draft_ranks(path, seq, hidden) -> np.ndarray:
 
 def test_arguments_are_checked():
     cfg = PRESETS["tiny"]
-    for bad, match in ((1.2, "in \\[0, 1\\]"), (-0.1, "in \\[0, 1\\]"), (True, "number"), ("0.5", "number")):
+    for bad, match in ((1.0, "in \\[0, 1\\)"), (-0.1, "in \\[0, 1\\)"), (True, "number"), ("0.5", "number")):
         with pytest.raises(ValueError, match=match):
             check_mtp_runner_up(cfg, 0.75, bad)
     with pytest.raises(ValueError, match="needs mtp_accuracy"):

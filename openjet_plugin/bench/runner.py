@@ -613,8 +613,8 @@ def default_model(cache: Path, log, mtp_accuracy: float | None = None, mtp_runne
     tmp = cache / f".q27b-{os.getpid()}.gguf"
     log(f"generating the q27b Q4_K_M model into {path} (once)")
     try:
-        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True, mtp_accuracy=mtp_accuracy,
-                    mtp_runner_up=mtp_runner_up)
+        extra = {} if mtp_runner_up is None else {"mtp_runner_up": mtp_runner_up}
+        synth_model(tmp, preset="q27b", quant="Q4_K_M", seed=0, force=True, mtp_accuracy=mtp_accuracy, **extra)
         os.replace(tmp, path)
     finally:
         if tmp.exists():
