@@ -184,6 +184,16 @@ int32_t oj_commit(oj_engine *engine, int32_t n_accept) {
     return guarded(engine, [&] { oj::engine_commit(engine->e, n_accept); });
 }
 
+int32_t oj_verify_tree(oj_engine *engine, const int32_t *tokens, const int32_t *parent, int32_t n_tokens) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_verify_tree(engine->e, tokens, parent, n_tokens); });
+}
+
+int32_t oj_commit_path(oj_engine *engine, const int32_t *path, int32_t n_path) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_commit_path(engine->e, path, n_path); });
+}
+
 int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
                  int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");

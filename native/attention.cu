@@ -14,6 +14,11 @@
 //      Each warp takes its positions C = 4 at a time (all C K and V rows loaded before any is
 //      used), so a warp has C rows in flight instead of one dependent row.
 //   3. attention_combine: merges the splits, times sigmoid(gate).
+// Draft trees (oj_verify_tree, tree.cuh's word): node i's K/V go to cache row pos0 + i as a chain's
+// would, its RoPE position is pos0 + depth(i), and the partial kernel scans positions pos0 ..
+// pos0 + depth(i) from its path's rows (tree_path_rows): the positions, rows and order of decoding
+// the path one token at a time, so a tree node's attention is bit for bit the path's. A chain
+// (word 0) reads row p for position p: the code as it was.
 // The KV type is a template parameter: the fp16 instances are the code they were before q8_0.
 // Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention
 // (kv_q8_0=True rounds K/V through q8_0 the same way).
@@ -92,7 +97,7 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
                                          void *__restrict__ k_cache, void *__restrict__ v_cache,
                                          __half *__restrict__ k_scale, __half *__restrict__ v_scale,
                                          int n_head, int n_head_kv, int n_ctx, int pos0, float eps,
-                                         RopeParams rp) {
+                                         RopeParams rp, uint64_t tree) {
     pdl_launch_dependents();
     pdl_wait();
     extern __shared__ float normed[];
@@ -105,7 +110,8 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
     const float ss = block_sum(x * x);
     normed[t] = x / sqrtf(ss / D + eps) * (is_q ? q_norm[t] : k_norm[t]);
     __syncthreads();
-    const int pos = pos0 + n;
+    const int row = pos0 + n;   // the cache row; a draft-tree node's RoPE position is pos0 + its depth
+    const int pos = tree ? pos0 + tree_depth(tree, n) : row;
     float y = normed[t];
     const int half = rp.n_rot / 2;
     if (t < rp.n_rot) {
@@ -118,10 +124,10 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
     if (is_q) {
         q_rot[((int64_t)n * n_head + hh) * D + t] = y;
     } else {
-        const int64_t at = ((int64_t)g * n_ctx + pos) * D + t;
+        const int64_t at = ((int64_t)g * n_ctx + row) * D + t;
         const float vx = v[((int64_t)n * n_head_kv + g) * D + t];
         if constexpr (Q8) {
-            const int64_t block = ((int64_t)g * n_ctx + pos) * (D / 32) + (t >> 5);
+            const int64_t block = ((int64_t)g * n_ctx + row) * (D / 32) + (t >> 5);
             q8_0_store(y, static_cast<int8_t *>(k_cache) + at, k_scale + block);
             q8_0_store(vx, static_cast<int8_t *>(v_cache) + at, v_scale + block);
         } else {
@@ -140,7 +146,7 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
                                  const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
                                  const __half *__restrict__ v_scale, float *__restrict__ part_ml,
                                  float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx,
-                                 int pos0, int n_splits, float scale) {
+                                 int pos0, int n_splits, float scale, uint64_t tree) {
     pdl_launch_dependents();
     pdl_wait();
     constexpr int PER = D / 32;
@@ -149,7 +155,7 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     const int h = blockIdx.x, n = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = h / (n_head / n_head_kv);
-    const int len = pos0 + n + 1;
+    const int len = pos0 + tree_depth(tree, n) + 1;   // n for a chain
     const int begin = split * SPLIT, end = min(begin + SPLIT, len);
     float q[PER];
 #pragma unroll
@@ -161,7 +167,8 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     const __half *ksb = k_scale + row0 * (D / 32) + lane * PER / 32;   // q8_0 only
     const __half *vsb = v_scale + row0 * (D / 32) + lane * PER / 32;
     float m, l, acc[PER];
-    chunked_scan<D, Q8, C, PARTIAL_WARPS>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc);
+    chunked_scan<D, Q8, C, PARTIAL_WARPS>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc, pos0,
+                                          tree_path_rows(tree, n));
     store_partial<D>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split);
 }
 
@@ -197,35 +204,37 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
 
 template <int D, bool Q8>
 void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
-                    int n_splits, float scale, cudaStream_t st) {
+                    int n_splits, float scale, uint64_t tree, cudaStream_t st) {
     check_cuda(launch(attention_partial_chunked_kernel<D, Q8, CHUNK>, grid, 32 * PARTIAL_WARPS, 0, st, q_rot, L.k_cache,
-                      L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale),
+                      L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale,
+                      tree),
                "attention_partial");
 }
 
+// tree: tree.cuh's word, 0 for a chain (any n: a prefill pass too).
 template <bool Q8>
 void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v, float *q_rot, int n,
-                int pos0, int n_ctx, cudaStream_t st) {
+                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     check_cuda(launch(attention_prepare_kernel<Q8>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v, L.q_norm,
                       L.k_norm, q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv, n_ctx, pos0, d.hp.rms_eps,
-                      rope_params(d)),
+                      rope_params(d), tree),
                "attention_prepare");
 }
 
 // Steps 2 and 3 for n <= OJ_MAX_POSITIONS positions at pos0.. (q_rot, qg and out point at the first).
 template <bool Q8>
 void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg, float *out, int n,
-               int pos0, int n_ctx, cudaStream_t st) {
+               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     const int n_splits = (pos0 + n + SPLIT - 1) / SPLIT;
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
     const dim3 grid(H, n, n_splits);
     switch (D) {
-        case 64: launch_partial<64, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
-        case 128: launch_partial<128, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
-        case 256: launch_partial<256, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, st); break;
+        case 64: launch_partial<64, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, st); break;
+        case 128: launch_partial<128, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, st); break;
+        case 256: launch_partial<256, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, st); break;
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");
@@ -234,17 +243,19 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
 }
 
 template <bool Q8>
-void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
-    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st);
-    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st);
+void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
+                      uint64_t tree) {
+    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree);
+    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree);
 }
 
 }  // namespace
 
-void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st) {
+void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
+                   uint64_t tree) {
     switch (L.kv_type) {
-        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st); break;
-        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st); break;
+        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree); break;
+        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree); break;
         default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
     }
 }

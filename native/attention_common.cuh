@@ -127,9 +127,10 @@ struct ChunkRows {
     Bits k[C], v[C];
     float ks[C], vs[C];   // q8_0 only
 
+    // Position p's row is cache row p, or for p >= map_from the tree's (chunked_scan).
     template <int D, bool Q8, int STEP>
     __device__ __forceinline__ void load(const Bits *kb, const Bits *vb, const __half *ksb, const __half *vsb, int p0,
-                                         int end) {
+                                         int end, int map_from, uint32_t rows) {
 #pragma unroll
         for (int j = 0; j < C; ++j) {
             const int p = p0 + j * STEP;
@@ -137,11 +138,12 @@ struct ChunkRows {
             v[j] = Bits{};
             ks[j] = vs[j] = 0.0f;
             if (p < end) {
-                k[j] = kb[(int64_t)p * 32];   // a row is D values = 32 lanes' Bits
-                v[j] = vb[(int64_t)p * 32];
+                const int r = p < map_from ? p : map_from + (int)((rows >> (4 * (p - map_from))) & 15u);
+                k[j] = kb[(int64_t)r * 32];   // a row is D values = 32 lanes' Bits
+                v[j] = vb[(int64_t)r * 32];
                 if constexpr (Q8) {
-                    ks[j] = __half2float(ksb[(int64_t)p * (D / 32)]);
-                    vs[j] = __half2float(vsb[(int64_t)p * (D / 32)]);
+                    ks[j] = __half2float(ksb[(int64_t)r * (D / 32)]);
+                    vs[j] = __half2float(vsb[(int64_t)r * (D / 32)]);
                 }
             }
         }
@@ -157,12 +159,15 @@ struct ChunkRows {
 // (its max, one correction of l and acc), C weighted V rows added. Positions of the last chunk at or
 // past `end` load nothing and score -inf (weight 0); the chunk's first position is always < end, so
 // m_new is finite. attention_partial_chunked_kernel runs it (STEP = its 4 warps). q: the lane's PER query values; kb / vb (ksb / vsb for q8_0) the KV
-// head's rows at the lane's offset.
+// head's rows at the lane's offset. Draft trees: positions p >= map_from are read from cache row
+// map_from + nibble (p - map_from) of `rows` (tree_rows), so that a tree node scans its ancestors
+// in the positions and order one-token-at-a-time decoding of its path would (the same warps, the
+// same sums); a chain's map is the identity.
 template <int D, bool Q8, int C, int STEP>
 __device__ __forceinline__ void chunked_scan(const float (&q)[D / 32], const RowBits<Q8 ? D / 32 : D / 16> *kb,
                                              const RowBits<Q8 ? D / 32 : D / 16> *vb, const __half *ksb,
                                              const __half *vsb, int first, int end, float scale, float &m, float &l,
-                                             float (&acc)[D / 32]) {
+                                             float (&acc)[D / 32], int map_from, uint32_t rows) {
     constexpr int PER = D / 32;
     constexpr int GROUP = 32 / C;   // lanes that hold one chunk position's score after the butterfly
     using Bits = RowBits<Q8 ? PER : 2 * PER>;
@@ -178,9 +183,9 @@ __device__ __forceinline__ void chunked_scan(const float (&q)[D / 32], const Row
     // before issuing them, two memory latencies per chunk instead of one.
     constexpr int STRIDE = STEP * C;
     ChunkRows<Bits, C> cur, nxt;
-    cur.load<D, Q8, STEP>(kb, vb, ksb, vsb, first, end);
+    cur.load<D, Q8, STEP>(kb, vb, ksb, vsb, first, end, map_from, rows);
     for (int p0 = first; p0 < end; p0 += STRIDE) {
-        nxt.load<D, Q8, STEP>(kb, vb, ksb, vsb, p0 + STRIDE, end);
+        nxt.load<D, Q8, STEP>(kb, vb, ksb, vsb, p0 + STRIDE, end, map_from, rows);
         float dot[C];
 #pragma unroll
         for (int j = 0; j < C; ++j) {

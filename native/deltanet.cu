@@ -23,6 +23,14 @@
 // positions n_past - replay_n .. n_past - 1. The replay repeats the forward arithmetic exactly,
 // so the committed state is bit-identical to stepping the accepted tokens one at a time.
 //
+// Draft trees (oj_verify_tree; the packed parents of tree.cuh, 0 for a chain): the kernels' TREE
+// instances run node t's conv over the last kernel-1 inputs along its ancestors (the committed
+// window filling the rest) and its recurrence from its parent's row, every node's row held in
+// registers (n <= 8, nodes in topological order). Nothing is written back either. oj_commit_path
+// moves the path's intermediates to rows 0..k-1 of the slot (compact_rows), after which the replay
+// above commits them as it commits a chain's, bit-identical to stepping the path one at a time.
+// The chain instances are the code as it was (the tree word is a constant 0 there).
+//
 // Prefill (deltanet_prefill) runs the same kernels over a whole pass (up to prefill_chunk
 // positions, the recurrence looping over them with the state in registers) with `commit` set:
 // the state after the last position is written back at the end, nothing is kept for a replay.
@@ -37,14 +45,17 @@ namespace oj {
 
 namespace {
 
-template <int KERNEL>
+// TREE: the positions are a draft tree (`parents`, tree.cuh's word); the chain instance is the
+// code it was before trees (parents is a constant 0 there).
+template <int KERNEL, bool TREE>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
-                                     float *__restrict__ state, float *__restrict__ out, int C, bool commit) {
+                                     float *__restrict__ state, float *__restrict__ out, int C, bool commit,
+                                     uint64_t parents) {
     pdl_launch_dependents();
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit);
+    if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
 }
 
 // grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output.
@@ -62,7 +73,7 @@ __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int
 }
 
 // grid (n_v_heads, S / 4), block 128: warp w owns state row j = blockIdx.y * 4 + w (recurrence_row).
-template <int S>
+template <int S, bool TREE>
 __global__ void __launch_bounds__(128)
 deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *__restrict__ replay_beta,
                            const float *__restrict__ replay_alpha, int n_replay,
@@ -70,12 +81,12 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            const float *__restrict__ alpha_raw, int n,
                            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
                            float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
-                           int n_key_heads, int n_v_heads, bool commit) {
+                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents) {
     pdl_launch_dependents();
     pdl_wait();
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
-                      n_key_heads, n_v_heads, commit);
+                      n_key_heads, n_v_heads, commit, TREE ? parents : 0);
 }
 
 // grid (n, n_v_heads), block d_state: o = rms_norm(o) * ssm_norm * silu(z), in place.
@@ -90,20 +101,27 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
     o[off] = v / sqrtf(ss / S + eps) * w[i] * silu(z[off]);
 }
 
-// Conv and recurrence for n_replay positions of ring slot `replay` and n new ones of slot `cur`.
+// Conv and recurrence for n_replay positions of ring slot `replay` and n new ones of slot `cur`
+// (parents != 0: the n new ones are a draft tree, tree.cuh's word).
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
                          const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st,
-                         bool recurrence = true) {
+                         bool recurrence = true, uint64_t parents = 0) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = 128, blocks = (C + threads - 1) / threads;
+    const bool tree = parents != 0;
+    if (tree && (commit || n > OJ_MAX_POSITIONS)) fail(OJ_ERR_INVALID_ARGUMENT, "a draft tree is never committed in the pass");
     cudaError_t e = cudaSuccess;
+#define OJ_CONV(K)                                                                                                  \
+    e = launch(tree ? deltanet_conv_kernel<K, true> : deltanet_conv_kernel<K, false>, blocks, threads, 0, st, replay.qkv, \
+               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents)
     switch (d.hp.ssm_conv_kernel) {
-        case 2: e = launch(deltanet_conv_kernel<2>, blocks, threads, 0, st, replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
-        case 3: e = launch(deltanet_conv_kernel<3>, blocks, threads, 0, st, replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
-        case 4: e = launch(deltanet_conv_kernel<4>, blocks, threads, 0, st, replay.qkv, n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit); break;
+        case 2: OJ_CONV(2); break;
+        case 3: OJ_CONV(3); break;
+        case 4: OJ_CONV(4); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
     }
+#undef OJ_CONV
     check_cuda(e, "deltanet_conv");
     if (n > 0)
         check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
@@ -111,8 +129,9 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
     if (!recurrence) return;
     const dim3 grid(Hv, S / 4);
 #define OJ_RECURRENCE(SS)                                                                                         \
-    e = launch(deltanet_recurrence_kernel<SS>, grid, 128, 0, st, replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, \
-               cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a, L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit)
+    e = launch(tree ? deltanet_recurrence_kernel<SS, true> : deltanet_recurrence_kernel<SS, false>, grid, 128, 0, st,  \
+               replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a,  \
+               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents)
     switch (S) {
         case 32: OJ_RECURRENCE(32); break;
         case 64: OJ_RECURRENCE(64); break;
@@ -126,8 +145,8 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 }  // namespace
 
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st) {
-    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st);
+                  cudaStream_t st, uint64_t parents) {
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents);
 }
 
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st) {

@@ -1,4 +1,6 @@
-// elementwise.cu: RMSNorm, SwiGLU, argmax over the vocabulary, and the fault probe.
+// elementwise.cu: RMSNorm, SwiGLU, argmax over the vocabulary, oj_commit_path's row moves, and the
+// fault probe.
+#include <algorithm>
 #include <cfloat>
 
 #include "engine.cuh"
@@ -56,6 +58,24 @@ __global__ void map_ids_kernel(int32_t *__restrict__ out, const int32_t *__restr
     if (threadIdx.x < n) out[threadIdx.x] = ids[out[threadIdx.x]];
 }
 
+// grid (n_jobs, blocks per job), block 256: job j's rows path[i] -> i for i < n_path, word by word.
+// A thread reads its word of every source row before it writes any, so the move is safe in place
+// (path[i] >= i; no two sources are one row).
+__global__ void compact_rows_kernel(const CompactJob *__restrict__ jobs, uint64_t path, int n_path) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const CompactJob job = jobs[blockIdx.x];
+    for (int w = blockIdx.y * blockDim.x + threadIdx.x; w < job.row_words; w += gridDim.y * blockDim.x) {
+        uint32_t v[OJ_MAX_POSITIONS];
+#pragma unroll
+        for (int i = 0; i < OJ_MAX_POSITIONS; ++i)
+            if (i < n_path) v[i] = job.base[(int64_t)((path >> (8 * i)) & 0xffu) * job.row_stride + w];
+#pragma unroll
+        for (int i = 0; i < OJ_MAX_POSITIONS; ++i)
+            if (i < n_path) job.base[(int64_t)i * job.row_stride + w] = v[i];
+    }
+}
+
 // Reads through an address no allocation covers: the test of how a kernel fault surfaces.
 __global__ void fault_probe_kernel(int32_t *out) {
     const int32_t *bad = reinterpret_cast<const int32_t *>(uintptr_t(0x10));
@@ -80,6 +100,12 @@ void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st
 
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st) {
     check_cuda(launch(map_ids_kernel, 1, 32, 0, st, out, ids, n), "map_ids");
+}
+
+void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st) {
+    if (n_jobs == 0) return;
+    const int per_job = std::min(8, (max_row_words + 255) / 256);
+    check_cuda(launch(compact_rows_kernel, dim3(n_jobs, per_job), 256, 0, st, jobs, path, n_path), "compact_rows");
 }
 
 void fault_probe(int32_t *out, cudaStream_t st) {

@@ -369,6 +369,12 @@ void alloc_scratch(Engine &e) {
         s.draft_ids = static_cast<int32_t *>(e.alloc(V * sizeof(int32_t), c));
     }
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
+    // oj_commit_path's moves: 4 ring buffers per DeltaNet layer, K and V (and their q8_0 scales)
+    // per KV head of each attention layer, the hidden and argmax rows
+    int jobs = 2;
+    for (const Layer &L : e.layers) jobs += L.recurrent ? 4 : 4 * d.hp.n_head_kv;
+    e.compact_capacity = jobs;
+    e.compact_jobs = static_cast<CompactJob *>(e.alloc((size_t)jobs * sizeof(CompactJob), c));
 }
 
 // post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). Under OJ_FUSE_PREP=1 the
@@ -384,8 +390,8 @@ void ffn(Engine &e, Layer &L, int n) {
     matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
-// attn_norm(s.x) -> gated attention added into s.x.
-void attention_layer(Engine &e, Layer &L, int n, int pos0) {
+// attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree).
+void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
@@ -394,7 +400,7 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0) {
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
     const uint64_t kv = (uint64_t)(pos0 + n) * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
-    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream);
+    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
@@ -411,7 +417,7 @@ void deltanet_layer(Engine &e, Layer &L, int n) {
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
-    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream);
+    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
                       e.stream);
@@ -512,8 +518,38 @@ void engine_reset(Engine &e) {
 
 namespace {
 
-void verify(Engine &e, const int32_t *tokens, int n) {
+// The tree's word (tree.cuh) from a checked parent array; 0 when it is a chain (oj_verify's code).
+uint64_t tree_word(const int32_t *parent, int n) {
+    uint64_t t = 0;
+    bool chain = true;
+    for (int i = 0; i < n; ++i) {
+        chain = chain && parent[i] == i - 1;
+        t |= (uint64_t)(uint8_t)(parent[i] + 1) << (8 * i);
+    }
+    return chain ? 0 : t;
+}
+
+// The last verify's parents (a chain for oj_verify) for oj_commit / oj_commit_path's checks.
+void remember_parents(Engine &e, const int32_t *parent, int n) {
+    for (int i = 0; i < OJ_MAX_POSITIONS; ++i) e.tree_parent[i] = (int8_t)(i < n ? (parent ? parent[i] : i - 1) : -2);
+}
+
+// n_accept positions of the last verify's rows 0..n_accept-1 become committed (the replay at the
+// next evaluation advances the DeltaNet state by them).
+void commit_rows(Engine &e, int n_accept) {
+    // Attention K/V of the rejected positions stay in the cache beyond n_past and are overwritten by
+    // the next evaluation; DeltaNet state advances only by replay of the accepted ones.
+    e.replay_n = n_accept;
+    e.n_past += n_accept;
+    e.prev_row = n_accept;   // row 0 (the position before the batch) when nothing was accepted
+    e.uncommitted = 0;
+}
+
+
+// parent: a checked parent array (oj_verify_tree) or nullptr (a chain).
+void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nullptr) {
     check_tokens(e, tokens, n);
+    const uint64_t tree = parent ? tree_word(parent, n) : 0;
     if (e.n_past + n > e.n_ctx)
         fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
     const ModelDims &d = e.dims;
@@ -522,6 +558,7 @@ void verify(Engine &e, const int32_t *tokens, int n) {
     check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
     // A verify that was never committed is dropped (as oj_commit(0) would).
     e.uncommitted = 0;
+    e.tree = tree;
     // Row 0 of the hidden window: the position just before this batch (zeros at position 0), so
     // that the MTP block can pair every token of the batch with its predecessor's hidden state.
     if (e.n_past == 0)
@@ -536,7 +573,7 @@ void verify(Engine &e, const int32_t *tokens, int n) {
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
         if (L.recurrent) deltanet_layer(e, L, n);
-        else attention_layer(e, L, n, e.n_past);
+        else attention_layer(e, L, n, e.n_past, tree);
         ffn(e, L, n);
     }
     float *h = s.hidden + E;
@@ -558,11 +595,102 @@ void verify(Engine &e, const int32_t *tokens, int n) {
     e.last_start = e.n_past;
     e.last_n = n;
     e.uncommitted = n;
+    remember_parents(e, parent, n);
 }
 
 }  // namespace
 
 void engine_verify(Engine &e, const int32_t *tokens, int n) { verify(e, tokens, n); }
+
+
+void engine_verify_tree(Engine &e, const int32_t *tokens, const int32_t *parent, int n) {
+    check_tokens(e, tokens, n);
+    if (!parent) fail(OJ_ERR_INVALID_ARGUMENT, "oj_verify_tree: parent is NULL");
+    if (parent[0] != -1)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_verify_tree: bad parent array: node 0 is the root (the current token), its parent must be -1, got " +
+                                          std::to_string(parent[0]));
+    for (int i = 1; i < n; ++i)
+        if (parent[i] < 0 || parent[i] >= i)
+            fail(OJ_ERR_INVALID_ARGUMENT, "oj_verify_tree: bad parent array: node " + std::to_string(i) + " has parent " +
+                                              std::to_string(parent[i]) + "; a draft's parent must be an earlier node (0.." +
+                                              std::to_string(i - 1) + ")");
+    verify(e, tokens, n, parent);
+}
+
+void engine_commit_path(Engine &e, const int32_t *path, int n_path) {
+    if (e.uncommitted == 0)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit_path: no tree to commit (no uncommitted oj_verify_tree or oj_verify; each is committed once)");
+    if (!path) fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit_path: path is NULL");
+    const int n = e.uncommitted;
+    if (n_path < 1 || n_path > n)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit_path: n_path is " + std::to_string(n_path) + "; the last tree has " +
+                                          std::to_string(n) + " nodes (a path keeps 1.." + std::to_string(n) + ")");
+    if (path[0] != 0)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit_path: not a path of the last tree: it starts at node " + std::to_string(path[0]) +
+                                          ", not at the root (node 0)");
+    bool prefix = true;   // path = 0, 1, .., n_path - 1: the rows are in place already
+    uint64_t packed = 0;
+    for (int i = 1; i < n_path; ++i) {
+        const int b = path[i];
+        if (b <= 0 || b >= n || e.tree_parent[b] != path[i - 1])
+            fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit_path: not a path of the last tree: node " + std::to_string(b) +
+                                              " (entry " + std::to_string(i) + ") is not a child of node " +
+                                              std::to_string(path[i - 1]));
+        prefix = prefix && b == i;
+        packed |= (uint64_t)b << (8 * i);
+    }
+    if (!prefix) {
+        // Move the path's rows to rows 0..n_path-1: this slot's DeltaNet intermediates (what the
+        // replay reads), K/V at n_past.. (node i wrote row n_past + i, RoPE'd at its depth, which is
+        // its path index), and the results (hidden window, argmax, logits) so that they read as after
+        // oj_verify of the path. Then the commit is oj_commit's.
+        const ModelDims &d = e.dims;
+        std::vector<CompactJob> jobs;
+        const int C = d.ssm_conv_dim(), Hv = d.hp.ssm_dt_rank, D = d.hp.head_dim, E = d.hp.n_embd;
+        auto add = [&](void *base, int64_t words) {
+            jobs.push_back(CompactJob{static_cast<uint32_t *>(base), words, (int32_t)words});
+        };
+        for (Layer &L : e.layers) {
+            if (L.recurrent) {
+                const RingSlot &r = L.ring[e.replay_slot];   // the verify's slot (verify flipped them)
+                add(r.qkv, C);
+                add(r.conv, C);
+                add(r.beta, Hv);
+                add(r.alpha, Hv);
+                continue;
+            }
+            const size_t elem = L.kv_type == OJ_KV_F16 ? 2 : 1;
+            for (int g = 0; g < d.hp.n_head_kv; ++g) {
+                const int64_t row0 = (int64_t)g * e.n_ctx + e.n_past;
+                add(static_cast<uint8_t *>(L.k_cache) + row0 * D * elem, D * (int64_t)elem / 4);
+                add(static_cast<uint8_t *>(L.v_cache) + row0 * D * elem, D * (int64_t)elem / 4);
+                if (L.kv_type == OJ_KV_Q8_0) {
+                    add(L.k_scale + row0 * (D / 32), D / 32 / 2);
+                    add(L.v_scale + row0 * (D / 32), D / 32 / 2);
+                }
+            }
+        }
+        add(e.s.hidden + E, E);
+        add(e.s.argmax, 1);
+        if ((int)jobs.size() > e.compact_capacity) fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit_path: more row moves than the table holds");
+        int max_words = 0;
+        for (const CompactJob &j : jobs) max_words = std::max(max_words, j.row_words);
+        check_cuda(cudaMemcpyAsync(e.compact_jobs, jobs.data(), jobs.size() * sizeof(CompactJob), cudaMemcpyHostToDevice, e.stream),
+                   "oj_commit_path jobs");
+        compact_rows(e.compact_jobs, (int)jobs.size(), max_words, packed, n_path, e.stream);
+        const size_t V = d.hp.n_vocab;
+        for (int i = 1; i < n_path; ++i)   // a logits row is ~1 MB on the 27B: one copy per moved row
+            if (path[i] != i)
+                check_cuda(cudaMemcpyAsync(e.s.logits + (size_t)i * V, e.s.logits + (size_t)path[i] * V, V * 4,
+                                           cudaMemcpyDeviceToDevice, e.stream),
+                           "oj_commit_path logits");
+        finish(e, "oj_commit_path");
+    }
+    commit_rows(e, n_path);
+    e.tree = 0;
+    remember_parents(e, nullptr, 0);
+    e.last_n = n_path;
+}
 
 int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
     check_tokens(e, tokens, n);
@@ -610,12 +738,12 @@ void engine_commit(Engine &e, int n_accept) {
     if (n_accept < 0 || n_accept > e.uncommitted)
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit(" + std::to_string(n_accept) + "): the last oj_verify evaluated " +
                                           std::to_string(e.uncommitted) + " positions");
-    // Attention K/V of the rejected positions stay in the cache beyond n_past and are overwritten by
-    // the next evaluation; DeltaNet state advances only by replay of the accepted ones.
-    e.replay_n = n_accept;
-    e.n_past += n_accept;
-    e.prev_row = n_accept;   // row 0 (the position before the batch) when nothing was accepted
-    e.uncommitted = 0;
+    for (int i = 1; i < n_accept; ++i)
+        if (e.tree_parent[i] != i - 1)
+            fail(OJ_ERR_INVALID_ARGUMENT, "oj_commit(" + std::to_string(n_accept) + "): nodes 0.." + std::to_string(n_accept - 1) +
+                                              " of the last oj_verify_tree are not a chain (node " + std::to_string(i) +
+                                              " is a child of node " + std::to_string(e.tree_parent[i]) + "); use oj_commit_path");
+    commit_rows(e, n_accept);
 }
 
 void engine_eval(Engine &e, const int32_t *tokens, int n) {

@@ -16,6 +16,7 @@
 #include "model_dims.h"
 #include "openjet.h"
 #include "quant_blocks.cuh"
+#include "tree.cuh"
 
 namespace oj {
 
@@ -52,6 +53,14 @@ struct RingSlot {
     float *conv = nullptr;    // [N][conv_dim] conv + SiLU output, q and k heads L2-normed
     float *beta = nullptr;    // [N][n_v_heads] raw (before sigmoid)
     float *alpha = nullptr;   // [N][n_v_heads] raw (before softplus)
+};
+
+// One row compaction of oj_commit_path (engine.cu's compact_rows): rows path[i] -> rows i of a
+// [rows][row_words] region starting at `base` (stride row_stride words).
+struct CompactJob {
+    uint32_t *base;
+    int64_t row_stride;   // in 4-byte words
+    int32_t row_words;
 };
 
 struct Layer {
@@ -175,6 +184,10 @@ struct Engine {
     // replay_n positions of slot replay_slot are accepted but not yet in the recurrent state.
     int slot = 0, replay_slot = 1, replay_n = 0;
     int uncommitted = 0;              // positions of the last oj_verify awaiting oj_commit
+    uint64_t tree = 0;                // the last verify's shape (tree.cuh; 0: a chain, oj_verify)
+    int8_t tree_parent[OJ_MAX_POSITIONS] = {};   // its parents (host copy for oj_commit_path's checks)
+    CompactJob *compact_jobs = nullptr;          // device table for oj_commit_path's row moves
+    int compact_capacity = 0;
     int prev_row = 0;                 // hidden-window row of position n_past - 1 after the last commit
     int n_draft_ids = 0;              // 0: the draft head scores the whole vocabulary
     std::vector<Checkpoint> checkpoints;
@@ -195,6 +208,9 @@ void engine_load(Engine &e, const oj_model_desc &desc);
 void engine_reset(Engine &e);
 void engine_verify(Engine &e, const int32_t *tokens, int n);   // provisional: commits nothing
 void engine_commit(Engine &e, int n_accept);                    // keep the first n_accept
+// oj_verify_tree / oj_commit_path (openjet.h): a draft tree, provisional; keep one path of it.
+void engine_verify_tree(Engine &e, const int32_t *tokens, const int32_t *parent, int n);
+void engine_commit_path(Engine &e, const int32_t *path, int n_path);
 // oj_cycle: returns the accepted drafts' count; out_tokens[0..k], out_drafts[0..n_draft)
 int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts);
 void engine_eval(Engine &e, const int32_t *tokens, int n);     // verify + commit all
@@ -249,12 +265,17 @@ void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st
 // out[i] = ids[out[i]] for i < n (an argmax over a row subset back to token ids)
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st);
 void fault_probe(int32_t *out, cudaStream_t st);
+// elementwise.cu: for each of n_jobs jobs, rows path[i] -> rows i (i < n_path; path[i] >= i, as
+// a root-first path of a tree in topological order has): oj_commit_path's moves.
+void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st);
 
 // deltanet.cu: one Gated DeltaNet layer's mixer: first replays n_replay accepted positions of ring
 // slot replay_slot into the state, then runs n new positions from ring slot `slot` (qkv, beta,
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
+// `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
+// follow each node's ancestors).
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st);
+                  cudaStream_t st, uint64_t tree = 0);
 // deltanet.cu: o = rms_norm(o) * w * silu(z) per head of S values, in place ([n][n_heads][S]).
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st);
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
@@ -270,8 +291,10 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 
 // attention.cu: q/k norms, RoPE, KV append at pos0.., split-K decode, sigmoid gate:
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
+// `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
+// its depth, attention over the committed rows and its path's (tree_path_rows).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
-                   cudaStream_t st);
+                   cudaStream_t st, uint64_t tree = 0);
 // attention.cu: the first step alone for n positions of a prefill pass: q/k norms and RoPE to q_rot,
 // K/V appended at pos0...
 void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v,

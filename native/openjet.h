@@ -18,6 +18,8 @@
  *   commits nothing (n_past stays); oj_commit(n_accept) keeps its first n_accept positions. The
  *   Gated DeltaNet state advances by replaying the accepted positions' intermediates at the start
  *   of the next evaluation (native/deltanet.cu); K/V of rejected positions are simply overwritten.
+ * - Draft trees: oj_verify_tree evaluates a tree of drafts in one pass (tree attention mask,
+ *   DeltaNet from each node's parent), oj_commit_path keeps one root-first path of it.
  * - The MTP (nextn) block has its own KV cache; oj_mtp_eval places token i at MTP position
  *   pos0 + i (dropping MTP positions >= pos0 first, which is how drafts are rolled back).
  * - After a CUDA fault that poisons the context (an illegal address) every call but
@@ -33,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 5, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
+enum { OJ_ABI_VERSION = 6, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -189,8 +191,26 @@ int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
 /* Evaluate tokens at n_past..n_past+n_tokens-1 provisionally (the results are read as after
    oj_eval); a verify not committed before the next evaluation counts as oj_commit(0). */
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
-/* Keep the first n_accept (0..n_tokens) positions of the last oj_verify: n_past += n_accept. */
+/* Keep the first n_accept (0..n_tokens) positions of the last oj_verify: n_past += n_accept.
+   After oj_verify_tree, nodes 0..n_accept-1 must form a chain (else oj_commit_path). */
 int32_t oj_commit(oj_engine *engine, int32_t n_accept);
+/* Draft-tree verification (issue 28). Evaluate a tree of n_tokens (1..OJ_MAX_POSITIONS) nodes
+   provisionally, as oj_verify evaluates a chain: node 0 is the current token at n_past (parent[0]
+   = -1), node i > 0 a child of parent[i] (0 <= parent[i] < i) at position n_past + depth(i). Node i
+   sees what decoding its root-to-node path one token at a time would see: attention over the
+   committed positions, its ancestors and itself (RoPE at n_past + depth(i)); the DeltaNet conv
+   window and recurrence continue from its parent. Results (oj_get_argmax / logits / hidden) are
+   read per node as after oj_verify; node i's K/V sit at cache row n_past + i until a commit.
+   A chain (parent[i] = i - 1) runs exactly oj_verify. An uncommitted earlier verify is dropped. */
+int32_t oj_verify_tree(oj_engine *engine, const int32_t *tokens, const int32_t *parent, int32_t n_tokens);
+/* Keep one root-first path of the last oj_verify_tree (or oj_verify): path[0] = 0 and each
+   path[i] a child of path[i - 1]; n_path 1..its node count. The path's nodes become positions
+   n_past..n_past + n_path - 1 and n_past += n_path: recurrent state, conv state and K/V end as
+   after evaluating the path's tokens one at a time (the DeltaNet intermediates and K/V rows of
+   the path are moved to rows 0..n_path-1 and committed by replay, as oj_commit does). Afterwards
+   oj_get_argmax / logits / hidden read the path's positions in path order (n_path of them), and
+   OJ_H_MAIN reaches their hidden states, as after oj_verify of the path's tokens + oj_commit. */
+int32_t oj_commit_path(oj_engine *engine, const int32_t *path, int32_t n_path);
 /* One greedy speculative cycle (issue 8). tokens[0..n_tokens) are the current token and its
    n_tokens - 1 drafts, placed at n_past as oj_verify places them. The cycle accepts the leading
    drafts equal to the main model's argmax at the position before them, commits the current token

@@ -287,3 +287,140 @@ class NativeSpeculator:
         if self.restricted:
             self.vocab.add(emitted)
         return emitted, depth, k
+
+
+# --- draft trees (issue 28) on the generic decoder ------------------------------------------------
+
+class NativeTreeTarget:
+    """A NativeBackend as `speculative.Target` and `speculative_tree.TreeTarget`: what
+    `SpeculativeDecoder(tree=...)` drives (`native_tree_decoder`).
+
+    verify_tree is oj_verify_tree (all nodes in one pass) and commit_path oj_commit_path. Logits
+    rows are copied from the GPU only when verification reads them; every node's hidden is copied
+    at once (the decoder hands the path's to the draft source, and after commit_path the engine's
+    rows are the path's). The draft source keeps the MTP cache itself (MTPTreeDrafts' catch-up
+    through NativeTreeDrafter), so the backend must not also follow it: draft_depth 0.
+    """
+
+    def __init__(self, backend):
+        if getattr(backend, "supports_speculative", False):
+            raise ValueError("NativeTreeTarget drives the MTP cache through its draft source: create the "
+                             "NativeBackend with draft_depth=0 (its own MTP catch-up would rewrite the rows)")
+        if not getattr(backend, "supports_tree", False):
+            raise RuntimeError("the native library has no oj_verify_tree: rebuild it")
+        self.b = backend
+        self.n_vocab = backend.n_vocab
+        self._rows: _LazyRows | None = None
+
+    @property
+    def n_past(self) -> int:
+        return self.b.n_past
+
+    def reset(self) -> None:
+        self.b.reset()
+
+    def prefill(self, tokens: Sequence[int]) -> list[np.ndarray]:
+        """Evaluate and commit `tokens`, MAX_POSITIONS a call; the hidden after each."""
+        toks = [int(t) for t in tokens]
+        out: list[np.ndarray] = []
+        for i in range(0, len(toks), MAX_NATIVE_DEPTH + 1):
+            chunk = toks[i:i + MAX_NATIVE_DEPTH + 1]
+            self.b.eval(chunk)
+            out += [self.b.hidden(j) for j in range(len(chunk))]
+        return out
+
+    def _results(self, n: int) -> tuple["_LazyRows", list[np.ndarray]]:
+        self._rows = _LazyRows(self.b, n)
+        return self._rows, [self.b.hidden(i) for i in range(n)]
+
+    def verify(self, tokens: Sequence[int]):
+        self.b.verify([int(t) for t in tokens])
+        return self._results(len(tokens))
+
+    def commit(self, n: int) -> None:
+        self._stale()
+        self.b.commit(int(n))
+
+    def verify_tree(self, tokens: Sequence[int], parent: Sequence[int]):
+        self.b.verify_tree([int(t) for t in tokens], parent)
+        return self._results(len(tokens))
+
+    def commit_path(self, path: Sequence[int]) -> None:
+        self._stale()
+        self.b.commit_path([int(i) for i in path])
+
+    def _stale(self) -> None:
+        # rows not read by now are gone: after commit_path the engine's rows are the path's
+        if self._rows is not None:
+            self._rows.n = 0
+            self._rows = None
+
+
+class NativeTreeDrafter:
+    """The native MTP head as `speculative_tree.TreeDrafter` (hiddens are host arrays, OJ_H_HOST).
+
+    step(pos, token, hidden) is one oj_mtp_eval at pos (the cache cut there first). A tree node's
+    step_branch rewrites its ancestors' rows first: its row is (token, hidden in), and the step
+    evaluates [ancestors' tokens, token] at pos - len(path) in one oj_mtp_eval from their host
+    hiddens, then reads the last position. What it costs: a node at depth d evaluates d positions
+    instead of 1 (one MTP block, weight-bound: ~1/65 of a main pass on the 27B for up to 8
+    positions) plus a host round trip of the hidden per step; the rows it overwrites are beyond
+    the committed ones (the root's row at pos - len(path) - 1 stays), which MTPTreeDrafts'
+    catch-up rewrites from the main hiddens after the commit.
+    """
+
+    def __init__(self, backend):
+        if not backend.has_mtp:
+            raise ValueError("the model has no MTP block: there is no draft head")
+        self.b = backend
+        self.n_vocab = backend.n_vocab
+        self._vocab: np.ndarray | None = None      # the draft vocabulary uploaded (None: all)
+
+    def reset(self) -> None:
+        """Nothing to do: the target's reset emptied the MTP cache, and the catch-up rewrites it
+        from position 0."""
+
+    def _use_vocab(self, ids: np.ndarray | None) -> None:
+        if ids is not None and len(ids) == self.n_vocab and np.array_equal(ids, np.arange(self.n_vocab)):
+            ids = None                             # the whole vocabulary in id order: the plain head
+        if ids is None and self._vocab is None:
+            return
+        if ids is not None and self._vocab is not None and np.array_equal(ids, self._vocab):
+            return
+        self.b.set_draft_vocab(ids)
+        self._vocab = None if ids is None else np.array(ids, copy=True)
+
+    def _h(self, hidden) -> np.ndarray:
+        if hidden is None:
+            return np.zeros(self.b.config.n_embd, dtype=np.float32)
+        return np.asarray(hidden, dtype=np.float32).reshape(-1)
+
+    def step(self, pos, token, hidden, vocab_ids):
+        if vocab_ids is not None:
+            self._use_vocab(vocab_ids)
+        self.b.mtp_eval([int(token)], int(pos), h=self._h(hidden)[None])
+        logits = self.b.draft_logits(0) if vocab_ids is not None else None
+        return logits, self.b.draft_hidden(0)
+
+    def step_branch(self, pos, token, hidden, vocab_ids, path):
+        self._use_vocab(vocab_ids)
+        rows = list(path) + [(int(token), self._h(hidden))]
+        pos0 = int(pos) - len(path)
+        self.b.mtp_eval([t for t, _ in rows], pos0, h=np.stack([h for _, h in rows]))
+        last = len(rows) - 1
+        return self.b.draft_logits(last), self.b.draft_hidden(last), rows[-1]
+
+
+def native_tree_decoder(backend, tree, vocab=None):
+    """SpeculativeDecoder with draft trees on the native engine: target NativeTreeTarget(backend),
+    drafts MTPTreeDrafts(NativeTreeDrafter(backend), vocab); `tree` a TreePolicy or a budget
+    (2..OJ_MAX_POSITIONS). The backend: draft_depth=0 (NativeTreeTarget says why)."""
+    from .speculative import SpeculativeDecoder
+    from .speculative_tree import MTPTreeDrafts, TreePolicy
+
+    policy = tree if isinstance(tree, TreePolicy) else TreePolicy(tree)
+    if policy.budget > MAX_NATIVE_DEPTH + 1:
+        raise ValueError(f"tree budget {policy.budget} exceeds the native engine's {MAX_NATIVE_DEPTH + 1} "
+                         f"positions per verify")
+    return SpeculativeDecoder(NativeTreeTarget(backend), MTPTreeDrafts(NativeTreeDrafter(backend), vocab),
+                              tree=policy)

@@ -17,6 +17,10 @@ oj_prefill (passes of `prefill_chunk` positions on the tensor cores); shorter on
 when prefill_chunk is 0, through oj_eval, 8 positions a call. The engine makes the MTP rows of a
 prefill itself when its MTP cache ends at n_past on entry; a speculating backend arranges that.
 
+Draft trees (issue 28): `verify_tree(tokens, parent)` evaluates a tree of drafts in one pass and
+`commit_path(path)` keeps one root-first path of it (oj_verify_tree / oj_commit_path); the MTP rows
+of the path are owed as after commit.
+
 Fused cycles (issue 8): `cycle` is oj_cycle, a greedy cycle in one call (verify, accept, commit,
 then the next token's MTP row and its drafts), no Python between its launches. The engine's
 MTP cache then runs a row ahead of `_mtp_upto`: `_token_row` says for which (position, token).
@@ -52,6 +56,7 @@ DELTANET_CHUNK = 64          # deltanet_chunked.cuh's chunk C
 DELTANET_CHUNK_COEF_BYTES = 2 * DELTANET_CHUNK * DELTANET_CHUNK * 2 + 3 * DELTANET_CHUNK * 4   # its ChunkCoef::bytes
 PREFILL_ABI = 3              # the first oj_abi_version() with oj_prefill
 CYCLE_ABI = 4                # the first oj_abi_version() with oj_cycle
+TREE_ABI = 6                 # the first oj_abi_version() with oj_verify_tree / oj_commit_path
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -242,6 +247,7 @@ class NativeBackend:
                                 and int(self._nl.lib.oj_abi_version()) >= PREFILL_ABI)
         self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
         self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
+        self.supports_tree = int(self._nl.lib.oj_abi_version()) >= TREE_ABI
         self._engine = self._create(model_file, kv_type, device)
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
@@ -255,6 +261,7 @@ class NativeBackend:
         # valid while n_past is that position and no MTP call rewrites the row.
         self._token_row: tuple[int, int] | None = None
         self._verify_tokens: list[int] = []
+        self._verify_parent: list[int] | None = None   # the last verify_tree's parents (None: a chain)
         self._draft_vocab_len = 0
 
     # --- creation ------------------------------------------------------------------------------
@@ -505,6 +512,7 @@ class NativeBackend:
         self._check(self._nl.lib.oj_verify(self._handle(), buf, len(toks[0])), "verify")
         self._last_n = len(toks[0])
         self._verify_tokens = toks[0]
+        self._verify_parent = None
 
     def commit(self, n_accept: int) -> None:
         """Keep the first n_accept positions of the last verify."""
@@ -514,6 +522,45 @@ class NativeBackend:
         self._check(self._nl.lib.oj_commit(self._handle(), int(n_accept)), "commit")
         kept = self._verify_tokens[:n_accept]
         self._verify_tokens = []
+        self._owe_rows(start, kept)
+
+    def verify_tree(self, tokens: list[int], parent) -> None:
+        """Evaluate a draft tree at n_past provisionally (oj_verify_tree; the layout of
+        speculative_tree: node 0 the current token with parent -1, parent[i] < i): argmax(),
+        logits(i) and hidden(i) then read node i. Nothing is kept until commit_path()."""
+        from ..speculative_tree import check_tree_parents
+
+        if not self.supports_tree:
+            raise RuntimeError(f"the native library is ABI {int(self._nl.lib.oj_abi_version())}; "
+                               f"oj_verify_tree needs {TREE_ABI}: rebuild it")
+        toks = self._chunks(tokens)
+        if len(toks) != 1:
+            raise ValueError(f"verify_tree takes 1..{MAX_POSITIONS} nodes, got {len(tokens)}")
+        par = check_tree_parents(parent, len(toks[0]))
+        self._flush_mtp()                          # as verify: owed rows need this window's hiddens
+        ffi = self._nl.ffi
+        self._check(self._nl.lib.oj_verify_tree(self._handle(), ffi.new("int32_t[]", toks[0]),
+                                                ffi.new("int32_t[]", par.tolist()), len(toks[0])), "verify_tree")
+        self._last_n = len(toks[0])
+        self._verify_tokens = toks[0]
+        self._verify_parent = par.tolist()
+
+    def commit_path(self, path) -> None:
+        """Keep one root-first path of the last verify_tree (or verify) as positions n_past..
+        (oj_commit_path). Its tokens then owe their MTP rows like commit()'s: the engine moved the
+        path's hidden states into the window, where the next MTP call finds them."""
+        if not self._verify_tokens:
+            raise RuntimeError("commit_path without a verify_tree")
+        p = [int(i) for i in path]
+        parent = getattr(self, "_verify_parent", None) or list(range(-1, len(self._verify_tokens) - 1))
+        if not p or p[0] != 0 or any(not 0 < b < len(parent) or parent[b] != a for a, b in zip(p, p[1:])):
+            raise ValueError(f"{p} is not a root-first path of the last tree (parents {parent})")
+        start = self.n_past
+        self._check(self._nl.lib.oj_commit_path(self._handle(), self._nl.ffi.new("int32_t[]", p), len(p)),
+                    "commit_path")
+        kept = [self._verify_tokens[i] for i in p]
+        self._verify_tokens, self._verify_parent = [], None
+        self._last_n = len(p)                      # results now read the path, in path order
         self._owe_rows(start, kept)
 
     def _owe_rows(self, start: int, kept: list[int]) -> None:

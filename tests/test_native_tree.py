@@ -1,0 +1,265 @@
+"""Draft trees on the native backend's Python side (issue 28), on the CPU: NativeBackend.verify_tree /
+commit_path and the generic decoder's native tree target and drafter (speculative_native.py) over a
+fake library with engine.cu's rules for oj_verify_tree / oj_commit_path (tests/test_native_bookkeeping
+.py's toy model: the next token is a hash of the committed history, so a token lost, doubled or taken
+from the wrong branch changes every later output). The GPU runs the same paths on the real engine:
+tests/test_native_tree_gpu.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_native_bookkeeping import V, FakeLib, _mix, _rows_in_step, install_fake  # noqa: E402
+
+from openjet_plugin.backends import native  # noqa: E402
+from openjet_plugin.sampling import SamplingParams  # noqa: E402
+from openjet_plugin.speculative import SpeculativeDecoder  # noqa: E402
+
+DEFAULT_GGUF = Path(__file__).resolve().parent.parent / "openjet_plugin" / "data" / "default.gguf"
+GREEDY = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+
+
+def _encode(h: int, n: int) -> np.ndarray:
+    """A toy hidden (a 61-bit history hash) as n floats: 16-bit pieces, exact in float32."""
+    out = np.zeros(n, dtype=np.float32)
+    for k in range(4):
+        out[k] = (h >> (16 * k)) & 0xFFFF
+    return out
+
+
+def _decode(row) -> int:
+    return sum(int(row[k]) << (16 * k) for k in range(4))
+
+
+class TreeFakeLib(FakeLib):
+    """FakeLib with oj_verify_tree / oj_commit_path (openjet.h, ABI 6), the hidden rows, OJ_H_HOST
+    and the draft vocabulary, by engine.cu's rules."""
+
+    abi = native.TREE_ABI
+
+    def oj_engine_create(self, desc, out):
+        self.n_embd = int(desc.hparams.n_embd)
+        return super().oj_engine_create(desc, out)
+
+    def oj_reset(self, h):
+        self.parent: list[int] = []
+        self.ids: np.ndarray | None = None
+        self.draft_hs: list[int] = []
+        return super().oj_reset(h)
+
+    def oj_verify(self, h, buf, n):
+        self.parent = list(range(-1, n - 1))
+        return super().oj_verify(h, buf, n)
+
+    def oj_verify_tree(self, h, buf, par, n):
+        toks = [int(buf[i]) for i in range(n)]
+        parent = [int(par[i]) for i in range(n)]
+        if not 1 <= n <= 8 or any(not 0 <= t < V for t in toks):
+            return self._fail("oj_verify_tree: n or a token id out of range")
+        if parent[0] != -1 or any(not 0 <= parent[i] < i for i in range(1, n)):
+            return self._fail("oj_verify_tree: bad parent array")
+        self.verifies += 1
+        self.uncommitted = 0
+        self.last_start, self.last_n, self.prev_row = len(self.hist), n, 0
+        hs: list[int] = []
+        for i, t in enumerate(toks):
+            hs.append(_mix(self.hashes[-1] if parent[i] < 0 else hs[parent[i]], t))
+        self.win = [self.hashes[-1]] + hs
+        self.out = [self._next(x) for x in hs]
+        self.verify_toks, self.parent, self.uncommitted = toks, parent, n
+        return 0
+
+    def oj_commit(self, h, n):
+        if any(self.parent[i] != i - 1 for i in range(1, min(n, len(self.parent)))):
+            return self._fail("oj_commit: the nodes are not a chain; use oj_commit_path")
+        return super().oj_commit(h, n)
+
+    def oj_commit_path(self, h, path, n):
+        p = [int(path[i]) for i in range(n)]
+        if self.uncommitted == 0:
+            return self._fail("oj_commit_path: no tree to commit")
+        if not 1 <= n <= self.uncommitted or p[0] != 0 or any(
+                not 0 < b < self.uncommitted or self.parent[b] != a for a, b in zip(p, p[1:])):
+            return self._fail("oj_commit_path: not a path of the last tree")
+        for i in p:
+            self.hist.append(self.verify_toks[i])
+            self.hashes.append(_mix(self.hashes[-1], self.verify_toks[i]))
+        assert self.hashes[-1] == self.win[p[-1] + 1]
+        # the results and the hidden window read the path, in path order
+        self.win = [self.win[0]] + [self.win[i + 1] for i in p]
+        self.out = [self.out[i] for i in p]
+        self.last_n, self.uncommitted = n, 0
+        return 0
+
+    def oj_get_hidden(self, h, index, out, n):
+        if not 0 <= index < self.last_n:
+            return self._fail("hidden index")
+        np.frombuffer(self.ffi.buffer(out, n * 4), dtype=np.float32)[:] = _encode(self.win[index + 1], n)
+        return 0
+
+    def oj_mtp_eval(self, h, buf, n, pos0, source, hp):
+        if source != 2:
+            rc = super().oj_mtp_eval(h, buf, n, pos0, source, hp)
+            if rc == 0:
+                self.draft_hs = [self.draft_h] * n if n == 1 else self._guesses(buf, n)
+            return rc
+        if pos0 > self.mtp_n_past:
+            return self._fail(f"MTP pos0 {pos0} leaves a hole after {self.mtp_n_past}")
+        E = self.n_embd
+        rows = np.frombuffer(self.ffi.buffer(hp, n * E * 4), dtype=np.float32).reshape(n, E)
+        self.draft, self.draft_hs = [], []
+        for i in range(n):
+            t, hh = int(buf[i]), _decode(rows[i])
+            self.mtp_rows[pos0 + i] = (t, hh)
+            g = _mix(hh, t)
+            self.draft.append(self._next(g) if g % 4 else (self._next(g) + 1) % V)
+            self.draft_hs.append(g)
+        self.draft_h = self.draft_hs[-1]
+        self.mtp_n_past, self.last_mtp_n = pos0 + n, n
+        return 0
+
+    def _guesses(self, buf, n):
+        # the hidden each row's step would chain with (for OJ_H_MAIN batches)
+        first = [self.mtp_rows[self.mtp_n_past - n + i] for i in range(n)]
+        return [_mix(hh, t) for t, hh in first]
+
+    def oj_get_draft_hidden(self, h, index, out, n):
+        np.frombuffer(self.ffi.buffer(out, n * 4), dtype=np.float32)[:] = _encode(self.draft_hs[index], n)
+        return 0
+
+    def oj_set_draft_vocab(self, h, ids, n):
+        self.ids = None if n == 0 else np.array([int(ids[i]) for i in range(n)])
+        return 0
+
+    def oj_get_draft_logits(self, h, index, out, n):
+        row = np.frombuffer(self.ffi.buffer(out, n * 4), dtype=np.float32)
+        rng = np.random.default_rng(self.draft[index] + 17)
+        row[:] = 0.01 * rng.normal(size=n).astype(np.float32)
+        ids = np.arange(V) if self.ids is None else self.ids
+        # the head's guess first; when it is wrong (guess = truth + 1) the truth is second
+        for tok, value in ((self.draft[index], 10.0), ((self.draft[index] - 1) % V, 9.0)):
+            hit = np.flatnonzero(ids == tok)
+            if hit.size:
+                row[hit[0]] = value
+        return 0
+
+
+@pytest.fixture()
+def fake_tree(monkeypatch):
+    return install_fake(monkeypatch, TreeFakeLib)
+
+
+def _backend(depth: int, n_ctx: int = 512):
+    from openjet_plugin.model_file import open_model
+
+    mf = open_model(DEFAULT_GGUF)
+    assert mf.config.n_vocab == V
+    return native.NativeBackend(mf, n_ctx=n_ctx, draft_depth=depth, prefill_chunk=0)
+
+
+PROMPTS = [[5, 17, 300, 4000, 12], [7], list(range(100, 140)), [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+
+
+def _plain(prompt: list[int], n: int) -> list[int]:
+    """Greedy decoding of the toy model itself: the next token is hash(history) % V."""
+    hs = 0
+    for t in prompt:
+        hs = _mix(hs, t)
+    out = []
+    for _ in range(n):
+        t = hs % V
+        out.append(t)
+        hs = _mix(hs, t)
+    return out
+
+
+@pytest.mark.parametrize("budget", [2, 3, 5, 8])
+def test_tree_decoder_on_the_native_bookkeeping_equals_plain(fake_tree, budget):
+    from openjet_plugin.speculative_native import native_tree_decoder
+    from openjet_plugin.speculative_tree import TreePolicy
+
+    be = _backend(0)
+    dec = native_tree_decoder(be, TreePolicy(budget))
+    side = acc = 0
+    for prompt in PROMPTS:
+        for max_tokens in (1, 2, 7, 40):
+            r = dec.generate(prompt, GREEDY, max_tokens=max_tokens)
+            assert r.tokens == _plain(prompt, max_tokens), (prompt, max_tokens)
+            lib = fake_tree[-1]
+            assert lib.hist == (prompt + r.tokens)[:len(lib.hist)]
+            side += r.stats.side_accepts
+            acc += r.stats.drafts_accepted
+    assert acc > 0
+    if budget >= 5:
+        assert side > 0, "no side branch was ever accepted: the tree paths were not exercised"
+
+
+def test_commit_path_owes_the_path_rows_and_the_mtp_cache_follows(fake_tree):
+    """A speculating backend: after commit_path the path's tokens owe their MTP rows, made from the
+    path's main hiddens (the window the engine compacted) at the next draft step."""
+    be = _backend(4)
+    lib = fake_tree[-1]
+    be.eval([3, 1, 4, 1, 5])
+    tok = be.argmax()[-1]
+    be.draft_first(tok)
+    for parent, path in (([-1, 0, 0, 1, 2, 2], [0, 2, 5]), ([-1, 0, 1, 0], [0, 3]), ([-1, 0], [0]),
+                         ([-1, 0, 1, 2], [0, 1, 2, 3])):
+        pos = be.n_past
+        toks = [tok] + [int(x) for x in np.random.default_rng(pos).integers(0, V, len(parent) - 1)]
+        be.verify_tree(toks, parent)
+        be.commit_path(path)
+        assert be.n_past == pos + len(path)
+        assert lib.hist[pos:] == [toks[i] for i in path]
+        assert be._last_n == len(path)
+        tok = be.argmax()[-1]                      # results read the path: its last node's argmax
+        assert tok == lib.hashes[-1] % V
+        be.draft_first(tok)
+        _rows_in_step(lib, be)
+
+
+def test_tree_arguments_are_checked_before_the_engine(fake_tree):
+    be = _backend(0)
+    be.eval([1, 2, 3])
+    with pytest.raises(RuntimeError, match="commit_path without a verify_tree"):
+        be.commit_path([0])
+    with pytest.raises(ValueError, match="root"):
+        be.verify_tree([1, 2, 3], [0, 0, 1])
+    with pytest.raises(ValueError, match="earlier node"):
+        be.verify_tree([1, 2, 3], [-1, 2, 0])
+    with pytest.raises(ValueError, match="parents"):
+        be.verify_tree([1, 2, 3], [-1, 0])
+    with pytest.raises(ValueError, match="1..8"):
+        be.verify_tree(list(range(9)), list(range(-1, 8)))
+    be.verify_tree([1, 2, 3, 4], [-1, 0, 0, 1])
+    for bad in ([1], [0, 3], [0, 2, 3], []):
+        with pytest.raises(ValueError, match="not a root-first path"):
+            be.commit_path(bad)
+    be.commit_path([0, 1, 3])
+    assert be.n_past == 6
+
+
+def test_native_tree_target_refuses_a_backend_that_follows_the_mtp_cache(fake_tree):
+    from openjet_plugin.speculative_native import NativeTreeTarget, native_tree_decoder
+
+    with pytest.raises(ValueError, match="draft_depth=0"):
+        NativeTreeTarget(_backend(4))
+    with pytest.raises(ValueError, match="exceeds"):
+        native_tree_decoder(_backend(0), 9)
+
+
+def test_chain_decoding_through_the_tree_target(fake_tree):
+    """The same target also drives chains (verify/commit) and plain decoding."""
+    from openjet_plugin.speculative_native import NativeTreeDrafter, NativeTreeTarget
+    from openjet_plugin.speculative import MTPDrafts
+
+    be = _backend(0)
+    for drafts, depth in ((None, 0), (MTPDrafts(NativeTreeDrafter(be)), 3)):
+        dec = SpeculativeDecoder(NativeTreeTarget(be), drafts, depth)
+        for prompt in PROMPTS[:2]:
+            assert dec.generate(prompt, GREEDY, max_tokens=20).tokens == _plain(prompt, 20)
