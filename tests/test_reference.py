@@ -103,9 +103,9 @@ def _assert_thresholds(row: dict, label: str, quant: str) -> None:
     assert row["kl_mean"] <= KL_LIMIT[quant], f"{label}: {row}"
 
 
-def _check_direct(path, tokens, table, model, quant):
+def _check_direct(reference_model, path, tokens, table, model, quant):
     """llama.cpp on the file itself vs the reference on the same file: the issue's thresholds."""
-    ref = ReferenceModel(path).logits(tokens)
+    ref = reference_model(path).logits(tokens)
     direct = llama_logits(path, tokens, n_ctx=512, **F16_KV_LLAMA)
     row = table.rows.setdefault((model, quant), {})
     row["direct"] = agreement(ref, direct)
@@ -113,42 +113,46 @@ def _check_direct(path, tokens, table, model, quant):
     _assert_thresholds(row["direct"], f"{model} {quant} (llama.cpp on the file)", quant)
 
 
-def _check_twin(path, tokens, table, tmp_path, model, quant):
+def _check_twin(reference_model, path, tokens, table, tmp_path, model, quant):
     """The same weight values in F32 take llama.cpp's input rounding out: exact math on both sides."""
     twin = dequantized_copy(path, tmp_path / f"{model}-{quant}-as-f32.gguf")
     row = table.rows.setdefault((model, quant), {})
-    row["twin"] = agreement(ReferenceModel(path).logits(tokens), llama_logits(twin, tokens, n_ctx=512))
+    row["twin"] = agreement(reference_model(path).logits(tokens), llama_logits(twin, tokens, n_ctx=512))
     _assert_thresholds(row["twin"], f"{model} {quant} (dequantised twin)", "F32")
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-def test_agreement_tiny(synth_path, text_tokens, agreement_table, quant):
-    _check_direct(synth_path("tiny", quant), text_tokens, agreement_table, "tiny", quant)
+def test_agreement_tiny(reference_model, synth_path, text_tokens, agreement_table, quant):
+    _check_direct(reference_model, synth_path("tiny", quant), text_tokens, agreement_table, "tiny", quant)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", QUANTS)
-def test_agreement_small(synth_path, text_tokens, agreement_table, quant):
-    _check_direct(synth_path("small", quant), text_tokens, agreement_table, "small", quant)
+def test_agreement_small(reference_model, synth_path, text_tokens, agreement_table, quant):
+    _check_direct(reference_model, synth_path("small", quant), text_tokens, agreement_table, "small", quant)
 
 
-def test_agreement_default_model(agreement_table):
+def test_agreement_default_model(reference_model, agreement_table):
     """The trained embedded default model (Q8_0), on its own tokenisation of the same text."""
     path = DEFAULT_MODEL
     tokens = tokenize(path, real_text())[:N_POSITIONS]
     assert len(tokens) >= 256
-    _check_direct(path, tokens, agreement_table, "default", "Q8_0")
+    _check_direct(reference_model, path, tokens, agreement_table, "default", "Q8_0")
 
 
 @pytest.mark.parametrize("quant", QUANTS[1:])
-def test_agreement_dequantised_twin_tiny(synth_path, text_tokens, agreement_table, tmp_path, quant):
-    _check_twin(synth_path("tiny", quant), text_tokens, agreement_table, tmp_path, "tiny", quant)
+def test_agreement_dequantised_twin_tiny(reference_model, synth_path, text_tokens, agreement_table, tmp_path,
+                                         quant):
+    _check_twin(reference_model, synth_path("tiny", quant), text_tokens, agreement_table, tmp_path, "tiny",
+                quant)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", QUANTS[1:])
-def test_agreement_dequantised_twin_small(synth_path, text_tokens, agreement_table, tmp_path, quant):
-    _check_twin(synth_path("small", quant), text_tokens, agreement_table, tmp_path, "small", quant)
+def test_agreement_dequantised_twin_small(reference_model, synth_path, text_tokens, agreement_table, tmp_path,
+                                          quant):
+    _check_twin(reference_model, synth_path("small", quant), text_tokens, agreement_table, tmp_path, "small",
+                quant)
 
 
 def _row_errors(ours: np.ndarray, theirs: np.ndarray) -> np.ndarray:
@@ -156,7 +160,7 @@ def _row_errors(ours: np.ndarray, theirs: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-def test_layers_match_llama_cpu(synth_path, text_tokens, quant):
+def test_layers_match_llama_cpu(reference_model, synth_path, text_tokens, quant):
     """Each main layer and the head, fed llama.cpp's own input, against llama.cpp's output.
 
     With `llama_cpu_rounding` the typical position agrees to float32 precision. A rare input
@@ -167,13 +171,13 @@ def test_layers_match_llama_cpu(synth_path, text_tokens, quant):
     """
     path = synth_path("tiny", quant)
     tokens = text_tokens[:128]
-    c = ReferenceModel(path).config
+    c = reference_model(path).config
     names = ["model.input_embed", "result_norm", "result_output"] + [f"l_out-{il}" for il in range(c.n_layer)]
     got = llama_tensors(path, tokens, names)
     positions = np.arange(len(tokens))
 
     for rounding in (True, False):
-        ref = ReferenceModel(path, dtype=np.float64, llama_cpu_rounding=rounding)
+        ref = reference_model(path, dtype=np.float64, llama_cpu_rounding=rounding)
         emb = ref.weight("token_embd.weight")[tokens]
         np.testing.assert_allclose(emb, got["model.input_embed"], rtol=0, atol=1e-6 * np.max(np.abs(emb)))
         medians = []
@@ -193,8 +197,8 @@ def test_layers_match_llama_cpu(synth_path, text_tokens, quant):
 # --- the reference's own paths ------------------------------------------------------------------
 
 @pytest.mark.parametrize("quant", ["F32", "Q4_K_M"])
-def test_step_equals_teacher_forced(synth_path, text_tokens, quant):
-    ref = ReferenceModel(synth_path("tiny", quant))
+def test_step_equals_teacher_forced(reference_model, synth_path, text_tokens, quant):
+    ref = reference_model(synth_path("tiny", quant))
     tokens = text_tokens[:48]
     full = ref.logits(tokens)
     full_state = ref.state()
@@ -218,9 +222,9 @@ def test_step_equals_teacher_forced(synth_path, text_tokens, quant):
     assert np.max(np.abs(np.concatenate([first, second]) - full)) / scale <= 1e-5
 
 
-def test_state_shapes_and_float32(synth_path, text_tokens):
+def test_state_shapes_and_float32(reference_model, synth_path, text_tokens):
     path = synth_path("tiny", "F32")
-    ref = ReferenceModel(path)
+    ref = reference_model(path)
     c = ref.config
     tokens = text_tokens[:16]
     l64 = ref.logits(tokens)
@@ -239,13 +243,13 @@ def test_state_shapes_and_float32(synth_path, text_tokens):
     conv = ref.state()[f"blk.{c.deltanet_layers()[0]}.conv"]
     assert np.all(conv[:, :-1] == 0) and np.any(conv[:, -1] != 0)
 
-    l32 = ReferenceModel(path, dtype=np.float32).logits(tokens)
+    l32 = reference_model(path, dtype=np.float32).logits(tokens)
     assert l32.dtype == np.float32
     assert np.max(np.abs(l32 - l64)) / np.max(np.abs(l64)) < 1e-4
 
 
-def test_bad_input_is_named(synth_path, tmp_path):
-    ref = ReferenceModel(synth_path("tiny", "F32"))
+def test_bad_input_is_named(reference_model, synth_path, tmp_path):
+    ref = reference_model(synth_path("tiny", "F32"))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         ref.logits([1, ref.n_vocab])
     with pytest.raises(ValueError, match="h must have"):
@@ -256,8 +260,8 @@ def test_bad_input_is_named(synth_path, tmp_path):
 
 # --- MTP -------------------------------------------------------------------------------------
 
-def test_mtp_logits_depend_on_both_inputs(synth_path, text_tokens):
-    ref = ReferenceModel(synth_path("tiny", "Q4_K_M"))
+def test_mtp_logits_depend_on_both_inputs(reference_model, synth_path, text_tokens):
+    ref = reference_model(synth_path("tiny", "Q4_K_M"))
     tokens = text_tokens[:24]
     ref.logits(tokens)
     t = len(tokens) - 2
@@ -276,8 +280,8 @@ def test_mtp_logits_depend_on_both_inputs(synth_path, text_tokens):
     np.testing.assert_array_equal(ref.state()["mtp.pos"], [t + 1])
 
 
-def test_mtp_prefill_and_chained_drafts(synth_path, text_tokens):
-    ref = ReferenceModel(synth_path("tiny", "F32"))
+def test_mtp_prefill_and_chained_drafts(reference_model, synth_path, text_tokens):
+    ref = reference_model(synth_path("tiny", "F32"))
     tokens = text_tokens[:32]
     n = len(tokens)
     main = ref.logits(tokens)
@@ -309,14 +313,14 @@ def test_mtp_prefill_and_chained_drafts(synth_path, text_tokens):
     assert np.max(np.abs(alone - logits0)) > 1e-3
 
 
-def test_mtp_matches_llama_cpp_mtp_context(synth_path, text_tokens):
+def test_mtp_matches_llama_cpp_mtp_context(reference_model, synth_path, text_tokens):
     """The MTP block against llama.cpp's own MTP context (LLAMA_CONTEXT_TYPE_MTP), fed the same
     (token, h) pairs at the same positions as common/speculative.cpp's draft-mtp: the prefill
     pairs token p with the hidden state of p-1, then three chained drafts past the end."""
     path = synth_path("tiny", "F32")
     tokens = text_tokens[:64]
     n = len(tokens)
-    ref = ReferenceModel(path)
+    ref = reference_model(path)
     main = ref.logits(tokens)
     ref_pre = ref.mtp_prefill()
 

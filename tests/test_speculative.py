@@ -87,16 +87,6 @@ def summary(request):
 
 
 @pytest.fixture(scope="module")
-def default_model():
-    return ReferenceModel(DEFAULT_GGUF)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(synth_path):
-    return ReferenceModel(synth_path("tiny", "Q8_0"))
-
-
-@pytest.fixture(scope="module")
 def tokenizer():
     return Tokenizer.from_gguf(DEFAULT_GGUF)
 
@@ -224,11 +214,11 @@ def test_depth_policy():
 # --- greedy: speculative == plain ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def greedy_cases(tiny_model, default_model, tokenizer):
+def greedy_cases(tiny_reference, default_reference, tokenizer):
     """Per model: prompts and their plain greedy continuations (with top-2 gaps)."""
     prompts = heldout_prompts(tokenizer, 3, 24)
     out = {}
-    for name, model, n in (("tiny", tiny_model, 24), ("default", default_model, 24)):
+    for name, model, n in (("tiny", tiny_reference, 24), ("default", default_reference, 24)):
         out[name] = (model, [(p,) + greedy_plain(model, p, n) for p in prompts], n)
     return out
 
@@ -306,10 +296,10 @@ def test_continuation_drafts(greedy_cases):
     same_or_near_tie(r2.tokens, plain, gaps, "continuation drafts", [])
 
 
-def test_state_after_rejections_equals_one_at_a_time(default_model, tokenizer):
+def test_state_after_rejections_equals_one_at_a_time(default_reference, reference_model, tokenizer):
     """The committed state (DeltaNet conv/recurrent, K/V) and the MTP cache after a run with
     rejections equal those of evaluating the committed tokens one at a time."""
-    model = default_model
+    model = default_reference
     prompt = heldout_prompts(tokenizer, 1, 24)[0]
     dec = reference_decoder(model, DepthPolicy(4, adaptive=False))
     r = dec.generate(prompt, GREEDY, max_tokens=20)
@@ -319,7 +309,7 @@ def test_state_after_rejections_equals_one_at_a_time(default_model, tokenizer):
     assert model.n_past == len(committed) and model.tokens == committed
     spec_state = model.state()
 
-    fresh = ReferenceModel(DEFAULT_GGUF)
+    fresh = reference_model(DEFAULT_GGUF, fresh=True)
     fresh.forward(committed[:1])
     for t in committed[1:]:
         fresh.step(t)
@@ -350,9 +340,9 @@ def test_restricted_draft_vocab_never_restricts_output(greedy_cases):
     assert any(t not in small for t in r.tokens)
 
 
-def test_plain_sampling_through_the_decoder_equals_the_sampler(tiny_model):
+def test_plain_sampling_through_the_decoder_equals_the_sampler(tiny_reference):
     """Depth 0 draws exactly the tokens the engine's Sampler draws (same seed, same rule)."""
-    model = tiny_model
+    model = tiny_reference
     prompt = [10, 200, 3000, 45, 7]
     params = SamplingParams(temperature=0.9, top_k=30, top_p=0.9, min_p=0.01, seed=3, repeat_penalty=1.1)
     r = SpeculativeDecoder(ReferenceTarget(model), None).generate(prompt, params, max_tokens=12)
@@ -366,11 +356,11 @@ def test_plain_sampling_through_the_decoder_equals_the_sampler(tiny_model):
     assert r.tokens == want
 
 
-def test_sampled_mtp_emits_only_target_candidates(default_model, tokenizer):
+def test_sampled_mtp_emits_only_target_candidates(default_reference, tokenizer):
     """Sampled speculation with the MTP head on the real model: reproducible for a seed, and every
     emitted token is a candidate of the target at its context (top-k 3), which a state or position
     bug would break."""
-    model = default_model
+    model = default_reference
     prompt = heldout_prompts(tokenizer, 1, 24)[0]
     params = SamplingParams(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0, seed=11)
     a = reference_decoder(model, 4).generate(prompt, params, max_tokens=20)
@@ -497,14 +487,14 @@ ALPHA_EACH = ALPHA / N_TESTS                  # Bonferroni
 
 
 @pytest.fixture(scope="module")
-def pq_tables(default_model, tokenizer):
+def pq_tables(default_reference, tokenizer):
     """p and q tables. toy: 8 tokens, 16 random rows each, q drawn apart from p. real: the trained
     model's teacher-forced logits over 32 positions of a held-out file (p) and its MTP head's
     logits at the same positions (q), so q is the real draft of the same next token."""
     rng = np.random.default_rng(2024)
     toy = (rng.normal(scale=1.5, size=(16, 8)), rng.normal(scale=1.5, size=(16, 8)))
     prompt = heldout_prompts(tokenizer, 2, 32)[1]
-    m = default_model
+    m = default_reference
     p_rows = m.logits(prompt)
     m.mtp_reset()
     q_rows = m.mtp_prefill()
@@ -570,11 +560,11 @@ def test_the_distribution_test_catches_a_broken_rule(pq_tables, broken, depth, s
 # --- accepted tokens per cycle of the trained model ---------------------------------------------
 
 @pytest.mark.slow
-def test_tokens_per_cycle_of_the_trained_model(default_model, tokenizer, summary):
+def test_tokens_per_cycle_of_the_trained_model(default_reference, tokenizer, summary):
     """The drafts are real: the trained MTP head's drafts are accepted. Held-out stdlib prompts
     (64 tokens) x 64 generated tokens, D = 1..4, greedy and temperature 0.7 (top-k 40, top-p 0.95,
     min-p 0.05), fixed depth, and adaptive at D = 4."""
-    model = default_model
+    model = default_reference
     prompts = heldout_prompts(tokenizer, 3, 64)
     n = 64
     modes = [("greedy", GREEDY), ("T=0.7", SamplingParams(temperature=0.7, seed=5))]

@@ -41,12 +41,11 @@ from openjet_plugin.speculative_tree import (  # noqa: E402
     AcceptanceCalibration, DraftTree, MTPTreeDrafts, TreePolicy, TreeRule, TreeStats, check_tree_parents,
     grow_tree, tree_ancestors, tree_depths, verify_tree_greedy, verify_tree_sampled,
 )
-from openjet_plugin.testing.reference import ReferenceModel  # noqa: E402
+from openjet_plugin.testing.reference import ReferenceModel  # noqa: E402 - annotations
 
 DEFAULT_GGUF = ts.DEFAULT_GGUF
 GREEDY = ts.GREEDY
-default_model = ts.default_model          # module fixtures of test_speculative, reused here
-tokenizer = ts.tokenizer
+tokenizer = ts.tokenizer                  # module fixtures of test_speculative, reused here
 pq_tables = ts.pq_tables
 
 
@@ -66,11 +65,6 @@ def summary(request):
     s = _Summary()
     request.config.pluginmanager.register(s, "openjet_tree_speculation_summary")
     return s
-
-
-@pytest.fixture(scope="module")
-def tiny_model(synth_path):
-    return ReferenceModel(synth_path("tiny", "Q8_0"))
 
 
 # a tree with a side branch at every level: node: parent
@@ -251,14 +245,13 @@ def _assert_state_equal(got: dict, want: dict, skip_mtp: bool = True) -> None:
 
 
 @pytest.mark.parametrize("flavour", ["tiny", "tiny-f32-act_f16-kv_q8_0", "default"])
-def test_forward_tree_is_one_token_decoding_bit_for_bit(tiny_model, synth_path, flavour):
-    if flavour == "tiny":
-        model, other = tiny_model, ReferenceModel(synth_path("tiny", "Q8_0"))
-    elif flavour == "default":
-        model, other = ReferenceModel(DEFAULT_GGUF), ReferenceModel(DEFAULT_GGUF)
-    else:
+def test_forward_tree_is_one_token_decoding_bit_for_bit(reference_model, synth_path, flavour):
+    path, kw = synth_path("tiny", "Q8_0"), {}
+    if flavour == "default":
+        path = DEFAULT_GGUF
+    elif flavour != "tiny":
         kw = dict(dtype=np.float32, act_f16=True, kv_q8_0=True)
-        model, other = (ReferenceModel(synth_path("tiny", "Q8_0"), **kw) for _ in range(2))
+    model, other = reference_model(path, **kw), reference_model(path, fresh=True, **kw)
     rng = np.random.default_rng(3)
     prompt = [int(t) for t in rng.integers(0, model.n_vocab, 9)]
     tokens = [int(t) for t in rng.integers(0, model.n_vocab, len(TREE_PARENT))]
@@ -289,10 +282,10 @@ def test_forward_tree_is_one_token_decoding_bit_for_bit(tiny_model, synth_path, 
         model.commit_tree([0, 4])
 
 
-def test_mtp_branch_is_the_chained_steps(default_model):
+def test_mtp_branch_is_the_chained_steps(default_reference):
     """An MTP step on a tree branch (ancestors' rows passed in, the cache untouched) computes what
     the chained mtp_logits steps along that branch compute, bit for bit."""
-    m = default_model
+    m = default_reference
     prompt = list(range(200, 215))
     m.reset()
     m.forward(prompt)
@@ -339,8 +332,8 @@ def prompts(tokenizer):
 
 
 @pytest.mark.parametrize("name", ["tiny", "default"])
-def test_greedy_tree_equals_plain(tiny_model, default_model, prompts, name, summary):
-    model = tiny_model if name == "tiny" else default_model
+def test_greedy_tree_equals_plain(tiny_reference, default_reference, prompts, name, summary):
+    model = tiny_reference if name == "tiny" else default_reference
     n = 24
     rows = []
     for budget, kids, calibrate in ((8, 4, False), (8, 4, True), (16, 4, False), (8, 1, False)):
@@ -360,11 +353,11 @@ def test_greedy_tree_equals_plain(tiny_model, default_model, prompts, name, summ
     summary.lines += [f"greedy tree == plain ({name}, {len(prompts)} prompts x {n} tokens)"] + rows
 
 
-def test_state_after_a_tree_run_is_one_token_decoding_bit_for_bit(default_model, prompts):
+def test_state_after_a_tree_run_is_one_token_decoding_bit_for_bit(default_reference, reference_model, prompts):
     """After greedy tree speculation with rejections and accepted side branches, the target's
     state (DeltaNet conv/recurrent, K/V, hiddens) and the MTP cache equal those of evaluating the
     committed tokens one at a time (after the same batched prompt), with ==."""
-    model = default_model
+    model = default_reference
     prompt = prompts[0]
     dec = reference_decoder(model, tree=TreePolicy(8))
     r = dec.generate(prompt, GREEDY, max_tokens=24)
@@ -374,7 +367,7 @@ def test_state_after_a_tree_run_is_one_token_decoding_bit_for_bit(default_model,
     committed = prompt + r.tokens[:-1]
     assert model.tokens == committed
     got = model.state()
-    fresh = ReferenceModel(DEFAULT_GGUF)
+    fresh = reference_model(DEFAULT_GGUF, fresh=True)
     fresh.forward(prompt[:-1])
     for t in committed[len(prompt) - 1:]:
         fresh.step(t)
@@ -550,10 +543,10 @@ def test_the_decoder_test_catches_a_broken_rule(pq_tables, broken, summary):
     assert min(p1, p2) <= ALPHA_EACH, f"the chi-square test did not catch '{broken}'"
 
 
-def test_sampled_tree_on_the_trained_model(default_model, prompts):
+def test_sampled_tree_on_the_trained_model(default_reference, prompts):
     """Sampled tree speculation with the MTP head: reproducible for a seed, and every emitted token
     is a candidate of the target at its context (top-k 3), which a state or position bug breaks."""
-    model = default_model
+    model = default_reference
     prompt = prompts[1]
     params = SamplingParams(temperature=0.7, top_k=3, top_p=1.0, min_p=0.0, seed=11)
     a = reference_decoder(model, tree=8).generate(prompt, params, max_tokens=20)
@@ -602,14 +595,15 @@ def table_lines(name: str, mode: str, table: dict) -> list[str]:
 
 
 @pytest.mark.slow
-def test_tokens_per_cycle_tree_vs_chain(default_model, tiny_model, tokenizer, tmp_path_factory, summary):
+def test_tokens_per_cycle_tree_vs_chain(default_reference, tiny_reference, reference_model, tokenizer,
+                                        tmp_path_factory, summary):
     """Tree vs chain at the same verify budget on the trained default model, the tiny generated
     model (an MTP head right ~98% of the time) and tiny with synth's mtp_accuracy = 0.7 (a head
     right after 70% of the tokens; where it is wrong its second choice is no better)."""
     from openjet_plugin.testing.synth import synth_model
 
-    tiny70 = ReferenceModel(synth_model(tmp_path_factory.mktemp("mtp70") / "tiny-mtp70.gguf", "tiny", "Q8_0",
-                                        mtp_accuracy=0.7))
+    tiny70 = reference_model(synth_model(tmp_path_factory.mktemp("mtp70") / "tiny-mtp70.gguf", "tiny", "Q8_0",
+                                         mtp_accuracy=0.7))
     prompts = ts.heldout_prompts(tokenizer, 4, 64)
     n = 64
     lines = [f"tokens per cycle, {len(prompts)} held-out prompts x {n} tokens (chain: fixed depth D, verify "
@@ -617,7 +611,7 @@ def test_tokens_per_cycle_tree_vs_chain(default_model, tiny_model, tokenizer, tm
              f"  {'model':<10}{'mode':<7}{'drafting':<15}{'tok/cyc':>9}{'pos/cyc':>9}{'MTP/cyc':>9}"
              f"{'side':>6}  P(path reaches depth d), d = 1..8"]
     results = {}
-    for name, model in (("default", default_model), ("tiny", tiny_model), ("tiny-mtp70", tiny70)):
+    for name, model in (("default", default_reference), ("tiny", tiny_reference), ("tiny-mtp70", tiny70)):
         for mode, params in (("greedy", GREEDY), ("T=0.7", SamplingParams(temperature=0.7, seed=5))):
             results[(name, mode)] = table = tokens_per_cycle_table(model, prompts, n, params)
             lines += table_lines(name, mode, table)
