@@ -23,6 +23,7 @@ with --resume); 4 incomplete because a measurement failed (the report says why).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -464,6 +465,10 @@ def group_fallback(run: Run) -> None:
     out = run.cache / f"fallback-{run.session}.jsonl"
     log_path = run.cache / f"fallback-{run.session}.log"
     env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(run.peer_build.lib_dir)}
+    if importlib.util.find_spec("llama_cpp") is None:
+        # a host without llama-cpp-python (the GPU machine): its Python package from the peer's
+        # sdist, on the libllama built beside llama-bench
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(run.peer_build.root / "src"), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "openjet_plugin.bench.fallback", "--model", str(run.model),
            "--tokens", str(s.decode_tokens), "--reps", str(s.reps), "--out", str(out)]
     run.log(f"openjet fallback (llama.cpp backend): decode {s.decode_tokens} tokens at depth 0")
