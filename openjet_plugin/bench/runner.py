@@ -8,7 +8,8 @@ The run, in order (each step's finished measurements go to the resume folder at 
   4. the card: streaming read and copy rates (the roofline probe);
   5. our engine, in a child process: verification passes at depth 1K, decode at each depth, and
      speculative decoding (oracle drafts at forced acceptance rates at depth 8K, the model's own
-     MTP head at each depth); in a second child, real MTP acceptance on the trained default model; in a
+     MTP head at each depth, in chains of D = 1..4 and B - 1 and in draft trees of budget B, last);
+     in a second child, real MTP acceptance on the trained default model; in a
      third, the two prefill scenarios (oj_prefill; its own child so that the longer context they
      need does not count in the decode run's peak memory);
   6. llama.cpp (waiting for its build): decode at each depth, batches of 1..D+1 at depth 1K,
