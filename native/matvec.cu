@@ -751,11 +751,12 @@ constexpr int MAX_MEMBERS = 8;
 // Whether every member with rows takes the fp16 path, so that its prep can compute the input
 // (norm, SwiGLU, gated norm) on the way, and the fusion is on (OJ_FUSE_PREP, below).
 bool fused_prep(const Matrix *const *w, int n, int n_vec) {
-    // OJ_FUSE_PREP=1 (read once per process) turns the fusion on. Opt-in because it was written
-    // (2026-12-05) without a GPU run: the next device session runs the suite with it and times it
-    // against the separate kernels (`AB="OJ_FUSE_PREP=1" bash scripts/gpu.sh session`, issue 25);
-    // if it is correct and wins it becomes the default and the variable goes.
-    static const bool on = env_is("OJ_FUSE_PREP", "1");
+    // On unless OJ_FUSE_PREP=0 (read once per process). Measured on an H100 (2026-12-05, a13fc39,
+    // q27b): one pass over 1 position 11.70 -> 10.47 ms (773 launches instead of 1,013); over 5
+    // positions the fused input norm then cost 24 us a projection (prep_kernel summed the vectors
+    // one after another), since mended. OJ_FUSE_PREP=0 is the unfused baseline the next device
+    // session's A/B times once more with the suite run on the default; then the variable goes.
+    static const bool on = !env_is("OJ_FUSE_PREP", "0");
     if (!on || n_vec < 1 || n_vec > 8) return false;
     for (int i = 0; i < n; ++i)
         if (w[i]->M > 0 && !f16_fits(*w[i])) return false;

@@ -195,15 +195,29 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
     const int64_t u = blockIdx.x;
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __shared__ float norm_scale[8];
-    if (in.norm)   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
-        for (int vv = 0; vv < n_vec; ++vv) {
-            const float *xr = in.x + (int64_t)vv * K;
-            float ss = 0.0f;
+    if (in.norm) {   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
+        // Every vector's load of one i is issued together, each vector still summed in i order:
+        // summed one vector after another, the sums were n_vec chains of L2 round trips in a row
+        // (H100, 5 positions: +24 us per fused projection, 2.60 -> 3.78 ms of deltanet projections).
+        float ss[8];
+#pragma unroll
+        for (int vv = 0; vv < 8; ++vv) ss[vv] = 0.0f;
 #pragma unroll 4
-            for (int64_t i = threadIdx.x; i < K; i += blockDim.x) ss += xr[i] * xr[i];
-            ss = block_sum(ss);
-            if (threadIdx.x == 0) norm_scale[vv] = 1.0f / sqrtf(ss / K + in.eps);
+        for (int64_t i = threadIdx.x; i < K; i += blockDim.x) {
+#pragma unroll
+            for (int vv = 0; vv < 8; ++vv)
+                if (vv < n_vec) {
+                    const float xi = in.x[(int64_t)vv * K + i];
+                    ss[vv] += xi * xi;
+                }
         }
+#pragma unroll
+        for (int vv = 0; vv < 8; ++vv)
+            if (vv < n_vec) {   // n_vec is the block's: every thread takes the same branches
+                const float t = block_sum(ss[vv]);
+                if (threadIdx.x == 0) norm_scale[vv] = 1.0f / sqrtf(t / K + in.eps);
+            }
+    }
     __syncthreads();
     uint8_t *rec = ws + XP_OFF + u * REC;
     if (v >= n_vec) {

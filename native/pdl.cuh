@@ -3,7 +3,7 @@
 //
 // A decode pass is ~770-1,000 dependent launches (issue 25). Launched plainly, each kernel starts only
 // after the one before it has finished and its completion has gone through the front end. Launched
-// by `launch` below under OJ_PDL=1 (pdl_device: opt-in until its first GPU run), a kernel is scheduled as soon as every block of the one before it has
+// by `launch` below (pdl_device), a kernel is scheduled as soon as every block of the one before it has
 // executed pdl_launch_dependents (each of these kernels does that first), its blocks wait in
 // pdl_wait until that grid has finished and its writes are visible, and whatever a kernel does
 // before pdl_wait (the matvecs issue their first weight copies: weights never depend on the
@@ -36,15 +36,15 @@ __device__ __forceinline__ void pdl_wait() {
 // Kernel launches by this thread since it started (the profile's launches per phase).
 inline thread_local uint64_t g_launches = 0;
 
-// Whether launches here get the PDL attribute: OJ_PDL=1 (read once per process) and the current
-// device takes it (cc 9.0+, asked once per device). Opt-in because it was written (2026-12-05)
-// without a GPU run: the next device session times it against plain launches (`AB="OJ_PDL=1"
-// bash scripts/gpu.sh session`, issue 25) and runs the suite with it; if it is correct and wins it
-// becomes the default and the variable goes. Unset: plain launches, as measured so far.
+// Whether launches here get the PDL attribute: the current device takes it (cc 9.0+, asked once per
+// device), unless OJ_PDL=0. Measured on an H100 (2026-12-05, a13fc39, q27b, with OJ_FUSE_PREP on):
+// one pass over 1 / 5 positions 10.47 -> 9.54 ms / 15.58 -> 14.80 ms. OJ_PDL=0 (read once per
+// process) is the plain-launch baseline that the next device session's A/B times once more on the
+// H200 with the suite run on the default; then the variable goes.
 inline bool pdl_device() {
     static const bool off = [] {
         const char *v = std::getenv("OJ_PDL");
-        return !(v && v[0] == '1' && v[1] == '\0');
+        return v && v[0] == '0' && v[1] == '\0';
     }();
     static thread_local int dev_seen = -1;
     static thread_local bool ok = false;
