@@ -263,3 +263,36 @@ def test_chain_decoding_through_the_tree_target(fake_tree):
         dec = SpeculativeDecoder(NativeTreeTarget(be), drafts, depth)
         for prompt in PROMPTS[:2]:
             assert dec.generate(prompt, GREEDY, max_tokens=20).tokens == _plain(prompt, 20)
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_a_root_other_than_the_drafted_token_remakes_its_mtp_row(fake_tree, tree):
+    """draft_first(t) makes the MTP row of position n_past for token t. A verify whose current token
+    is another one (the GPU test's random trees, a caller that changed its mind) must not count that
+    row as the committed token's: the commit owes it again, and the next draft step remakes it from
+    the main hidden (as one-token-at-a-time evaluation does). The rows a matching root keeps are
+    not remade."""
+    be = _backend(4)
+    lib = fake_tree[-1]
+    be.eval([3, 1, 4, 1, 5])
+    rng = np.random.default_rng(3)
+    drafted = be.argmax()[-1]
+    be.draft_first(drafted)
+    for trial in range(6):
+        pos = be.n_past
+        root = drafted if trial % 2 else (drafted + 1 + int(rng.integers(0, V - 1))) % V
+        parent, path = ([-1, 0, 0, 0, 1], [0, 1, 4]) if tree else ([-1, 0, 1], [0, 1])
+        toks = [root] + rng.integers(0, V, len(parent) - 1).tolist()
+        be.verify(rng.integers(0, V, 8).tolist())  # the GPU test's poison: a junk verify, nothing kept
+        be.commit(0)
+        if tree:
+            be.verify_tree(toks, parent)
+            be.commit_path(path)
+        else:
+            be.verify(toks)
+            be.commit(len(path))
+        assert lib.hist[pos:] == [toks[i] for i in path]
+        assert be._uncaught == ([toks[i] for i in path] if root != drafted else [toks[i] for i in path[1:]])
+        drafted = be.argmax()[-1]
+        be.draft_first(drafted)
+        _rows_in_step(lib, be)

@@ -565,9 +565,16 @@ class NativeBackend:
 
     def _owe_rows(self, start: int, kept: list[int]) -> None:
         """Committed tokens at start.. owe their MTP rows, but for those the first draft step
-        already made (rows below _mtp_upto)."""
-        if self.supports_speculative:
-            self._uncaught += kept[max(0, self._mtp_upto - start):]
+        already made (rows below _mtp_upto). The row at `start` counts as made only when it is
+        the committed token's: draft_first(t) made it for t (_token_row), and a verify whose
+        first token is not t (or a row rewritten since) leaves it owed again, to be remade from
+        the main hidden h_{start-1} (row 0 of the window the verify left)."""
+        if not self.supports_speculative:
+            return
+        if kept and self._mtp_upto > start and self._token_row != (start, int(kept[0])):
+            self._mtp_upto = start
+            self._token_row = None
+        self._uncaught += kept[max(0, self._mtp_upto - start):]
 
     def cycle(self, tokens: list[int], n_draft: int) -> tuple[int, list[int], list[int]]:
         """One greedy cycle in one call (oj_cycle): verify tokens = [current token, drafts] at
@@ -625,8 +632,8 @@ class NativeBackend:
             self._token_row = (pos + 1 + k, emitted[-1])
         else:
             # the MTP cache is as before: the committed tokens owe their rows, as after commit()
+            self._owe_rows(pos, toks[:1 + k])     # (reads _token_row: the row at pos kept if toks[0]'s)
             self._token_row = None
-            self._owe_rows(pos, toks[:1 + k])
         return k, emitted, [int(drafts[i]) for i in range(n_draft)]
 
     def _cut_rows(self, pos0: int) -> None:
