@@ -30,12 +30,11 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_native_gpu import KL_MAX, STATE_REL_MAX, TOP1_MIN, _native_or_skip, agreement, model_path, rel_err, report  # noqa: E402
+import test_native_spec_gpu as ts  # noqa: E402
+from test_native_gpu import KL_MAX, STATE_REL_MAX, TOP1_MIN, _native_or_skip, agreement, rel_err, report  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_GGUF = REPO / "openjet_plugin" / "data" / "default.gguf"
 N_TREES = int(os.environ.get("OPENJET_TREE_TRIALS", "8"))
 N_PROMPTS = int(os.environ.get("OPENJET_TREE_PROMPTS", "8"))
 N_TOKENS = int(os.environ.get("OPENJET_TREE_TOKENS", "64"))
@@ -59,10 +58,7 @@ def workdir(tmp_path_factory):
 
 
 def _path(name: str, workdir: Path) -> Path:
-    if name == "default":
-        return DEFAULT_GGUF
-    preset, quant = name.split("-", 1)
-    return model_path(preset, quant, workdir)[0]
+    return ts._model(name, workdir)
 
 
 def _backend(path: Path, n_ctx: int = 512, kv_type: str = "f16", depth: int = 0):

@@ -173,7 +173,13 @@ def measure_row(be, make_spec, point: StartPoint, depth: int, n_tokens: int, rep
         ms_cycle.append(1e3 * dt / max(st.cycles, 1))
         total = total.merge(st)
         diverged.append(first_difference(out, point.continuation[:n]))
-    details = {
+    return samples, run_details(total, depth, ms_cycle, diverged, n_tokens, reps, point)
+
+
+def run_details(total, depth: int, ms_cycle: list[float], diverged: list[int], n_tokens: int, reps: int,
+                point: StartPoint) -> dict:
+    """A speculative row's details over all its runs (chain or tree: `total` their merged stats)."""
+    return {
         "tokens_per_cycle": round(total.tokens_per_cycle, 4),
         "acceptance_at": [round(total.acceptance_at(i), 4) for i in range(depth)],
         "ms_per_cycle": [round(x, 3) for x in ms_cycle],
@@ -185,7 +191,6 @@ def measure_row(be, make_spec, point: StartPoint, depth: int, n_tokens: int, rep
         "first_difference": min((d for d in diverged if d >= 0), default=-1),
         "plain_tps_at_start": round(point.plain_tps, 2),
     }
-    return samples, details
 
 
 def oracle_factory(be, point: StartPoint, rate: float, depth: int):
@@ -313,17 +318,8 @@ def measure_tree_row(make_decoder, point: StartPoint, budget: int, n_tokens: int
         raise RuntimeError(f"a run of {n_tokens} tokens ended in its first cycle: nothing was timed "
                            f"(ask for more tokens than a cycle yields, {budget})")
     cycles = max(total.cycles, 1)
-    details = {
-        "tokens_per_cycle": round(total.tokens_per_cycle, 4),
-        "acceptance_at": [round(total.acceptance_at(i), 4) for i in range(budget - 1)],
-        "positions_per_cycle": round(total.positions_verified / cycles, 4),
-        "draft_steps_per_cycle": round(total.draft_steps / cycles, 4),
-        "side_accepts_per_cycle": round(total.side_accepts / cycles, 4),
-        "ms_per_cycle": [round(x, 3) for x in ms_cycle],
-        "cycles": total.cycles, "drafts_proposed": total.drafts_proposed,
-        "drafts_accepted": total.drafts_accepted, "tokens": n_tokens, "reps": reps,
-        "runs_differing_from_plain": sum(1 for d in diverged if d >= 0),
-        "first_difference": min((d for d in diverged if d >= 0), default=-1),
-        "plain_tps_at_start": round(point.plain_tps, 2),
-    }
+    details = run_details(total, budget - 1, ms_cycle, diverged, n_tokens, reps, point)
+    details.update(positions_per_cycle=round(total.positions_verified / cycles, 4),
+                   draft_steps_per_cycle=round(total.draft_steps / cycles, 4),
+                   side_accepts_per_cycle=round(total.side_accepts / cycles, 4))
     return samples, details
