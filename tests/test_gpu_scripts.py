@@ -455,3 +455,16 @@ def test_gpu_entry_point_lists_its_commands_and_refuses_an_unknown_one(tmp_path)
     assert r.returncode == 2 and "unknown command 'everything'" in r.stdout and "check" in r.stdout
     r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh")], capture_output=True, text=True)
     assert r.returncode == 2 and "session" in r.stdout
+
+
+def test_the_gpu_check_runs_every_gpu_test_file():
+    """scripts/gpu/check.sh's default file list is the whole GPU suite: a file marked gpu that the
+    list leaves out never runs on the device (the tree tests were missed that way once)."""
+    import re
+
+    text = (REPO / "scripts" / "gpu" / "check.sh").read_text()
+    listed = set(re.search(r"\$\{PYTEST_FILES:-([^}]*)\}", text).group(1).split())
+    marked = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")
+              if re.search(r"pytestmark = pytest\.mark\.gpu|@pytest\.mark\.gpu", p.read_text())}
+    assert marked, "no GPU test file found: the pattern is stale"
+    assert listed == marked, f"check.sh runs {sorted(listed - marked)} extra, misses {sorted(marked - listed)}"
