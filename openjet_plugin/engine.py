@@ -7,8 +7,9 @@ only holds the model state, so every backend behaves the same to a caller.
 Slots: an engine holds n_slots conversations at once (`load(n_slots=...)`), each a slot with its
 own sequence of the backend's state (KV cache region, recurrent state, n_past) and its own token
 list; a request takes a free slot for its whole run (the one whose tokens share the longest
-prefix with its prompt, else the least recently used) and waits, in arrival order, while none is
-free. Concurrent requests run the same generation loop in their own threads; the backend gathers
+prefix with its prompt, else the least recently used; where the prefix cache below serves the
+prompt as well, one it would not cut first: `_slot_preference`) and waits, in arrival order,
+while none is free. Concurrent requests run the same generation loop in their own threads; the backend gathers
 their evals into shared passes (llama.cpp: backends/llama_cpp_sequences.py). With one slot (the
 default, and the native backend's only mode for now) requests run one at a time, as before.
 
@@ -18,6 +19,13 @@ inside the state uses the backend's rollback; where that is refused (recurrent D
 newest checkpoint before the difference is restored if the backend keeps checkpoints (one is saved
 before the last token of every prompt), else the state is reset and re-prefilled. Either way the
 model sees the same tokens, so the results are identical.
+
+Prefix reuse across slots (prefix_cache.py): where the backend can copy a sequence's state out and
+into another sequence (llama.cpp), the engine keeps copies of the state after prompt prefixes that
+are likely to recur: the end of a prompt's first turn (a system prompt, an agent scaffold) and the
+whole prompt but its last token. A request whose slot shares less of its prompt than a copy does
+loads the longest such copy into its own sequence and evaluates only the rest
+(`GenerationStats.prefix_cache_tokens`). On by default with several slots.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import numpy as np
 
 from . import chat_template
 from .errors import ContextOverflowError, OpenJetError, WrongArchitectureError
+from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, check_prefix_cache_bytes
 from .sampling import Sampler, SamplingParams
 
 MAX_TOP_LOGPROBS = 20      # OpenAI's limit on top_logprobs
@@ -59,6 +68,9 @@ class GenerationStats:
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # of cached_prompt_tokens, those loaded from the engine's prefix cache (a copy of the state
+    # that an earlier request, in any slot, left) rather than kept in the slot's own state
+    prefix_cache_tokens: int = 0
     generated_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -75,7 +87,9 @@ class GenerationStats:
         return self.prompt_tokens - self.cached_prompt_tokens
 
     def summary(self) -> str:
-        s = (f"prompt {self.prompt_tokens} tokens ({self.cached_prompt_tokens} cached) in "
+        cached = (f"{self.cached_prompt_tokens} cached, {self.prefix_cache_tokens} from the prefix cache"
+                  if self.prefix_cache_tokens else f"{self.cached_prompt_tokens} cached")
+        s = (f"prompt {self.prompt_tokens} tokens ({cached}) in "
              f"{self.prefill_seconds:.3f} s, generated {self.generated_tokens} tokens in "
              f"{self.decode_seconds:.3f} s ({self.tokens_per_second:.1f} tok/s) [{self.backend}]")
         if self.drafts_proposed:
@@ -167,7 +181,7 @@ class Engine:
 
     def __init__(self, backend, *, model_path: str | os.PathLike[str], config, metadata: dict,
                  chat_template_source: str | None, eog_tokens: Sequence[int], token_eos: int | None,
-                 backend_reason: str, model_file=None):
+                 backend_reason: str, model_file=None, prefix_cache_bytes: int | None = None):
         self._backend = backend
         self._model_file = model_file            # kept open while a native backend uses it
         self.model_path = Path(model_path)
@@ -182,6 +196,7 @@ class Engine:
         # a backend holding several sequences hands out one view per sequence: a slot each
         views = backend.sequences() if getattr(backend, "n_sequences", 1) > 1 else [backend]
         self._slots = [_Slot(i, v) for i, v in enumerate(views)]
+        self._prefix_cache = self._make_prefix_cache(prefix_cache_bytes)
         self._cv = threading.Condition()
         self._waiting: deque[object] = deque()  # requests waiting for a slot, in arrival order
         self._uses = itertools.count(1)
@@ -193,6 +208,30 @@ class Engine:
         if self._speculator is not None and len(self._slots) > 1:
             raise ValueError("speculative decoding runs on a one-slot engine")
         _LIVE_ENGINES.add(self)
+
+    def _make_prefix_cache(self, budget: int | None) -> PrefixCache | None:
+        """The prefix cache, where the budget is not 0 and every slot's backend copies state.
+        None: DEFAULT_PREFIX_CACHE_BYTES with several slots, none with one (whose conversation
+        reuse stays as it was: its own checkpoints)."""
+        asked = check_prefix_cache_bytes(budget)
+        if asked is None:
+            asked = DEFAULT_PREFIX_CACHE_BYTES if len(self._slots) > 1 else 0
+        if not asked:
+            return None
+        if not all(hasattr(s.backend, "save_state") and hasattr(s.backend, "load_state") for s in self._slots):
+            log.info("no prefix cache: the %s backend cannot copy a sequence's state", self.backend_name)
+            return None
+        return PrefixCache(asked)
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's budget, bytes and entries held, and counters: hits (requests that
+        loaded a copy), reused_tokens (prompt tokens they did not evaluate), stored, evicted.
+        budget_bytes 0: no prefix cache."""
+        if self._prefix_cache is None:
+            return {"budget_bytes": 0, "bytes": 0, "entries": 0, "hits": 0, "reused_tokens": 0,
+                    "stored": 0, "evicted": 0}
+        return self._prefix_cache.stats()
 
     @staticmethod
     def _make_speculator(backend):
@@ -389,6 +428,8 @@ class Engine:
             self._closed = True
             self._cv.notify_all()           # requests waiting for a slot: the engine is closed
             self._backend.close()
+            if self._prefix_cache is not None:
+                self._prefix_cache.clear()
             if self._model_file is not None:
                 self._model_file.close()
 
@@ -457,9 +498,30 @@ class Engine:
                     self._waiting.remove(ticket)
                     self._cv.notify_all()
             free = [s for s in self._slots if s.owner is None]
-            slot = max(free, key=lambda s: (_common_prefix(s.tokens, prompt), -s.last_used))
+            slot = max(free, key=self._slot_preference(prompt))
             slot.owner = me
             return slot
+
+    def _slot_preference(self, prompt: list[int]):
+        """The key a request picks its slot by (the largest wins). Without a prefix cache copy of
+        the prompt: the longest shared prefix, then the least recently used. With one, a slot the
+        request would cut (it holds tokens past the shared part) is counted at the copy's length:
+        a recurrent state goes back only to a checkpoint, and every checkpoint the engine takes is
+        a copy in the cache too (unless evicted), so any slot serves as much; a slot the request
+        extends (an empty one, or its own conversation) then comes first, so the conversations in
+        the others keep their state; then the longest shared prefix (the same conversation
+        regenerated lands on its slot), then the least recently used."""
+        hit = (self._prefix_cache.longest(prompt, len(prompt) - 1, touch=False)
+               if self._prefix_cache is not None else None)
+        if hit is None:
+            return lambda s: (_common_prefix(s.tokens, prompt), -s.last_used)
+        cached = hit.state.n_past
+
+        def key(s: _Slot):
+            common = _common_prefix(s.tokens, prompt)
+            extends = common == len(s.tokens)
+            return (max(common, cached) if extends else cached), extends, common, -s.last_used
+        return key
 
     def _release(self, slot: _Slot) -> None:
         with self._cv:
@@ -477,15 +539,19 @@ class Engine:
                 log.exception("backend reset failed")
 
     def _prefill(self, slot: _Slot, prompt: list[int], want_logits: bool
-                 ) -> tuple[np.ndarray | None, int | None, int]:
-        """Bring the slot's state to `prompt`; return (logits or None, argmax or None, cached)."""
+                 ) -> tuple[np.ndarray | None, int | None, int, int]:
+        """Bring the slot's state to `prompt`; return (logits or None, argmax or None, cached,
+        of which loaded from the prefix cache)."""
         b = slot.backend
         common = _common_prefix(slot.tokens, prompt)
         if common == len(prompt) == len(slot.tokens) and slot.logits is not None:
-            return slot.logits, None, common          # the same prompt again: nothing to evaluate
+            return slot.logits, None, common, 0       # the same prompt again: nothing to evaluate
         if common == len(prompt):
             common -= 1                                # at least one token must be evaluated for logits
-        if common < b.n_past and not b.rollback(common):
+        cache = self._prefix_cache
+        last = len(prompt) - 1                         # a copy serves at most prompt[:-1]: no logits in it
+        hit = cache.longest(prompt, last, common) if cache is not None else None
+        if hit is None and common < b.n_past and not b.rollback(common):
             restore = getattr(b, "restore_checkpoint", None)
             if restore is not None:
                 common = restore(common)               # newest checkpoint at or before common
@@ -493,26 +559,62 @@ class Engine:
                 b.reset()
                 common = 0
             log.debug("backend %s could not roll back; resumed from %d tokens", b.name, common)
+            if cache is not None:
+                hit = cache.longest(prompt, last, common)
+        from_cache = 0
+        if hit is not None:
+            # the copy replaces the slot's whole state (other slots are not touched)
+            if b.load_state(hit.state):
+                common = from_cache = hit.state.n_past
+                cache.count_hit(from_cache)
+            else:
+                common = 0
+                log.warning("backend %s could not load a prefix cache copy; prefilling from the start", b.name)
         slot.tokens = list(prompt[:common])
         slot.logits = None
         todo = prompt[common:]
+        if cache is not None:
+            # the end of the first turn: where a system prompt or a scaffold's instructions end,
+            # the prefix other conversations share
+            turn = self._first_turn_end(prompt)
+            if common < turn < last and prompt[:turn] not in cache:
+                b.eval(prompt[common:turn])
+                slot.tokens = list(prompt[:turn])
+                todo = prompt[turn:]
+                self._keep_prefix(b, slot.tokens)
         save = getattr(b, "save_checkpoint", None)
-        if save is not None:
+        if save is not None or cache is not None:
             # checkpoint before the last prompt token: asking for the same prompt again, or a
             # history that changes after it (a regenerated or re-rendered reply), resumes here
             if len(todo) > 1:
                 b.eval(todo[:-1])
                 slot.tokens += todo[:-1]
                 todo = todo[-1:]
-            save()
+            if save is not None:
+                save()
+            if cache is not None and slot.tokens not in cache:
+                self._keep_prefix(b, slot.tokens)
         if want_logits:
             logits = b.eval(todo)
             slot.tokens += todo
             slot.logits = logits
-            return logits, None, common
+            return logits, None, common, from_cache
         top = b.eval_argmax(todo)
         slot.tokens += todo
-        return None, top, common
+        return None, top, common, from_cache
+
+    def _first_turn_end(self, prompt: list[int]) -> int:
+        """Tokens up to and including the prompt's first end-of-turn token (<|im_end|> in
+        ChatML); 0 when it has none."""
+        eog = self.eog_tokens
+        return next((i + 1 for i, t in enumerate(prompt) if t in eog), 0)
+
+    def _keep_prefix(self, backend, prefix: list[int]) -> None:
+        """Copy the sequence's state (which holds exactly `prefix`) into the prefix cache."""
+        cache = self._prefix_cache
+        state = backend.save_state(cache.budget_bytes)
+        if state is not None:
+            cache.put(prefix, state)
 
     def _prefill_before_last(self, slot: _Slot, prompt: list[int]) -> int:
         """Speculative requests: bring the state to prompt[:-1] (the last prompt token enters the
@@ -571,7 +673,8 @@ class Engine:
             rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
             logits, top = None, prompt[-1]      # the last prompt token is the first cycle's current
         else:
-            logits, top, cached = self._prefill(slot, prompt, want_logits=not argmax_only)
+            logits, top, cached, stats.prefix_cache_tokens = self._prefill(slot, prompt,
+                                                                           want_logits=not argmax_only)
             if argmax_only and top is None:
                 top = int(np.argmax(logits))
         t1 = time.perf_counter()
@@ -780,7 +883,8 @@ def _eog_tokens(tokens: list[str], token_type: list[int], metadata: dict) -> tup
 
 
 def _load_foreign(path: Path, declined: "WrongArchitectureError", *, backend: str, n_ctx: int,
-                  kv_type: str, n_threads: int | None, n_slots: int | None = 1) -> Engine:
+                  kv_type: str, n_threads: int | None, n_slots: int | None = 1,
+                  prefix_cache_bytes: int | None = None) -> Engine:
     """A GGUF of another architecture: llama.cpp runs it (backend="native" raises, saying why)."""
     from .backends.select import create_backend
     from .model_file import read_foreign
@@ -794,13 +898,14 @@ def _load_foreign(path: Path, declined: "WrongArchitectureError", *, backend: st
     tf = info.tokenizer
     eog, eos = _eog_tokens(tf.tokens, tf.token_type, info.metadata)
     return Engine(be, model_path=path, config=None, metadata=info.metadata, chat_template_source=info.chat_template,
-                  eog_tokens=eog, token_eos=eos, backend_reason=reason)
+                  eog_tokens=eog, token_eos=eos, backend_reason=reason, prefix_cache_bytes=prefix_cache_bytes)
 
 
 def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "auto", n_ctx: int = 4096,
          draft_depth: int = 4, kv_type: str = "f16", seed: int | None = None, verbose: bool = False,
          n_threads: int | None = None, checkpoint_interval: int = 0, n_checkpoints: int | None = None,
-         prefill_chunk: int | None = None, n_slots: int | None = 1) -> Engine:
+         prefill_chunk: int | None = None, n_slots: int | None = 1,
+         prefix_cache_bytes: int | None = None) -> Engine:
     """Open a GGUF and start a backend for it: a qwen35 model on the native engine where it can
     run, anything else llama.cpp runs (another architecture included) on llama.cpp.
 
@@ -820,6 +925,10 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     own recurrent state. None: the backend's choice for a server (llama.cpp: 4, see
     backends/llama_cpp.py DEFAULT_SERVE_SEQUENCES). The native backend runs one sequence per pass
     until its multi-sequence kernels exist: it takes 1 whatever is asked (logged).
+    prefix_cache_bytes: host memory for copies of the state after recurring prompt prefixes, so a
+    request in any slot reuses a system prompt another request evaluated (see Engine;
+    prefix_cache.py); least recently used copies go first. None: DEFAULT_PREFIX_CACHE_BYTES (2 GiB)
+    with several slots, 0 with one; 0: no prefix cache. The llama.cpp backend only, for now.
     """
     from .backends.select import create_backend
     from .defaults import default_model_path
@@ -849,6 +958,7 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
                                   or n_threads < 1):
         raise ValueError(f"n_threads must be a positive integer or None, got {n_threads!r}")
     check_slots(n_slots)
+    check_prefix_cache_bytes(prefix_cache_bytes)
 
     path = Path(default_model_path() if model_path is None else model_path).expanduser()
     if not path.exists():
@@ -863,7 +973,7 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
         except WrongArchitectureError as exc:
             # another architecture is a fallback case, not an error: llama.cpp runs it
             return _load_foreign(path, exc, backend=backend, n_ctx=n_ctx, kv_type=kv_type, n_threads=n_threads,
-                                 n_slots=n_slots)
+                                 n_slots=n_slots, prefix_cache_bytes=prefix_cache_bytes)
     try:
         if n_ctx > mf.config.n_ctx_train:
             raise ValueError(f"n_ctx={n_ctx} exceeds the model's training context "
@@ -890,5 +1000,5 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
         mf.close()
     return Engine(be, model_path=path, config=config, metadata=metadata, chat_template_source=template,
                   eog_tokens=eog, token_eos=eos, backend_reason=reason,
-                  model_file=mf if keep_open else None)
+                  model_file=mf if keep_open else None, prefix_cache_bytes=prefix_cache_bytes)
 

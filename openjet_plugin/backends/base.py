@@ -7,6 +7,7 @@ the stats — is the engine's, so every backend behaves the same way to a caller
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -52,6 +53,32 @@ class Backend(Protocol):
 #         # back to the newest checkpoint with <= n_max tokens; returns its n_past (0: state reset)
 # The engine saves one before the last token of every prompt and restores one when rollback()
 # refuses; a backend without them is reset and re-prefilled instead.
+
+# Optional, for backends that can copy a sequence's whole state out and into any of their
+# sequences (the engine's prefix cache, prefix_cache.py: a prompt prefix evaluated in one slot is
+# reused by a request in another, or by a later conversation in the same slot):
+#     def save_state(self, max_bytes: int) -> SequenceState | None: ...
+#         # a self-contained copy of this sequence's state at n_past: the attention KV of
+#         # positions [0, n_past) and the recurrent state at n_past (a recurrent state cannot be
+#         # cut back, so a copy at p can only be taken while the sequence stands at p); None when
+#         # it would take more than max_bytes or cannot be taken
+#     def load_state(self, state: SequenceState) -> bool: ...
+#         # replace this sequence's whole state by `state`, taken from any sequence of the same
+#         # backend: n_past becomes state.n_past and the sequence's own checkpoints are dropped;
+#         # False if it failed (the sequence is then empty, n_past 0)
+# Neither may disturb another sequence: a multi-sequence backend does both between its passes.
+# The llama.cpp backend implements them (llama_cpp_sequences.py); the native backend would copy
+# its KV region [0, p) and DeltaNet / conv state the same way.
+
+
+@dataclass(frozen=True, eq=False)
+class SequenceState:
+    """One sequence's state at n_past, copied out by `save_state` (see above)."""
+
+    n_past: int
+    nbytes: int         # the memory the copy holds
+    data: object        # the backend's own form (llama.cpp: its sequence-state bytes)
+    origin: object      # the backend that made it: only that backend can load it
 
 # Optional, for backends that hold several sequences (conversations) at once:
 #     n_sequences: int                                  # > 1: the engine makes one slot per sequence

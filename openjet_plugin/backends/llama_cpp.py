@@ -249,6 +249,12 @@ class LlamaCppBackend:
     def rollback(self, n_keep: int) -> bool:
         return self._only_sequence().rollback(n_keep)
 
+    def save_state(self, max_bytes: int):
+        return self._only_sequence().save_state(max_bytes)
+
+    def load_state(self, state) -> bool:
+        return self._only_sequence().load_state(state)
+
     def reset(self) -> None:
         self._only_sequence().reset()
 

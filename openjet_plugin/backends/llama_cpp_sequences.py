@@ -21,7 +21,20 @@ sequences of the previous pass to come back with their next token: they are samp
 that waits for them serves them together instead of one pass each.
 
 There only the scheduler's thread decodes; every other use of the context (cutting a sequence,
-copying its recurrent state) takes `context_lock`, which a pass holds while it runs.
+copying its recurrent state, copying a whole sequence state out or in) takes `context_lock`, which
+a pass holds while it runs: those happen between passes, and touch only their own sequence.
+
+Copying a prefix from one sequence into another (the engine's prefix cache): llama.cpp has two
+ways, and only one fits. `llama_memory_seq_cp` copies a *live* sequence: for the recurrent part it
+shares the source's current state cell (the state at the source's n_past, not at an earlier p),
+and across KV streams (kv_unified off, one stream per sequence) it accepts only a whole-stream
+copy, applied at the next decode. So it needs the source idle at exactly p, and the copy would
+depend on a slot that moves on. `llama_state_seq_get_data_ext` / `set_data_ext` (flags 0: the KV
+cells and the recurrent state; PARTIAL_ONLY would leave out the KV) instead serialise one
+sequence's state while it stands at p, and read it back into any destination sequence:
+the KV cells go to the destination's own stream, the recurrent state to a cell of its own, after
+the destination is emptied (llama-kv-cache.cpp / llama-memory-recurrent.cpp state_read_meta with
+dest_seq_id). That snapshot is self-contained, so it is what `save_state` / `load_state` use.
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ import time
 import numpy as np
 
 from ..errors import ContextOverflowError
+from .base import SequenceState
 
 MAX_CHECKPOINTS = 3
 GATHER_MAX_SECONDS = 0.05      # the longest a pass waits for a sequence of the previous pass
@@ -54,6 +68,26 @@ def save_partial_state(lib, ctx, seq: int) -> ctypes.Array | None:
 def load_partial_state(lib, ctx, seq: int, buf: ctypes.Array) -> bool:
     flags = lib.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
     return lib.llama_state_seq_set_data_ext(ctx, buf, len(buf), seq, flags) == len(buf)
+
+
+# --- a whole sequence state (KV cells + recurrent state), loadable into any sequence ---------------
+
+def save_sequence_state(lib, ctx, seq: int, max_bytes: int) -> ctypes.Array | None:
+    """Sequence seq's KV cells and recurrent state (flags 0), or None when larger than max_bytes
+    (llama.cpp sizes it without copying) or not copied out."""
+    size = lib.llama_state_seq_get_size_ext(ctx, seq, 0)
+    if size == 0 or size > max_bytes:
+        return None
+    buf = (ctypes.c_uint8 * size)()
+    if lib.llama_state_seq_get_data_ext(ctx, buf, size, seq, 0) != size:
+        return None
+    return buf
+
+
+def load_sequence_state(lib, ctx, seq: int, buf: ctypes.Array) -> bool:
+    """Replace sequence seq's state by buf (saved from any sequence of this context); llama.cpp
+    empties seq first and leaves it empty when the read fails."""
+    return lib.llama_state_seq_set_data_ext(ctx, buf, len(buf), seq, 0) == len(buf)
 
 
 # --- the pass -----------------------------------------------------------------------------------------
@@ -388,6 +422,36 @@ class LlamaCppSequence:
                 return pos
         self.reset()
         return 0
+
+    # --- whole-state copies: a prefix evaluated in one sequence, reused in another ------------------
+    def save_state(self, max_bytes: int) -> SequenceState | None:
+        """A copy of this sequence's state at n_past (KV of [0, n_past) + recurrent state), or
+        None when it would take more than max_bytes (base.py)."""
+        if self._n_past == 0:
+            return None
+        with self._passes.context_lock:
+            buf = save_sequence_state(self._lib, self._ctx, self.seq, max_bytes)
+        if buf is None:
+            return None
+        return SequenceState(self._n_past, len(buf), buf, self._owner)
+
+    def load_state(self, state: SequenceState) -> bool:
+        """Replace this sequence's state by `state` (from any sequence of this backend); False,
+        with the sequence empty, if llama.cpp refused it."""
+        if state.origin is not self._owner:
+            raise ValueError("load_state: the state was saved by another backend")
+        if state.n_past > self.n_ctx:
+            raise ContextOverflowError(state.n_past, self.n_ctx)
+        self._passes.cancel(self.seq)
+        with self._passes.context_lock:
+            ok = (load_sequence_state(self._lib, self._ctx, self.seq, state.data)
+                  and self._lib.llama_memory_seq_pos_max(self._mem, self.seq) == state.n_past - 1)
+            if not ok:
+                self._lib.llama_memory_seq_rm(self._mem, self.seq, -1, -1)
+        # the sequence's own checkpoints were of the state it held before
+        self._checkpoints = []
+        self._n_past = state.n_past if ok else 0
+        return ok
 
     def reset(self) -> None:
         self._passes.cancel(self.seq)
