@@ -407,8 +407,8 @@ class ServerMetrics:
     """Counters and gauges for `/metrics`; every method is thread-safe (the engine's worker
     threads report here)."""
 
-    _ENGINE_COUNTERS = ("prompt_tokens", "cached_prompt_tokens", "generated_tokens", "drafts_proposed",
-                        "drafts_accepted", "cycles")
+    _ENGINE_COUNTERS = ("prompt_tokens", "cached_prompt_tokens", "prefix_cache_tokens", "generated_tokens",
+                        "drafts_proposed", "drafts_accepted", "cycles")
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -156,7 +156,7 @@ def test_a_short_shared_prefix_is_reused_too(model):
         rb = eng.generate(b, max_tokens=8, temperature=0)
         assert rb.stats.prefix_cache_tokens == len(head)
         held.close()
-        # no turn boundary: the copy of all but the last token of a 3-token prompt
+        # no turn boundary: the copy of all but the last token of a prompt of a few tokens
         c = eng.tokenize("x = 1")
         held = eng.generate(c, max_tokens=4, temperature=0, stream=True)
         next(held)
