@@ -41,6 +41,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
     "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
     "peak_mem_gb": ("GB", (), False),
+    # several requests at once (bench/concurrent.py): aggregate rate, and the inter-token p99 of
+    # decoding streams without (prompt_tokens 0) and with a long prompt arriving
+    "concurrent_tps": ("tokens/s", ("streams", "drafts"), True),
+    "concurrent_itl_p99_ms": ("ms", ("streams", "prompt_tokens"), False),
 }
 CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
 # shown in their own tables under the main one (their columns differ)
@@ -48,6 +52,7 @@ SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
 TREE_METRICS = ("spec_tree_tps",)
 ACCEPT_METRICS = ("accepted_per_cycle",)
 FALLBACK_METRICS = ("fallback_decode_tps",)
+CONCURRENT_METRICS = ("concurrent_tps", "concurrent_itl_p99_ms")
 DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
 PHASES_KEY = "phase_tables"       # manifest.info[PHASES_KEY][row_key of a projection_gbps row]: bench/ours.py's phase_table
 
@@ -185,7 +190,8 @@ def markdown(report: dict) -> str:
     for src in (results, man.get("not_measured", [])):
         for r in src:
             rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
-    side = {k: v for k, v in rows.items() if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS}
+    side = {k: v for k, v in rows.items()
+            if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS + CONCURRENT_METRICS}
     rows = {k: v for k, v in rows.items() if k not in side}
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
@@ -242,6 +248,7 @@ def markdown(report: dict) -> str:
                                   man.get("model", {}).get("mtp_accuracy"))
     lines += tree_section(side, by_key, status, details, median_of, man.get("model", {}))
     lines += _accept_section(side, by_key, status, details, pending)
+    lines += concurrent_section(side, by_key, status, details)
     if notes:
         lines.append("")
         lines += [f"({i}) {n}" for i, n in enumerate(notes, 1)]
@@ -547,6 +554,77 @@ def _accept_section(side, by_key, status, details, pending) -> list[str]:
                    f"| {_slots(d)} | {same} |")
     if extra:
         out += [""] + extra
+    return out
+
+
+def _alone(d: dict) -> str:
+    """Streams whose tokens equal the request run alone, over every round of a row."""
+    n, bad = d.get("streams_checked"), d.get("streams_differing_from_alone")
+    if not isinstance(n, int) or not isinstance(bad, int):
+        return ""
+    return "yes" if bad == 0 else f"{n - bad} of {n} (first difference at token {d.get('first_difference')})"
+
+
+def concurrent_section(side, by_key, status, details) -> list[str]:
+    """concurrent_tps (streams x drafts) and concurrent_itl_p99_ms of both engines."""
+    tps = sorted((k for k in side if k[0] == "concurrent_tps"),
+                 key=lambda k: (side[k]["drafts"], side[k]["streams"]))
+    itl = sorted((k for k in side if k[0] == "concurrent_itl_p99_ms"),
+                 key=lambda k: (side[k]["streams"], side[k]["prompt_tokens"]))
+    if not tps and not itl:
+        return []
+
+    def get(metric, eng, params):
+        key = row_key(metric, eng, params)
+        return key, by_key.get(key), details.get(key, {})
+
+    out = ["", "## Concurrent streams (greedy, the same prompt token ids on both engines)", "",
+           "concurrent_tps: `streams` requests started at once, each N new tokens from its own prompt; one "
+           "sample = all tokens / the wall time from the first request to the last token. openjet: the Engine "
+           "with n_slots = streams, one thread per request; llama.cpp: llama-server -np 8 on the same file. "
+           "× base: over the same engine's 1-stream row (D 0), or its plain row of as many streams (D > 0). "
+           "sequences: how many the engine served at once (fewer than the streams: they ran one after "
+           "another). = alone: streams, over every round, whose tokens equal the request run alone.", "",
+           "| streams | D | openjet tokens/s | × base | sequences | = alone | llama.cpp tokens/s | × base "
+           "| = alone | openjet/llama.cpp |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for k in tps:
+        params = side[k]
+        base = {"streams": 1, "drafts": 0} if params["drafts"] == 0 else {"streams": params["streams"], "drafts": 0}
+        cells, meds = [], []
+        for eng in ENGINES:
+            key, r, d = get("concurrent_tps", eng, params)
+            _, b, _ = get("concurrent_tps", eng, base)
+            meds.append(r["median"] if r else None)
+            ratio = _ratio(r["median"], b["median"]) if r and b and base != params else ""
+            seq = f"{d['sequences']} ({d.get('backend', '?')})" if "sequences" in d else ""
+            cells.append((_cell(r) if r else status.get(key, "—"), ratio, seq, _alone(d)))
+        (o, o_x, o_seq, o_same), (q, q_x, _, q_same) = cells
+        out.append(f"| {params['streams']} | {params['drafts']} | {o} | {o_x} | {o_seq} | {o_same} | {q} | {q_x} "
+                   f"| {q_same} | {_ratio(*meds)} |")
+    if itl:
+        out += ["", "concurrent_itl_p99_ms: `streams` requests decoding; with a prompt of `prompt tokens`, it "
+                "arrives (a request of one new token) once every stream has a quarter of its tokens, and the "
+                "streams go on past its return. One sample = the 99th percentile of the streams' inter-token "
+                "gaps in one run. × without: over the same engine's run without the prompt (the target: "
+                "under 3×). prompt inside: runs where every stream was still decoding when the prompt's "
+                "request returned.", "",
+                "| streams | prompt tokens | openjet p99 ms | × without | prompt inside | llama.cpp p99 ms "
+                "| × without | prompt inside |",
+                "|---|---|---|---|---|---|---|---|"]
+        for k in itl:
+            params = side[k]
+            without = {"streams": params["streams"], "prompt_tokens": 0}
+            cells = []
+            for eng in ENGINES:
+                key, r, d = get("concurrent_itl_p99_ms", eng, params)
+                _, b, _ = get("concurrent_itl_p99_ms", eng, without)
+                ratio = _ratio(r["median"], b["median"]) if r and b and params["prompt_tokens"] else ""
+                runs = [x for x in d.get("runs", []) if "streams_outlasted_prompt" in x]
+                inside = (f"{sum(bool(x['streams_outlasted_prompt']) for x in runs)} of {len(runs)}"
+                          if runs else "")
+                cells += [_cell(r) if r else status.get(key, "—"), ratio, inside]
+            out.append(f"| {params['streams']} | {params['prompt_tokens']} | " + " | ".join(cells) + " |")
     return out
 
 

@@ -11,10 +11,12 @@ The run, in order (each step's finished measurements go to the resume folder at 
      MTP head at each depth, in chains of D = 1..4 and B - 1 and in draft trees of budget B, last);
      in a second child, real MTP acceptance on the trained default model; in a
      third, the two prefill scenarios (oj_prefill; its own child so that the longer context they
-     need does not count in the decode run's peak memory);
+     need does not count in the decode run's peak memory); in a fourth, the concurrent rows
+     (bench/concurrent.py: streams of requests at once through the Engine's slots);
   6. llama.cpp (waiting for its build): decode at each depth, batches of 1..D+1 at depth 1K,
      the two prefill scenarios, and its own MTP speculative decoding at each depth and D through
-     llama-server (bench/peer_spec.py; one server per D), from the same tokens as ours;
+     llama-server (bench/peer_spec.py; one server per D), from the same tokens as ours; the
+     concurrent rows on llama-server -np 8 (bench/concurrent.py);
   7. the manifest's end state; JSON and markdown out.
 With --time-budget, steps that no longer fit are left for the next run with the same --resume.
 Exit status: 0 complete; 1 no GPU or bad arguments; 3 incomplete for lack of time (run again
@@ -75,11 +77,22 @@ class Settings:
     peer_ubatch: int = 512
     read_mib: int = 8192
     copy_mib: int = 4096
+    # concurrent_tps / concurrent_itl_p99_ms (bench/concurrent.py): streams of N new tokens from
+    # prompts of P tokens; 8 streams with speculation at D; the latency rows' streams, long prompt
+    # and tokens per stream
+    concurrent_streams: tuple[int, ...] = (1, 2, 4, 8)
+    concurrent_tokens: int = 128
+    concurrent_prompt_tokens: int = 64
+    concurrent_drafts: int = 3
+    latency_streams: int = 7
+    latency_prompt_tokens: int = 12288
+    latency_tokens: int = 128
 
     @classmethod
     def quick_run(cls, **kw) -> "Settings":
         base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800),),
-                    read_mib=2048, copy_mib=1024)
+                    read_mib=2048, copy_mib=1024, concurrent_streams=(1, 8), concurrent_tokens=32,
+                    latency_prompt_tokens=4096, latency_tokens=64)
         base.update(kw)
         return cls(**base)
 
@@ -138,6 +151,19 @@ def prefill_rows(s: Settings, engine: str) -> list[tuple[str, str, dict]]:
     return [("prefill_tps", engine, prefill_params(n, d)) for n, d in s.prefill]
 
 
+def concurrent_plan(s: Settings):
+    """The concurrent rows' plan (bench/concurrent.py), the same for both engines."""
+    from .concurrent import Plan
+
+    return Plan(streams=s.concurrent_streams, tokens=s.concurrent_tokens, prompt_tokens=s.concurrent_prompt_tokens,
+                reps=s.reps, spec_streams=8, drafts=s.concurrent_drafts, latency_streams=s.latency_streams,
+                latency_prompt=s.latency_prompt_tokens, latency_tokens=s.latency_tokens)
+
+
+def concurrent_rows(s: Settings, engine: str) -> list[tuple[str, str, dict]]:
+    return [(m, engine, p) for m, p in concurrent_plan(s).rows()]
+
+
 def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     """(rows to measure, pending rows). roofline_tps rows are derived, not measured."""
     rows: list[tuple[str, str, dict]] = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
@@ -151,6 +177,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     rows += [CONSTRAINT_ROW]
     rows += spec_rows(s) + accept_rows(s)
     rows += [r for d in s.drafts for r in peer_spec_rows(s, d)]
+    rows += concurrent_rows(s, OURS) + concurrent_rows(s, PEER)
     return rows, []
 
 
@@ -455,6 +482,73 @@ def group_peer_spec(run: Run, drafts: int) -> None:
                           lambda: min(run.left(), PEER_REQUEST_TIMEOUT), on_row)
 
 
+def group_ours_concurrent(run: Run) -> None:
+    """Our engine's concurrent rows (bench/concurrent.py), in a child process: the Engine with
+    n_slots = streams on the backend load() picks."""
+    todo = [(m, p) for m, _, p in run.missing(concurrent_rows(run.settings, OURS))]
+    if not todo:
+        return
+    p = concurrent_plan(run.settings)
+    cmd = [sys.executable, "-m", "openjet_plugin.bench.concurrent", "--model", str(run.model),
+           "--streams", ",".join(map(str, p.streams)), "--tokens", str(p.tokens),
+           "--prompt-tokens", str(p.prompt_tokens), "--reps", str(p.reps),
+           "--spec", f"{p.spec_streams}:{p.drafts}",
+           "--latency", f"{p.latency_streams}:{p.latency_prompt}:{p.latency_tokens}",
+           "--rows", json.dumps(todo)]
+    rows = [(m, OURS, params) for m, params in todo]
+    run.log(f"openjet: {len(rows)} concurrent measurements in a child process")
+    made = _run_child(run, "ours-concurrent", cmd, rows)
+    run.log(f"openjet: {len(made)} of {len(rows)} concurrent measurements made")
+
+
+def group_peer_concurrent(run: Run) -> None:
+    """llama.cpp's concurrent rows: one llama-server of 8 slots on the same file for the plain rows,
+    a second with MTP speculation for the speculative row, the same prompts as ours."""
+    from functools import partial
+
+    from ..model_file import open_model
+    from . import concurrent, peer_spec
+
+    s = run.settings
+    todo = [(m, p) for m, _, p in run.missing(concurrent_rows(s, PEER))]
+    if not todo:
+        return
+    _peer_binary(run)
+    pb = run.peer_build
+    assert pb is not None
+    problem = pb.server_problem()
+    if problem:
+        raise peer.PeerError(problem)
+    plan_ = concurrent_plan(s)
+    concurrent.check_plan(plan_)
+    with open_model(run.model) as mf:
+        n_vocab = mf.config.n_vocab
+    prompts, long_prompts = plan_.prompts(n_vocab)
+    slots = max(plan_.streams + (plan_.spec_streams, plan_.latency_streams + 1))
+    n_ctx = concurrent.server_context(plan_, slots)
+    log_path = run.cache / f"llama-server-concurrent-{run.session}.log"
+
+    def on_row(metric: str, params: dict, samples: list[float], details: dict) -> None:
+        run.add(metric, PEER, params, samples)
+        key = report.row_key(metric, PEER, params)
+        run.store.update_info(spec_details={**run.store.info.get("spec_details", {}), key: details})
+        run.log(f"llama.cpp {metric} {params}: median {report._fmt(sorted(samples)[len(samples) // 2])}")
+
+    def timeout() -> float:
+        return min(run.left(), PEER_REQUEST_TIMEOUT)
+
+    reference = None
+    for drafts in (0, plan_.drafts):
+        rows = [(m, p) for m, p in todo if p.get("drafts", 0) == drafts]
+        if not rows:
+            continue
+        command = partial(peer_spec.server_command, pb.server_binary, run.model, drafts, n_ctx, slots=slots)
+        run.log(f"llama.cpp: {len(rows)} concurrent measurements (llama-server -np {slots}, -c {n_ctx}, D {drafts})")
+        with peer_spec.LlamaServer(command, log_path, load_timeout=min(peer_spec.LOAD_TIMEOUT, run.left())) as server:
+            reference = concurrent.measure_server(server, plan_, prompts, long_prompts, rows, timeout, on_row,
+                                                  reference, drafts)
+
+
 def group_fallback(run: Run) -> None:
     """openjet's llama.cpp backend on the peer's CUDA libllama: decode at depth 0 (bench/fallback.py)."""
     s = run.settings
@@ -539,6 +633,8 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         pre = load + sum(d / (2 * pp) + (s.reps + 1) * n / (2 * pp) for n, d in s.prefill)
         out.append(("openjet prefill", pre, prefill_rows(s, OURS), group_ours_prefill))
         out.append(("openjet", 60.0, ours, group_ours))
+        out.append(("openjet concurrent", concurrent_seconds(s, load, pp, tg), concurrent_rows(s, OURS),
+                    group_ours_concurrent))
     if not run.no_peer:
         dec = load + sum(d / pp + (s.reps + 1) * s.decode_tokens / tg for d in s.depths)
         ver = load + s.verify_depth / pp + len(s.verify_positions) * (s.reps + 1) * 0.05
@@ -557,7 +653,19 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         for D in s.drafts:
             out.append((f"llama.cpp spec D={D}", spec, peer_spec_rows(s, D),
                         lambda r, D=D: group_peer_spec(r, D)))
+        out.append(("llama.cpp concurrent", concurrent_seconds(s, load, pp, tg), concurrent_rows(s, PEER),
+                    group_peer_concurrent))
     return out
+
+
+def concurrent_seconds(s: Settings, load: float, pp: float, tg: float) -> float:
+    """The least the concurrent rows take: two loads, the requests alone, every round as slow as
+    one stream's decode (what the native backend's one sequence gives), the long prompts."""
+    p = concurrent_plan(s)
+    solo = max(p.streams + (p.spec_streams,)) * p.tokens / tg
+    rounds = (p.reps + 1) * (len(p.streams) + 1) * p.tokens / tg
+    latency = (p.reps + 1) * (2 * p.latency_tokens / tg + p.latency_prompt / pp)
+    return 2 * load + solo + rounds + latency
 
 
 def selected(name: str, only: tuple[str, ...]) -> bool:
@@ -727,8 +835,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-peer", action="store_true", help="do not build or run llama.cpp")
     ap.add_argument("--only", type=_name_list, default=(),
                     help="run only the measurement groups whose names start with these, comma-separated "
-                         "(groups: card, openjet acceptance, openjet prefill, openjet, llama.cpp decode, "
-                         "llama.cpp verify, llama.cpp prefill, llama.cpp spec); e.g. --only 'openjet prefill,"
+                         "(groups: card, openjet acceptance, openjet prefill, openjet, openjet concurrent, "
+                         "llama.cpp decode, llama.cpp verify, llama.cpp prefill, llama.cpp spec, "
+                         "llama.cpp concurrent); e.g. --only 'openjet prefill,"
                          "llama.cpp prefill'; "
                          "an item ending in '=' selects that exact name ('openjet=': not acceptance or prefill)")
     ap.add_argument("--prefill", type=_prefill_list,
