@@ -612,7 +612,7 @@ class Engine:
     def _keep_prefix(self, backend, prefix: list[int]) -> None:
         """Copy the sequence's state (which holds exactly `prefix`) into the prefix cache."""
         cache = self._prefix_cache
-        state = backend.save_state(cache.budget_bytes)
+        state = backend.save_state(cache.max_copy_bytes)
         if state is not None:
             cache.put(prefix, state)
 

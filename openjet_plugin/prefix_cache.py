@@ -9,8 +9,8 @@ instructions end there). A copy holds the attention KV of its positions and the 
 after them (backends/base.py `save_state`), at any length: a prompt shorter than any block size
 is reused as well as a long one.
 
-Bounded by a byte budget; the least recently used copies go first. A copy larger than the budget
-is never taken.
+Bounded by a byte budget; the least recently used copies go first. One copy takes at most a
+quarter of it (MAX_COPY_SHARE): a larger one is never taken.
 """
 
 from __future__ import annotations
@@ -24,9 +24,16 @@ from typing import Sequence
 # length (48 DeltaNet layers of conv window + 48x128x128 delta-rule state, fp32), plus 64 KiB per
 # position of attention KV (16 layers, K and V, 4 KV heads x 256, f16); so about 8 copies at 2K
 # positions, two (first turn, whole prompt) for each of the 4 slots a server opens by default
-# (backends/llama_cpp.py DEFAULT_SERVE_SEQUENCES). llama.cpp's server keeps 8 GiB for its own
+# (backends/llama_cpp.py DEFAULT_SERVE_SEQUENCES), and prompts up to 5.6K positions copied whole
+# (MAX_COPY_SHARE). llama.cpp's server keeps 8 GiB for its own
 # prompt cache (--cache-ram); this one lives beside an application, so it takes a quarter.
 DEFAULT_PREFIX_CACHE_BYTES = 2 << 30
+
+# The largest copy, as a share of the budget: one long prompt (the 27B: 12K positions are 0.9 GB)
+# does not flush the copies of the system prompts every conversation shares, and taking a copy
+# holds the context (the other slots' passes wait for it; llama.cpp copies a state in one call),
+# so a bound on its size bounds that stall too.
+MAX_COPY_SHARE = 4
 
 
 def check_prefix_cache_bytes(value: object) -> int | None:
@@ -71,6 +78,11 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self._bytes
 
+    @property
+    def max_copy_bytes(self) -> int:
+        """The largest copy `put` keeps: budget_bytes // MAX_COPY_SHARE."""
+        return self.budget_bytes // MAX_COPY_SHARE
+
     def __contains__(self, prefix: Sequence[int]) -> bool:
         """Whether this prefix has a copy (and, if so, it becomes the most recently used)."""
         key = tuple(prefix)
@@ -102,11 +114,11 @@ class PrefixCache:
 
     def put(self, prefix: Sequence[int], state) -> bool:
         """Keep `state` (the state after `prefix`) as the most recently used copy, evicting the
-        least recently used until it fits; False (nothing kept) when it alone exceeds the budget."""
+        least recently used until it fits; False (nothing kept) when it exceeds max_copy_bytes."""
         key = tuple(prefix)
         if state.n_past != len(key):
             raise ValueError(f"the state holds {state.n_past} positions, the prefix {len(key)} tokens")
-        if state.nbytes > self.budget_bytes:
+        if state.nbytes > self.max_copy_bytes:
             return False
         with self._lock:
             old = self._entries.pop(key, None)

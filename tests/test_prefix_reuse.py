@@ -189,35 +189,34 @@ def test_the_next_conversation_takes_a_free_slot_and_keeps_the_first_ones_state(
 
 # --- the budget -------------------------------------------------------------------------------------
 
-def test_a_tiny_budget_evicts_the_least_recently_used_copies(model):
+def test_a_small_budget_evicts_the_least_recently_used_copies(model):
     with load(model, n_slots=2, prefix_cache_bytes=1) as eng:        # smaller than any copy
         r = eng.generate(chat_prompt(eng, "x = 1"), max_tokens=4, temperature=0)
         assert eng.prefix_cache_stats["entries"] == 0 and eng.prefix_cache_stats["stored"] == 0
         assert r.stats.prefix_cache_tokens == 0
-    systems = ["Answer in one word. " * 8, "Answer in two words. " * 8]
-    turn, whole = [], []
+    systems = ["Answer in one word. " * 8, "Answer in two words. " * 8, "Answer in three words. " * 8]
+    sizes = []
     with load(model, n_slots=2) as probe:
         for s in systems:
-            probe._prefix_cache.clear()
             probe.generate(chat_prompt(probe, "x = 1", system=s), max_tokens=1, temperature=0)
-            t, w = sorted(probe._prefix_cache._entries.values(), key=lambda e: len(e.tokens))
-            turn.append(t.nbytes)
-            whole.append(w.nbytes)
-    budget = max(whole) + min(turn) // 2               # a whole-prompt copy fits, not two copies
-    assert budget < min(turn) + min(whole)
+        sizes = [e.nbytes for e in probe._prefix_cache._entries.values()]
+    assert len(sizes) == 6                                # a first-turn and a whole-prompt copy each
+    budget = 4 * max(sizes)                               # four copies fit (and each is a quarter at most)
+    assert budget < 5 * min(sizes)
     with load(model, n_slots=2, prefix_cache_bytes=budget) as eng:
-        prompts = [chat_prompt(eng, "x = 1", system=s) for s in systems]
-        eng.generate(prompts[0], max_tokens=4, temperature=0)
+        for s in systems:
+            eng.generate(chat_prompt(eng, "x = 1", system=s), max_tokens=4, temperature=0)
         st = eng.prefix_cache_stats
-        assert st["entries"] == 1 and st["evicted"] == 1 and st["bytes"] <= budget
-        eng.generate(prompts[1], max_tokens=4, temperature=0)
-        st = eng.prefix_cache_stats
-        assert st["entries"] == 1 and st["evicted"] == 3 and st["bytes"] <= budget
-        # prompts[0]'s copies are gone: another conversation with its system prompt evaluates it
-        again = chat_prompt(eng, "y = 2", system=systems[0])
+        assert st["stored"] == 6 and st["entries"] == 4 and st["evicted"] == 2 and st["bytes"] <= budget
+        # the first conversation's copies were the least recently used: its system prompt is
+        # evaluated again; the last one's is reused
         eng._forget_state()
-        r = eng.generate(again, max_tokens=4, temperature=0)
+        r = eng.generate(chat_prompt(eng, "y = 2", system=systems[0]), max_tokens=4, temperature=0)
         assert r.stats.prefix_cache_tokens == 0 and r.stats.cached_prompt_tokens == 0
+        eng._forget_state()
+        last = chat_prompt(eng, "y = 2", system=systems[2])
+        r = eng.generate(last, max_tokens=4, temperature=0)
+        assert r.stats.prefix_cache_tokens == eng._first_turn_end(last)
 
 
 def test_prefix_cache_lru_order():
@@ -225,16 +224,21 @@ def test_prefix_cache_lru_order():
         def __init__(self, n, nbytes):
             self.n_past, self.nbytes = n, nbytes
 
-    c = PrefixCache(100)
-    assert c.put((1, 2), State(2, 40)) and c.put((1, 2, 3), State(3, 40))
+    c = PrefixCache(400)
+    assert c.max_copy_bytes == 100
+    assert c.put((1, 2), State(2, 100)) and c.put((1, 2, 3), State(3, 100))
     assert c.longest([1, 2, 3, 4], 3).tokens == (1, 2, 3)
     assert c.longest([1, 2, 3, 4], 3, longer_than=3) is None
     assert c.longest([1, 2, 3, 4], 2).tokens == (1, 2)          # (1, 2) is now the most recent
-    assert c.put((7,), State(1, 40))                               # evicts (1, 2, 3), the oldest
-    assert (1, 2, 3) not in c and (1, 2) in c and (7,) in c and c.nbytes == 80
-    assert not c.put((8,), State(1, 101)) and len(c) == 2          # larger than the budget
+    assert c.longest([1, 2, 3, 4], 3, touch=False).tokens == (1, 2, 3)   # and stays so
+    assert c.put((5,), State(1, 100)) and c.put((6,), State(1, 100))
+    assert c.put((7,), State(1, 100))                              # evicts (1, 2, 3), the oldest
+    assert (1, 2, 3) not in c and (1, 2) in c and (7,) in c and c.nbytes == 400
+    assert not c.put((8,), State(1, 101)) and len(c) == 4          # more than a quarter of the budget
     with pytest.raises(ValueError, match="positions"):
         c.put((9, 9), State(3, 1))
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixCache(0)
 
 
 @pytest.mark.parametrize("bad", [-1, True, 1.5, "2GiB"])
