@@ -104,24 +104,32 @@ def test_ours_on_the_cpu_gives_every_row_with_identical_streams(ours_cpu):
             # the prompt came in while the streams decoded, and they went on past its return
             assert all(0 < r["prompt_sent_s"] < r["prompt_returned_s"] for r in runs)
             assert all(r["streams_outlasted_prompt"] for r in runs)
+    assert all(isinstance(details[k].get("eog_banned"), bool) for k in details)
     # the llama.cpp backend does not speculate: the row says so instead of a number
     skips = [r for r in ours_cpu if "skip" in r]
     assert [s["skip"]["params"] for s in skips] == [{"streams": 4, "drafts": 2}]
     assert "llama.cpp backend does not speculate" in skips[0]["reason"]
 
 
-class _Recorder:
-    def __init__(self):
-        self.lines = []
+def test_an_engine_of_one_sequence_runs_the_streams_in_turn_and_says_so(tmp_path, monkeypatch):
+    """As the native backend does today (n_slots becomes 1): the rate rows are measured with
+    sequences 1, the latency rows are not, with the reason."""
+    import openjet_plugin
 
-    def result(self, metric, params, unit, samples):
-        self.lines.append(("result", metric, params))
-
-    def details(self, metric, params, details):
-        pass
-
-    def skip(self, metric, params, reason):
-        self.lines.append(("skip", metric, params, reason))
+    real = openjet_plugin.load
+    monkeypatch.setattr(openjet_plugin, "load", lambda *a, **kw: real(*a, **{**kw, "n_slots": 1}))
+    out = tmp_path / "rows.jsonl"
+    plan = concurrent.Plan(**{**SMALL, "streams": (2,)})
+    concurrent.run_ours(str(DEFAULT_GGUF), plan, "llama.cpp", Emitter(out), lambda: math.inf)
+    recs = _records(out)
+    key = report.row_key("concurrent_tps", "openjet", {"streams": 2, "drafts": 0})
+    d = next(r["info"]["spec_details"][key] for r in recs if key in r.get("info", {}).get("spec_details", {}))
+    assert d["sequences"] == 1 and d["slots_asked"] == 2 and d["streams_differing_from_alone"] == 0
+    skips = {json.dumps(r["skip"]["params"], sort_keys=True): r["reason"] for r in recs if "skip" in r}
+    for L in (0, 128):
+        reason = skips[json.dumps({"prompt_tokens": L, "streams": 3}, sort_keys=True)]
+        assert reason == ("the engine serves 1 sequence(s) at once on the llama.cpp backend; 3 streams and a "
+                          "prompt need 4")
 
 
 def test_a_stream_that_differs_from_running_alone_is_counted():

@@ -21,8 +21,10 @@ bench/peer_spec.py's LlamaServer).
 Prompts are token ids from the sequence both engines' speculative rows start from
 (bench/spec.py prompt_tokens): stream i reads tokens [i P, (i + 1) P), the long prompt of
 repetition r the L tokens after the streams' (a new one every repetition, so no engine reuses a
-previous one). Greedy (temperature 0), end-of-generation tokens banned (logit bias -inf, as
-llama-server's ignore_eos does), so every request runs its N tokens.
+previous one). Greedy (temperature 0), so that every request runs its N tokens: llama-server with
+ignore_eos; ours with a logit bias of -inf on the end-of-generation tokens only where one of the
+first requests alone ends early (details: eog_banned), since a bias takes the engine off its
+greedy fast path (the argmax on the GPU, the fused speculative cycle).
 
 Identical output: before the timed rounds each prompt runs alone (one request at a time; these
 runs are the warm-up too), and every stream of every round must produce exactly those tokens; the
@@ -196,12 +198,14 @@ def round_details(records: list[StreamRecord]) -> dict:
 # --- the two transports: a request run to the end, reporting tokens as they come ------------------------
 
 class EngineClient:
-    """Requests on our Engine: greedy, end-of-generation banned, streamed (so the tokens' times
-    are known)."""
+    """Requests on our Engine: greedy, streamed (so the tokens' times are known); with ban_eog the
+    end-of-generation tokens get a logit bias of -inf (llama-server's ignore_eos). Only where a
+    request would end early (run_ours decides): a bias takes the engine off its greedy fast path
+    (the argmax on the GPU, the fused speculative cycle)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, ban_eog: bool = False):
         self.engine = engine
-        self.bias = {int(t): -math.inf for t in engine.eog_tokens}
+        self.bias = {int(t): -math.inf for t in engine.eog_tokens} if ban_eog else {}
 
     def run(self, prompt: list[int], n_tokens: int, rec: StreamRecord,
             keep_going: Callable[[int], bool] | None = None) -> None:
@@ -323,7 +327,8 @@ def measure_tps(client, prompts: list[list[int]], n_tokens: int, reps: int,
             client.run(prompts[i], n_tokens, rec)
         t0 = run_concurrently([lambda i=i, rec=rec: job(i, rec) for i, rec in enumerate(recs)])
         for i, rec in enumerate(recs):
-            if rec.n_tokens != n_tokens:
+            # fewer tokens than asked: an end of generation that the request alone did not reach
+            if rec.n_tokens != n_tokens and (rec.tokens is None or len(reference[i] or ()) != n_tokens):
                 raise RuntimeError(f"stream {i} generated {rec.n_tokens} tokens, asked for {n_tokens}")
             if rec.tokens != reference[i]:
                 differing += 1
@@ -454,6 +459,19 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
     reference: list[list[int]] | None = None
     prompts, long_prompts = None, None
     streams = sorted(p["streams"] for m, p in todo if m == "concurrent_tps" and p["drafts"] == 0)
+    ban: bool | None = None      # end of generation banned: decided by the first requests alone
+
+    def solo_on(engine, which: list[list[int]]):
+        """(client, each prompt's tokens alone); the first call decides `ban`."""
+        nonlocal ban
+        client = EngineClient(engine, ban_eog=bool(ban))
+        solo = solo_outputs(client, which, N)
+        if ban is None:
+            ban = any(len(t) < N for t in solo)
+            if ban:
+                client = EngineClient(engine, ban_eog=True)
+                solo = solo_outputs(client, which, N)
+        return client, solo
     for k, S in enumerate(streams):
         if time_left() < 30:
             for row in [("concurrent_tps", tps_params(x)) for x in streams[k:]] + lat + [spec]:
@@ -463,15 +481,14 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
         try:
             if prompts is None:
                 prompts, long_prompts = plan.prompts(engine.n_vocab)
-            client = EngineClient(engine)
             if reference is None:
                 # every prompt alone on the first engine (the fewest slots): the reference of all rows
-                reference = solo_outputs(client, prompts, N)
+                client, reference = solo_on(engine, prompts)
                 solo = reference[:S]
             else:
-                solo = solo_outputs(client, prompts[:S], N)
+                client, solo = solo_on(engine, prompts[:S])
             samples, details = measure_tps(client, prompts[:S], N, plan.reps, reference)
-            details.update(_engine_facts(engine, S),
+            details.update(_engine_facts(engine, S), eog_banned=ban,
                            solo_differing_from_reference=sum(a != b for a, b in zip(solo, reference)))
         finally:
             engine.close()
@@ -498,7 +515,8 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
                                    f"{engine.backend_name} backend; {plan.latency_streams} streams and a prompt "
                                    f"need {need}")
             else:
-                client = EngineClient(engine)
+                client = EngineClient(engine, ban_eog=bool(ban))
+                facts["eog_banned"] = bool(ban)
                 for metric, params in lat:
                     longs = long_prompts if params["prompt_tokens"] else [None] * (plan.reps + 1)
                     samples, details = measure_latency(client, prompts[:plan.latency_streams], longs,
@@ -527,12 +545,11 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
             return
         if prompts is None:
             prompts, long_prompts = plan.prompts(engine.n_vocab)
-        client = EngineClient(engine)
         # the warm-up, and the reference where no plain row ran in this process (then: this engine's
         # requests alone)
-        solo = solo_outputs(client, prompts[:S], N)
+        client, solo = solo_on(engine, prompts[:S])
         samples, details = measure_tps(client, prompts[:S], N, plan.reps, reference or solo)
-        details.update(_engine_facts(engine, S), drafts=D, reference=(
+        details.update(_engine_facts(engine, S), drafts=D, eog_banned=ban, reference=(
             "plain (draft depth 0) requests alone" if reference else "this engine's requests alone"))
     finally:
         engine.close()
