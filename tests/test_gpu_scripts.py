@@ -6,8 +6,8 @@
 - native/tools/llama_logits.cpp compiled against llama-cpp-python's own libllama (CPU) through
   openjet_plugin.bench.peer.compile_llama_logits: its logits equal llama-cpp-python's, and every
   failure exits with its documented code and message.
-- scripts/q27b_agreement.py's comparison on constructed logits, and the whole script on a tiny
-  model with the numpy reference standing in for the native engine.
+  (Its streaming and --depth modes, and the agreement rows built on it, are
+  tests/test_bench_agreement.py's.)
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def _load_script(name: str):
 
 
 summary = _load_script("sanitize_summary")
-agreement = _load_script("q27b_agreement")
 
 
 # --- sanitizer summary -----------------------------------------------------------------------------
@@ -337,100 +336,6 @@ def test_peer_builds_libllama_when_the_tree_defines_it(tmp_path):
     assert peer.build_targets(tmp_path) == ["llama-bench", "llama"]
     with pytest.raises(peer.PeerError, match="not a llama.cpp source tree"):
         peer.llama_include_dirs(tmp_path)
-
-
-# --- the agreement script ---------------------------------------------------------------------------
-
-def test_compare_identical_near_tie_and_real_disagreements():
-    rng = np.random.default_rng(0)
-    llama = rng.normal(size=(6, 50)).astype(np.float32)
-    same = agreement.compare(llama, llama.copy(), near_tie=0.05)
-    assert same["top1"] == 1.0 and same["disagreements"] == 0 and same["near_tie_fraction"] is None
-    assert abs(same["kl_mean"]) < 1e-12 and same["rel_l2"] == 0.0 and same["finite"]
-
-    ours = llama.copy()
-    top = llama.argmax(-1)
-    # position 0: ours puts llama.cpp's runner-up 0.01 above its top-1 where llama.cpp has them 0.01 apart
-    second = int(np.argsort(llama[0])[-2])
-    llama[0, second] = llama[0, top[0]] - 0.01
-    ours[0] = llama[0]
-    ours[0, second] = llama[0, top[0]] + 0.01
-    # position 3: ours prefers a token llama.cpp ranks far lower
-    low = int(np.argmin(llama[3]))
-    ours[3, low] = llama[3].max() + 5.0
-    res = agreement.compare(llama, ours, near_tie=0.05)
-    assert res["disagreements"] == 2 and res["top1"] == pytest.approx(4 / 6)
-    assert res["near_tie_disagreements"] == 1 and res["near_tie_fraction"] == 0.5
-    assert res["top1_excluding_near_ties"] == pytest.approx(5 / 6)
-    d = {x["position"]: x for x in res["disagreement_detail"]}
-    assert d[0]["llama_gap"] == pytest.approx(0.01, abs=1e-5) and d[3]["llama_gap"] > 1.0
-    assert res["kl_max"] == pytest.approx(d[3]["kl"]) and res["kl_max"] > 0.1
-
-    ours[5, 7] = np.nan
-    assert agreement.compare(llama, ours, 0.05)["nonfinite_rows_ours"] == 1
-    with pytest.raises(agreement.AgreementError, match="shapes differ"):
-        agreement.compare(llama, ours[:5], 0.05)
-
-
-def test_agreement_script_on_a_tiny_model_with_the_reference(llama_logits_bin, synth_path, tmp_path, capsys):
-    """The whole script on the CPU: llama_logits (CPU libllama) against the numpy reference."""
-    model = synth_path("tiny", "F32")
-    out = tmp_path / "a.json"
-    rc = agreement.main(["--model", str(model), "--engine", "reference", "--llama-logits", str(llama_logits_bin),
-                         "--allow-cpu-llama", "--positions", "64", "--min-positions", "64",
-                         "--cache", str(tmp_path / "cache"), "--out", str(out)])
-    line = capsys.readouterr().out
-    assert rc == 0, line
-    res = json.loads(out.read_text())
-    assert res["pass"] and res["positions"] == 64 and res["n_vocab"] == 4096
-    assert res["top1"] >= 0.99 and res["kl_mean"] < 1e-4, res
-    assert res["llama_cpp"]["n_batch"] == 8 and res["ours"]["engine"] == "numpy reference"
-    assert "q27b agreement: top-1" in line and "PASS" in line
-    # the acceptance's 256-position floor: 64 positions never pass it
-    rc = agreement.main(["--model", str(model), "--engine", "reference", "--llama-logits", str(llama_logits_bin),
-                         "--allow-cpu-llama", "--positions", "64", "--cache", str(tmp_path / "cache")])
-    assert rc == agreement.EXIT_BELOW and "FAIL" in capsys.readouterr().out
-    # a text tokenised with the model's own tokenizer instead of random ids
-    rc = agreement.main(["--model", str(model), "--engine", "reference", "--llama-logits", str(llama_logits_bin),
-                         "--allow-cpu-llama", "--positions", "32", "--min-positions", "32",
-                         "--text", str(SCRIPTS / "sanitize_summary.py"), "--cache", str(tmp_path / "cache"),
-                         "--out", str(out)])
-    assert rc == 0, capsys.readouterr()
-    assert json.loads(out.read_text())["tokens"] == "sanitize_summary.py tokenised, first 32"
-
-
-def test_agreement_script_failures_are_one_clear_line(synth_path, tmp_path, capsys):
-    model = synth_path("tiny", "F32")
-    rc = agreement.main(["--model", str(tmp_path / "missing.gguf"), "--engine", "reference",
-                         "--cache", str(tmp_path)])
-    assert rc == 1 and "missing.gguf: file not found" in capsys.readouterr().err
-    rc = agreement.main(["--model", str(model), "--engine", "reference", "--llama-logits", str(tmp_path / "nope"),
-                         "--positions", "8", "--cache", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert rc == 1 and "nope: not an executable file" in err, err
-    rc = agreement.main(["--model", str(model), "--engine", "reference", "--text", str(tmp_path / "none.py"),
-                         "--cache", str(tmp_path)])
-    assert rc == 1 and "--text" in capsys.readouterr().err
-
-
-def test_agreement_script_exits_3_while_the_llama_build_is_still_running(synth_path, tmp_path, capsys):
-    """Out of time before llama.cpp is built: exit 3 and say to run again (the build resumes)."""
-    import fcntl
-
-    model = synth_path("tiny", "F32")
-    sdist = tmp_path / "sdist"
-    (sdist / "vendor" / "llama.cpp").mkdir(parents=True)
-    (sdist / "vendor" / "llama.cpp" / "CMakeLists.txt").write_text("project(x)\n")
-    cache = tmp_path / "cache"
-    pb = peer.build_dir(cache, sdist, "80")
-    pb.root.mkdir(parents=True)
-    with open(pb.lock, "a+b") as lock:     # another process's build holds the lock
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        rc = agreement.main(["--model", str(model), "--engine", "reference", "--positions", "16",
-                             "--sdist", str(sdist), "--archs", "80", "--cache", str(cache),
-                             "--budget-s", str(agreement.AFTER_BUILD_S + 2)])
-    assert rc == agreement.EXIT_OUT_OF_TIME
-    assert "out of time" in capsys.readouterr().out
 
 
 def test_every_device_script_parses():

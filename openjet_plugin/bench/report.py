@@ -39,6 +39,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     # draft trees of `budget` verify positions a cycle from the MTP head, shaped by `shape`
     "spec_tree_tps": ("tokens/s", ("budget", "depth", "shape"), True),
     "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
+    # teacher-forced agreement with llama.cpp (bench/agreement.py), engine openjet: the share of
+    # positions whose argmaxes agree, and the mean KL(llama.cpp || ours)
+    "agreement_top1": ("fraction", ("model", "depth", "positions"), True),
+    "agreement_kl": ("nats", ("model", "depth", "positions"), False),
     "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
     "peak_mem_gb": ("GB", (), False),
     # several requests at once (bench/concurrent.py): aggregate rate, and the inter-token p99 of
@@ -51,6 +55,7 @@ CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
 SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
 TREE_METRICS = ("spec_tree_tps",)
 ACCEPT_METRICS = ("accepted_per_cycle",)
+AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
 FALLBACK_METRICS = ("fallback_decode_tps",)
 CONCURRENT_METRICS = ("concurrent_tps", "concurrent_itl_p99_ms")
 DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
@@ -193,6 +198,8 @@ def markdown(report: dict) -> str:
     side = {k: v for k, v in rows.items()
             if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS + CONCURRENT_METRICS}
     rows = {k: v for k, v in rows.items() if k not in side}
+    agreement = {k: v for k, v in rows.items() if k[0] in AGREEMENT_METRICS}
+    rows = {k: v for k, v in rows.items() if k not in agreement}
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
         (str(type(v)), v) for v in kv[1].values()]))
@@ -248,6 +255,7 @@ def markdown(report: dict) -> str:
                                   man.get("model", {}).get("mtp_accuracy"))
     lines += tree_section(side, by_key, status, details, median_of, man.get("model", {}))
     lines += _accept_section(side, by_key, status, details, pending)
+    lines += agreement_section(agreement, by_key, status, details)
     lines += concurrent_section(side, by_key, status, details)
     if notes:
         lines.append("")
@@ -625,6 +633,42 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
                           if runs else "")
                 cells += [_cell(r) if r else status.get(key, "—"), ratio, inside]
             out.append(f"| {params['streams']} | {params['prompt_tokens']} | " + " | ".join(cells) + " |")
+    return out
+
+
+def agreement_section(rows: dict, by_key: dict, status: dict, details: dict) -> list[str]:
+    """agreement_top1 / agreement_kl per (model, depth, positions) against issue 25's thresholds,
+    with the figures the rows' details keep (bench/agreement.py)."""
+    from .agreement import KL_MAX, MIN_POSITIONS, TOP1_MIN, verdict
+
+    keys = sorted({params_key(p): p for p in rows.values()}.values(),
+                  key=lambda p: (p["model"], p["depth"], p["positions"]))
+    if not keys:
+        return []
+    out = ["", "## Agreement with llama.cpp (teacher-forced, the same token ids)", "",
+           f"Both engines prefill `depth` tokens, then take `positions` more 8 per call; per position the "
+           f"argmaxes and KL(llama.cpp || openjet) of the softmaxes, in float64. Pass: top-1 >= {TOP1_MIN} and "
+           f"mean KL <= {KL_MAX:g} over >= {MIN_POSITIONS:,} positions (issue 25). Near-ties: disagreements "
+           "where llama.cpp's own logits of the two choices are closer than the near-tie gap.", "",
+           "| model | depth | positions | top-1 | mean KL | KL p99 | KL max | disagreements (near-ties) "
+           "| rel L2 | tokens | pass |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for params in keys:
+        k_top1, k_kl = (row_key(m, "openjet", params) for m in AGREEMENT_METRICS)
+        top1, kl = by_key.get(k_top1), by_key.get(k_kl)
+        d = {**details.get(k_top1, {}), **details.get(k_kl, {})}
+        head = f"| {params['model']} | {params['depth']:,} | {params['positions']:,} "
+        if top1 is None or kl is None:
+            why = status.get(k_top1) or status.get(k_kl) or "—"
+            out.append(head + f"| {why} | | | | | | | fail (not measured) |")
+            continue
+        ok, why = verdict(top1["median"], kl["median"], int(d.get("positions", params["positions"])))
+        dis = f"{d['disagreements']} ({d.get('near_tie_disagreements', '?')})" if "disagreements" in d else ""
+        p99, kmax, rel = d.get("kl_p99"), d.get("kl_max"), d.get("rel_l2")
+        out.append(head + f"| {top1['median']:.4f} | {kl['median']:.2e} "
+                   f"| {'' if p99 is None else f'{p99:.2e}'} | {'' if kmax is None else f'{kmax:.2e}'} | {dis} "
+                   f"| {'' if rel is None else f'{rel:.2e}'} | {d.get('tokens', '')} "
+                   f"| {'**pass**' if ok else 'fail: ' + why} |")
     return out
 
 

@@ -17,7 +17,10 @@ The run, in order (each step's finished measurements go to the resume folder at 
      the two prefill scenarios, and its own MTP speculative decoding at each depth and D through
      llama-server (bench/peer_spec.py; one server per D), from the same tokens as ours; the
      concurrent rows on llama-server -np 8 (bench/concurrent.py);
-  7. the manifest's end state; JSON and markdown out.
+  7. teacher-forced agreement with llama.cpp (bench/agreement.py, a child per model: the bench
+     model and the trained default one, each engine prefilling a depth and then compared position
+     by position; llama.cpp through native/tools/llama_logits built against the same libllama);
+  8. the manifest's end state; JSON and markdown out.
 With --time-budget, steps that no longer fit are left for the next run with the same --resume.
 Exit status: 0 complete; 1 no GPU or bad arguments; 3 incomplete for lack of time (run again
 with --resume); 4 incomplete because a measurement failed (the report says why).
@@ -77,6 +80,10 @@ class Settings:
     peer_ubatch: int = 512
     read_mib: int = 8192
     copy_mib: int = 4096
+    # agreement_top1 / agreement_kl (bench/agreement.py): (model, depth, positions) per row pair;
+    # the trained default model (context 4,096) at depth 0 and where its last position is its last
+    agreement: tuple[tuple[str, int, int], ...] = (("q27b", 30720, 2048), ("default", 0, 2048),
+                                                   ("default", 2048, 2048))
     # concurrent_tps / concurrent_itl_p99_ms (bench/concurrent.py): streams of N new tokens from
     # prompts of P tokens; 8 streams with speculation at D; the latency rows' streams, long prompt
     # and tokens per stream
@@ -93,6 +100,7 @@ class Settings:
         base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800),),
                     read_mib=2048, copy_mib=1024, concurrent_streams=(1, 8), concurrent_tokens=32,
                     latency_prompt_tokens=4096, latency_tokens=64)
+        base["agreement"] = (("q27b", 4096, 256), ("default", 0, 256), ("default", 3840, 256))
         base.update(kw)
         return cls(**base)
 
@@ -164,6 +172,17 @@ def concurrent_rows(s: Settings, engine: str) -> list[tuple[str, str, dict]]:
     return [(m, engine, p) for m, p in concurrent_plan(s).rows()]
 
 
+AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
+BENCH_LABEL = "q27b"      # agreement rows of the bench model (the generated q27b unless --model)
+
+
+def agreement_rows(s: Settings) -> list[tuple[str, str, dict]]:
+    """Teacher-forced agreement with llama.cpp (bench/agreement.py), a top-1 and a KL row each."""
+    from .agreement import row_params
+
+    return [(m, OURS, row_params(label, d, p)) for label, d, p in s.agreement for m in AGREEMENT_METRICS]
+
+
 def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     """(rows to measure, pending rows). roofline_tps rows are derived, not measured."""
     rows: list[tuple[str, str, dict]] = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
@@ -177,6 +196,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     rows += [CONSTRAINT_ROW]
     rows += spec_rows(s) + accept_rows(s)
     rows += [r for d in s.drafts for r in peer_spec_rows(s, d)]
+    rows += agreement_rows(s)
     rows += concurrent_rows(s, OURS) + concurrent_rows(s, PEER)
     return rows, []
 
@@ -549,6 +569,34 @@ def group_peer_concurrent(run: Run) -> None:
                                                   reference, drafts)
 
 
+def group_agreement(run: Run) -> None:
+    """Teacher-forced agreement with llama.cpp (bench/agreement.py): one child per model, our
+    engine in it and llama_logits (compiled against the peer's libllama) streaming beside it."""
+    from . import agreement
+
+    todo = [(label, d, p) for label, d, p in run.settings.agreement
+            if run.missing([(m, OURS, agreement.row_params(label, d, p)) for m in AGREEMENT_METRICS])]
+    if not todo:
+        return
+    _peer_binary(run)
+    pb = run.peer_build
+    assert pb is not None
+    binary = peer.compile_llama_logits(agreement.LLAMA_LOGITS_SRC, pb.root / "llama_logits",
+                                       peer.llama_include_dirs(pb.llama_src), pb.lib_dir)
+    for label in dict.fromkeys(label for label, _, _ in todo):
+        items = [(d, p) for lb, d, p in todo if lb == label]
+        model = run.model if label == BENCH_LABEL else accept_model()
+        rows = [(m, OURS, agreement.row_params(label, d, p)) for d, p in items for m in AGREEMENT_METRICS]
+        # random ids on the random-weight bench model; text the trained model reads as text
+        cmd = [sys.executable, "-m", "openjet_plugin.bench.agreement", "--model", str(model), "--label", label,
+               "--rows", ",".join(f"{d}:{p}" for d, p in items),
+               "--tokens", "random" if label == BENCH_LABEL else "stdlib",
+               "--llama-logits", str(binary), "--require-gpu", "--workdir", str(run.cache / "agreement")]
+        run.log(f"agreement: {label} ({model.name}) at depths {[d for d, _ in items]}, teacher-forced against llama.cpp")
+        made = _run_child(run, f"agreement-{label}", cmd, rows)
+        run.log(f"agreement: {len(made)} of {len(rows)} {label} rows made")
+
+
 def group_fallback(run: Run) -> None:
     """openjet's llama.cpp backend on the peer's CUDA libllama: decode at depth 0 (bench/fallback.py)."""
     s = run.settings
@@ -653,6 +701,12 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         for D in s.drafts:
             out.append((f"llama.cpp spec D={D}", spec, peer_spec_rows(s, D),
                         lambda r, D=D: group_peer_spec(r, D)))
+        if not run.no_ours:
+            # both engines load the model and prefill each depth (at the same time; the default
+            # model's 22 MB take seconds), then the teacher-forced positions 8 per call, each chunk's
+            # logits compared on the CPU in float64 (~200 rows of 248K logits a second)
+            agree = sum((2 * load + d / pp if label == BENCH_LABEL else 5.0) + p / 200.0 for label, d, p in s.agreement)
+            out.append(("agreement", agree, agreement_rows(s), group_agreement))
         out.append(("llama.cpp concurrent", concurrent_seconds(s, load, pp, tg), concurrent_rows(s, PEER),
                     group_peer_concurrent))
     return out
@@ -836,7 +890,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--only", type=_name_list, default=(),
                     help="run only the measurement groups whose names start with these, comma-separated "
                          "(groups: card, openjet acceptance, openjet prefill, openjet, openjet concurrent, "
-                         "llama.cpp decode, llama.cpp verify, llama.cpp prefill, llama.cpp spec, "
+                         "llama.cpp decode, llama.cpp verify, llama.cpp prefill, llama.cpp spec, agreement, "
                          "llama.cpp concurrent); e.g. --only 'openjet prefill,"
                          "llama.cpp prefill'; "
                          "an item ending in '=' selects that exact name ('openjet=': not acceptance or prefill)")
@@ -948,7 +1002,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_ours:
         run.mark([r for r in planned if r[1] == OURS and r[0] not in ("read_gbps", "copy_gbps")], NO_OURS)
     if args.no_peer:
-        run.mark([r for r in planned if r[1] == PEER], NO_PEER)
+        # the agreement rows are ours, but compare with llama.cpp: nothing to compare with
+        run.mark([r for r in planned if r[1] == PEER or r[0] in AGREEMENT_METRICS], NO_PEER)
     try:
         run_groups(run)
     finally:
