@@ -1,6 +1,6 @@
 """The passes whose phases scripts/phase_breakdown.py tables (issue 8), on the native engine.
 
-Loads the model (default: the generated q27b, found or made as scripts/q27b_agreement.py does)
+Loads the model (default: the generated q27b, found or made as openjet bench does)
 into one NativeBackend (n_ctx 4096, draft depth 4), evaluates a 512-token random prompt, saves a
 checkpoint there, and then for each group restores that checkpoint and runs its passes:
 
