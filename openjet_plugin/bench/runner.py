@@ -681,8 +681,8 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         pre = load + sum(d / (2 * pp) + (s.reps + 1) * n / (2 * pp) for n, d in s.prefill)
         out.append(("openjet prefill", pre, prefill_rows(s, OURS), group_ours_prefill))
         out.append(("openjet", 60.0, ours, group_ours))
-        out.append(("openjet concurrent", concurrent_seconds(s, load, pp, tg), concurrent_rows(s, OURS),
-                    group_ours_concurrent))
+        out.append(("openjet concurrent", concurrent_seconds(s, load, pp, tg, len(s.concurrent_streams) + 2),
+                    concurrent_rows(s, OURS), group_ours_concurrent))
     if not run.no_peer:
         dec = load + sum(d / pp + (s.reps + 1) * s.decode_tokens / tg for d in s.depths)
         ver = load + s.verify_depth / pp + len(s.verify_positions) * (s.reps + 1) * 0.05
@@ -707,19 +707,20 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
             # logits compared on the CPU in float64 (~200 rows of 248K logits a second)
             agree = sum((2 * load + d / pp if label == BENCH_LABEL else 5.0) + p / 200.0 for label, d, p in s.agreement)
             out.append(("agreement", agree, agreement_rows(s), group_agreement))
-        out.append(("llama.cpp concurrent", concurrent_seconds(s, load, pp, tg), concurrent_rows(s, PEER),
+        out.append(("llama.cpp concurrent", concurrent_seconds(s, load, pp, tg, 2), concurrent_rows(s, PEER),
                     group_peer_concurrent))
     return out
 
 
-def concurrent_seconds(s: Settings, load: float, pp: float, tg: float) -> float:
-    """The least the concurrent rows take: two loads, the requests alone, every round as slow as
-    one stream's decode (what the native backend's one sequence gives), the long prompts."""
+def concurrent_seconds(s: Settings, load: float, pp: float, tg: float, loads: int) -> float:
+    """The least the concurrent rows take: `loads` model loads (ours: an engine per stream count,
+    the latency rows' and the speculative one's; llama.cpp: two servers), the requests alone, every
+    round at least one stream's decode time, the long prompts."""
     p = concurrent_plan(s)
     solo = max(p.streams + (p.spec_streams,)) * p.tokens / tg
     rounds = (p.reps + 1) * (len(p.streams) + 1) * p.tokens / tg
     latency = (p.reps + 1) * (2 * p.latency_tokens / tg + p.latency_prompt / pp)
-    return 2 * load + solo + rounds + latency
+    return loads * load + solo + rounds + latency
 
 
 def selected(name: str, only: tuple[str, ...]) -> bool:
