@@ -62,7 +62,6 @@ from typing import Callable
 
 from .peer import PeerError
 
-ENGINE, PEER = "openjet", "llama.cpp"
 TAIL_TOKENS = 16              # tokens each latency stream decodes after the long prompt's request returns
 LEAD_SHARE = 4                # the long prompt arrives when every stream has N_lat / LEAD_SHARE tokens
 EXTRA_SHARE = 16              # a latency stream with the prompt stops after 1 + EXTRA_SHARE times N_lat tokens at
