@@ -195,7 +195,7 @@ def token_ids(model: Path, n_vocab: int, n: int, source: str, seed: int = 0) -> 
     for f in heldout_files():
         out += [int(t) for t in tok.encode(f.read_bytes(), add_special=False, parse_special=False)]
         if len(out) >= n:
-            return out[:n], f"held-out stdlib files under {stdlib_root()}, tokenised and concatenated"
+            return out[:n], f"held-out stdlib files of Python {sys.version_info[0]}.{sys.version_info[1]}, concatenated"
     raise ValueError(f"the held-out stdlib files under {stdlib_root()} give {len(out)} tokens; {n} wanted")
 
 
