@@ -294,6 +294,39 @@ def test_the_runner_plans_and_groups_the_rows():
     assert "agreement" not in {name for name, *_ in runner.groups(run)}
 
 
+def test_the_group_runs_a_child_per_model_for_the_rows_missing(monkeypatch, tmp_path):
+    """group_agreement: llama_logits compiled against the peer's libllama, then one child per model
+    (the bench model with random ids, the default model with text) for the rows not yet stored."""
+    from openjet_plugin.bench.store import Store
+
+    s = runner.Settings.quick_run()
+    store = Store(tmp_path / "run", {"x": 1})
+    done = agreement.row_params("default", 0, 256)
+    for m in agreement.METRICS:
+        store.add(m, "openjet", done, report.METRICS[m][0], [0.5], "earlier")
+    pb = peer.PeerBuild(tmp_path / "llama.cpp-x")
+    run = runner.Run(settings=s, store=store, model=tmp_path / "q27b.gguf", cache=tmp_path, deadline=None,
+                     session="s", arch="90", peer_build=pb)
+    compiled, children = [], []
+    monkeypatch.setattr(runner, "_peer_binary", lambda r: pb.binary)
+    monkeypatch.setattr(runner.peer, "llama_include_dirs", lambda src: [src / "include"])
+    monkeypatch.setattr(runner.peer, "compile_llama_logits",
+                        lambda src, out, inc, lib: compiled.append((src, out, lib)) or out)
+    monkeypatch.setattr(runner, "_run_child", lambda r, tag, cmd, rows: children.append((tag, cmd, rows)) or set())
+    runner.group_agreement(run)
+    assert compiled == [(agreement.LLAMA_LOGITS_SRC, pb.root / "llama_logits", pb.lib_dir)]
+    (tag_q, cmd_q, rows_q), (tag_d, cmd_d, rows_d) = children
+    arg = lambda cmd, flag: cmd[cmd.index(flag) + 1]  # noqa: E731
+    assert tag_q == "agreement-q27b" and arg(cmd_q, "--model") == str(tmp_path / "q27b.gguf")
+    assert arg(cmd_q, "--rows") == "4096:256" and arg(cmd_q, "--tokens") == "random"
+    assert arg(cmd_d, "--model") == str(runner.accept_model()) and arg(cmd_d, "--tokens") == "stdlib"
+    assert arg(cmd_d, "--rows") == "3840:256"          # depth 0 is stored already
+    assert all("--require-gpu" in c and arg(c, "--llama-logits") == str(pb.root / "llama_logits")
+               for c in (cmd_q, cmd_d))
+    assert rows_d == [(m, "openjet", agreement.row_params("default", 3840, 256)) for m in agreement.METRICS]
+    assert len(rows_q) == 2 and tag_d == "agreement-default"
+
+
 def _report(results: list[dict], not_measured: list[dict], details: dict) -> dict:
     rep = {"manifest": {"not_measured": not_measured, "pending": [], "info": {report.DETAILS_KEY: details}},
            "results": results}
