@@ -47,15 +47,16 @@ def test_percentile_is_nearest_rank():
         concurrent.percentile([], 99)
 
 
-def test_prompts_are_the_shared_sequence_and_each_repetition_gets_a_new_long_prompt():
+def test_prompts_are_the_shared_sequence_and_each_long_request_gets_a_new_prompt():
     from openjet_plugin.bench.spec import prompt_tokens
 
     plan = concurrent.Plan(**SMALL)
     streams, longs = plan.prompts(1000)
-    seq = prompt_tokens(1000, 4 * 12 + 3 * 128)
+    seq = prompt_tokens(1000, 4 * 12 + 4 * 128)
     assert len(streams) == 4 and streams[1] == seq[12:24] and all(len(p) == 12 for p in streams)
-    assert len(longs) == 3 and longs[0] == seq[48:176] and longs[2] == seq[304:432]
-    assert len({tuple(x) for x in longs}) == 3
+    # reps + 2: the prompt alone, the warm-up round's, one per timed round
+    assert len(longs) == 4 and longs[0] == seq[48:176] and longs[3] == seq[432:560]
+    assert len({tuple(x) for x in longs}) == 4
     rows = plan.rows()
     assert ("concurrent_tps", {"streams": 4, "drafts": 2}) in rows
     assert [p for m, p in rows if m == "concurrent_itl_p99_ms"] == [{"streams": 3, "prompt_tokens": 0},
@@ -281,8 +282,10 @@ FAKE_SERVER = """
                     send({"content": "x", "tokens": [toks[i]], "stop": False, "tokens_predicted": i + 1})
                 send({"content": "", "tokens": [], "stop": True, "tokens_predicted": n, "timings": timings})
                 self.wfile.write(b"0\\r\\n\\r\\n")
+                self.wfile.flush()
             except (BrokenPipeError, ConnectionResetError):
-                pass                               # the client stopped reading: cancelled
+                with open(log, "a") as f:          # the client stopped reading: the request was cut short
+                    f.write(json.dumps({"cut_short": body["n_predict"]}) + "\\n")
 
     ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 """
@@ -296,8 +299,12 @@ def _fake_server(folder: Path) -> Path:
     return script
 
 
-def _requests(log: Path) -> list[dict]:
+def _log(log: Path) -> list[dict]:
     return [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+
+
+def _requests(log: Path) -> list[dict]:
+    return [r for r in _log(log) if "body" in r]
 
 
 def _measure_on(binary: Path, tmp_path: Path, plan: concurrent.Plan, rows, drafts=0, n_vocab=4096, reference=None):
@@ -332,8 +339,13 @@ def test_server_rows_from_the_stand_in(tmp_path, monkeypatch):
     assert {tuple(r["body"]["prompt"]) for r in reqs} >= {tuple(p) for p in prompts[:4]}
     assert {r["body"]["n_predict"] for r in reqs if not r["body"].get("stream")} >= {8, 1}
     assert any(r["body"].get("stream") for r in reqs) and max(r["active"] for r in reqs) >= 4
+    # the long prompt: alone, in the warm-up round, in each timed round, a new one every time
     long_bodies = [r["body"] for r in reqs if len(r["body"]["prompt"]) == 128]
-    assert len(long_bodies) == 3 and all(b["n_predict"] == 1 for b in long_bodies)
+    assert len(long_bodies) == 4 and all(b["n_predict"] == 1 for b in long_bodies)
+    assert len({tuple(b["prompt"]) for b in long_bodies}) == 4
+    # no request is cut short (the streams with the prompt are sized to outlast it)
+    assert not any("cut_short" in r for r in _log(tmp_path / "requests.jsonl"))
+    assert d["tokens"] >= 12 and d["warm_up"]["streams_outlasted_prompt"]
     argv = reqs[0]["argv"]
     assert argv[argv.index("-np") + 1] == "8" and "--spec-type" not in argv
     assert int(argv[argv.index("-c") + 1]) >= 8 * (128 + 1)

@@ -12,15 +12,16 @@ bench/peer_spec.py's LlamaServer).
 - concurrent_tps (streams 8, drafts D): the same with MTP speculation at draft depth D. Ours loads
   the engine with draft_depth D and 8 slots; where the engine refuses that, or its backend does not
   speculate, the row is not measured and says why.
-- concurrent_itl_p99_ms (streams 7, prompt_tokens L): 7 streams decode (each at least N_lat
-  tokens); with L > 0, once every stream has N_lat / 4 tokens, a prompt of L tokens arrives (a
-  request of one new token) and the streams go on until each has N_lat tokens and TAIL_TOKENS more
-  after the prompt's request returned. One sample = the 99th percentile (nearest rank) of the 7
-  streams' inter-token gaps in one run; L = 0 is the same run without the prompt.
+- concurrent_itl_p99_ms (streams 7, prompt_tokens L): 7 streams decode, N_lat tokens each
+  (L = 0); with L > 0, once every stream has N_lat / 4 tokens, a prompt of L tokens arrives (a
+  request of one new token), and the streams are long enough to decode past its return (no
+  request is cut short: measure_latency sizes them from the prompt's time in a warm-up round; the
+  details say whether every run's streams outlasted the prompt). One sample = the 99th percentile
+  (nearest rank) of the 7 streams' inter-token gaps in one run.
 
 Prompts are token ids from the sequence both engines' speculative rows start from
-(bench/spec.py prompt_tokens): stream i reads tokens [i P, (i + 1) P), the long prompt of
-repetition r the L tokens after the streams' (a new one every repetition, so no engine reuses a
+(bench/spec.py prompt_tokens): stream i reads tokens [i P, (i + 1) P), the long prompts the
+L-token pieces after the streams' (a new one for every request of one, so no engine reuses a
 previous one). Greedy (temperature 0), so that every request runs its N tokens: llama-server with
 ignore_eos; ours with a logit bias of -inf on the end-of-generation tokens only where one of the
 first requests alone ends early (details: eog_banned), since a bias takes the engine off its
@@ -64,8 +65,8 @@ from .peer import PeerError
 
 TAIL_TOKENS = 16              # tokens each latency stream decodes after the long prompt's request returns
 LEAD_SHARE = 4                # the long prompt arrives when every stream has N_lat / LEAD_SHARE tokens
-EXTRA_SHARE = 16              # a latency stream with the prompt stops after 1 + EXTRA_SHARE times N_lat tokens at
-                              # the latest (details: streams_outlasted_prompt says whether it had to)
+PROMPT_SLOWDOWN = 3           # sizing the warm-up: the prompt among the streams takes up to this times its time alone
+LATENCY_ROOM = 16             # a latency stream runs at most this times N_lat tokens (its slot's context)
 ITL_PERCENTILE = 99.0
 
 
@@ -99,16 +100,17 @@ class Plan:
                    for L in (0, self.latency_prompt)])
 
     def prompts(self, n_vocab: int, reps: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
-        """(each stream's prompt, each repetition's long prompt), from the shared sequence."""
+        """(each stream's prompt, reps + 2 long prompts), from the shared sequence."""
         from .spec import prompt_tokens
 
         reps = self.reps if reps is None else reps
         n_streams = max(self.streams + (self.spec_streams, self.latency_streams))
         P, L = self.prompt_tokens, self.latency_prompt
-        seq = prompt_tokens(n_vocab, n_streams * P + (reps + 1) * L)
+        seq = prompt_tokens(n_vocab, n_streams * P + (reps + 2) * L)
         streams = [seq[i * P:(i + 1) * P] for i in range(n_streams)]
         base = n_streams * P
-        return streams, [seq[base + r * L:base + (r + 1) * L] for r in range(reps + 1)]
+        # measure_latency's: the prompt alone, its warm-up round, one per timed round
+        return streams, [seq[base + r * L:base + (r + 1) * L] for r in range(reps + 2)]
 
 
 def check_plan(p: Plan) -> None:
@@ -134,10 +136,13 @@ class StreamRecord:
     events: list[tuple[float, int]] = field(default_factory=list)
     tokens: list[int] | None = None          # every token id, where the transport returns them
     itl_ms_reported: float | None = None     # the engine's own mean gap (llama.cpp's timings), if any
+    on_tokens: Callable[[int], None] | None = None   # called with the count whenever tokens arrive
 
     def add(self, t: float, n_so_far: int) -> None:
         if not self.events or n_so_far > self.events[-1][1]:
             self.events.append((t, n_so_far))
+            if self.on_tokens is not None:
+                self.on_tokens(n_so_far)
 
     @property
     def n_tokens(self) -> int:
@@ -206,8 +211,8 @@ class EngineClient:
         self.engine = engine
         self.bias = {int(t): -math.inf for t in engine.eog_tokens} if ban_eog else {}
 
-    def run(self, prompt: list[int], n_tokens: int, rec: StreamRecord,
-            keep_going: Callable[[int], bool] | None = None) -> None:
+    def run(self, prompt: list[int], n_tokens: int, rec: StreamRecord, stream: bool = False) -> None:
+        """One request of n_tokens; its tokens' times into rec (always streamed here)."""
         it = self.engine.generate(list(prompt), max_tokens=n_tokens, temperature=0.0, top_k=0, top_p=1.0,
                                   min_p=0.0, logit_bias=self.bias or None, stream=True)
         out: list[int] = []
@@ -216,17 +221,17 @@ class EngineClient:
                 if chunk.tokens:
                     out += chunk.tokens
                     rec.add(time.perf_counter(), len(out))
-                if keep_going is not None and not keep_going(len(out)):
-                    break
         finally:
-            it.close()                  # an early stop frees the slot
+            it.close()
         rec.tokens = out
 
 
 class ServerClient:
     """Requests on a llama-server (bench/peer_spec.py LlamaServer). Plain requests return every
     token id and llama.cpp's timings; streamed ones the times tokens arrive (not their ids: the
-    server sends no event for a token that ends inside a UTF-8 character)."""
+    server sends no event for a token that ends inside a UTF-8 character). No request is cut
+    short: closing several streams at once left the pinned server unable to stop (two cancelled
+    tasks never released their slots, SIGTERM then hung; CPU build, default.gguf)."""
 
     def __init__(self, server, timeout: Callable[[], float], drafts: bool = False):
         self.server, self.timeout, self.drafts = server, timeout, drafts
@@ -239,11 +244,11 @@ class ServerClient:
         # prompt sent again reuses its slot's state, as our engine's slots do
         return {**completion_request(prompt, n_tokens - 1), "cache_prompt": True}
 
-    def run(self, prompt: list[int], n_tokens: int, rec: StreamRecord,
-            keep_going: Callable[[int], bool] | None = None) -> None:
+    def run(self, prompt: list[int], n_tokens: int, rec: StreamRecord, stream: bool = False) -> None:
+        """One request of n_tokens into rec: plain (token ids, llama.cpp's timings) or streamed."""
         from .peer_spec import parse_completion
 
-        if keep_going is None:
+        if not stream:
             obj = self.server.complete(self.body(prompt, n_tokens), self.timeout())
             if n_tokens == 1:
                 # the long prompt's request: llama.cpp times no decode step (predicted_per_second 0)
@@ -261,19 +266,16 @@ class ServerClient:
             rec.tokens = list(c.tokens)
             rec.itl_ms_reported = c.predicted_ms / max(c.predicted_n - 1, 1)
             return
-        events = self.server.stream(self.body(prompt, n_tokens), self.timeout())
-        try:
-            for ev in events:
-                n = ev.get("tokens_predicted")
-                if not isinstance(n, int):
-                    raise PeerError(f"llama-server (concurrent): a streamed event without tokens_predicted "
-                                    f"(keys: {sorted(ev)})")
-                if n:
-                    rec.add(time.perf_counter(), n)
-                if not keep_going(rec.n_tokens):
-                    break
-        finally:
-            events.close()              # closing the connection cancels the request
+        for ev in self.server.stream(self.body(prompt, n_tokens), self.timeout()):
+            n = ev.get("tokens_predicted")
+            if not isinstance(n, int):
+                raise PeerError(f"llama-server (concurrent): a streamed event without tokens_predicted "
+                                f"(keys: {sorted(ev)})")
+            if n:
+                rec.add(time.perf_counter(), n)
+        if rec.n_tokens != n_tokens:
+            raise PeerError(f"llama-server (concurrent): a streamed request ended after {rec.n_tokens} tokens, "
+                            f"asked for {n_tokens}")
 
 
 # --- the measurements, on either transport ------------------------------------------------------------
@@ -356,77 +358,100 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[int] | None], n_tokens: int,
-                    reps: int) -> tuple[list[float], dict]:
-    """The latency row: len(prompts) streams decoding; with long_prompts[r] (None: without) the
-    long prompt arrives in round r (see the module docstring). (p99 gap in ms per round, details)."""
-    samples, runs = [], []
+def latency_round(client, prompts: list[list[int]], n_tokens: int, long: list[int] | None,
+                  lead: int) -> tuple[dict, list[float]]:
+    """len(prompts) streamed requests of n_tokens; with `long`, a request of it (one new token)
+    once every stream has `lead` tokens. (the run's facts, every gap in ms)."""
+    recs = [StreamRecord(0.0) for _ in prompts]
+    cv = threading.Condition()
+    counts = [0] * len(prompts)
+    state: dict = {}
+
+    def seen(i: int, n: int) -> None:
+        with cv:
+            counts[i] = n
+            cv.notify_all()
+
+    def stream_job(i: int, rec: StreamRecord) -> None:
+        rec.t_request = time.perf_counter()
+        rec.on_tokens = lambda n: seen(i, n)
+        try:
+            client.run(prompts[i], n_tokens, rec, stream=True)
+        finally:
+            seen(i, max(counts[i], lead))        # a stream that ended never holds the prompt back
+
+    def prompt_job() -> None:
+        with cv:
+            while min(counts) < lead:
+                cv.wait()
+        state["sent"] = time.perf_counter()
+        client.run(long, 1, StreamRecord(state["sent"]))
+        state["done"] = time.perf_counter()
+
+    jobs = [lambda i=i, rec=rec: stream_job(i, rec) for i, rec in enumerate(recs)]
+    t0 = run_concurrently(jobs + ([prompt_job] if long is not None else []))
+    gaps, shared = [], 0
+    for rec in recs:
+        g, k = token_gaps(rec.events)
+        gaps += g
+        shared += k
+    if len(gaps) < 2:
+        raise RuntimeError(f"the latency streams produced {len(gaps)} gaps")
+    run = {"p99_ms": round(percentile(gaps, ITL_PERCENTILE), 3), "median_ms": round(percentile(gaps, 50), 3),
+           "tokens": n_tokens, "gaps": len(gaps), "tokens_sharing_a_gap": shared,
+           "seconds": round(max(rec.t_last for rec in recs) - t0, 3)}
+    if long is not None:
+        sent, done = state["sent"], state["done"]
+        run.update(prompt_sent_s=round(sent - t0, 3), prompt_returned_s=round(done - t0, 3),
+                   # every stream still decoding when the prompt's request returned (else the row
+                   # under-states what the prompt costs them)
+                   streams_outlasted_prompt=all(rec.t_last > done for rec in recs),
+                   tokens_during_prompt=max(tokens_by(r.events, done) - tokens_by(r.events, sent) for r in recs))
+    return run, gaps
+
+
+def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[int]], n_tokens: int,
+                    reps: int) -> dict[int, tuple[list[float], dict]]:
+    """Both latency rows: {0: without, L: with the long prompt} -> (p99 gap in ms per round,
+    details). Without: one warm-up and `reps` rounds of n_tokens per stream. With: the streams
+    must decode until TAIL_TOKENS past the prompt's return, and no request is cut short, so their
+    length is sized beforehand: the prompt alone (long_prompts[0]) gives its time, a warm-up round
+    (long_prompts[1]) sized from that at PROMPT_SLOWDOWN times as long gives the tokens a stream
+    decodes while it runs, and the timed rounds (long_prompts[2..]) run
+    lead + 1.5 x those + TAIL_TOKENS (at least n_tokens)."""
+    if len(long_prompts) < reps + 2:
+        raise ValueError(f"{reps} repetitions need {reps + 2} long prompts, got {len(long_prompts)}")
     lead = max(1, n_tokens // LEAD_SHARE)
+    samples, runs, gaps = [], [], []
     for r in range(-1, reps):
-        long = long_prompts[r + 1]
-        recs = [StreamRecord(0.0) for _ in prompts]
-        state = {"sent": None, "done": None}
-        cv = threading.Condition()
-        counts = [0] * len(prompts)
-
-        def keep_going(i: int, n: int) -> bool:
-            with cv:
-                counts[i] = n
-                cv.notify_all()
-                if n < n_tokens:
-                    return True
-                if long is None:
-                    return False
-                # on until the long prompt's request has returned and TAIL_TOKENS more came after it
-                done = state["done"]
-                return done is None or n - tokens_by(recs[i].events, done) < TAIL_TOKENS
-
-        def stream_job(i: int, rec: StreamRecord):
-            rec.t_request = time.perf_counter()
-            try:
-                client.run(prompts[i], n_tokens * (1 + EXTRA_SHARE if long is not None else 1), rec,
-                           keep_going=lambda n, i=i: keep_going(i, n))
-            finally:
-                with cv:
-                    counts[i] = max(counts[i], n_tokens)    # a stream that ended never blocks the prompt
-                    cv.notify_all()
-
-        def prompt_job():
-            with cv:
-                while min(counts) < lead:
-                    cv.wait()
-            state["sent"] = time.perf_counter()
-            rec = StreamRecord(state["sent"])
-            client.run(long, 1, rec)
-            with cv:
-                state["done"] = time.perf_counter()
-
-        jobs = [lambda i=i, rec=rec: stream_job(i, rec) for i, rec in enumerate(recs)]
-        if long is not None:
-            jobs.append(prompt_job)
-        t0 = run_concurrently(jobs)
-        gaps, shared = [], 0
-        for rec in recs:
-            g, s = token_gaps(rec.events)
+        run, g = latency_round(client, prompts, n_tokens, None, lead)
+        if r >= 0:
+            samples.append(run["p99_ms"])
+            runs.append(run)
             gaps += g
-            shared += s
-        if len(gaps) < 2:
-            raise RuntimeError(f"the latency streams produced {len(gaps)} gaps")
-        last = max(rec.t_last for rec in recs)
-        run = {"p99_ms": round(percentile(gaps, ITL_PERCENTILE), 3), "median_ms": round(percentile(gaps, 50), 3),
-               "gaps": len(gaps), "tokens_sharing_a_gap": shared, "seconds": round(last - t0, 3)}
-        if long is not None:
-            run.update(prompt_sent_s=round(state["sent"] - t0, 3),
-                       prompt_returned_s=round(state["done"] - t0, 3),
-                       # the prompt's processing fell inside the streams' decoding (else the row
-                       # under-states what it costs them)
-                       streams_outlasted_prompt=all(rec.t_last > state["done"] for rec in recs))
-        if r < 0:
-            continue
+    itl = percentile(gaps, 50)
+    out = {0: (samples, {"streams": len(prompts), "tokens": n_tokens, "reps": reps, "runs": runs})}
+
+    t = time.perf_counter()
+    client.run(long_prompts[0], 1, StreamRecord(t))
+    alone = time.perf_counter() - t
+    room = LATENCY_ROOM * n_tokens
+    n = min(room, max(n_tokens, lead + math.ceil(PROMPT_SLOWDOWN * 1e3 * alone / itl) + TAIL_TOKENS))
+    warm, _ = latency_round(client, prompts, n, long_prompts[1], lead)
+    if warm["streams_outlasted_prompt"]:
+        during = warm["tokens_during_prompt"]
+    else:                       # ended before it returned: as many as the gaps without it would give
+        during = 1e3 * (warm["prompt_returned_s"] - warm["prompt_sent_s"]) / itl
+    n = min(room, max(n_tokens, lead + math.ceil(1.5 * during) + TAIL_TOKENS))
+    samples, runs = [], []
+    for r in range(reps):
+        run, _ = latency_round(client, prompts, n, long_prompts[r + 2], lead)
         samples.append(run["p99_ms"])
         runs.append(run)
-    return samples, {"streams": len(prompts), "tokens": n_tokens, "prompt_tokens": len(long_prompts[0] or []),
-                     "lead_tokens": lead, "tail_tokens": TAIL_TOKENS, "reps": reps, "runs": runs}
+    out[len(long_prompts[0])] = (samples, {
+        "streams": len(prompts), "tokens": n, "lead_tokens": lead, "reps": reps, "runs": runs,
+        "prompt_alone_s": round(alone, 3), "warm_up": warm, "itl_ms_median_without": round(itl, 3)})
+    return out
 
 
 # --- our engine (the child process) ---------------------------------------------------------------------
@@ -502,7 +527,7 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
             out.skip(*row, OUT_OF_TIME)
     else:
         need = plan.latency_streams + 1
-        n_ctx = max(plan.latency_prompt + 16, P + plan.latency_tokens * (1 + EXTRA_SHARE) + 16)
+        n_ctx = max(plan.latency_prompt + 16, P + plan.latency_tokens * LATENCY_ROOM + 16)
         engine = load(model, backend=backend, n_ctx=n_ctx, n_slots=need, draft_depth=0)
         try:
             if prompts is None:
@@ -516,13 +541,12 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
             else:
                 client = EngineClient(engine, ban_eog=bool(ban))
                 facts["eog_banned"] = bool(ban)
+                made = measure_latency(client, prompts[:plan.latency_streams], long_prompts,
+                                       plan.latency_tokens, plan.reps)
                 for metric, params in lat:
-                    longs = long_prompts if params["prompt_tokens"] else [None] * (plan.reps + 1)
-                    samples, details = measure_latency(client, prompts[:plan.latency_streams], longs,
-                                                       plan.latency_tokens, plan.reps)
-                    details.update(facts)
+                    samples, details = made[params["prompt_tokens"]]
                     out.result(metric, params, "ms", samples)
-                    out.details(metric, params, details)
+                    out.details(metric, params, {**details, **facts})
         finally:
             engine.close()
 
@@ -561,7 +585,7 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
 def server_context(plan: Plan, slots: int) -> int:
     """-c for a server of `slots` slots: each slot room for the longest request (llama.cpp gives a
     slot -c / slots, rounded up to 256)."""
-    per_slot = max(plan.prompt_tokens + max(plan.tokens, plan.latency_tokens * (1 + EXTRA_SHARE)),
+    per_slot = max(plan.prompt_tokens + max(plan.tokens, plan.latency_tokens * LATENCY_ROOM),
                    plan.latency_prompt + 1) + plan.drafts + 64
     return slots * 256 * -(-per_slot // 256)
 
@@ -595,11 +619,13 @@ def _measure_server(server, plan: Plan, prompts, long_prompts, rows, timeout, on
             samples, details = measure_tps(client, prompts[:p["streams"]], N, plan.reps, reference)
             details.update(facts, solo_differing_from_reference=sum(a != b for a, b in zip(solo, reference)))
             on_row("concurrent_tps", p, samples, details)
-    for p in sorted((p for m, p in rows if m == "concurrent_itl_p99_ms"), key=lambda p: p["prompt_tokens"]):
-        longs = long_prompts if p["prompt_tokens"] else [None] * (plan.reps + 1)
-        samples, details = measure_latency(client, prompts[:p["streams"]], longs, plan.latency_tokens, plan.reps)
-        details.update(facts)
-        on_row("concurrent_itl_p99_ms", p, samples, details)
+    lat = [p for m, p in rows if m == "concurrent_itl_p99_ms"]
+    if lat:
+        # both rows come from one measurement (the one with the prompt is sized from the one without)
+        made = measure_latency(client, prompts[:plan.latency_streams], long_prompts, plan.latency_tokens, plan.reps)
+        for p in lat:
+            samples, details = made[p["prompt_tokens"]]
+            on_row("concurrent_itl_p99_ms", p, samples, {**details, **facts})
     return reference or []
 
 
