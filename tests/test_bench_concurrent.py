@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-import textwrap
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from openjet_plugin.bench import concurrent, peer, peer_spec, report, runner
 from openjet_plugin.bench.ours import Emitter
 from openjet_plugin.bench.store import Store
+from test_bench_peer_mtp import read_jsonl, write_fake_server
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_GGUF = REPO / "openjet_plugin" / "data" / "default.gguf"
@@ -292,15 +291,10 @@ FAKE_SERVER = """
 
 
 def _fake_server(folder: Path) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    script = folder / "llama-server"
-    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(FAKE_SERVER))
-    script.chmod(0o755)
-    return script
+    return write_fake_server(folder, FAKE_SERVER)
 
 
-def _log(log: Path) -> list[dict]:
-    return [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+_log = read_jsonl
 
 
 def _requests(log: Path) -> list[dict]:

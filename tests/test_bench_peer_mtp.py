@@ -162,21 +162,24 @@ FAKE_SERVER = """
 """
 
 
-def _fake_server(folder: Path) -> Path:
+def write_fake_server(folder: Path, source: str = FAKE_SERVER) -> Path:
+    """An executable llama-server in folder that runs `source` (a stand-in's Python code)."""
     folder.mkdir(parents=True, exist_ok=True)
     script = folder / "llama-server"
-    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(FAKE_SERVER))
+    script.write_text(f"#!{sys.executable}\n" + textwrap.dedent(source))
     script.chmod(0o755)
     return script
 
 
-def _requests(log: Path) -> list[dict]:
+def read_jsonl(log: Path) -> list[dict]:
+    """The records a stand-in server logged, one JSON object a line ([] before the first)."""
     return [json.loads(x) for x in log.read_text().splitlines()] if log.is_file() else []
+
 
 
 def test_measure_warms_up_then_times_each_depth(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_SERVER_LOG", str(tmp_path / "requests.jsonl"))
-    binary = _fake_server(tmp_path / "bin")
+    binary = write_fake_server(tmp_path / "bin")
     rows = []
     command = partial(peer_spec.server_command, binary, tmp_path / "m.gguf", 2, 4096)
     with peer_spec.LlamaServer(command, tmp_path / "server.log", load_timeout=30) as server:
@@ -186,7 +189,7 @@ def test_measure_warms_up_then_times_each_depth(tmp_path, monkeypatch):
     assert proc.poll() is not None                       # stopped on the way out
     assert [r[0] for r in rows] == [0, 64] and all(len(r[1]) == 3 for r in rows)
     assert rows[1][1][0] == pytest.approx(1e3 * 16 / (10.0 * (65 + 17) / 2))
-    reqs = _requests(tmp_path / "requests.jsonl")
+    reqs = read_jsonl(tmp_path / "requests.jsonl")
     # per depth: a warm-up of WARMUP_TOKENS + 1, then three of 16 + 1, all with the depth's ids
     assert [r["body"]["n_predict"] for r in reqs] == [peer_spec.WARMUP_TOKENS + 1] + [17] * 3 + \
         [peer_spec.WARMUP_TOKENS + 1] + [17] * 3
@@ -217,7 +220,7 @@ def _fake_peer_build(tmp_path: Path, server_ok: bool = True) -> peer.PeerBuild:
     (common / "common.h").write_text("struct common_params_speculative_draft {\n"
                                      "    int32_t n_max = 3; // maximum number of tokens to draft\n};\n")
     if server_ok:
-        _fake_server(pb.binary.parent)
+        write_fake_server(pb.binary.parent)
     else:
         pb.server_failed_marker.write_text("exit 1: tools/server/server.cpp:1: error: boom\n")
     return pb
@@ -244,14 +247,14 @@ def test_the_spec_group_stores_rows_with_acceptance_from_the_shared_tokens(tmp_p
     assert details[want[0]]["acceptance"] == 0.5 and details[want[0]]["llama_cpp_default_drafts"] == 3
     assert st.info["llama_server"]["default_drafts"] == 3
     assert "--spec-draft-n-max" in st.info["llama_server"]["command"]
-    reqs = _requests(tmp_path / "requests.jsonl")
+    reqs = read_jsonl(tmp_path / "requests.jsonl")
     tokens = prompt_tokens(n_vocab, 97)
     assert {tuple(r["body"]["prompt"]) for r in reqs} == {tuple(tokens[:1]), tuple(tokens[:97])}
     assert all(r["D"] == 2 for r in reqs)
     argv = reqs[0]["argv"]
     assert int(argv[argv.index("-c") + 1]) >= 96 + 1 + 12 + 1 + 2
     runner.group_peer_spec(run, 2)                        # resumed: nothing left to do, no server
-    assert len(_requests(tmp_path / "requests.jsonl")) == len(reqs)
+    assert len(read_jsonl(tmp_path / "requests.jsonl")) == len(reqs)
 
 
 def test_a_server_that_failed_to_build_costs_the_spec_rows_only(tmp_path):

@@ -457,12 +457,26 @@ def group_peer_prefill(run: Run, new_tokens: int, depth: int) -> None:
 PEER_REQUEST_TIMEOUT = 900.0   # seconds for one llama-server request (a 30K prefill takes ~15 s on an H200)
 
 
+def _peer_server(run: Run) -> tuple[peer.PeerBuild, int]:
+    """The peer's build with its llama-server (PeerError naming what failed to build) and the
+    model's vocabulary size, which the prompt token ids are drawn from."""
+    from ..model_file import open_model
+
+    _peer_binary(run)
+    pb = run.peer_build
+    assert pb is not None
+    problem = pb.server_problem()
+    if problem:
+        raise peer.PeerError(problem)
+    with open_model(run.model) as mf:
+        return pb, mf.config.n_vocab
+
+
 def group_peer_spec(run: Run, drafts: int) -> None:
     """llama.cpp's MTP speculative decoding at draft depth `drafts`, at every depth: one
     llama-server, the same prompt tokens as our spec_mtp_tps rows (bench/peer_spec.py)."""
     from functools import partial
 
-    from ..model_file import open_model
     from . import peer_spec
     from .spec import prompt_tokens
 
@@ -470,15 +484,8 @@ def group_peer_spec(run: Run, drafts: int) -> None:
     todo = [p for _, _, p in peer_spec_rows(s, drafts) if not run.store.has("spec_mtp_tps", PEER, p)]
     if not todo:
         return
-    _peer_binary(run)
-    pb = run.peer_build
-    assert pb is not None
-    problem = pb.server_problem()
-    if problem:
-        raise peer.PeerError(problem)
+    pb, n_vocab = _peer_server(run)
     default = peer_spec.default_draft_max(pb.llama_src)
-    with open_model(run.model) as mf:
-        n_vocab = mf.config.n_vocab
     depths = sorted(p["depth"] for p in todo)
     tokens = prompt_tokens(n_vocab, depths[-1] + 1)
     n_ctx = depths[-1] + 1 + s.decode_tokens + 1 + drafts + 64
@@ -526,23 +533,15 @@ def group_peer_concurrent(run: Run) -> None:
     a second with MTP speculation for the speculative row, the same prompts as ours."""
     from functools import partial
 
-    from ..model_file import open_model
     from . import concurrent, peer_spec
 
     s = run.settings
     todo = [(m, p) for m, _, p in run.missing(concurrent_rows(s, PEER))]
     if not todo:
         return
-    _peer_binary(run)
-    pb = run.peer_build
-    assert pb is not None
-    problem = pb.server_problem()
-    if problem:
-        raise peer.PeerError(problem)
     plan_ = concurrent_plan(s)
     concurrent.check_plan(plan_)
-    with open_model(run.model) as mf:
-        n_vocab = mf.config.n_vocab
+    pb, n_vocab = _peer_server(run)
     prompts, long_prompts = plan_.prompts(n_vocab)
     slots = max(plan_.streams + (plan_.spec_streams, plan_.latency_streams + 1))
     n_ctx = concurrent.server_context(plan_, slots)
