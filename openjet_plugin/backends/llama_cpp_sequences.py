@@ -15,10 +15,13 @@ decoding through `OneSequencePasses`: the same batches, in the calling thread.
 With several sequences a sequence's eval does not call llama.cpp itself: it hands its tokens to
 the `PassScheduler` and waits. The scheduler's thread fills each pass from what the request
 threads have handed in: every waiting decode step first, then prompt chunks in arrival order, at
-most n_batch tokens in all, so a long prompt goes in over several passes and the other sequences
-keep decoding between them. Before a pass it waits (at most one pass's duration) for the
-sequences of the previous pass to come back with their next token: they are sampling, and a pass
-that waits for them serves them together instead of one pass each.
+most n_batch tokens in all. While sequences decode, the prompt tokens of a pass are capped by a
+`PassBudget` (pass_budget.py): sized from the passes' measured times so that a mixed pass costs at
+most about twice the decode-only pass, and a long prompt arriving does not stall the others' next
+tokens (issue 29); with nobody decoding a prompt goes at full n_batch. Before a pass it waits (at
+most one pass's duration) for the sequences of the previous pass to come back with their next
+token: they are sampling, and a pass that waits for them serves them together instead of one pass
+each.
 
 There only the scheduler's thread decodes; every other use of the context (cutting a sequence,
 copying its recurrent state, copying a whole sequence state out or in) takes `context_lock`, which
@@ -48,6 +51,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from .base import SequenceState
+from .pass_budget import PassBudget
 
 MAX_CHECKPOINTS = 3
 GATHER_MAX_SECONDS = 0.05      # the longest a pass waits for a sequence of the previous pass
@@ -187,7 +191,8 @@ class OneSequencePasses(_Passes):
 class PassScheduler(_Passes):
     """Gathers the eval calls of several sequences into shared `llama_decode` passes (see the
     module docstring). Counters: `passes`, `shared_passes` (passes with tokens of more than one
-    sequence), `max_sequences_in_a_pass`."""
+    sequence), `max_sequences_in_a_pass`. `budget`: the prompt tokens a pass may carry next to
+    decode steps, fed with every pass's time."""
 
     def __init__(self, lib, ctx, n_vocab: int, n_batch: int, n_seq: int):
         super().__init__(lib, ctx, n_vocab, n_batch)
@@ -197,6 +202,8 @@ class PassScheduler(_Passes):
         self._in_pass: set[int] = set()        # sequences with tokens in the pass running now
         self._expected: set[int] = set()       # the sequences of the previous pass
         self._last_pass_seconds = 0.0
+        self._decoders_of_last_pass = 0       # sequences sampling their next token now
+        self.budget = PassBudget(n_batch)
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
         self._closed = False
@@ -271,19 +278,24 @@ class PassScheduler(_Passes):
                     self._cv.wait(left)
                 if self._closed:
                     return
-                chosen = self._compose()
+                chosen, n_decode = self._compose()
                 self._in_pass = {w.seq for w, _ in chosen}
-            t0 = time.perf_counter()
             failure = ""
+            seconds = 0.0
             try:
                 with self.context_lock:
+                    # timed inside the lock: a checkpoint copy holding it is not the pass's cost
+                    t0 = time.perf_counter()
                     rc, rows = self._decode(chosen)
+                    seconds = time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001 - the callers get it; the thread serves on
                 rc, rows, failure = -1, [None] * len(chosen), f": {type(exc).__name__}: {exc}"
-            seconds = time.perf_counter() - t0
             with self._cv:
-                self._last_pass_seconds = seconds
+                if rc == 0:
+                    self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
+                    self._last_pass_seconds = seconds
                 self._expected = {w.seq for w, _ in chosen}
+                self._decoders_of_last_pass = n_decode
                 self.passes += 1
                 self.shared_passes += len(chosen) > 1
                 self.max_sequences_in_a_pass = max(self.max_sequences_in_a_pass, len(chosen))
@@ -303,18 +315,23 @@ class PassScheduler(_Passes):
                 self._in_pass = set()
                 self._cv.notify_all()
 
-    def _compose(self) -> list[tuple[_Work, int]]:
-        """(work, tokens it puts in this pass): decode steps first, then prompts by arrival, at
-        most n_batch tokens."""
-        budget = self.n_batch
-        chosen = []
-        for w in sorted(self._pending, key=lambda w: (w.left > 1, w.order)):
-            n = min(w.left, budget)
+    def _compose(self) -> tuple[list[tuple[_Work, int]], int]:
+        """(work, tokens it puts in this pass) and the pass's decode tokens: decode steps (works
+        of one token) first, then prompts by arrival, at most n_batch tokens, the prompts' at most
+        what the budget allows next to the sequences that decode."""
+        decode = sorted((w for w in self._pending if w.left == 1), key=lambda w: w.order)[:self.n_batch]
+        chosen = [(w, 1) for w in decode]
+        # the decoders of the last pass count even when not back yet: the budget is for them,
+        # and a full n_batch chunk now would be the stall it exists to prevent
+        decoders = max(len(decode), self._decoders_of_last_pass)
+        room = min(self.n_batch - len(decode), self.budget.prompt_tokens(min(decoders, self.n_batch)))
+        for w in sorted((w for w in self._pending if w.left > 1), key=lambda w: w.order):
+            n = min(w.left, room)
             if n == 0:
                 break
             chosen.append((w, n))
-            budget -= n
-        return chosen
+            room -= n
+        return chosen, len(decode)
 
 
 # --- a sequence, as the engine's loop sees a backend --------------------------------------------
