@@ -303,9 +303,9 @@ def test_serve_with_two_slots_streams_two_requests_interleaved(model, tmp_path):
     try:
         assert "2 slots" in log_path.read_text()
 
-        def stream(prompt: str, delay: float) -> list[tuple[float, str]]:
+        def stream(prompt: str, delay: float, max_tokens: int) -> list[tuple[float, str]]:
             time.sleep(delay)
-            body = {"model": "openjet-default", "prompt": prompt, "max_tokens": 160, "temperature": 0,
+            body = {"model": "openjet-default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                     "stream": True}
             events = []
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120,
@@ -318,8 +318,10 @@ def test_serve_with_two_slots_streams_two_requests_interleaved(model, tmp_path):
                             events.append((time.monotonic(), text))
             return events
 
-        first, second = run_threads([lambda: stream("def fibonacci(n):", 0.0),
-                                     lambda: stream("The quick brown fox", 0.3)])
+        # the first runs long enough to outlast the second's prompt (its chunks come a few tokens
+        # a pass while the first decodes: backends/pass_budget.py) on a loaded 2-core machine
+        first, second = run_threads([lambda: stream("def fibonacci(n):", 0.0, 400),
+                                     lambda: stream("The quick brown fox", 0.3, 160)])
         assert not isinstance(first, BaseException) and not isinstance(second, BaseException), (first, second)
         assert len(first) > 20 and second
         # the second request's first token came while the first was still streaming
