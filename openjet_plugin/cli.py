@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import OpenJetError
@@ -51,6 +51,9 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
                    help="conversations served at once, as `openjet serve --slots` (default: the backend's, "
                         "4 on llama.cpp, 1 on native)")
     p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="KV cache type (default f16)")
+    p.add_argument("--prefix-cache-mb", default=None, metavar="MB",
+                   help="host memory for the prefix cache, as `openjet serve --prefix-cache-mb` (0: none; "
+                        "default: 2048 with several slots on llama.cpp, none with one)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -263,6 +266,7 @@ def cmd_info(args) -> int:
     """Prints the description; exits 1 when the verdict is "not usable", so scripts can check."""
     from .model_file import describe
 
+    cache = _prefix_cache_bytes(args)
     if not os.path.exists(args.model):
         raise FileNotFoundError(f"model file not found: {args.model}")
     text = describe(args.model)
@@ -273,7 +277,7 @@ def cmd_info(args) -> int:
 
         with open_model(args.model) as mf:
             backend, _ = choose_backend("auto", mf, args.n_ctx, args.kv_type)
-            plan = serving_memory(mf, backend, args.n_ctx, args.slots, args.kv_type)
+            plan = serving_memory(mf, backend, args.n_ctx, args.slots, args.kv_type, cache)
         text += "".join(f"\n{k}: {v}" for k, v in plan.rows())
     print(text)
     return 0 if ok else 1
@@ -290,6 +294,7 @@ def cmd_doctor(args) -> int:
     from .errors import WrongArchitectureError
     from .model_file import open_model, read_foreign
 
+    cache = _prefix_cache_bytes(args)
     rows: list[tuple[str, str]] = [
         ("openjet-plugin", __version__),
         ("python", f"{platform.python_version()} ({sys.executable})"),
@@ -329,7 +334,7 @@ def cmd_doctor(args) -> int:
             ok, why = native_verdict(mf, args.n_ctx, args.kv_type)
             rows.append(("native backend", ("usable: " if ok else "not usable: ") + why))
             name, reason = choose_backend("auto", mf, args.n_ctx, args.kv_type)
-            plan = serving_memory(mf, name, args.n_ctx, args.slots, args.kv_type)
+            plan = serving_memory(mf, name, args.n_ctx, args.slots, args.kv_type, cache)
     except WrongArchitectureError as exc:
         arch = read_foreign(model).architecture
         rows.append(("native backend", f"not usable: {Path(model).name} is a {arch!r} model, "
@@ -361,16 +366,22 @@ def cmd_doctor(args) -> int:
 class ServingMemory:
     """What serving a model takes on a backend, from the estimators each backend keeps: the slots
     it runs (conversations at once) of n_ctx positions each, the memory each slot holds, and the
-    memory held once whatever the slots."""
+    memory held once whatever the slots; and beside it, in host memory, the prefix cache's budget."""
     backend: str
     slots: int
     n_ctx: int
     per_slot: dict[str, int]      # kv_cache, recurrent_state
-    once: dict[str, int]          # weights (+ the native engine's working buffers)
+    once: dict[str, int]          # weights + working buffers (the backend's compute buffers)
     note: str = ""                # why slots differs from what was asked
+    prefix_cache: int = 0         # host bytes the engine's prefix cache may take (0: none)
+    # per slot in host memory beside a GPU (llama.cpp's recurrent checkpoints); on the CPU they
+    # are in per_slot
+    host_per_slot: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
+        """Memory where the backend runs (the GPU's, or the host's on the CPU); not the prefix
+        cache, which is filled only as prompts recur and is bounded on its own."""
         return sum(self.once.values()) + self.slots * sum(self.per_slot.values())
 
     def rows(self) -> list[tuple[str, str]]:
@@ -378,24 +389,77 @@ class ServingMemory:
 
         slot = " + ".join(f"{_PURPOSE[k]} {_human_bytes(v)}" for k, v in self.per_slot.items())
         once = " + ".join(f"{_PURPOSE[k]} {_human_bytes(v)}" for k, v in self.once.items())
-        return [("serving", f"{self.slots} slot{'s' if self.slots > 1 else ''} x {self.n_ctx} context "
+        if self.prefix_cache:
+            cache = (f"up to {_human_bytes(self.prefix_cache)} of host memory (copies of recurring prompt "
+                     f"prefixes; --prefix-cache-mb 0 turns it off)")
+        elif self.backend == "native":
+            cache = "none (the native engine does not copy a sequence's state yet)"
+        else:
+            cache = "none (--prefix-cache-mb N keeps up to N MiB of host memory for one)"
+        rows = [("serving", f"{self.slots} slot{'s' if self.slots > 1 else ''} x {self.n_ctx} context "
                             f"on {self.backend}{self.note}"),
                 ("memory", f"{_human_bytes(self.total)} = {once} once + {self.slots} x ({slot}) per slot")]
+        if self.host_per_slot:
+            host = " + ".join(f"{_PURPOSE[k]} {_human_bytes(v)}" for k, v in self.host_per_slot.items())
+            rows.append(("host memory", f"{_human_bytes(self.slots * sum(self.host_per_slot.values()))} = "
+                                        f"{self.slots} x ({host}) per slot"))
+        return rows + [("prefix cache", cache)]
 
 
 _PURPOSE = {"kv_cache": "KV cache", "recurrent_state": "recurrent state", "weights": "weights",
-            "buffers": "working buffers"}
+            "buffers": "working buffers", "checkpoints": "recurrent checkpoints"}
+
+
+def _prefix_cache_bytes(args) -> int | None:
+    mb = check_prefix_cache_mb(args.prefix_cache_mb)
+    return None if mb is None else mb << 20
+
+
+def check_prefix_cache_mb(value: object, name: str = "--prefix-cache-mb") -> int | None:
+    """A prefix-cache budget in MiB as the command line and OPENJET_PREFIX_CACHE_MB give it: None
+    (the engine's default) or an integer >= 0 (0: none); ValueError naming `name` otherwise."""
+    if value is None:
+        return None
+    given, mb = value, value
+    if isinstance(value, str):
+        try:
+            mb = int(value.strip())
+        except ValueError:
+            mb = None
+    if isinstance(mb, bool) or not isinstance(mb, int) or mb < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (MiB of host memory; 0: no prefix cache), got {given!r}")
+    return mb
+
+
+def _llama_cpp_on_gpu() -> bool:
+    """Whether LlamaCppBackend would run on a GPU here (backends/llama_cpp.py gpu_placement: a GPU
+    visible and a llama-cpp-python build that offloads), without loading anything."""
+    from . import gpus
+
+    try:
+        import llama_cpp
+    except ImportError:
+        return False
+    real = getattr(llama_cpp, "__openjet_real__", llama_cpp)
+    return gpus.first_gpu() is not None and bool(real.llama_supports_gpu_offload())
 
 
 def serving_memory(model_file, backend: str, n_ctx: int, slots: int | None = None,
-                   kv_type: str = "f16") -> ServingMemory:
+                   kv_type: str = "f16", prefix_cache_bytes: int | None = None,
+                   on_gpu: bool | None = None) -> ServingMemory:
     """The memory `openjet serve --slots slots` takes for model_file on backend ("native" or
     "llama.cpp"), before loading it. slots None: the backend's default (llama.cpp
-    DEFAULT_SERVE_SEQUENCES; native 1, the only count it serves today)."""
+    DEFAULT_SERVE_SEQUENCES; native 1, the only count it serves today). prefix_cache_bytes: as
+    load() takes it (None: the engine's default, DEFAULT_PREFIX_CACHE_BYTES with several slots;
+    only a backend that copies sequence state, llama.cpp, has one). on_gpu (llama.cpp): where
+    its compute buffers are planned for; None: where it would run here."""
+    from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, check_prefix_cache_bytes
+
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
     if n_ctx < 16:
         raise ValueError(f"n_ctx must be an integer >= 16, got {n_ctx}")
+    check_prefix_cache_bytes(prefix_cache_bytes)
     if backend == "native":
         from .backends.native import estimate_device_bytes
 
@@ -404,11 +468,26 @@ def serving_memory(model_file, backend: str, n_ctx: int, slots: int | None = Non
         return ServingMemory(
             "native", 1, n_ctx, {"kv_cache": est["kv_cache"], "recurrent_state": est["recurrent_state"]},
             {"weights": est["weights"], "buffers": est["activations"] + est["checkpoints"] + est["prefill"]}, note)
-    from .backends.llama_cpp import DEFAULT_SERVE_SEQUENCES, sequence_memory
+    from .backends.llama_cpp import (
+        DEFAULT_SERVE_SEQUENCES,
+        checkpoint_memory,
+        compute_memory,
+        sequence_memory,
+        uses_flash_attention,
+    )
 
+    cfg = model_file.config
+    n = DEFAULT_SERVE_SEQUENCES if slots is None else slots
     weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
-    return ServingMemory("llama.cpp", DEFAULT_SERVE_SEQUENCES if slots is None else slots, n_ctx,
-                         sequence_memory(model_file.config, n_ctx, kv_type), {"weights": weights})
+    gpu = _llama_cpp_on_gpu() if on_gpu is None else on_gpu
+    buffers = compute_memory(cfg, n_ctx, flash_attn=uses_flash_attention(kv_type, gpu), on_gpu=gpu,
+                             n_tensors=len(model_file.tensors))
+    per_slot = sequence_memory(cfg, n_ctx, kv_type)
+    checkpoints = {"checkpoints": checkpoint_memory(cfg)}
+    cache = (DEFAULT_PREFIX_CACHE_BYTES if n > 1 else 0) if prefix_cache_bytes is None else prefix_cache_bytes
+    return ServingMemory("llama.cpp", n, n_ctx, per_slot if gpu else {**per_slot, **checkpoints},
+                         {"weights": weights, "buffers": buffers}, prefix_cache=cache,
+                         host_per_slot=checkpoints if gpu else {})
 
 
 def _run(cmd: list[str]) -> str | None:

@@ -130,21 +130,61 @@ def _per_slot_formula(c, n_ctx: int, value_bytes: float) -> tuple[int, int]:
 
 @pytest.mark.parametrize("slots,n_ctx,kv_type", [(None, 4096, "f16"), (2, 1024, "f16"), (7, 512, "q8_0")])
 def test_serving_memory_on_llama_cpp_is_the_formula(model, slots, n_ctx, kv_type):
+    from openjet_plugin.backends.llama_cpp import MAX_CHECKPOINTS, compute_memory
     from openjet_plugin.model_file import open_model
+    from openjet_plugin.prefix_cache import DEFAULT_PREFIX_CACHE_BYTES
 
     with open_model(model) as mf:
-        plan = cli.serving_memory(mf, "llama.cpp", n_ctx, slots, kv_type)
+        plan = cli.serving_memory(mf, "llama.cpp", n_ctx, slots, kv_type, on_gpu=False)
         weights = sum(t.n_bytes for t in mf.tensors.values())
         kv, state = _per_slot_formula(mf.config, n_ctx, {"f16": 2, "q8_0": 34 / 32}[kv_type])
+        # a quantised KV cache runs with flash attention (backends/llama_cpp.py)
+        buffers = compute_memory(mf.config, n_ctx, flash_attn=kv_type != "f16", on_gpu=False,
+                                 n_tensors=len(mf.tensors))
     want_slots = 4 if slots is None else slots                     # serve's default on llama.cpp
     assert plan.slots == want_slots and plan.n_ctx == n_ctx
-    assert plan.per_slot == {"kv_cache": kv, "recurrent_state": state}
-    assert plan.once == {"weights": weights}
-    assert plan.total == weights + want_slots * (kv + state)
+    # on the CPU the recurrent checkpoints (host copies of the state) are in the same memory
+    assert plan.per_slot == {"kv_cache": kv, "recurrent_state": state, "checkpoints": MAX_CHECKPOINTS * state}
+    assert plan.once == {"weights": weights, "buffers": buffers} and plan.host_per_slot == {}
+    assert plan.total == weights + buffers + want_slots * (kv + (1 + MAX_CHECKPOINTS) * state)
+    assert plan.prefix_cache == DEFAULT_PREFIX_CACHE_BYTES          # several slots: the engine's default
     assert weights <= os.path.getsize(model) < weights + (1 << 20)      # the tensors are the file
     rows = dict(plan.rows())
     assert rows["serving"] == f"{want_slots} slots x {n_ctx} context on llama.cpp"
     assert rows["memory"].endswith(" per slot") and f"once + {want_slots} x (KV cache " in rows["memory"]
+    assert rows["prefix cache"].startswith("up to 2.0 GiB of host memory")
+
+
+def test_serving_memory_on_a_gpu_puts_checkpoints_in_host_memory(model):
+    from openjet_plugin.backends.llama_cpp import MAX_CHECKPOINTS, compute_memory
+    from openjet_plugin.model_file import _human_bytes, open_model
+
+    with open_model(model) as mf:
+        plan = cli.serving_memory(mf, "llama.cpp", 2048, 2, on_gpu=True, prefix_cache_bytes=0)
+        kv, state = _per_slot_formula(mf.config, 2048, 2)
+        buffers = compute_memory(mf.config, 2048, flash_attn=True, on_gpu=True)     # flash attention on a GPU
+    assert plan.per_slot == {"kv_cache": kv, "recurrent_state": state}
+    assert plan.host_per_slot == {"checkpoints": MAX_CHECKPOINTS * state}
+    assert plan.once["buffers"] == buffers and plan.prefix_cache == 0
+    rows = dict(plan.rows())
+    assert rows["host memory"] == (f"{_human_bytes(2 * MAX_CHECKPOINTS * state)} = 2 x (recurrent checkpoints "
+                                   f"{_human_bytes(MAX_CHECKPOINTS * state)}) per slot")
+    assert rows["prefix cache"].startswith("none (--prefix-cache-mb N")
+
+
+def test_serving_memory_prefix_cache_budget(model):
+    from openjet_plugin.model_file import open_model
+
+    with open_model(model) as mf:
+        assert cli.serving_memory(mf, "llama.cpp", 512, 1, on_gpu=False).prefix_cache == 0   # one slot: none
+        assert cli.serving_memory(mf, "llama.cpp", 512, 1, prefix_cache_bytes=5 << 20, on_gpu=False).prefix_cache == 5 << 20
+        assert cli.serving_memory(mf, "llama.cpp", 512, 4, prefix_cache_bytes=0, on_gpu=False).prefix_cache == 0
+        # the native engine copies no sequence state: no prefix cache whatever is asked
+        native = cli.serving_memory(mf, "native", 512, 1, prefix_cache_bytes=5 << 20)
+        assert native.prefix_cache == 0 and "native engine" in dict(native.rows())["prefix cache"]
+        for bad in (-1, 1.5, True, "64"):
+            with pytest.raises(ValueError, match="prefix_cache_bytes"):
+                cli.serving_memory(mf, "llama.cpp", 512, 2, prefix_cache_bytes=bad)
 
 
 def test_serving_memory_on_native_is_its_estimate_for_one_slot(model):
@@ -161,28 +201,48 @@ def test_serving_memory_on_native_is_its_estimate_for_one_slot(model):
 
 def test_info_and_doctor_report_slots_context_and_memory(model, capsys, monkeypatch):
     from openjet_plugin.backends import select
+    from openjet_plugin.backends.llama_cpp import MAX_CHECKPOINTS, compute_memory
     from openjet_plugin.model_file import _human_bytes, open_model
 
-    # the backend auto picks decides the numbers: make it llama.cpp on any machine
+    # the backend auto picks decides the numbers: make it llama.cpp on the CPU on any machine
     monkeypatch.setattr(select, "native_verdict", lambda *a, **k: (False, "test: no native"))
+    monkeypatch.setattr(cli, "_llama_cpp_on_gpu", lambda: False)
     with open_model(model) as mf:
-        c, weights = mf.config, sum(t.n_bytes for t in mf.tensors.values())
+        c, weights, n_tensors = mf.config, sum(t.n_bytes for t in mf.tensors.values()), len(mf.tensors)
     kv, state = _per_slot_formula(c, 2048, 2)
-    total = _human_bytes(weights + 3 * (kv + state))
+    buffers = compute_memory(c, 2048, flash_attn=False, on_gpu=False, n_tensors=n_tensors)
+    total = _human_bytes(weights + buffers + 3 * (kv + (1 + MAX_CHECKPOINTS) * state))
 
     assert cli.main(["info", str(model), "--slots", "3", "--n-ctx", "2048"]) == 0
     out = capsys.readouterr().out
     assert "serving: 3 slots x 2048 context on llama.cpp" in out
-    assert (f"memory: {total} = weights {_human_bytes(weights)} once + 3 x (KV cache {_human_bytes(kv)} "
-            f"+ recurrent state {_human_bytes(state)}) per slot") in out
+    assert (f"memory: {total} = weights {_human_bytes(weights)} + working buffers {_human_bytes(buffers)} once "
+            f"+ 3 x (KV cache {_human_bytes(kv)} + recurrent state {_human_bytes(state)} + recurrent checkpoints "
+            f"{_human_bytes(MAX_CHECKPOINTS * state)}) per slot") in out
+    # the prefix cache is host memory, on its own line: the engine's default with several slots
+    assert ("prefix cache: up to 2.0 GiB of host memory (copies of recurring prompt prefixes; "
+            "--prefix-cache-mb 0 turns it off)") in out
 
-    assert cli.main(["doctor", "--model", str(model), "--slots", "3", "--n-ctx", "2048"]) == 0
+    assert cli.main(["doctor", "--model", str(model), "--slots", "3", "--n-ctx", "2048",
+                     "--prefix-cache-mb", "512"]) == 0
     rows = {line.split("  ", 1)[0]: line.split("  ", 1)[1].strip() for line in capsys.readouterr().out.splitlines()}
     assert rows["serving"] == "3 slots x 2048 context on llama.cpp"
     assert rows["memory"].startswith(f"{total} = weights ")
+    assert rows["prefix cache"].startswith("up to 512.0 MiB of host memory")
 
-    assert cli.main(["info", str(model)]) == 0                 # serve's default: 4 slots x 4096
-    assert "serving: 4 slots x 4096 context on llama.cpp" in capsys.readouterr().out
+    assert cli.main(["info", str(model), "--prefix-cache-mb", "0"]) == 0     # serve's default: 4 slots x 4096
+    out = capsys.readouterr().out
+    assert "serving: 4 slots x 4096 context on llama.cpp" in out
+    assert "prefix cache: none (--prefix-cache-mb N keeps up to N MiB of host memory for one)" in out
+
+
+@pytest.mark.parametrize("bad", ["-1", "lots", "1.5"])
+@pytest.mark.parametrize("command", ["info", "doctor"])
+def test_info_and_doctor_refuse_a_bad_prefix_cache_budget(model, capsys, command, bad):
+    argv = [command, str(model)] if command == "info" else [command, "--model", str(model)]
+    assert cli.main(argv + [f"--prefix-cache-mb={bad}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("openjet: error: --prefix-cache-mb must be an integer >= 0") and repr(bad) in err
 
 
 def test_chat_reads_lines_until_exit(model):

@@ -89,6 +89,62 @@ def sequence_bytes(config, n_ctx: int, kv_type: str = "f16") -> int:
     return sum(sequence_memory(config, n_ctx, kv_type).values())
 
 
+def checkpoint_memory(config) -> int:
+    """Host memory of one sequence's recurrent checkpoints at most (LlamaCppSequence keeps the
+    last MAX_CHECKPOINTS copies of its recurrent state, one saved per request)."""
+    return MAX_CHECKPOINTS * sequence_memory(config, 16)["recurrent_state"]
+
+
+def uses_flash_attention(kv_type: str, on_gpu: bool) -> bool:
+    """Whether LlamaCppBackend turns llama.cpp's flash attention on: for a quantised KV cache
+    (llama.cpp needs it there) and on the GPU (its fastest path there)."""
+    return kv_type != "f16" or on_gpu
+
+
+# Bytes of llama.cpp's graph bookkeeping per graph node (its tensor headers, the graph's node and
+# hash arrays: llm_graph_result's buf_compute_meta), host memory: 8.26 MiB for 20,480 nodes.
+GRAPH_NODE_BYTES = 424
+
+
+def compute_memory(config, n_ctx: int, *, flash_attn: bool, on_gpu: bool, n_tensors: int = 0,
+                   n_batch: int = 512) -> int:
+    """The working memory llama.cpp allocates for one context of LlamaCppBackend, whatever its
+    sequences: the compute buffer of its worst-case graph (a prompt chunk of n_ubatch =
+    min(n_batch, n_ctx) positions against the whole context, which llama.cpp reserves when the
+    context is made and prints as "compute buffer size") and, on the CPU, ggml's work buffer for
+    that graph and the graph's bookkeeping.
+
+    The compute buffer holds the attention mask of a chunk (f32 [n_kv, n_ubatch], f16 with flash
+    attention; n_kv: a sequence's n_ctx rounded up to llama.cpp's 256) and the largest layer's
+    intermediates, f32 per chunk position:
+    - a Gated DeltaNet layer (chunked delta rule): 3 x (conv channels + n_embd);
+    - an attention layer: q with its gate, q, k and v, the attention output and the residual,
+      and without flash attention the scores [n_kv, n_ubatch, n_head], which grow with the
+      context and dominate at long ones (the `small` preset at 4K: 200 of 213 MiB);
+    - the FFN: gate, up and the residual.
+    On the CPU without flash attention the product of the scores with the f16 V converts them to
+    f16 in ggml's work buffer (n_kv x n_ubatch x n_head x 2). The compute buffer does not grow
+    with sequences: each one's stream is attended separately. Against what llama.cpp prints
+    (CPU, 1,024 and 4,096 positions, 1 and 4 sequences, the tiny / small / default presets and
+    DeltaNet widths of 32..128 state x 16..48 heads): within 1.3 MiB with flash attention;
+    without it up to 4.2 MiB under (10% of that buffer) where a DeltaNet layer is the largest.
+
+    The graph's bookkeeping (host memory): qwen35 graphs get max(40 n_ubatch, 32 n_tensors)
+    nodes (llama_context::graph_max_nodes), n_tensors those of the file; beside a GPU it is not
+    counted, a few MiB against the device's."""
+    n_ubatch = min(n_batch, n_ctx)
+    n_kv = -(-n_ctx // 256) * 256
+    mask = n_ubatch * n_kv * (2 if flash_attn else 4)
+    scores = 0 if flash_attn else n_ubatch * n_kv * config.n_head * 4
+    deltanet = 3 * (config.ssm_conv_dim + config.n_embd)
+    attention = 4 * config.q_dim + 2 * config.kv_dim + config.n_embd
+    ffn = 2 * config.n_ff + config.n_embd
+    compute = mask + max(n_ubatch * 4 * deltanet, scores + n_ubatch * 4 * attention, n_ubatch * 4 * ffn)
+    work = n_kv * n_ubatch * config.n_head * 2 if not flash_attn and not on_gpu else 0
+    graph = 0 if on_gpu else max(40 * n_ubatch, 32 * n_tensors) * GRAPH_NODE_BYTES
+    return compute + work + graph
+
+
 def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers: int | None,
                   extra_bytes: int = 0) -> Placement:
     """How many layers llama.cpp puts on the GPU, and why. extra_bytes: memory kept back beyond
