@@ -65,7 +65,7 @@ _engines_lock = threading.Lock()
 
 def shared_engine(model: str | os.PathLike[str] | None = None, *, backend: str = "auto",
                   n_ctx: int = 4096, draft_depth: int = 4, kv_type: str = "f16",
-                  seed: int | None = None, n_slots: int | None = 1):
+                  seed: int | None = None, n_slots: int | None = 1, prefix_cache_bytes: int | None = None):
     """The one Engine for these load options, loaded on first use and reused by every caller.
 
     The engine runs up to n_slots requests at once and queues the rest itself, so sharing it
@@ -75,12 +75,13 @@ def shared_engine(model: str | os.PathLike[str] | None = None, *, backend: str =
     import openjet_plugin
 
     path = resolve_model(model)
-    key = (str(path), backend, int(n_ctx), int(draft_depth), kv_type, seed, n_slots)
+    key = (str(path), backend, int(n_ctx), int(draft_depth), kv_type, seed, n_slots, prefix_cache_bytes)
     with _engines_lock:
         eng = _engines.get(key)
         if eng is None or getattr(eng, "_closed", False):
             eng = openjet_plugin.load(path, backend=backend, n_ctx=n_ctx, draft_depth=draft_depth,
-                                      kv_type=kv_type, seed=seed, n_slots=n_slots)
+                                      kv_type=kv_type, seed=seed, n_slots=n_slots,
+                                      prefix_cache_bytes=prefix_cache_bytes)
             _engines[key] = eng
         return eng
 

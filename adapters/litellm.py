@@ -121,8 +121,9 @@ class OpenJetProvider(CustomLLM):
 
     aliases: model name -> GGUF path ("default" always means the embedded model).
     allow_paths: accept a model name that is a path to a file (library use); False for servers.
-    backend, n_ctx, draft_depth, kv_type, n_slots: how engines are loaded (see `openjet_plugin.load`;
-    n_slots None: the backend's choice for a server).
+    backend, n_ctx, draft_depth, kv_type, n_slots, prefix_cache_bytes: how engines are loaded (see
+    `openjet_plugin.load`; n_slots None: the backend's choice for a server; prefix_cache_bytes
+    None: the engine's default).
     observer: told about each request's queueing and its engine stats (`serve_gate.ServerMetrics`
     in `openjet serve`): engine_waiting(±1), engine_running(±1), engine_finished(stats).
 
@@ -132,12 +133,12 @@ class OpenJetProvider(CustomLLM):
 
     def __init__(self, *, aliases: dict[str, str] | None = None, allow_paths: bool = True,
                  backend: str = "auto", n_ctx: int = 4096, draft_depth: int = 4, kv_type: str = "f16",
-                 n_slots: int | None = 1):
+                 n_slots: int | None = 1, prefix_cache_bytes: int | None = None):
         super().__init__()
         self.aliases = dict(aliases or {})
         self.allow_paths = allow_paths
         self.load_options = dict(backend=backend, n_ctx=n_ctx, draft_depth=draft_depth, kv_type=kv_type,
-                                 n_slots=n_slots)
+                                 n_slots=n_slots, prefix_cache_bytes=prefix_cache_bytes)
         self.observer: Any = None
 
     # --- model names ------------------------------------------------------------------------------
@@ -563,6 +564,14 @@ def _load_options_from_env() -> dict[str, Any]:
             opts["n_slots"] = None if slots == "auto" else int(slots)
         except ValueError:
             raise ValueError(f"OPENJET_SLOTS must be an integer or 'auto', got {slots!r}") from None
+    # MiB of host memory for each engine's prefix cache (0: none); "auto": the engine's default
+    # (prefix_cache.DEFAULT_PREFIX_CACHE_BYTES with several slots)
+    cache_mb = os.environ.get("OPENJET_PREFIX_CACHE_MB")
+    if cache_mb:
+        from openjet_plugin.cli import check_prefix_cache_mb
+
+        mb = None if cache_mb == "auto" else check_prefix_cache_mb(cache_mb, "OPENJET_PREFIX_CACHE_MB")
+        opts["prefix_cache_bytes"] = None if mb is None else mb << 20
     return opts
 
 
@@ -573,8 +582,11 @@ proxy_handler = OpenJetProvider(allow_paths=False)
 
 
 def configure_proxy_handler() -> OpenJetProvider:
-    """(Re)read OPENJET_MODELS / OPENJET_BACKEND / OPENJET_N_CTX / OPENJET_DRAFT_DEPTH / OPENJET_SLOTS into
-    `proxy_handler` (done at import, and again by `openjet serve` after it sets them)."""
+    """(Re)read OPENJET_MODELS / OPENJET_BACKEND / OPENJET_N_CTX / OPENJET_DRAFT_DEPTH / OPENJET_SLOTS /
+    OPENJET_PREFIX_CACHE_MB into `proxy_handler` (done at import, and again by `openjet serve`
+    after it sets them). OPENJET_SLOTS: requests each engine runs at once, or "auto" (the
+    backend's choice); OPENJET_PREFIX_CACHE_MB: MiB of host memory for each engine's prefix cache,
+    0 for none, or "auto" (2048 with several slots, none with one)."""
     proxy_handler.aliases = _aliases_from_env()
     proxy_handler.load_options.update(_load_options_from_env())
     return proxy_handler

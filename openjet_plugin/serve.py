@@ -28,7 +28,9 @@ anything is queued; an omitted max_tokens generates to the end of the context wi
 (OpenAI's rule) and 16 tokens for text completions (OpenAI's default there); each engine runs
 `--slots` requests at once (their tokens share the engine's passes; default 4 on llama.cpp, 1 on
 the native engine until its multi-sequence pass exists) and `--max-queue` more wait, beyond that
-503 with Retry-After; `/metrics`
+503 with Retry-After; a prompt prefix one request evaluated (a system prompt, an agent scaffold)
+is loaded by the next from the engine's prefix cache (`--prefix-cache-mb`, host memory; 0 turns
+it off); `/metrics`
 (Prometheus text) shows the queue and per-request engine stats. Deterministic errors are not
 retried (num_retries 0).
 """
@@ -102,6 +104,8 @@ def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, m
         env["OPENJET_DRAFT_DEPTH"] = str(args.draft_depth)
     # "auto": the backend's choice (llama.cpp: 4 slots; native: 1, see engine.load)
     env["OPENJET_SLOTS"] = "auto" if args.slots is None else str(args.slots)
+    # "auto": the engine's default (2 GiB of host memory with several slots, none with one)
+    env["OPENJET_PREFIX_CACHE_MB"] = "auto" if args.prefix_cache_mb is None else str(args.prefix_cache_mb)
     return env
 
 
@@ -122,6 +126,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--slots", type=int, default=None,
                    help="requests each engine runs at once, sharing its passes (default: 4 on llama.cpp; "
                    "1 on the native engine, which serves one sequence per pass for now)")
+    p.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
+                   help="host memory for each engine's prefix cache: copies of the state after prompt "
+                   "prefixes that recur across conversations (system prompts, agent scaffolds); 0 turns it "
+                   "off (default: 2048 with several slots, none with one; llama.cpp only for now)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a busy engine; more get 503 with Retry-After (default 16)")
     p.add_argument("--admin", action="store_true", help="open LiteLLM's admin routes (UI, key management, "
@@ -167,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.slots is not None and not 1 <= args.slots <= MAX_SLOTS:
         print(f"openjet serve: --slots must be in 1..{MAX_SLOTS}, got {args.slots}", file=sys.stderr)
+        return 2
+    if args.prefix_cache_mb is not None and args.prefix_cache_mb < 0:
+        print(f"openjet serve: --prefix-cache-mb must be >= 0 (MiB of host memory; 0: no prefix cache), "
+              f"got {args.prefix_cache_mb}", file=sys.stderr)
         return 2
     models = [parse_model(m) for m in args.model]
     if args.gpus is not None or args.workers is not None:
@@ -367,7 +379,8 @@ def serve_cluster(args: argparse.Namespace, models: list[tuple[str, str]]) -> in
 
     serve_args = ["--preload"] + [a for m in args.model for a in ("--model", m)]
     for flag, value in (("--backend", args.backend), ("--n-ctx", args.n_ctx), ("--draft-depth", args.draft_depth),
-                        ("--max-queue", args.max_queue), ("--slots", args.slots)):
+                        ("--max-queue", args.max_queue), ("--slots", args.slots),
+                        ("--prefix-cache-mb", args.prefix_cache_mb)):
         if value is not None:
             serve_args += [flag, str(value)]
     tmp = tempfile.TemporaryDirectory(prefix="openjet-cluster-")

@@ -105,3 +105,85 @@ def test_gpu_plan_within_10_percent_of_device_growth(model_dir, backend, slots):
     assert abs(m.ratio - 1) <= TOLERANCE, (
         f"{backend}: planned {m.planned_bytes / 2**20:.1f} MiB, device {m.device_bytes / 2**20:.1f} MiB "
         f"(ratio {m.ratio:.3f}) for {slots} slots x {n_ctx}")
+
+
+# --- the prefix cache's budget: `openjet serve --prefix-cache-mb` -> the provider -> the engine ----
+
+def test_serve_prefix_cache_option_reaches_the_environment(monkeypatch, capsys):
+    from openjet_plugin import serve
+
+    env = serve.proxy_environment([], serve._parser().parse_args(["--prefix-cache-mb", "64"]), "sk-m")
+    assert env["OPENJET_PREFIX_CACHE_MB"] == "64"
+    assert serve.proxy_environment([], serve._parser().parse_args(["--prefix-cache-mb", "0"]),
+                                   "sk-m")["OPENJET_PREFIX_CACHE_MB"] == "0"
+    assert serve.proxy_environment([], serve._parser().parse_args([]), "sk-m")["OPENJET_PREFIX_CACHE_MB"] == "auto"
+
+    monkeypatch.setattr(serve, "_run_proxy", lambda *a, **k: pytest.fail("the server started"))
+    monkeypatch.setattr(serve, "serve_cluster", lambda *a, **k: pytest.fail("the cluster started"))
+    assert serve.main(["--prefix-cache-mb", "-1"]) == 2
+    assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
+    assert serve.main(["--prefix-cache-mb", "-5", "--workers", "2"]) == 2       # before the workers start
+    assert "--prefix-cache-mb must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:                                      # argparse: a usage error
+        serve.main(["--prefix-cache-mb", "lots"])
+    assert exc.value.code == 2 and "--prefix-cache-mb: invalid int value: 'lots'" in capsys.readouterr().err
+
+
+def test_serve_cluster_hands_the_prefix_cache_option_to_its_workers(monkeypatch, tmp_path):
+    from openjet_plugin import cluster, serve
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_cluster(specs, serve_args, *a, **k):
+        seen["serve_args"] = serve_args
+        raise Stop
+
+    monkeypatch.setattr(cluster, "Cluster", fake_cluster)
+    monkeypatch.setenv("OPENJET_API_KEY", "sk-" + "abcdefghijklmnopqrstuvwxyz0123456789")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    with pytest.raises(Stop):
+        serve.main(["--workers", "2", "--prefix-cache-mb", "256", "--model", str(model)])
+    args = seen["serve_args"]
+    assert args[args.index("--prefix-cache-mb") + 1] == "256"
+
+
+@pytest.mark.parametrize("value,want", [("auto", None), ("0", 0), ("64", 64 << 20), (" 8 ", 8 << 20)])
+def test_provider_reads_the_prefix_cache_budget(monkeypatch, value, want):
+    from openjet_plugin.adapters import litellm as provider
+
+    monkeypatch.setenv("OPENJET_PREFIX_CACHE_MB", value)
+    assert provider._load_options_from_env()["prefix_cache_bytes"] == want
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", "1.5"])
+def test_provider_refuses_a_bad_prefix_cache_budget(monkeypatch, value):
+    from openjet_plugin.adapters import litellm as provider
+
+    monkeypatch.setenv("OPENJET_PREFIX_CACHE_MB", value)
+    with pytest.raises(ValueError, match=r"OPENJET_PREFIX_CACHE_MB must be an integer >= 0"):
+        provider._load_options_from_env()
+
+
+def test_the_budget_reaches_the_engine(monkeypatch):
+    """OPENJET_PREFIX_CACHE_MB as `openjet serve` sets it, through the proxy's handler, to the
+    engine it loads (the embedded model on llama.cpp with 2 slots)."""
+    from openjet_plugin.adapters import litellm as provider
+    from openjet_plugin.adapters._shared import close_shared_engines
+
+    monkeypatch.setenv("OPENJET_BACKEND", "llama.cpp")
+    monkeypatch.setenv("OPENJET_N_CTX", "256")
+    monkeypatch.setenv("OPENJET_SLOTS", "2")
+    saved = dict(provider.proxy_handler.load_options)
+    try:
+        for mb, budget in (("16", 16 << 20), ("0", 0), ("auto", 2 << 30)):
+            monkeypatch.setenv("OPENJET_PREFIX_CACHE_MB", mb)
+            eng = provider.configure_proxy_handler().engine("default")
+            assert eng.n_slots == 2 and eng.prefix_cache_stats["budget_bytes"] == budget
+    finally:
+        close_shared_engines()
+        provider.proxy_handler.load_options.clear()
+        provider.proxy_handler.load_options.update(saved)
