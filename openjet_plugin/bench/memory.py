@@ -53,16 +53,23 @@ class MemoryMeasurement:
 
 
 def measure(model: str | os.PathLike[str], *, backend: str, n_ctx: int, slots: int, kv_type: str = "f16",
-            n_threads: int | None = None, timeout: float = 900.0) -> MemoryMeasurement:
-    """Run one measurement in a fresh child process (see the module's docstring)."""
+            n_threads: int | None = None, timeout: float | None = 900.0, env: dict[str, str] | None = None,
+            log_path: str | os.PathLike[str] | None = None) -> MemoryMeasurement:
+    """Run one measurement in a fresh child process (see the module's docstring). env: the
+    child's environment (the bench points llama-cpp-python at its CUDA libllama there);
+    log_path: where the child's stderr is appended (default: kept for the error message only)."""
     cmd = [sys.executable, "-m", "openjet_plugin.bench.memory", "--model", os.fspath(model),
            "--backend", backend, "--n-ctx", str(n_ctx), "--slots", str(slots), "--kv-type", kv_type]
     if n_threads is not None:
         cmd += ["--threads", str(n_threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if log_path is not None:
+        with open(log_path, "a") as log:
+            log.write(f"$ {' '.join(cmd)}\n{out.stderr}{out.stdout}")
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode != 0 or not lines:
-        raise RuntimeError(f"memory measurement failed (exit {out.returncode}): {out.stderr.strip()[-2000:]}")
+        tail = out.stderr.strip().splitlines()[-1:] or [f"exit {out.returncode}"]
+        raise RuntimeError(f"memory measurement failed (exit {out.returncode}): {tail[0][:300]}")
     return MemoryMeasurement(**json.loads(lines[-1]))
 
 

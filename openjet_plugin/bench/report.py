@@ -44,7 +44,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     "agreement_top1": ("fraction", ("model", "depth", "positions"), True),
     "agreement_kl": ("nats", ("model", "depth", "positions"), False),
     "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
+    # device memory a measured process added (max_depth: the decode group's; backend, slots,
+    # n_ctx: bench/memory.py's child, beside planned_mem_gb, what `openjet info` plans for it)
     "peak_mem_gb": ("GB", (), False),
+    "planned_mem_gb": ("GB", ("backend", "slots", "n_ctx"), False),
     # several requests at once (bench/concurrent.py): aggregate rate, and the inter-token p99 of
     # decoding streams without (prompt_tokens 0) and with a long prompt arriving
     "concurrent_tps": ("tokens/s", ("streams", "drafts"), True),
@@ -58,6 +61,7 @@ ACCEPT_METRICS = ("accepted_per_cycle",)
 AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
 FALLBACK_METRICS = ("fallback_decode_tps",)
 CONCURRENT_METRICS = ("concurrent_tps", "concurrent_itl_p99_ms")
+MEMORY_TOLERANCE = 0.10           # issue 29: the plan within 10% of the measured peak
 DETAILS_KEY = "spec_details"      # manifest.info[DETAILS_KEY][row_key]: what a row has beyond samples
 PHASES_KEY = "phase_tables"       # manifest.info[PHASES_KEY][row_key of a projection_gbps row]: bench/ours.py's phase_table
 
@@ -196,7 +200,8 @@ def markdown(report: dict) -> str:
         for r in src:
             rows.setdefault((r["metric"], params_key(r["params"])), r["params"])
     side = {k: v for k, v in rows.items()
-            if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS + CONCURRENT_METRICS}
+            if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS + CONCURRENT_METRICS
+            or _is_memory_plan_row(k[0], v)}
     rows = {k: v for k, v in rows.items() if k not in side}
     agreement = {k: v for k, v in rows.items() if k[0] in AGREEMENT_METRICS}
     rows = {k: v for k, v in rows.items() if k not in agreement}
@@ -257,6 +262,7 @@ def markdown(report: dict) -> str:
     lines += _accept_section(side, by_key, status, details, pending)
     lines += agreement_section(agreement, by_key, status, details)
     lines += concurrent_section(side, by_key, status, details)
+    lines += memory_section(side, cell, median_of)
     if notes:
         lines.append("")
         lines += [f"({i}) {n}" for i, n in enumerate(notes, 1)]
@@ -314,6 +320,35 @@ def _fallback_section(man: dict, cell, median_of) -> list[str]:
             "| decode, depth 0 | openjet's llama.cpp backend | llama-bench | fallback/llama-bench | placement |",
             "|---|---|---|---|---|",
             f"| tokens/s | {text} | {cell('decode_tps', 'llama.cpp', params)} | {_ratio(fb, bench)} | {where} |"]
+
+
+def _is_memory_plan_row(metric: str, params: dict) -> bool:
+    return metric == "planned_mem_gb" or (metric == "peak_mem_gb" and "slots" in params)
+
+
+def memory_section(side: dict, cell, median_of) -> list[str]:
+    """planned_mem_gb beside peak_mem_gb per (backend, slots, n_ctx): what `openjet info` /
+    `doctor` plan before loading against the device memory the child measured, and their ratio
+    (issue 29: within MEMORY_TOLERANCE)."""
+    items = sorted({json.dumps(p, sort_keys=True): p for (m, _), p in side.items() if _is_memory_plan_row(m, p)}.values(),
+                   key=lambda p: (str(p["backend"]), p["slots"], p["n_ctx"]))
+    if not items:
+        return []
+    out = ["", "## Memory: the plan of `openjet info` against the measured device memory", "",
+           "Measured: device memory in use (cudaMemGetInfo) after the CUDA context, at its least free while a "
+           "fresh child loads the engine, fills every slot's context and decodes (bench/memory.py); planned: "
+           f"cli.serving_memory for the same backend, slots and context. Target: the ratio within "
+           f"{1 - MEMORY_TOLERANCE:.2f}..{1 + MEMORY_TOLERANCE:.2f}.", "",
+           "| backend | slots | n_ctx | planned GB | measured GB | planned/measured | within |",
+           "|---|---|---|---|---|---|---|"]
+    for p in items:
+        planned, peak = median_of("planned_mem_gb", "openjet", p), median_of("peak_mem_gb", "openjet", p)
+        ok = ""
+        if planned and peak:
+            ok = "yes" if abs(planned / peak - 1) <= MEMORY_TOLERANCE else "NO"
+        out.append(f"| {p['backend']} | {p['slots']} | {p['n_ctx']} | {cell('planned_mem_gb', 'openjet', p)} "
+                   f"| {cell('peak_mem_gb', 'openjet', p)} | {_ratio(planned, peak)} | {ok} |")
+    return out
 
 
 def _ratio(a, b) -> str:

@@ -94,12 +94,16 @@ class Settings:
     latency_streams: int = 7
     latency_prompt_tokens: int = 12288
     latency_tokens: int = 128
+    # planned_mem_gb / peak_mem_gb (bench/memory.py): (backend, slots, n_ctx) of each pair, what
+    # `openjet info` plans for serving the model beside the device memory loading it takes
+    memory: tuple[tuple[str, int, int], ...] = (("native", 1, 32768), ("llama.cpp", 1, 32768), ("llama.cpp", 4, 8192))
 
     @classmethod
     def quick_run(cls, **kw) -> "Settings":
         base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800),),
                     read_mib=2048, copy_mib=1024, concurrent_streams=(1, 8), concurrent_tokens=32,
-                    latency_prompt_tokens=4096, latency_tokens=64)
+                    latency_prompt_tokens=4096, latency_tokens=64,
+                    memory=(("native", 1, 8192), ("llama.cpp", 4, 4096)))
         base["agreement"] = (("q27b", 4096, 256), ("default", 0, 256), ("default", 3840, 256))
         base.update(kw)
         return cls(**base)
@@ -183,6 +187,18 @@ def agreement_rows(s: Settings) -> list[tuple[str, str, dict]]:
     return [(m, OURS, row_params(label, d, p)) for label, d, p in s.agreement for m in AGREEMENT_METRICS]
 
 
+MEMORY_METRICS = ("planned_mem_gb", "peak_mem_gb")
+
+
+def memory_params(backend: str, slots: int, n_ctx: int) -> dict:
+    return {"backend": backend, "slots": int(slots), "n_ctx": int(n_ctx)}
+
+
+def memory_rows(s: Settings) -> list[tuple[str, str, dict]]:
+    """The memory plan against the measured device memory (bench/memory.py), a pair per item."""
+    return [(m, OURS, memory_params(b, sl, c)) for b, sl, c in s.memory for m in MEMORY_METRICS]
+
+
 def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     """(rows to measure, pending rows). roofline_tps rows are derived, not measured."""
     rows: list[tuple[str, str, dict]] = [("read_gbps", OURS, {}), ("copy_gbps", OURS, {})]
@@ -198,6 +214,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     rows += [r for d in s.drafts for r in peer_spec_rows(s, d)]
     rows += agreement_rows(s)
     rows += concurrent_rows(s, OURS) + concurrent_rows(s, PEER)
+    rows += memory_rows(s)
     return rows, []
 
 
@@ -596,21 +613,28 @@ def group_agreement(run: Run) -> None:
         run.log(f"agreement: {len(made)} of {len(rows)} {label} rows made")
 
 
+def _fallback_env(run: Run) -> dict[str, str]:
+    """The environment of a child that runs openjet's llama.cpp backend on the peer's CUDA
+    libllama (waits for the peer build)."""
+    _peer_binary(run)
+    assert run.peer_build is not None
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(run.peer_build.lib_dir)}
+    if importlib.util.find_spec("llama_cpp") is None:
+        # a host without llama-cpp-python (the GPU machine): its Python package from the peer's
+        # sdist, on the libllama built beside llama-bench
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(run.peer_build.root / "src"), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def group_fallback(run: Run) -> None:
     """openjet's llama.cpp backend on the peer's CUDA libllama: decode at depth 0 (bench/fallback.py)."""
     s = run.settings
     row = ("fallback_decode_tps", PEER, {"depth": 0})
     if run.store.has(*row):
         return
-    _peer_binary(run)
-    assert run.peer_build is not None
+    env = _fallback_env(run)
     out = run.cache / f"fallback-{run.session}.jsonl"
     log_path = run.cache / f"fallback-{run.session}.log"
-    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(run.peer_build.lib_dir)}
-    if importlib.util.find_spec("llama_cpp") is None:
-        # a host without llama-cpp-python (the GPU machine): its Python package from the peer's
-        # sdist, on the libllama built beside llama-bench
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(run.peer_build.root / "src"), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "openjet_plugin.bench.fallback", "--model", str(run.model),
            "--tokens", str(s.decode_tokens), "--reps", str(s.reps), "--out", str(out)]
     run.log(f"openjet fallback (llama.cpp backend): decode {s.decode_tokens} tokens at depth 0")
@@ -624,6 +648,45 @@ def group_fallback(run: Run) -> None:
             run.store.update_info(**obj["info"])
     if not run.store.has(*row):
         run.mark([row], f"the fallback child failed (exit {rc}, see {log_path})")
+
+
+def group_memory(run: Run) -> None:
+    """What `openjet info` plans for serving the model (planned_mem_gb) beside the device memory
+    loading it, filling every slot and decoding takes (peak_mem_gb), each (backend, slots, n_ctx)
+    in a fresh child (bench/memory.py); the llama.cpp backend on the peer's CUDA libllama."""
+    from . import memory
+
+    log_path = run.cache / f"memory-{run.session}.log"
+    for backend, slots, n_ctx in run.settings.memory:
+        params = memory_params(backend, slots, n_ctx)
+        rows = [(m, OURS, params) for m in MEMORY_METRICS]
+        if all(run.store.has(*r) for r in rows):
+            continue
+        if backend == "llama.cpp" and run.no_peer:
+            run.mark(rows, NO_PEER)          # no llama.cpp build in this run
+            continue
+        try:
+            env = _fallback_env(run) if backend == "llama.cpp" else None
+        except peer.PeerError as exc:
+            run.mark(rows, f"llama.cpp build: {str(exc).splitlines()[0][:300]}")
+            continue
+        run.log(f"openjet memory: {backend}, {slots} slot(s) x {n_ctx} in a child")
+        try:
+            m = memory.measure(run.model, backend=backend, n_ctx=n_ctx, slots=slots, env=env,
+                               timeout=run.timeout(), log_path=log_path)
+        except subprocess.TimeoutExpired:
+            run.mark(rows, OUT_OF_TIME)
+            return
+        except RuntimeError as exc:
+            run.mark(rows, f"{exc} (see {log_path})")
+            continue
+        if m.device_bytes is None:
+            run.mark(rows, "no device memory reading in the child (it reads cudaMemGetInfo through torch)")
+            continue
+        run.add("planned_mem_gb", OURS, params, [m.planned_bytes / 1e9])
+        run.add("peak_mem_gb", OURS, params, [m.device_bytes / 1e9])
+        run.log(f"openjet memory: planned {m.planned_bytes / 1e9:.2f} GB, device {m.device_bytes / 1e9:.2f} GB "
+                f"(planned/measured {m.ratio:.3f})")
 
 
 # constrained decoding's CPU cost per token on the 27B's vocabulary size (bench/constraint.py)
@@ -682,6 +745,9 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
         out.append(("openjet", 60.0, ours, group_ours))
         out.append(("openjet concurrent", concurrent_seconds(s, load, pp, tg, len(s.concurrent_streams) + 2),
                     concurrent_rows(s, OURS), group_ours_concurrent))
+        # two loads per item (the child's warm-up engine and the measured one), every slot filled
+        out.append(("openjet memory", sum(2 * load + slots * n_ctx / pp for _, slots, n_ctx in s.memory),
+                    memory_rows(s), group_memory))
     if not run.no_peer:
         dec = load + sum(d / pp + (s.reps + 1) * s.decode_tokens / tg for d in s.depths)
         ver = load + s.verify_depth / pp + len(s.verify_positions) * (s.reps + 1) * 0.05
