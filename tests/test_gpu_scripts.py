@@ -369,6 +369,8 @@ def test_the_gpu_check_runs_every_gpu_test_file():
 
     text = (REPO / "scripts" / "gpu" / "check.sh").read_text()
     listed = set(re.search(r"\$\{PYTEST_FILES:-([^}]*)\}", text).group(1).split())
+    # and the files run alone after them (their tests read the whole device's free memory)
+    listed |= set(re.search(r"\$\{PYTEST_SERIAL_FILES-([^}]*)\}", text).group(1).split())
     marked = {f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")
               if re.search(r"pytestmark = pytest\.mark\.gpu|@pytest\.mark\.gpu", p.read_text())}
     assert marked, "no GPU test file found: the pattern is stale"

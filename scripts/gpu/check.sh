@@ -41,6 +41,16 @@ timeout "${PYTEST_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -q -rs -m
     -n "${PYTEST_WORKERS:-6}" --timeout 450 ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
 rc=$?
 grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -3
+# then, alone, the files whose tests read the whole device's free memory (beside other workers
+# their measurement would count the others' allocations); PYTEST_SERIAL_FILES= (empty) skips them
+if [ -n "${PYTEST_SERIAL_FILES-tests/test_memory_plan.py}" ]; then
+    timeout "${PYTEST_SERIAL_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
+        ${PYTEST_SERIAL_FILES-tests/test_memory_plan.py} --timeout 230 ${PYTEST_ARGS:-} >"$OUT/pytest-serial.log" 2>&1
+    rc_serial=$?
+    [ "$rc" -eq 0 ] && rc=$rc_serial
+    grep -E "passed|failed|error|skipped" "$OUT/pytest-serial.log" | tail -3
+    grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest-serial.log" | head -10
+fi
 grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/pytest.log" | head -30
 
 # 4. the table

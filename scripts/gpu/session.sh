@@ -46,8 +46,10 @@ python3 -c "from pathlib import Path; from openjet_plugin.bench.runner import de
     >"$W/model.log" 2>&1 &
 model_pid=$!
 # 4. the GPU suite
+# (not the memory-plan files check.sh runs alone afterwards: the bench's 'openjet memory' group
+# measures the same plan on the q27b, and the session's minutes go to the bench)
 OUT=$W/check OPENJET_GPU_POSITIONS=${OPENJET_GPU_POSITIONS:-256} PYTEST_TIMEOUT=${SESSION_CHECK_S:-210} \
-    PYTEST_WORKERS=${PYTEST_WORKERS:-8} bash scripts/gpu/check.sh >"$W/check/stdout.txt" 2>&1
+    PYTEST_WORKERS=${PYTEST_WORKERS:-8} PYTEST_SERIAL_FILES= bash scripts/gpu/check.sh >"$W/check/stdout.txt" 2>&1
 check_rc=$?
 wait $model_pid
 M=$CACHE/q27b-Q4_K_M-seed0.gguf
