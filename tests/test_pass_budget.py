@@ -154,6 +154,15 @@ def test_the_scheduler_caps_a_prompt_next_to_decode_steps_by_the_budget():
     assert chosen[3] == (long, sched.budget.prompt_tokens(3)) and chosen[3][1] == 4
 
 
+def test_the_scheduler_orders_a_pass_by_sequence_id():
+    """llama.cpp makes one ubatch of sequences whose ids follow one another in batch order: works
+    arriving 3, 1, 2, 0 go into the batch 0, 1, 2, 3 (one read of the weights, not four)."""
+    sched, work = scheduler()
+    works = {s: work(s, 1) for s in (3, 1, 2, 0)}
+    chosen, n_decode = sched._compose()
+    assert n_decode == 4 and [w for w, _ in chosen] == [works[s] for s in range(4)]
+
+
 def test_the_scheduler_gives_a_prompt_alone_full_n_batch_and_counts_decoders_still_sampling():
     sched, work = scheduler()
     sched.budget.record(3, 0, 3 * MS)

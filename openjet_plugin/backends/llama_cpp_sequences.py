@@ -331,7 +331,13 @@ class PassScheduler(_Passes):
                 break
             chosen.append((w, n))
             room -= n
-        return chosen, len(decode)
+        # In the batch by sequence id: with a KV stream per sequence llama.cpp splits a batch into
+        # ubatches (one graph, one read of the weights each) of sequences whose ids follow one
+        # another in the order they first appear (llama_batch_allocr::split_equal, sequential), so
+        # 3, 1, 2, 0 in arrival order would be four passes over the weights and 0, 1, 2, 3 is one.
+        # (A gap, 0 and 2 without 1, still makes two; equal tokens per sequence in a ubatch puts a
+        # prompt chunk's tokens after its first in a ubatch of their own.)
+        return sorted(chosen, key=lambda c: c[0].seq), len(decode)
 
 
 # --- a sequence, as the engine's loop sees a backend --------------------------------------------
