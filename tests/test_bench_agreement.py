@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "openjet_plugin" / "data" / "default.gguf"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_gpu_scripts import _llama_headers  # noqa: E402
+from test_gpu_scripts import llama_logits_bin  # noqa: E402,F401 - a fixture, used by name
 
 
 # --- the comparison --------------------------------------------------------------------------------
@@ -146,22 +145,7 @@ def test_verdict_at_the_thresholds():
 
 # --- llama_logits: stream and depth ----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def llama_logits_bin(tmp_path_factory):
-    try:
-        import llama_cpp
-    except Exception as e:   # noqa: BLE001 - any import failure means no CPU libllama here
-        pytest.skip(f"llama-cpp-python is not importable ({e})")
-    if llama_cpp.__version__ != peer.PINNED_VERSION:
-        pytest.skip(f"llama-cpp-python {llama_cpp.__version__} is installed; the headers are {peer.PINNED_VERSION}'s")
-    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")) and not os.environ.get("CXX"):
-        pytest.skip("no C++ compiler (g++, c++, clang++ or $CXX)")
-    root = tmp_path_factory.mktemp("llama_logits")
-    src = _llama_headers(root / "headers")
-    if src is None:
-        pytest.skip("llama.cpp headers not found ($OPENJET_LLAMA_SRC, /opt/llama-src or the .carry sdist)")
-    return peer.compile_llama_logits(agreement.LLAMA_LOGITS_SRC, root / "llama_logits",
-                                     peer.llama_include_dirs(src), Path(llama_cpp.__file__).parent / "lib")
+# llama_logits_bin: test_gpu_scripts' fixture (llama_logits compiled against llama-cpp-python's libllama)
 
 
 def test_llama_logits_streams_the_rows_after_a_prefill(llama_logits_bin, tmp_path):
