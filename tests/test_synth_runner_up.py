@@ -150,23 +150,25 @@ def test_cli(tmp_path, capsys):
 
 # --- what it does for draft trees ----------------------------------------------------------------
 
-def tokens_per_cycle(model, prompts, n: int) -> tuple[float, dict[int, float]]:
-    """Greedy tokens per cycle: the tree of budget 8 and the chains D = 1..7 (verify budget D + 1)."""
+def tokens_per_cycle(model, prompts, n: int, budget: int = 8) -> tuple[float, dict[int, float]]:
+    """Greedy tokens per cycle: the tree of `budget` positions and the chains D = 1..budget - 1
+    (verify budget D + 1), at most the chain's MAX_DRAFT_DEPTH."""
     import test_speculative as ts
-    from openjet_plugin.speculative import DepthPolicy, SpeculativeStats, reference_decoder
+    from openjet_plugin.speculative import MAX_DRAFT_DEPTH, DepthPolicy, SpeculativeStats, reference_decoder
     from openjet_plugin.speculative_tree import TreePolicy, TreeStats
 
     chains = {}
-    for D in range(1, 8):
+    for D in range(1, min(budget - 1, MAX_DRAFT_DEPTH) + 1):
         total = SpeculativeStats(D)
         for k, p in enumerate(prompts):
             r = reference_decoder(model, DepthPolicy(D, adaptive=False)).generate(
                 p, ts.GREEDY, max_tokens=n, rng=np.random.default_rng(k))
             total = total.merge(r.stats)
         chains[D] = total.tokens_per_cycle
-    total = TreeStats(7)
+    total = TreeStats(budget - 1)
     for k, p in enumerate(prompts):
-        r = reference_decoder(model, tree=TreePolicy(8)).generate(p, ts.GREEDY, max_tokens=n, rng=np.random.default_rng(k))
+        r = reference_decoder(model, tree=TreePolicy(budget)).generate(p, ts.GREEDY, max_tokens=n,
+                                                                        rng=np.random.default_rng(k))
         total = total.merge(r.stats)
     return total.tokens_per_cycle, chains
 
@@ -189,3 +191,32 @@ def test_a_runner_up_head_lets_the_tree_beat_the_chain(tmp_path):
               + " ".join(f"{chains[D]:.2f}" for D in range(1, 8)) + f" ({got[q]:.2f}x the best)")
     assert got[None] <= 1.03
     assert got[0.8] >= 1.12
+
+
+if __name__ == "__main__":
+    # The measurement behind the issue-28 note (minutes on 2 cores): tree against chain at a verify
+    # budget, on tiny Q8_0 with a head right at --accuracy and the right token second at
+    # --runner-up of its misses; 4 held-out prompts x 64 tokens, greedy.
+    #   python tests/test_synth_runner_up.py --budget 16 --accuracy 0.6 --runner-up 0.8
+    import argparse
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_speculative as ts
+    from openjet_plugin.tokenizer import Tokenizer
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=int, default=8)
+    ap.add_argument("--accuracy", type=float, default=0.6)
+    ap.add_argument("--runner-up", type=float, default=0.8)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = synth_model(Path(tmp) / "tiny.gguf", "tiny", "Q8_0", mtp_accuracy=a.accuracy, mtp_runner_up=a.runner_up)
+        prompts = ts.heldout_prompts(Tokenizer.from_gguf(ts.DEFAULT_GGUF), 4, 64)
+        tree, chains = tokens_per_cycle(ReferenceModel(path), prompts, 64, a.budget)
+    best = max(chains, key=chains.get)
+    print(f"budget {a.budget}, accuracy {a.accuracy}, runner-up {a.runner_up}: tree {tree:.2f}, best chain "
+          f"{chains[best]:.2f} (D = {best}): {tree / chains[best]:.2f}x; chains "
+          + " ".join(f"{chains[D]:.2f}" for D in sorted(chains)))
