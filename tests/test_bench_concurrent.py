@@ -423,7 +423,9 @@ def test_markdown_concurrent_section_has_ratios_sequences_and_reasons():
     rows += [report.result("concurrent_tps", "llama.cpp", {"streams": 8, "drafts": 3}, [150.0] * 3),
              report.result("concurrent_itl_p99_ms", "llama.cpp", {"streams": 7, "prompt_tokens": 12288}, [45.0] * 3)]
     details[report.row_key("concurrent_itl_p99_ms", "llama.cpp", {"streams": 7, "prompt_tokens": 12288})] = {
-        "runs": [{"streams_outlasted_prompt": True}, {"streams_outlasted_prompt": False}]}
+        "runs": [{"streams_outlasted_prompt": True, "prompt_sent_s": 1.0, "prompt_returned_s": 4.0},
+                 {"streams_outlasted_prompt": False, "prompt_sent_s": 1.0, "prompt_returned_s": 3.0}],
+        "prompt_alone_s": 1.0}
     man = {"info": {report.DETAILS_KEY: details}, "not_measured": [
         {"metric": "concurrent_tps", "engine": "openjet", "params": {"streams": 8, "drafts": 3},
          "reason": "the engine refuses speculation with 8 slots: boom"},
@@ -443,8 +445,9 @@ def test_markdown_concurrent_section_has_ratios_sequences_and_reasons():
                         "| 22 of 24 (first difference at token 5) | 0.30× |")
     # speculation over the plain row of as many streams; ours not measured, with the reason
     assert lines[3] == "| 8 | 3 | not measured (1) |  |  |  | 150.0 [150.0, 150.0] | 0.75× |  |  |"
-    assert lines[5] == "| 7 | 0 | 10.00 [10.00, 10.00] |  |  | 10.00 [10.00, 10.00] |  |  |"
-    assert lines[6] == "| 7 | 12288 | not measured (2) |  |  | 45.00 [45.00, 45.00] | 4.50× | 1 of 2 |"
+    assert lines[5] == "| 7 | 0 | 10.00 [10.00, 10.00] |  |  |  | 10.00 [10.00, 10.00] |  |  |  |"
+    # the prompt's request among the streams: 3 s and 2 s against 1 s alone
+    assert lines[6] == "| 7 | 12288 | not measured (2) |  |  |  | 45.00 [45.00, 45.00] | 4.50× | 1 of 2 | 2.5× |"
     assert "(1) the engine refuses speculation with 8 slots: boom" in md
     assert "(2) the engine serves 1 sequence(s) at once on the native backend" in md
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from typing import Iterable
 
@@ -651,10 +652,11 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
                 "streams go on past its return. One sample = the 99th percentile of the streams' inter-token "
                 "gaps in one run. × without: over the same engine's run without the prompt (the target: "
                 "under 3×). prompt inside: runs where every stream was still decoding when the prompt's "
-                "request returned.", "",
-                "| streams | prompt tokens | openjet p99 ms | × without | prompt inside | llama.cpp p99 ms "
-                "| × without | prompt inside |",
-                "|---|---|---|---|---|---|---|---|"]
+                "request returned. prompt × alone: the prompt's request time among the streams over its time "
+                "alone (median of the runs): what the streams' latency costs it.", "",
+                "| streams | prompt tokens | openjet p99 ms | × without | prompt inside | prompt × alone "
+                "| llama.cpp p99 ms | × without | prompt inside | prompt × alone |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for k in itl:
             params = side[k]
             without = {"streams": params["streams"], "prompt_tokens": 0}
@@ -666,7 +668,11 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
                 runs = [x for x in d.get("runs", []) if "streams_outlasted_prompt" in x]
                 inside = (f"{sum(bool(x['streams_outlasted_prompt']) for x in runs)} of {len(runs)}"
                           if runs else "")
-                cells += [_cell(r) if r else status.get(key, "—"), ratio, inside]
+                took = [x["prompt_returned_s"] - x["prompt_sent_s"] for x in runs
+                        if "prompt_returned_s" in x and "prompt_sent_s" in x]
+                alone = d.get("prompt_alone_s")
+                slower = f"{statistics.median(took) / alone:.1f}×" if took and alone else ""
+                cells += [_cell(r) if r else status.get(key, "—"), ratio, inside, slower]
             out.append(f"| {params['streams']} | {params['prompt_tokens']} | " + " | ".join(cells) + " |")
     return out
 
