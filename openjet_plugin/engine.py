@@ -504,23 +504,33 @@ class Engine:
 
     def _slot_preference(self, prompt: list[int]):
         """The key a request picks its slot by (the largest wins). Without a prefix cache copy of
-        the prompt: the longest shared prefix, then the least recently used. With one, a slot the
+        the prompt: the longest shared prefix, then the fewest runs of consecutive ids among the busy
+        slots with this one (below), then the least recently used. With one, a slot the
         request would cut (it holds tokens past the shared part) is counted at the copy's length:
         a recurrent state goes back only to a checkpoint, and every checkpoint the engine takes is
         a copy in the cache too (unless evicted), so any slot serves as much; a slot the request
         extends (an empty one, or its own conversation) then comes first, so the conversations in
         the others keep their state; then the longest shared prefix (the same conversation
-        regenerated lands on its slot), then the least recently used."""
+        regenerated lands on its slot), then the fewest runs, then the least recently used."""
         hit = (self._prefix_cache.longest(prompt, len(prompt) - 1, touch=False)
                if self._prefix_cache is not None else None)
+        busy = {s.index for s in self._slots if s.owner is not None}
+
+        def runs(s: _Slot) -> int:
+            # Runs of consecutive ids among the busy slots with s: llama.cpp makes one ubatch (one
+            # read of the weights) of sequences whose ids follow one another
+            # (backends/llama_cpp_sequences.py, _compose), so between slots that serve as much the
+            # one that closes a gap or extends a run comes before the least recently used.
+            ids = busy | {s.index}
+            return sum(1 for i in ids if i - 1 not in ids)
         if hit is None:
-            return lambda s: (_common_prefix(s.tokens, prompt), -s.last_used)
+            return lambda s: (_common_prefix(s.tokens, prompt), -runs(s), -s.last_used)
         cached = hit.state.n_past
 
         def key(s: _Slot):
             common = _common_prefix(s.tokens, prompt)
             extends = common == len(s.tokens)
-            return (max(common, cached) if extends else cached), extends, common, -s.last_used
+            return (max(common, cached) if extends else cached), extends, common, -runs(s), -s.last_used
         return key
 
     def _release(self, slot: _Slot) -> None:

@@ -167,6 +167,24 @@ def test_a_request_takes_the_slot_holding_its_prefix(model, alone):
         assert max(eng._slots, key=lambda s: s.last_used).index == holder[PROMPTS[0]]
 
 
+def test_a_new_request_closes_a_gap_in_the_busy_slots(model):
+    """llama.cpp reads the weights once per run of consecutive busy sequence ids: with slots 0 and 2
+    busy, a request that no slot's tokens help takes slot 1 (one run), not the least recently used
+    slot 3 (two runs)."""
+    with openjet_plugin.load(model, backend="llama.cpp", n_ctx=256, n_threads=1, n_slots=4) as eng:
+        streams = [eng.generate(p, max_tokens=N_TOKENS, temperature=0, stream=True) for p in PROMPTS[:3]]
+        for st in streams:
+            next(st)                                         # each takes a slot: 0, 1, 2
+        assert [s.owner is not None for s in eng._slots] == [True, True, True, False]
+        streams[1].close()                                   # slot 1 is free and the most recent
+        assert eng._slots[1].owner is None and eng._slots[1].last_used > eng._slots[3].last_used
+        new = eng.generate("while True:\n    pass", max_tokens=4, temperature=0, stream=True)
+        next(new)
+        assert eng._slots[1].owner is not None and eng._slots[3].owner is None
+        for st in (streams[0], streams[2], new):
+            st.close()
+
+
 def test_sequence_rollback_and_checkpoints_are_per_sequence(model):
     from openjet_plugin.backends.llama_cpp import LlamaCppBackend
 
