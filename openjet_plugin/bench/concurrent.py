@@ -65,7 +65,12 @@ from .peer import PeerError
 
 TAIL_TOKENS = 16              # tokens each latency stream decodes after the long prompt's request returns
 LEAD_SHARE = 4                # the long prompt arrives when every stream has N_lat / LEAD_SHARE tokens
-PROMPT_SLOWDOWN = 3           # sizing the warm-up: the prompt among the streams takes up to this times its time alone
+# sizing the warm-up: the prompt among the streams takes up to this times its time alone (the pass
+# budget holds its chunks to what keeps the streams' passes within 2x: 3-5x alone on a 2-core CPU)
+PROMPT_SLOWDOWN = 6
+# sizing the timed rounds: the tokens a stream decoded while the warm-up's prompt ran, times this
+# (the prompt's time among the streams varies from round to round as the budget adapts)
+DURING_MARGIN = 2.0
 LATENCY_ROOM = 16             # a latency stream runs at most this times N_lat tokens (its slot's context)
 ITL_PERCENTILE = 99.0
 
@@ -418,7 +423,7 @@ def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[in
     length is sized beforehand: the prompt alone (long_prompts[0]) gives its time, a warm-up round
     (long_prompts[1]) sized from that at PROMPT_SLOWDOWN times as long gives the tokens a stream
     decodes while it runs, and the timed rounds (long_prompts[2..]) run
-    lead + 1.5 x those + TAIL_TOKENS (at least n_tokens)."""
+    lead + DURING_MARGIN x those + TAIL_TOKENS (at least n_tokens)."""
     if len(long_prompts) < reps + 2:
         raise ValueError(f"{reps} repetitions need {reps + 2} long prompts, got {len(long_prompts)}")
     lead = max(1, n_tokens // LEAD_SHARE)
@@ -442,7 +447,7 @@ def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[in
         during = warm["tokens_during_prompt"]
     else:                       # ended before it returned: as many as the gaps without it would give
         during = 1e3 * (warm["prompt_returned_s"] - warm["prompt_sent_s"]) / itl
-    n = min(room, max(n_tokens, lead + math.ceil(1.5 * during) + TAIL_TOKENS))
+    n = min(room, max(n_tokens, lead + math.ceil(DURING_MARGIN * during) + TAIL_TOKENS))
     samples, runs = [], []
     for r in range(reps):
         run, _ = latency_round(client, prompts, n, long_prompts[r + 2], lead)
