@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one entry point for work on the GPU machine: `bash scripts/gpu.sh COMMAND [arguments]`.
-# Each command is a script under scripts/gpu/ (its header says what it takes and leaves under
-# $OUT); the machine-level habits (carried wheels in .whl/, the llama-cpp-python sdist in .carry/,
+# Each command is a script under scripts/gpu/ (its header says what it takes and leaves under $OUT);
+# the habits (wheels in .whl/ and the llama-cpp-python sdist in .carry/, both from scripts/device_carry.sh,
 # the native build for the local GPU, results under $OUT) are the same for all of them.
 #
 #   check          the GPU test suite against the numpy reference, a short table last
@@ -22,7 +22,7 @@ cmd=${1:-}
 commands="check bench session agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern"
 case "$cmd" in
     "" | -h | --help)
-        sed -n '2,18p' "$0"
+        sed -n '2,17p' "$0"
         exit 2
         ;;
 esac

@@ -34,18 +34,20 @@ print("device_info rc", rc, ffi.string(name).decode(), f"sm_{v[0]}{v[1]}", f"{fr
       _native.last_error(nl))
 PY
 
-# 3. the GPU tests
+# 3. the GPU tests (a file that fails to import is an error in the log, and the others still run:
+# a missing package once stopped the whole suite at collection)
 export OPENJET_GPU_REPORT="$OUT/report.jsonl" OPENJET_GPU_MODELS=${OPENJET_GPU_MODELS:-$PWD/.gpumodels}
 rm -f "$OPENJET_GPU_REPORT"
 timeout "${PYTEST_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu ${PYTEST_FILES:-tests/test_native_gpu.py tests/test_native_spec_gpu.py tests/test_native_prefill_gpu.py tests/test_native_cycle_gpu.py tests/test_native_tree_gpu.py tests/test_constraints_gpu.py tests/test_bench_agreement.py} \
-    -n "${PYTEST_WORKERS:-6}" --timeout 450 ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
+    -n "${PYTEST_WORKERS:-6}" --timeout 450 --continue-on-collection-errors ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
 rc=$?
 grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -3
 # then, alone, the files whose tests read the whole device's free memory (beside other workers
 # their measurement would count the others' allocations); PYTEST_SERIAL_FILES= (empty) skips them
 if [ -n "${PYTEST_SERIAL_FILES-tests/test_memory_plan.py}" ]; then
     timeout "${PYTEST_SERIAL_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu \
-        ${PYTEST_SERIAL_FILES-tests/test_memory_plan.py} --timeout 230 ${PYTEST_ARGS:-} >"$OUT/pytest-serial.log" 2>&1
+        ${PYTEST_SERIAL_FILES-tests/test_memory_plan.py} --timeout 230 --continue-on-collection-errors ${PYTEST_ARGS:-} \
+        >"$OUT/pytest-serial.log" 2>&1
     rc_serial=$?
     [ "$rc" -eq 0 ] && rc=$rc_serial
     grep -E "passed|failed|error|skipped" "$OUT/pytest-serial.log" | tail -3
