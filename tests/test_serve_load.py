@@ -43,11 +43,14 @@ def test_bounded_queue_under_load_with_timeouts_and_hang_ups(load_test, tmp_path
         assert not res.wrong, res.wrong[:3]
         assert res.ok + res.refused + res.aborted == CLIENTS * REQUESTS
         assert res.refused > 0 and res.ok >= REQUESTS        # the queue bound was reached, and work was done
-        # bounded by what runs at once, not by the clients: 4 as with one request running, plus one
-        # per engine slot (each request finishing at once runs LiteLLM's success handler on a
-        # thread of its logging executor)
+        # bounded by what the server admits, not by the clients: 4 as with one request running, plus
+        # one per admitted request (a slot's or the queue's): each that ends at once, finished or
+        # hung up on, runs LiteLLM's success or failure handler on a thread of its logging
+        # executor (seen: +3 to +9 with 4 slots and a queue of 3; 16 clients leaking one each
+        # would be +16)
         from openjet_plugin.backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
-        assert max(res.threads) <= threads_before + 4 + DEFAULT_SERVE_SEQUENCES, (threads_before, res.threads)
+        admitted = DEFAULT_SERVE_SEQUENCES + MAX_QUEUE
+        assert max(res.threads) <= threads_before + 4 + admitted < threads_before + CLIENTS, (threads_before, res.threads)
         assert res.rss[-1] - res.rss[0] < 64 << 20, res.rss
         assert load_test.healthy_after(base, expected, 16) == []
     finally:
