@@ -22,7 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_native_spec_gpu as ts  # noqa: E402
-from test_native_gpu import _native_or_skip, rel_err, report  # noqa: E402
+from test_native_gpu import native_at_least, rel_err, report  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -38,12 +38,9 @@ DRAFT_TIE = 1e-2
 
 @pytest.fixture(scope="module")
 def native():
-    nl = _native_or_skip()
     from openjet_plugin.backends.native import CYCLE_ABI
 
-    if int(nl.lib.oj_abi_version()) < CYCLE_ABI:
-        pytest.skip(f"the native library is ABI {nl.lib.oj_abi_version()}, oj_cycle needs {CYCLE_ABI}")
-    return nl
+    return native_at_least(CYCLE_ABI, "oj_cycle")
 
 
 @pytest.fixture(scope="module")

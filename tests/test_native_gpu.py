@@ -65,6 +65,14 @@ def _native_or_skip():
     return nl
 
 
+def native_at_least(abi: int, what: str):
+    """The native library (or a skip, saying why) at ABI `abi` or later, which `what` needs."""
+    nl = _native_or_skip()
+    if int(nl.lib.oj_abi_version()) < abi:
+        pytest.skip(f"the native library is ABI {nl.lib.oj_abi_version()}, {what} needs {abi}: rebuild it")
+    return nl
+
+
 @pytest.fixture(scope="module")
 def native():
     return _native_or_skip()

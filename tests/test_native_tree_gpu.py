@@ -31,7 +31,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import test_native_spec_gpu as ts  # noqa: E402
-from test_native_gpu import KL_MAX, STATE_REL_MAX, TOP1_MIN, _native_or_skip, agreement, rel_err, report  # noqa: E402
+from test_native_gpu import KL_MAX, STATE_REL_MAX, TOP1_MIN, agreement, native_at_least, rel_err, report  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -46,10 +46,7 @@ REF_MODELS = ["tiny-F32", "tiny-Q4_K_M", "small-Q4_K_M", "w256-Q4_K_M", "w128-F3
 def native():
     from openjet_plugin.backends.native import TREE_ABI
 
-    nl = _native_or_skip()
-    if int(nl.lib.oj_abi_version()) < TREE_ABI:
-        pytest.skip(f"the native library is ABI {nl.lib.oj_abi_version()}, oj_verify_tree needs {TREE_ABI}: rebuild it")
-    return nl
+    return native_at_least(TREE_ABI, "oj_verify_tree")
 
 
 @pytest.fixture(scope="module")
