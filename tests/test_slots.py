@@ -237,7 +237,11 @@ def test_a_long_prompt_goes_in_chunks_while_another_sequence_decodes(model):
             return rows
 
         got_long, got_short = run_threads([lambda: a.eval(long_prompt), decode_short])
-        np.testing.assert_allclose(got_long, want_long, rtol=1e-4, atol=1e-4)
+        # the prompt's pieces that share a pass with the decode step go through llama.cpp's ubatch of
+        # one token a sequence (split_equal), as a prompt fed token by token does: its logits drift
+        # up to ~0.1 from one pass (tests/test_pass_budget.py measures the same); the decoder is exact
+        assert int(np.argmax(got_long)) == int(np.argmax(want_long))
+        np.testing.assert_allclose(got_long, want_long, rtol=0, atol=0.25)
         for g, w in zip(got_short, want_short):
             np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
         counts = multi.pass_counts
