@@ -605,8 +605,9 @@ def _no_logits(feature: str):
 
 def _real_llama_cpp():
     """llama-cpp-python itself (also after `install()` took the name `llama_cpp`)."""
-    import llama_cpp
+    from openjet_plugin.backends.llama_cpp import import_llama_cpp
 
+    llama_cpp = import_llama_cpp()
     return getattr(llama_cpp, "__openjet_real__", llama_cpp)
 
 
@@ -643,7 +644,9 @@ def install() -> types.ModuleType:
         return current
     import importlib
 
-    real = importlib.import_module("llama_cpp")
+    from openjet_plugin.backends.llama_cpp import import_llama_cpp
+
+    real = import_llama_cpp()
     for sub in ("llama", "llama_types", "llama_grammar", "llama_cache", "llama_tokenizer", "llama_chat_format"):
         importlib.import_module("llama_cpp." + sub)          # loaded now, as the real package's
     module = types.ModuleType("llama_cpp", real.__doc__)

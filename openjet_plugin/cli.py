@@ -314,7 +314,8 @@ def cmd_doctor(args) -> int:
     if cpu_features.amx_faults():
         rows.append(("cpu: AMX guard", "llama.cpp's extra buffer types (its AMX path) are turned off"))
     try:
-        import llama_cpp
+        from .backends.llama_cpp import import_llama_cpp
+        llama_cpp = import_llama_cpp()
         from .setup_llama import installed_record
         rec = installed_record()
         build = f"built by openjet setup: {rec['gpu']}" if rec else "not built by openjet setup (its own build options)"
@@ -436,8 +437,10 @@ def _llama_cpp_on_gpu() -> bool:
     visible and a llama-cpp-python build that offloads), without loading anything."""
     from . import gpus
 
+    from .backends.llama_cpp import import_llama_cpp
+
     try:
-        import llama_cpp
+        llama_cpp = import_llama_cpp()
     except ImportError:
         return False
     real = getattr(llama_cpp, "__openjet_real__", llama_cpp)

@@ -296,3 +296,28 @@ def test_fallback_bench_child_measures_the_llama_cpp_backend(tmp_path):
     assert info["where"].startswith(("CPU", "GPU")) and isinstance(info["n_gpu_layers"], int)
     r = report.result(row["metric"], "llama.cpp", row["params"], row["samples"])
     assert r["median"] > 0
+
+
+def test_llama_cpp_loads_with_the_cpp_runtime_global_after_numpy():
+    """numpy first (it links libstdc++, loaded RTLD_LOCAL), then llama.cpp: import_llama_cpp puts
+    libstdc++ in the global scope before libllama loads, so libllama cannot bind its stream calls
+    to libggml-cuda's copies (a CUDA build crashed in llama_model::print_info that way on the H100
+    machine). A plain `import llama_cpp` leaves it local; the check tells the two apart."""
+    code = """
+import ctypes, json, numpy
+sym = '_ZNSo9_M_insertIlEERSoT_'          # std::ostream::_M_insert<long>, what print_info called
+plain = %s
+if plain:
+    import llama_cpp
+else:
+    from openjet_plugin.backends.llama_cpp import import_llama_cpp
+    llama_cpp = import_llama_cpp()
+print(json.dumps({"global": hasattr(ctypes.CDLL(None), sym), "module": llama_cpp.__name__}))
+"""
+    seen = {}
+    for plain in (True, False):
+        out = subprocess.run([sys.executable, "-c", code % plain], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        seen[plain] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen[False] == {"global": True, "module": "llama_cpp"}
+    assert seen[True]["global"] is False, "a plain import already made libstdc++ global here: the check proves nothing"

@@ -145,6 +145,25 @@ def compute_memory(config, n_ctx: int, *, flash_attn: bool, on_gpu: bool, n_tens
     return compute + work + graph
 
 
+def import_llama_cpp():
+    """`import llama_cpp`, with the C++ runtime in the process's global symbol scope first.
+
+    A CUDA build of libggml-cuda carries its own copies of some libstdc++ template functions
+    (stream insertion among them). When libstdc++ was loaded before libllama only as a dependency
+    of an extension module (numpy 2.x links it, and Python loads extensions RTLD_LOCAL), libllama
+    binds those calls to libggml-cuda's copies, and llama.cpp's model loading crashed in them
+    (SIGSEGV in llama_model::print_info, seen on the H100 machine with its numpy 2.5.2 imported
+    first; with llama_cpp imported first, or libstdc++ made global as here, it loads). Promoting
+    the already loaded libstdc++ to RTLD_GLOBAL makes every later library bind to the one runtime."""
+    import ctypes
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass                                   # no shared libstdc++ (a static build): nothing to bind
+    import llama_cpp
+    return llama_cpp
+
+
 def gpu_placement(llama_cpp_module, model_path: str | os.PathLike[str], n_layers: int | None,
                   extra_bytes: int = 0) -> Placement:
     """How many layers llama.cpp puts on the GPU, and why. extra_bytes: memory kept back beyond
@@ -206,7 +225,7 @@ class LlamaCppBackend:
         (`sequence_bytes`, where the model's dimensions are known), kept free on the GPU for each
         after the first."""
         try:
-            import llama_cpp
+            llama_cpp = import_llama_cpp()
         except ImportError as exc:  # pragma: no cover - a dependency of the package
             raise BackendUnavailableError(f"llama-cpp-python is not installed ({exc})") from None
         # after openjet's drop-in took the name (adapters/llama_cpp.install), `llama_cpp` is its

@@ -367,7 +367,9 @@ class LlamaPython:
     PREFILL_BATCH, then `batch` positions per llama_decode, as llama_logits does."""
 
     def __init__(self, model: Path, tokens: list[int], depth: int, batch: int, n_ctx: int, threads: int):
-        import llama_cpp
+        from ..backends.llama_cpp import import_llama_cpp
+
+        llama_cpp = import_llama_cpp()
 
         self.t0 = time.perf_counter()
         self.llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_ctx, n_batch=max(batch, PREFILL_BATCH),

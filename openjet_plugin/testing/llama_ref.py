@@ -98,6 +98,10 @@ class LlamaMTP:
     def __init__(self, path: str | Path, n_ctx: int = 512, n_threads: int = 2, exact: bool = False,
                  verbose: bool = False):
         import ctypes
+
+        from ..backends.llama_cpp import import_llama_cpp
+
+        import_llama_cpp()
         from llama_cpp import llama_cpp as L
         from llama_cpp._logger import set_verbose
 
@@ -210,6 +214,10 @@ def llama_tensors(path: str | Path, tokens, names, n_ctx: int | None = None, n_t
     scheduler's eval callback (`cb_eval`), which sees each tensor right after it is computed.
     """
     import ctypes
+
+    from ..backends.llama_cpp import import_llama_cpp
+
+    import_llama_cpp()
     from llama_cpp import llama_cpp as L
     from llama_cpp._logger import set_verbose
 

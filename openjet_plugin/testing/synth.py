@@ -1386,7 +1386,9 @@ def synth_vocab_only(out_path: str | os.PathLike[str], preset: str = "tiny", for
 
 def llama_quantize(src: pathlib.Path, dst: pathlib.Path, quant: str, nthread: int | None = None) -> None:
     """Quantise `src` to `dst` with llama.cpp's own quantiser (the real recipe for `quant`)."""
-    import llama_cpp
+    from ..backends.llama_cpp import import_llama_cpp
+
+    llama_cpp = import_llama_cpp()
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[quant]
