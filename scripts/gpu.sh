@@ -8,6 +8,7 @@
 #   bench          `openjet bench` with llama.cpp's llama-bench built in the background
 #   session        one device call: llama.cpp builds in the background while the suite runs, then
 #                  switch settings in $AB timed against the default, then bench (arguments go to it)
+#   setup          openjet's llama-cpp-python CUDA build, doctor and the fallback as a user meets them
 #   agreement      teacher-forced agreement with llama.cpp on the q27b
 #   sanitize       compute-sanitizer over a slice of the GPU suite
 #   phases         the per-phase Nsight Compute breakdown of one decode pass
@@ -19,10 +20,10 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-commands="check bench session agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern"
+commands="check bench session setup agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern"
 case "$cmd" in
     "" | -h | --help)
-        sed -n '2,17p' "$0"
+        sed -n '2,18p' "$0"
         exit 2
         ;;
 esac
