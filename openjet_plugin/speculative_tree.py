@@ -465,6 +465,9 @@ class MTPTreeDrafts(MTPDrafts):
                 logits, h, row = self.drafter.step_branch(pos + dep, int(tok), h_par, ids, rows_par)
                 rows = rows_par + [row]
             state[i] = (h, rows)
+            if greedy:       # only the ranking and each candidate's probability are read (grow_tree)
+                return TokenDistribution.head(logits, rank, policy.max_children, hist[i], vocab_ids=ids,
+                                              n_vocab=self.n_vocab)
             return TokenDistribution.from_logits(logits, rank, hist[i], vocab_ids=ids, n_vocab=self.n_vocab)
 
         return grow_tree(int(token), expand, policy, max_depth, greedy, rng)

@@ -6,7 +6,6 @@ by llama.cpp through every adapter, and `openjet doctor` saying which backend ru
 from __future__ import annotations
 
 import json
-import os
 import platform
 import signal
 import subprocess

@@ -626,3 +626,27 @@ def test_tokens_per_cycle_tree_vs_chain(default_reference, tiny_reference, refer
     table = results[("default", "greedy")]
     best_chain = max(s.tokens_per_cycle for k, s in table.items() if k.startswith("chain"))
     assert table["tree B=8"].tokens_per_cycle >= 1.1 * best_chain
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_head_is_the_top_of_from_logits(seed):
+    """TokenDistribution.head (a greedy tree's ranking) gives from_logits' first k tokens in its
+    order, with their probabilities under the whole distribution, on fresh random logits with tied
+    values across the cut, a restricted vocabulary, a logit bias and repetition penalties."""
+    rng = np.random.default_rng(seed)
+    n_vocab, n_ids = 5000, 900
+    ids = np.sort(rng.choice(n_vocab, n_ids, replace=False))
+    x = (rng.standard_normal(n_ids) * 2).astype(np.float32)
+    x[rng.choice(n_ids, 40, replace=False)] = np.sort(x)[-4]           # ties at the top, across any cut
+    params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.3,
+                            frequency_penalty=0.2, logit_bias={int(ids[3]): 4.0, int(ids[5]): -np.inf})
+    history = [int(t) for t in rng.choice(ids, 60)]
+    full = TokenDistribution.from_logits(x, params, history, vocab_ids=ids, n_vocab=n_vocab)
+    for k in (1, 4, 8, 50):
+        head = TokenDistribution.head(x, params, k, history, vocab_ids=ids, n_vocab=n_vocab)
+        assert head.ids.tolist() == full.ids[:k].tolist()
+        np.testing.assert_allclose(head.probs, full.probs[:k], rtol=1e-12)
+    whole = TokenDistribution.head(x, params, 10 * n_ids, history, vocab_ids=ids, n_vocab=n_vocab)
+    assert whole.ids.tolist() == full.ids.tolist() and abs(whole.probs.sum() - 1.0) < 1e-12
+    with pytest.raises(ValueError, match="temperature 1"):
+        TokenDistribution.head(x, SamplingParams(temperature=0.7), 4, vocab_ids=ids, n_vocab=n_vocab)
