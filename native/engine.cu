@@ -377,8 +377,8 @@ void alloc_scratch(Engine &e) {
     e.compact_jobs = static_cast<CompactJob *>(e.alloc((size_t)jobs * sizeof(CompactJob), c));
 }
 
-// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). Unless OJ_FUSE_PREP=0
-// the norm and SwiGLU run inside the projections' preps on the fp16 path (matvec_group_norm, matvec_swiglu).
+// post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). On the fp16 path the
+// norm and SwiGLU run inside the projections' preps (matvec_group_norm, matvec_swiglu).
 void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;

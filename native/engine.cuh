@@ -234,17 +234,17 @@ void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulat
 // x and one launch (each output as its own matvec would give it at the launch's split), anything
 // else one matvec each.
 void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x, int n_vec, cudaStream_t st);
-// matvec.cu: matvec_group of rms_norm(x) * norm (the layer's input norm): unless OJ_FUSE_PREP=0 and
-// where every member takes the fp16 path, the norm is computed inside its prep (no separate norm
-// kernel, xn untouched), else rms_norm into xn first.
+// matvec.cu: matvec_group of rms_norm(x) * norm (the layer's input norm): where every member takes
+// the fp16 path, the norm is computed inside its prep (no separate norm kernel, xn untouched), else
+// rms_norm into xn first.
 void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const float *x, const float *norm, float eps,
                        float *xn, int n_vec, cudaStream_t st);
 // matvec.cu: y (+)= W (silu(gate) * up) (the FFN's down projection): SwiGLU inside the prep on the
-// fp16 path unless OJ_FUSE_PREP=0, else computed into gate first.
+// fp16 path, else computed into gate first.
 void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
 // matvec.cu: y (+)= W gated_norm(o) (DeltaNet's ssm_out of its normed, gated output: per head of S
-// values rms-normed, times norm and silu(z)): inside the prep on the fp16 path
-// unless OJ_FUSE_PREP=0, else deltanet_gated_norm in place first.
+// values rms-normed, times norm and silu(z)): inside the prep on the fp16 path, else
+// deltanet_gated_norm in place first.
 void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
                        int n_vec, bool accumulate, cudaStream_t st);
 // matvec.cu: y[n][i] = W[rows[i]] . x[n] for i < n_rows (rows on the device): the draft head over

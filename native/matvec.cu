@@ -748,16 +748,13 @@ namespace {
 
 constexpr int MAX_MEMBERS = 8;
 
-// Whether every member with rows takes the fp16 path, so that its prep can compute the input
-// (norm, SwiGLU, gated norm) on the way, and the fusion is on (OJ_FUSE_PREP, below).
+// Whether every member with rows takes the fp16 path, so that its prep computes the input (norm,
+// SwiGLU, gated norm) on the way instead of a kernel of its own before it (773 launches a 27B pass
+// instead of 1,013). Measured on H100s, q27b, plain launches, against the unfused kernels: one pass
+// over 1 position 11.70 -> 10.47 ms (a13fc39), 11.82 -> 10.70 ms (43d7cd9). The unfused kernels
+// stay for the members the fp16 path does not take.
 bool fused_prep(const Matrix *const *w, int n, int n_vec) {
-    // On unless OJ_FUSE_PREP=0 (read once per process). Measured on an H100 (2026-12-05, a13fc39,
-    // q27b): one pass over 1 position 11.70 -> 10.47 ms (773 launches instead of 1,013); over 5
-    // positions the fused input norm then cost 24 us a projection (prep_kernel summed the vectors
-    // one after another), since mended. OJ_FUSE_PREP=0 is the unfused baseline the next device
-    // session's A/B times once more with the suite run on the default; then the variable goes.
-    static const bool on = !env_is("OJ_FUSE_PREP", "0");
-    if (!on || n_vec < 1 || n_vec > 8) return false;
+    if (n_vec < 1 || n_vec > 8) return false;
     for (int i = 0; i < n; ++i)
         if (w[i]->M > 0 && !f16_fits(*w[i])) return false;
     return true;

@@ -17,7 +17,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <utility>
 
 namespace oj {
@@ -37,19 +36,13 @@ __device__ __forceinline__ void pdl_wait() {
 inline thread_local uint64_t g_launches = 0;
 
 // Whether launches here get the PDL attribute: the current device takes it (cc 9.0+, asked once per
-// device), unless OJ_PDL=0. Measured on an H100 (2026-12-05, a13fc39, q27b, with OJ_FUSE_PREP on):
-// one pass over 1 / 5 positions 10.47 -> 9.54 ms / 15.58 -> 14.80 ms. OJ_PDL=0 (read once per
-// process) is the plain-launch baseline that the next device session's A/B times once more on the
-// H200 with the suite run on the default; then the variable goes.
+// device). Measured on H100s, q27b, preps fused, one pass over 1 position against plain launches:
+// 10.47 -> 9.54 ms (a13fc39), 10.70 -> 10.31 ms (43d7cd9, the GPU suite passing on this path).
 inline bool pdl_device() {
-    static const bool off = [] {
-        const char *v = std::getenv("OJ_PDL");
-        return v && v[0] == '0' && v[1] == '\0';
-    }();
     static thread_local int dev_seen = -1;
     static thread_local bool ok = false;
     int dev = 0;
-    if (off || cudaGetDevice(&dev) != cudaSuccess) return false;
+    if (cudaGetDevice(&dev) != cudaSuccess) return false;
     if (dev != dev_seen) {
         int major = 0;
         ok = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;

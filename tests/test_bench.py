@@ -171,14 +171,14 @@ def test_markdown_has_ratio_roofline_and_pending_columns():
 
 def test_engine_switches_are_recorded_and_printed():
     from openjet_plugin.bench import manifest
-    env = {"OJ_PDL": "1", "OPENJET_PREFILL_ATTN": "decode", "OJ_FUSE_PREP": "1", "PATH": "/usr/bin",
+    env = {"OJ_MVF16_SPLIT": "1", "OPENJET_PREFILL_ATTN": "decode", "OJ_GEMM_CFG": "1", "PATH": "/usr/bin",
            "OPENJET_CACHE_DIR": "/tmp/x", "OPENJET_PREFILL_GEMM": "f16"}
     sw = manifest.engine_switches(env)
-    assert sw == {"OJ_FUSE_PREP": "1", "OJ_PDL": "1", "OPENJET_PREFILL_ATTN": "decode", "OPENJET_PREFILL_GEMM": "f16"}
+    assert sw == {"OJ_GEMM_CFG": "1", "OJ_MVF16_SPLIT": "1", "OPENJET_PREFILL_ATTN": "decode", "OPENJET_PREFILL_GEMM": "f16"}
     rep = _sample_report()
     rep["manifest"]["engine_switches"] = sw
     md = report.markdown(rep)
-    assert ("Engine switches: `OJ_FUSE_PREP=1`, `OJ_PDL=1`, `OPENJET_PREFILL_ATTN=decode`, "
+    assert ("Engine switches: `OJ_GEMM_CFG=1`, `OJ_MVF16_SPLIT=1`, `OPENJET_PREFILL_ATTN=decode`, "
             "`OPENJET_PREFILL_GEMM=f16`.") in md
     rep["manifest"]["engine_switches"] = manifest.engine_switches({"PATH": "/usr/bin"})
     assert "Engine switches: none set (the engine's defaults)." in report.markdown(rep)

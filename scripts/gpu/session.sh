@@ -5,7 +5,7 @@
 # 5 positions, decode at depth 0), then `openjet bench` runs with llama.cpp in what time is left.
 #
 #   OPENJET_COMMIT=<sha> bash scripts/gpu.sh session [openjet bench arguments, e.g. --quick]
-#   AB="OJ_PDL=0 OJ_FUSE_PREP=0;OJ_FUSE_PREP=0" SESSION_S=550 bash scripts/gpu.sh session --quick
+#   AB="OPENJET_PREFILL_GEMM=f16" SESSION_S=550 bash scripts/gpu.sh session --quick
 #
 # Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12), .carry/llama_cpp_python-*-slim.tar.gz and
 # the native library built here (openjet_plugin/native: loaded as is when it loads, else rebuilt).
