@@ -50,6 +50,21 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32768
 
 # --- distributions and the verification rules ---------------------------------------------------
 
+def _over_vocab(logits: np.ndarray, vocab_ids: np.ndarray | None, n_vocab: int | None) -> np.ndarray:
+    """`logits` over the whole vocabulary: as given, or (with `vocab_ids`, a restricted draft head's
+    tokens) scattered into -inf everywhere else."""
+    x = np.asarray(logits)
+    if vocab_ids is None:
+        return x
+    if n_vocab is None:
+        raise ValueError("n_vocab is required with vocab_ids")
+    if x.shape != (len(vocab_ids),):
+        raise ValueError(f"logits have shape {x.shape}, expected ({len(vocab_ids)},) for the draft vocabulary")
+    full = np.full(n_vocab, -np.inf, dtype=np.float32)
+    full[vocab_ids] = x
+    return full
+
+
 class TokenDistribution:
     """A next-token distribution: `ids` in draw order with their `probs` (sum 1), over `n_vocab`.
 
@@ -78,15 +93,7 @@ class TokenDistribution:
                     vocab_ids: np.ndarray | None = None, n_vocab: int | None = None) -> "TokenDistribution":
         """The distribution `Sampler.sample` would draw from. With `vocab_ids`, `logits` score only
         those tokens (a restricted draft head); every other token gets probability 0."""
-        x = np.asarray(logits)
-        if vocab_ids is not None:
-            if n_vocab is None:
-                raise ValueError("n_vocab is required with vocab_ids")
-            if x.shape != (len(vocab_ids),):
-                raise ValueError(f"logits have shape {x.shape}, expected ({len(vocab_ids)},) for the draft vocabulary")
-            full = np.full(n_vocab, -np.inf, dtype=np.float32)
-            full[vocab_ids] = x
-            x = full
+        x = _over_vocab(logits, vocab_ids, n_vocab)
         ids, probs = token_distribution(x, params, history)
         return cls(ids, probs, x.shape[0])
 
@@ -103,15 +110,7 @@ class TokenDistribution:
         order)."""
         if params.greedy or params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 or params.temperature != 1.0:
             raise ValueError("TokenDistribution.head takes temperature 1 with top-k, top-p and min-p off")
-        x = np.asarray(logits)
-        if vocab_ids is not None:
-            if n_vocab is None:
-                raise ValueError("n_vocab is required with vocab_ids")
-            if x.shape != (len(vocab_ids),):
-                raise ValueError(f"logits have shape {x.shape}, expected ({len(vocab_ids)},) for the draft vocabulary")
-            full = np.full(n_vocab, -np.inf, dtype=np.float32)
-            full[vocab_ids] = x
-            x = full
+        x = _over_vocab(logits, vocab_ids, n_vocab)
         x = apply_penalties(apply_logit_bias(x, params), history, params, inplace=True)
         ids = np.flatnonzero(np.isfinite(x))             # the rest have probability 0
         if ids.size == 0:
