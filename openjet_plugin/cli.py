@@ -343,8 +343,10 @@ def cmd_doctor(args) -> int:
         name, reason = "llama.cpp", "another architecture: llama.cpp runs it"
     rows.append(("model checked", model))
     if name == "llama.cpp":
-        where = how.rsplit(" on the ", 1)[-1] if ok_run else "nowhere: llama.cpp does not run here (above)"
-        rows.append(("backend=auto runs", f"llama.cpp on the {where} ({reason})"))
+        if ok_run:
+            rows.append(("backend=auto runs", f"llama.cpp on the {how.rsplit(' on the ', 1)[-1]} ({reason})"))
+        else:
+            rows.append(("backend=auto runs", f"nothing: it would be llama.cpp, which does not run here (above) ({reason})"))
     else:
         rows.append(("backend=auto runs", f"native on the GPU ({reason})"))
     if plan is not None:

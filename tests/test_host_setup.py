@@ -280,6 +280,7 @@ def test_doctor_says_when_llama_cpp_does_not_run(monkeypatch, capsys, cache_dir)
     monkeypatch.setattr(llama_backend, "check_runs", lambda model: (False, "the one-token decode was killed by SIGILL"))
     rc, rows, out = _doctor_rows(capsys, [])
     assert rc == 1 and rows["llama.cpp runs here"].startswith("NO:") and "SIGILL" in out
+    assert rows["backend=auto runs"].startswith("nothing: it would be llama.cpp, which does not run here"), out
 
 
 def test_fallback_bench_child_measures_the_llama_cpp_backend(tmp_path):
