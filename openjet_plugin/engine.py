@@ -49,7 +49,7 @@ import numpy as np
 from . import chat_template
 from .errors import ContextOverflowError, OpenJetError, WrongArchitectureError
 from .prefix_cache import DEFAULT_PREFIX_CACHE_BYTES, PrefixCache, check_prefix_cache_bytes
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, top_ids
 
 MAX_TOP_LOGPROBS = 20      # OpenAI's limit on top_logprobs
 
@@ -768,7 +768,7 @@ class Engine:
         lse = _logsumexp(x)
         top: list[TokenLogprob] = []
         if n_top:
-            ids = _top_ids(x, n_top)
+            ids = top_ids(x, n_top)
             top = [TokenLogprob(int(i), self._backend.detokenize([int(i)]), float(x[i]) - lse) for i in ids]
         return TokenLogprob(int(tok), self._backend.detokenize([int(tok)]), float(x[tok]) - lse, top)
 
@@ -784,17 +784,6 @@ class Engine:
         stats.drafts_proposed += depth
         stats.drafts_accepted += accepted
         return emitted
-
-
-def _top_ids(x: np.ndarray, k: int) -> np.ndarray:
-    """The k largest entries' ids, largest first (ties: lower id first). The k-th largest of every
-    16th entry bounds the whole row's k-th largest from below, so only the entries above it (~16k)
-    are sorted: a fraction of an argpartition over 248K."""
-    sample = x[::16]
-    cand = np.flatnonzero(x >= np.partition(sample, len(sample) - k)[len(sample) - k]) \
-        if len(sample) > k else np.arange(len(x))
-    order = np.lexsort((cand, -x[cand]))
-    return cand[order[:k]]
 
 
 def _logsumexp(x: np.ndarray) -> float:
