@@ -463,7 +463,10 @@ class MTPDrafts:
         self.drafter.reset()
         self.vocab = self.base_vocab.copy()
         self.vocab.add(tokens)
-        self._true_upto = 0
+        # rows a drafter already holds from the main model's hiddens (the native tree target's
+        # batched prefill made them: its hiddens before those positions are None) are not remade
+        made = getattr(self.drafter, "rows_made", None)
+        self._true_upto = min(int(made()), len(tokens)) if made is not None else 0
         self.commit(0, tokens, [None] + list(hiddens[:len(tokens) - 1]))
 
     def propose(self, pos, token, hidden, history, depth, params, rng):

@@ -319,9 +319,14 @@ class NativeTreeTarget:
     def reset(self) -> None:
         self.b.reset()
 
-    def prefill(self, tokens: Sequence[int]) -> list[np.ndarray]:
-        """Evaluate and commit `tokens`, MAX_POSITIONS a call; the hidden after each."""
+    def prefill(self, tokens: Sequence[int]) -> list[np.ndarray | None]:
+        """Evaluate and commit `tokens`; the hidden after each. Where the backend can, one batched
+        prefill that also makes the tokens' MTP rows (`prefill_with_mtp_rows`): only the last
+        hidden is then returned (the others None), and the draft source finds the rows made
+        (NativeTreeDrafter.rows_made). Else MAX_POSITIONS a call, every hidden copied out."""
         toks = [int(t) for t in tokens]
+        if toks and self.b.prefill_with_mtp_rows(toks):
+            return [None] * (len(toks) - 1) + [self.b.hidden(0)]
         out: list[np.ndarray] = []
         for i in range(0, len(toks), MAX_NATIVE_DEPTH + 1):
             chunk = toks[i:i + MAX_NATIVE_DEPTH + 1]
@@ -378,7 +383,12 @@ class NativeTreeDrafter:
 
     def reset(self) -> None:
         """Nothing to do: the target's reset emptied the MTP cache, and the catch-up rewrites it
-        from position 0."""
+        from the first position whose row the target's prefill did not make (rows_made)."""
+
+    def rows_made(self) -> int:
+        """Positions whose MTP rows the engine holds from the main model's hiddens: those of a
+        batched prefill (NativeTreeTarget.prefill), 0 otherwise."""
+        return self.b._mtp_n_past()
 
     def _use_vocab(self, ids: np.ndarray | None) -> None:
         if ids is not None and len(ids) == self.n_vocab and np.array_equal(ids, np.arange(self.n_vocab)):

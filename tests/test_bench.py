@@ -1082,9 +1082,9 @@ def test_plan_measures_speculative_rows_and_groups_cover_the_plan(tmp_path):
                # ours also at D = 7: the chain with a budget-8 tree's verify budget
                + [("openjet", d, D) for d in (0, 8192, 30720) for D in (1, 2, 3, 4, 7)])
     trees = [r for r in planned if r[0] == "spec_tree_tps"]
-    # trees up to tree_max_depth (8K): their target fills the state 8 positions a call
+    # trees at every depth: their target fills the state in one batched prefill (with its MTP rows)
     assert sorted((r[1], r[2]["depth"], r[2]["budget"], r[2]["shape"]) for r in trees) == \
-        [("openjet", d, 8, "q") for d in (0, 8192)]
+        [("openjet", d, 8, "q") for d in (0, 8192, 30720)]
     accept = [r for r in planned if r[0] == "accepted_per_cycle"]
     assert {(r[2]["temperature"], r[2]["drafts"]) for r in accept} == {(t, d) for t in (0.0, 0.7) for d in (1, 2, 3, 4)}
     assert pending == []                                                # batched prefill is measured now

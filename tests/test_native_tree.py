@@ -296,3 +296,37 @@ def test_a_root_other_than_the_drafted_token_remakes_its_mtp_row(fake_tree, tree
         drafted = be.argmax()[-1]
         be.draft_first(drafted)
         _rows_in_step(lib, be)
+
+
+class _CountingTreeLib(TreeFakeLib):
+    def oj_mtp_eval(self, h, buf, n, pos0, source, hp):
+        self.mtp_positions = getattr(self, "mtp_positions", 0) + n
+        return super().oj_mtp_eval(h, buf, n, pos0, source, hp)
+
+
+def test_tree_prefill_is_one_batched_pass_whose_mtp_rows_the_drafts_keep(monkeypatch):
+    """A prompt longer than one oj_eval goes through one oj_prefill that makes its MTP rows in the
+    engine: the draft source catches nothing up (before, every prompt position was its own MTP
+    step, and the prompt 8 positions per oj_eval), and the output is still plain decoding's. A
+    short prompt keeps the old path (its rows from the copied hiddens)."""
+    from openjet_plugin.model_file import open_model
+    from openjet_plugin.speculative_native import native_tree_decoder
+    from openjet_plugin.speculative_tree import TreePolicy
+
+    libs = install_fake(monkeypatch, _CountingTreeLib)
+    be = native.NativeBackend(open_model(DEFAULT_GGUF), n_ctx=1024, draft_depth=0, prefill_chunk=64)
+    dec = native_tree_decoder(be, TreePolicy(5))
+    lib = libs[-1]
+    for prompt in ([(i * 37) % V for i in range(300)], list(range(100, 140))):
+        lib.prefills, lib.mtp_positions = [], 0
+        r = dec.generate(prompt, GREEDY, max_tokens=1)           # the prefill and the first cycle
+        assert r.tokens == _plain(prompt, 1)
+        assert lib.prefills == [(0, len(prompt) - 1)]
+        assert lib.mtp_positions <= 2 * 5, "the draft source remade the prompt's MTP rows"
+        r = dec.generate(prompt, GREEDY, max_tokens=40)
+        assert r.tokens == _plain(prompt, 40)
+        assert r.stats.drafts_accepted > 0
+    lib.prefills, lib.mtp_positions = [], 0
+    short = [5, 17, 300, 4000, 12]
+    assert dec.generate(short, GREEDY, max_tokens=12).tokens == _plain(short, 12)
+    assert lib.prefills == [] and lib.mtp_positions >= len(short) - 1

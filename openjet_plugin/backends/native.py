@@ -416,6 +416,21 @@ class NativeBackend:
         if self.supports_speculative:
             self._mtp_upto = self.n_past     # the engine made every row of the span
 
+    def prefill_with_mtp_rows(self, tokens: list[int]) -> bool:
+        """Append `tokens` in one oj_prefill that also makes their MTP rows in the engine (the
+        draft source of a tree decoder, which keeps the MTP cache itself, then has nothing to catch
+        up). False, with nothing done, where it cannot: no batched prefill or no MTP block, a span
+        that oj_eval takes anyway (PREFILL_MIN_SPAN or fewer), or an MTP cache that does not end at
+        n_past (the engine would leave it alone). Results then read as after a one-position eval of
+        the last token; no checkpoint is saved on the way."""
+        toks = [int(t) for t in tokens]
+        self._chunks(toks)            # validation: ids, context
+        if not (self.batched_prefill and self.has_mtp and len(toks) > PREFILL_MIN_SPAN and not self._uncaught
+                and self._mtp_n_past() == self.n_past):
+            return False
+        self._prefill_span(toks)
+        return True
+
     def eval(self, tokens: list[int]) -> np.ndarray:
         self._eval_chunks(tokens)
         return self.logits(self._last_n - 1)

@@ -8,7 +8,7 @@ The run, in order (each step's finished measurements go to the resume folder at 
   4. the card: streaming read and copy rates (the roofline probe);
   5. our engine, in a child process: verification passes at depth 1K, decode at each depth, and
      speculative decoding (oracle drafts at forced acceptance rates at depth 8K, the model's own
-     MTP head at each depth, in chains of D = 1..4 and B - 1 and in draft trees of budget B up to depth 8K, last);
+     MTP head at each depth, in chains of D = 1..4 and B - 1 and in draft trees of budget B at each depth, last);
      in a second child, real MTP acceptance on the trained default model; in a
      third, the two prefill scenarios (oj_prefill; its own child so that the longer context they
      need does not count in the decode run's peak memory); in a fourth, the concurrent rows
@@ -71,11 +71,6 @@ class Settings:
     # report compares the tree with together with every shorter chain measured)
     tree_budgets: tuple[int, ...] = (8,)
     tree_shapes: tuple[str, ...] = ("q",)
-    # ... at the depths up to this: the tree target fills the state through oj_eval, 8 positions a
-    # call (it keeps every position's hidden for the draft head's catch-up: speculative_native
-    # NativeTreeTarget.prefill), about 40 s a repetition at 30,720 on the GPU; the issue's tree
-    # target names no depth, its spec-against-spec target (chains) every depth to 30K
-    tree_max_depth: int = 8192
     # accepted_per_cycle: the trained default model on held-out stdlib files
     accept_temperatures: tuple[float, ...] = (0.0, 0.7)
     accept_prompts: int = 12
@@ -142,16 +137,11 @@ def our_chain_drafts(s: Settings) -> tuple[int, ...]:
     return tuple(sorted(set(s.drafts) | {b - 1 for b in s.tree_budgets}))
 
 
-def tree_depths(s: Settings) -> tuple[int, ...]:
-    """The depths of the spec_tree_tps rows: those of `depths` up to `tree_max_depth`."""
-    return tuple(d for d in s.depths if d <= s.tree_max_depth)
-
-
 def spec_rows(s: Settings) -> list[tuple[str, str, dict]]:
     """Speculative decoding on the bench model (our engine's child, bench/spec.py)."""
     return ([("spec_tps", OURS, spec_params(s, a, d)) for a in s.acceptances for d in s.drafts]
             + [("spec_mtp_tps", OURS, spec_mtp_params(d, dep)) for dep in s.depths for d in our_chain_drafts(s)]
-            + [("spec_tree_tps", OURS, tree_params(b, sh, dep)) for dep in tree_depths(s) for b in s.tree_budgets
+            + [("spec_tree_tps", OURS, tree_params(b, sh, dep)) for dep in s.depths for b in s.tree_budgets
                for sh in s.tree_shapes])
 
 
@@ -343,7 +333,7 @@ def group_ours(run: Run) -> None:
     spec = [(a, d) for a in s.acceptances for d in s.drafts if not run.store.has("spec_tps", OURS, spec_params(s, a, d))]
     mtp = [(d, dep) for dep in s.depths for d in our_chain_drafts(s)
            if not run.store.has("spec_mtp_tps", OURS, spec_mtp_params(d, dep))]
-    trees = [(b, sh, dep) for dep in tree_depths(s) for b in s.tree_budgets for sh in s.tree_shapes
+    trees = [(b, sh, dep) for dep in s.depths for b in s.tree_budgets for sh in s.tree_shapes
              if not run.store.has("spec_tree_tps", OURS, tree_params(b, sh, dep))]
     peak_row = ("peak_mem_gb", OURS, {"max_depth": max(s.depths)})
     if not verify and not depths and not spec and not mtp and not trees and run.store.has(*peak_row):
