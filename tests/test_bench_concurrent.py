@@ -10,6 +10,7 @@ import math
 import os
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,11 +52,12 @@ def test_prompts_are_the_shared_sequence_and_each_long_request_gets_a_new_prompt
 
     plan = concurrent.Plan(**SMALL)
     streams, longs = plan.prompts(1000)
-    seq = prompt_tokens(1000, 4 * 12 + 4 * 128)
+    n_long = 4 + concurrent.LATENCY_RETRIES
+    seq = prompt_tokens(1000, 4 * 12 + n_long * 128)
     assert len(streams) == 4 and streams[1] == seq[12:24] and all(len(p) == 12 for p in streams)
-    # reps + 2: the prompt alone, the warm-up round's, one per timed round
-    assert len(longs) == 4 and longs[0] == seq[48:176] and longs[3] == seq[432:560]
-    assert len({tuple(x) for x in longs}) == 4
+    # reps + 2 + spares: the prompt alone, the warm-up round's, one per timed round, the redone rounds'
+    assert len(longs) == n_long and longs[0] == seq[48:176] and longs[3] == seq[432:560]
+    assert len({tuple(x) for x in longs}) == n_long
     rows = plan.rows()
     assert ("concurrent_tps", {"streams": 4, "drafts": 2}) in rows
     assert [p for m, p in rows if m == "concurrent_itl_p99_ms"] == [{"streams": 3, "prompt_tokens": 0},
@@ -487,3 +489,31 @@ def test_real_llama_server_serves_concurrent_streams_identical_to_alone(tmp_path
         assert all(x > 0 for x in samples) and d["streams_differing_from_alone"] == 0, d
     samples, d = got[("concurrent_itl_p99_ms", json.dumps({"prompt_tokens": 128, "streams": 3}))]
     assert all(x > 0 for x in samples) and len(d["runs"]) == 2
+
+
+def test_a_round_the_prompt_outlasted_runs_again_longer_on_a_spare_prompt(monkeypatch):
+    """measure_latency: a timed round whose streams ended before the long prompt returned (a loaded
+    host) is not kept; it runs again with longer streams on the next spare long prompt (never the
+    same one: the prefix cache would serve it), and the details keep the round redone."""
+    plan = concurrent.Plan(**SMALL)
+    prompts, longs = plan.prompts(1000)
+    seen = []
+
+    def fake_round(client, ps, n, long, lead):
+        seen.append((n, None if long is None else tuple(long)))
+        run = {"p99_ms": 1.0, "median_ms": 1.0, "tokens": n, "gaps": 3, "tokens_sharing_a_gap": 0, "seconds": 1.0}
+        if long is not None:
+            short = tuple(long) == tuple(longs[2]) and n < 100      # the first timed round comes up short
+            run.update(prompt_sent_s=1.0, prompt_returned_s=1.05, streams_outlasted_prompt=not short,
+                       tokens_during_prompt=2)
+        return run, [1.0, 1.0, 1.0]
+
+    monkeypatch.setattr(concurrent, "latency_round", fake_round)
+    client = SimpleNamespace(run=lambda *a, **k: None)
+    out = concurrent.measure_latency(client, prompts[:3], longs, plan.latency_tokens, plan.reps)
+    samples, d = out[len(longs[0])]
+    assert len(samples) == 2 and all(r["streams_outlasted_prompt"] for r in d["runs"])
+    assert len(d["rounds_redone_longer"]) == 1 and not d["rounds_redone_longer"][0]["streams_outlasted_prompt"]
+    timed = [(n, lp) for n, lp in seen if lp is not None][1:]      # after the warm-up round's
+    assert [lp for _, lp in timed] == [tuple(longs[2]), tuple(longs[4]), tuple(longs[3])]
+    assert timed[1][0] >= 2 * timed[0][0] and d["tokens"] == timed[1][0]

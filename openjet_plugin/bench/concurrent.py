@@ -72,6 +72,10 @@ PROMPT_SLOWDOWN = 6
 # (the prompt's time among the streams varies from round to round as the budget adapts)
 DURING_MARGIN = 2.0
 LATENCY_ROOM = 16             # a latency stream runs at most this times N_lat tokens (its slot's context)
+# timed rounds whose streams ended before the prompt returned (a loaded host: the prompt's time
+# among the streams varies more than DURING_MARGIN) are run again, longer, on spare long prompts
+# (a new one each: the prefix cache would serve a repeated one)
+LATENCY_RETRIES = 2
 ITL_PERCENTILE = 99.0
 
 
@@ -105,17 +109,18 @@ class Plan:
                    for L in (0, self.latency_prompt)])
 
     def prompts(self, n_vocab: int, reps: int | None = None) -> tuple[list[list[int]], list[list[int]]]:
-        """(each stream's prompt, reps + 2 long prompts), from the shared sequence."""
+        """(each stream's prompt, reps + 2 + LATENCY_RETRIES long prompts), from the shared sequence."""
         from .spec import prompt_tokens
 
         reps = self.reps if reps is None else reps
         n_streams = max(self.streams + (self.spec_streams, self.latency_streams))
         P, L = self.prompt_tokens, self.latency_prompt
-        seq = prompt_tokens(n_vocab, n_streams * P + (reps + 2) * L)
+        n_long = reps + 2 + LATENCY_RETRIES
+        seq = prompt_tokens(n_vocab, n_streams * P + n_long * L)
         streams = [seq[i * P:(i + 1) * P] for i in range(n_streams)]
         base = n_streams * P
-        # measure_latency's: the prompt alone, its warm-up round, one per timed round
-        return streams, [seq[base + r * L:base + (r + 1) * L] for r in range(reps + 2)]
+        # measure_latency's: the prompt alone, its warm-up round, one per timed round, the spares
+        return streams, [seq[base + r * L:base + (r + 1) * L] for r in range(n_long)]
 
 
 def check_plan(p: Plan) -> None:
@@ -423,7 +428,9 @@ def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[in
     length is sized beforehand: the prompt alone (long_prompts[0]) gives its time, a warm-up round
     (long_prompts[1]) sized from that at PROMPT_SLOWDOWN times as long gives the tokens a stream
     decodes while it runs, and the timed rounds (long_prompts[2..]) run
-    lead + DURING_MARGIN x those + TAIL_TOKENS (at least n_tokens)."""
+    lead + DURING_MARGIN x those + TAIL_TOKENS (at least n_tokens). A timed round whose streams ended
+    before the prompt returned runs again, longer, on the next spare (long_prompts[reps + 2..]) while
+    any remain and the streams are below LATENCY_ROOM x n_tokens; the details keep the rounds redone."""
     if len(long_prompts) < reps + 2:
         raise ValueError(f"{reps} repetitions need {reps + 2} long prompts, got {len(long_prompts)}")
     lead = max(1, n_tokens // LEAD_SHARE)
@@ -448,13 +455,24 @@ def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[in
     else:                       # ended before it returned: as many as the gaps without it would give
         during = 1e3 * (warm["prompt_returned_s"] - warm["prompt_sent_s"]) / itl
     n = min(room, max(n_tokens, lead + math.ceil(DURING_MARGIN * during) + TAIL_TOKENS))
-    samples, runs = [], []
+    samples, runs, redone = [], [], []
+    spares = iter(long_prompts[reps + 2:])
     for r in range(reps):
         run, _ = latency_round(client, prompts, n, long_prompts[r + 2], lead)
+        while not run["streams_outlasted_prompt"] and n < room:
+            spare = next(spares, None)
+            if spare is None:
+                break
+            # ended before the prompt returned: longer by what this round's prompt took
+            during = 1e3 * (run["prompt_returned_s"] - run["prompt_sent_s"]) / itl
+            n = min(room, max(2 * n, lead + math.ceil(DURING_MARGIN * during) + TAIL_TOKENS))
+            redone.append(run)
+            run, _ = latency_round(client, prompts, n, spare, lead)
         samples.append(run["p99_ms"])
         runs.append(run)
     out[len(long_prompts[0])] = (samples, {
         "streams": len(prompts), "tokens": n, "lead_tokens": lead, "reps": reps, "runs": runs,
+        "rounds_redone_longer": redone,
         "prompt_alone_s": round(alone, 3), "warm_up": warm, "itl_ms_median_without": round(itl, 3)})
     return out
 
