@@ -25,7 +25,9 @@ LOG=$OUT/logs.txt
 export PYTHONUNBUFFERED=1
 export OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}   # build/ is git-ignored
 CACHE=$OPENJET_CACHE_DIR/bench
-RUN=$CACHE/run
+# one resume folder per (model, arguments): a run with other settings (another --only, a generated
+# model with --mtp-accuracy) starts its own instead of being refused by the earlier one's identity
+RUN=$CACHE/run-$(printf '%s\n' "${BENCH_MODEL:-generated}" "$@" | sha1sum | cut -c1-12)
 mkdir -p "$CACHE"
 
 # 1. packages the GPU machine lacks travel as wheels (skipped where they are already installed)
