@@ -3,7 +3,7 @@
 //
 // Y[p][m] (+)= sum_k W[m][k] * X[p][k], W in the engine's device layouts (quant_blocks.cuh: Q4_K /
 // Q5_K as stored, Q6_K regrouped planes, Q8_0 planar; matvec.cu's to_device_layout), X fp32
-// [P][K], Y fp32 [P][M]. tools/gemm_f16_bench.cu (scripts/gpu_gemm_f16.sh) checks and times it
+// [P][K], Y fp32 [P][M]. tools/gemm_f16_bench.cu (scripts/gpu.sh gemm-f16) checks and times it
 // beside the int8 kernel.
 //
 // Why: the int8 kernel's activation scale changes every 32 values, so every m16n8k32 result needs

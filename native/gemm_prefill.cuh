@@ -3,10 +3,10 @@
 // Y[p][m] (+)= sum_k W[m][k] * X[p][k] for P positions (any P >= 1), W in the engine's device
 // layouts (quant_blocks.cuh: Q4_K / Q5_K as stored, Q6_K regrouped planes, Q8_0 planar; what
 // matvec.cu's to_device_layout produces). prefill.cu runs every projection of a prefill pass
-// through it; tools/gemm_bench.cu (scripts/gpu_gemm.sh) checks and times it alone.
+// through it; tools/gemm_bench.cu (scripts/gpu.sh gemm) checks and times it alone.
 //
-// Arithmetic = matvec.cu's int8-activation path (OPENJET_MATVEC=int8), so the two agree up to
-// fp32 summation order:
+// Arithmetic (int8 activations per 32 values, as llama.cpp's q8_1; the int8 decode matvec it was
+// written beside is gone, the comparisons with "matvec" below are with that path's rules):
 //   - X is quantised once per call, per 32 values, exactly as quantize_x_kernel below does it
 //     (d = amax / 127, q = __float2int_rn(x / d), the block sum by the same xor-shuffle tree), into
 //     a caller-provided workspace; Q6_K takes the same in-block permutation (q6_x_pos);

@@ -5,7 +5,7 @@
 // Y[p][m] (+)= sum_k W[m][k] X[p][k]; W Q4_K as stored (144-byte super-blocks, row-major), X
 // prepared ONCE by gemmf16::prep_x (its workspace, unchanged: fp16 x * 2^e_p k-permuted within each
 // 32-block, xsum hi/lo [K/256][P_pad][16], 2^-e_p). tools/gemm_wgmma_bench.cu
-// (scripts/gpu_gemm_wgmma.sh) checks and times it beside gemm_f16.
+// (scripts/gpu.sh gemm-wgmma) checks and times it beside gemm_f16.
 //
 // Why: mma.sync (HMMA) on Hopper tops out well below wgmma; gemm_f16 ran at 226-229 TFLOP/s for
 // Q4_K at P = 2,048 and the 27B prefill wants >= ~350-400.

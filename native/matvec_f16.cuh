@@ -2,8 +2,8 @@
 // per call) with fp16 activations on the fp16 tensor cores: the decode default for Q4_K and Q6_K
 // (issue 8), the int8 path's instruction budget with near-bf16-split accuracy. Q4_K and Q6_K (the 27B
 // Q4_K_M map's types) in the engine's device layouts (quant_blocks.cuh). Checked and timed by
-// tools/matvec_f16_bench.cu (scripts/gpu_matvec_f16.sh); the engine calls it unless
-// OPENJET_MATVEC says bf16 or int8 (matvec.cu's launch_f16).
+// tools/matvec_f16_bench.cu (scripts/gpu.sh matvec-f16); the engine calls it for every Q4_K and
+// Q6_K matrix of a decode pass (matvec.cu; Q5_K and Q8_0 take its bf16-split kernels).
 //
 // Numerics (gemm_f16.cuh's, which passed every prefill check):
 //   - x: one power-of-two scale per (vector, 256-value super-block) so that max |x| lands in

@@ -184,8 +184,9 @@ int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
      every new position too (MTP position p from token p and the main hidden state of p - 1), so
      oj_mtp_n_past = the new n_past; otherwise the MTP cache is left as it was.
    Recurrent state, conv state and K/V equal those of evaluating the tokens one at a time up to
-   the projections' arithmetic: the prefill projections round activations to int8 per 32 values
-   (as OPENJET_MATVEC=int8 and llama.cpp's q8_1 do). OJ_ERR_INVALID_ARGUMENT when the engine was
+   the projections' arithmetic: the prefill projections round activations to fp16 under one
+   power-of-two scale per position (Q4_K, Q6_K) or to int8 per 32 values (the other quantised
+   types, as llama.cpp's q8_1 does). OJ_ERR_INVALID_ARGUMENT when the engine was
    created with prefill_chunk 0. */
 int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
 /* Evaluate tokens at n_past..n_past+n_tokens-1 provisionally (the results are read as after

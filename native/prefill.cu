@@ -7,7 +7,7 @@
 //     FFN's gate and up fused with SwiGLU, where the device and build allow,
 //     OPENJET_PREFILL_GEMM=f16 keeping them on mma.sync; activations rounded to fp16 under one power-of-two scale per position, prepared
 //     once per input for all the projections that read it) where it has a kernel, else gemm_prefill.cuh (the integer tensor cores, activations rounded to int8 per 32
-//     values as OPENJET_MATVEC=int8 and llama.cpp's q8_1 do; OPENJET_PREFILL_GEMM=int8 forces it
+//     values as llama.cpp's q8_1 does; OPENJET_PREFILL_GEMM=int8 forces it
 //     everywhere); float weights and Q8_0 matrices whose K is not a multiple of 256 take matvec,
 //     OJ_MAX_POSITIONS positions at a time;
 //   - Gated DeltaNet: deltanet.cu's conv kernel over the pass, then the recurrence in chunks of 64
@@ -116,7 +116,7 @@ void project(Engine &e, const Matrix &w, const float *x, float *y, int P, bool a
     project(e, w, in, y, accumulate);
 }
 
-// OPENJET_PREFILL_ATTN=decode: the decode kernels (read once per process, like OPENJET_MATVEC).
+// OPENJET_PREFILL_ATTN=decode: the decode kernels (read once per process).
 bool attention_by_decode_kernels() {
     static const bool on = env_is("OPENJET_PREFILL_ATTN", "decode");
     return on;

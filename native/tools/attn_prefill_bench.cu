@@ -3,7 +3,7 @@
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Xptxas -v -Inative native/tools/attn_prefill_bench.cu \
 //        native/attention_prefill.cu native/attention.cu -o attn_bench
-//   ./attn_bench [--quick]          (scripts/gpu_attn.sh builds and runs it)
+//   ./attn_bench [--quick]          (scripts/gpu.sh attn builds and runs it)
 //
 // Per case (head_dim D, n_head, n_head_kv, KV type, n new positions at pos0):
 //   "engine" cases: random qg / k / v (fp32) for positions [0, pos0 + n), q_norm / k_norm random

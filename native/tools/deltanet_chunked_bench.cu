@@ -3,7 +3,7 @@
 // kernel on the 27B shapes (48 value heads, 16 key heads, d = 128).
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -lineinfo -Xptxas -v -Inative native/tools/deltanet_chunked_bench.cu -o dnb
-//   ./dnb                                 (scripts/gpu_deltanet.sh builds and runs it)
+//   ./dnb                                 (scripts/gpu.sh deltanet builds and runs it)
 //
 // Per P in {1, 70, 64, 512, 777, 2048}: random inputs in the shape of a pass (q, k heads L2-normed,
 // q / sqrt(d), as after deltanet_qk_norm_kernel; v of SiLU scale; raw beta and alpha; per-head

@@ -2,8 +2,8 @@
 // on the fp16 tensor cores) beside gemm_prefill.cuh's int8 GEMM, on the same data.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Xcompiler -fopenmp -Inative native/tools/gemm_f16_bench.cu \
-//        native/matvec.cu -o gfb -lgomp
-//   ./gfb [--table FILE]          (scripts/gpu_gemm_f16.sh builds and runs it)
+//        native/matvec.cu native/elementwise.cu native/deltanet.cu -o gfb -lgomp
+//   ./gfb [--table FILE]          (scripts/gpu.sh gemm-f16 builds and runs it)
 //
 // Cases (type, K -> M): Q4_K 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240
 // (attn_qkv), 6144 -> 5120 (ssm_out); Q6_K 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv); Q5_K
@@ -15,7 +15,7 @@
 //       (rows 0..63 = two warps' worth of every fragment slot, plus spread and random rows;
 //       positions 0..15, tile edges, random): |err| <= 2e-3 of sum_k |w_k x_k| (fp16 rounding of X
 //       ~ 2^-12 per value; expect ~1e-4); the int8 kernel's error on the same pairs is printed;
-//   (b) every output against matvec.cu's bf16-split path (OPENJET_MATVEC default, ~fp32
+//   (b) every output against matvec.cu's bf16-split kernels (matvec_force_path(0), ~fp32
 //       accurate): |err| <= 3e-2 of the position's rms output (catches any unwritten / misplaced
 //       tile; the fp16 error is ~1e-3 of rms);
 //   every output finite, nothing past P written (a NaN guard row stays NaN).

@@ -4,8 +4,8 @@
 // workspace for all).
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fopenmp -Inative \
-//        native/tools/gemm_wgmma_bench.cu native/matvec.cu -o gwb -lgomp
-//   ./gwb [--table FILE] [--only Q4_K|Q6_K|FFN]     (scripts/gpu_gemm_wgmma.sh builds and runs it)
+//        native/tools/gemm_wgmma_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o gwb -lgomp
+//   ./gwb [--table FILE] [--only Q4_K|Q6_K|FFN]     (scripts/gpu.sh gemm-wgmma builds and runs it)
 //
 // Cases (K -> M): Q4_K 5120 -> 17408 (ffn_gate/up), 17408 -> 5120 (ffn_down), 5120 -> 10240
 // (attn_qkv), 6144 -> 5120 (ssm_out); Q6_K 17408 -> 5120 (ffn_down), 5120 -> 10240 (attn_qkv),

@@ -18,8 +18,8 @@ namespace oj {
 void check_cuda(cudaError_t err, const char *what) {
     if (err != cudaSuccess) fail(OJ_ERR_CUDA, std::string(what) + ": " + cudaGetErrorString(err));
 }
-// matvec.cu (linked by the harnesses that compare against it): 0 the bf16-split path, 1 int8
-// activations (OPENJET_MATVEC=int8), -1 the variable's
+// matvec.cu (linked by the harnesses that compare against it): Q4_K / Q6_K on the bf16-split
+// reference kernels (0) or the fp16 path, the engine's (anything else)
 void matvec_force_path(int path);
 }  // namespace oj
 

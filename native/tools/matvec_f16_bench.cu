@@ -2,7 +2,7 @@
 // beside matvec.cu's bf16-split reference kernels on the 27B Q4_K_M map's (type, shape) pairs.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative -Xcompiler -fopenmp native/tools/matvec_f16_bench.cu \
-//        native/matvec.cu -o mvf -lgomp        (scripts/gpu_matvec_f16.sh builds and runs it)
+//        native/matvec.cu native/elementwise.cu native/deltanet.cu -o mvf -lgomp        (scripts/gpu.sh matvec-f16 builds and runs it)
 //
 // Per case: random valid blocks (bench_blocks.cuh), 8 random activation vectors (per-vector scales,
 // one with a 300x range), the engine's to_device_layout. Checks (each failure prints FAIL, exit 1):

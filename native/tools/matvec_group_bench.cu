@@ -3,7 +3,7 @@
 // matvec each, on the 27B Q4_K_M map's groups.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative -Xcompiler -fopenmp native/tools/matvec_group_bench.cu \
-//        native/matvec.cu -o mvg -lgomp        (scripts/gpu_matvec_group.sh builds and runs it)
+//        native/matvec.cu native/elementwise.cu native/deltanet.cu -o mvg -lgomp        (scripts/gpu.sh matvec-group builds and runs it)
 //
 // Per group: random valid blocks (bench_blocks.cuh) for each member, 8 activation vectors (one
 // 300x larger). Checks (each failure prints FAIL, exit 1), with the f16 path forced:
@@ -22,7 +22,7 @@
 // each forced configuration (OJ_MVF16_CFG = warps,stages) at n = 1; the 27B pass line sums count x
 // median over the map's groups.
 // Environment: MVG_ONLY=<group> runs that group only; MVG_PROFILE=1 skips checks and timing and
-// makes 3 group calls at n = 1 (the kernel for a profiler: scripts/gpu_matvec_group.sh --ncu).
+// makes 3 group calls at n = 1 (the kernel for a profiler: scripts/gpu.sh matvec-group --ncu).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

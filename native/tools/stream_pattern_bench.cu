@@ -13,7 +13,7 @@
 // K = 17,408, split 4 as matvec_f16 picks it). Median of 20 runs, L2 flushed before each.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative native/tools/stream_pattern_bench.cu -o spb
-//   (scripts/gpu_stream_pattern.sh)
+//   (scripts/gpu.sh stream-pattern)
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -20,7 +20,7 @@ nvcc -std=c++17 -O2 -Inative native/tools/gemm_f16_unit.cu -o "$OUT/gemm_f16_uni
     || { tail -30 "$OUT/build_unit.log"; exit 1; }
 "$OUT/gemm_f16_unit" || exit 1
 nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/gemm_f16_bench.cu native/matvec.cu -o "$OUT/gemm_f16_bench" -lgomp >"$OUT/build.log" 2>&1 \
+    native/tools/gemm_f16_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_f16_bench" -lgomp >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 # registers / spills: the fp16 kernels (type id / warps along M / stages: 12 Q4_K, 13 Q5_K, 14 Q6_K,
 # 8 Q8_0), the X preparation, the int8 Q4_K kernels

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds native/tools/gemm_bench.cu (gemm_prefill.cuh, the prefill GEMM: quantised W x
-# P positions on the integer tensor cores, with native/matvec.cu for its int8 path and device
-# layouts) for sm_${OPENJET_CUDA_ARCHS:-90} and runs it: every output checked against matvec's
-# int8 path (8 positions per call, same X rounding) and a float64 host reference, then timed at
+# P positions on the integer tensor cores, with native/matvec.cu for the device layouts) for
+# sm_${OPENJET_CUDA_ARCHS:-90} and runs it: every output checked for coverage and, on sampled
+# (row, position) pairs, against a float64 host reference, then timed at
 # P = 64, 256, 512, 2048; a summary table and the 27B stack's projection time / tokens/s last.
 # Log, table, resource report and SASS go to $OUT (or /tmp/openjet-gemm-out).
 #
@@ -16,7 +16,7 @@ mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
 nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/gemm_bench.cu native/matvec.cu -o "$OUT/gemm_bench" -lgomp >"$OUT/build.log" 2>&1 \
+    native/tools/gemm_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_bench" -lgomp >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 # registers / spills of the GEMM kernels: type id (8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K) / warps along M / stages
 awk '/Compiling entry function/ { k = ""; if (match($0, /gemm_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+/)) {

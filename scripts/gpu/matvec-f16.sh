@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
 nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
 nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/matvec_f16_bench.cu native/matvec.cu -o "$OUT/mvf16_bench" -lgomp >"$OUT/build.log" 2>&1 \
+    native/tools/matvec_f16_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/mvf16_bench" -lgomp >"$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
 # registers / spills: f16 kernels (type 12 Q4_K, 14 Q6_K / warps / stages), bf16-split, int8
 awk '/Compiling entry function/ { k = ""
