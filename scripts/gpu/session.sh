@@ -6,6 +6,8 @@
 #
 #   OPENJET_COMMIT=<sha> bash scripts/gpu.sh session [openjet bench arguments, e.g. --quick]
 #   AB="OPENJET_PREFILL_GEMM=f16" SESSION_S=550 bash scripts/gpu.sh session --quick
+#   bash scripts/gpu.sh session --quick --mtp-accuracy 0.75 --only 'card,openjet=,llama.cpp spec'
+#       (the model of that MTP head is generated while the suite runs, and the A/B and bench use it)
 #
 # Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12), .carry/llama_cpp_python-*-slim.tar.gz and
 # the native library built here (openjet_plugin/native: loaded as is when it loads, else rebuilt).
@@ -42,8 +44,18 @@ fi
 python3 -c "from openjet_plugin import _native; _native.load()" >"$W/native-load.log" 2>&1 \
     || OPENJET_CUDA_ARCHS=90 python3 -m openjet_plugin.build_native >>"$W/native-load.log" 2>&1
 # 3. the q27b (once per machine), in the background while the suite runs
-python3 -c "from pathlib import Path; from openjet_plugin.bench.runner import default_model; default_model(Path('$CACHE'), print)" \
-    >"$W/model.log" 2>&1 &
+# (the one the bench will read: with --mtp-accuracy / --mtp-runner-up among the arguments, the
+# generated model of that head, which the bench then finds made)
+python3 - "$CACHE" "$@" >"$W/model.log" 2>&1 <<'PY' &
+import argparse, sys
+from pathlib import Path
+from openjet_plugin.bench.runner import default_model
+ap = argparse.ArgumentParser(add_help=False)
+ap.add_argument("--mtp-accuracy", type=float)
+ap.add_argument("--mtp-runner-up", type=float)
+a, _ = ap.parse_known_args(sys.argv[2:])
+print(default_model(Path(sys.argv[1]), print, a.mtp_accuracy, a.mtp_runner_up))
+PY
 model_pid=$!
 # 4. the GPU suite
 # (not the memory-plan files check.sh runs alone afterwards: the bench's 'openjet memory' group
@@ -52,7 +64,7 @@ OUT=$W/check OPENJET_GPU_POSITIONS=${OPENJET_GPU_POSITIONS:-256} PYTEST_TIMEOUT=
     PYTEST_WORKERS=${PYTEST_WORKERS:-8} PYTEST_SERIAL_FILES= bash scripts/gpu/check.sh >"$W/check/stdout.txt" 2>&1
 check_rc=$?
 wait $model_pid
-M=$CACHE/q27b-Q4_K_M-seed0.gguf
+M=$(tail -1 "$W/model.log")
 # 5. the switch settings against the default, each in its own process (the engine reads them once)
 i=0
 IFS=';' read -ra SETTINGS <<<"default;${AB:-}"
