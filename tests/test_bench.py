@@ -956,11 +956,37 @@ def test_accepted_per_cycle_rows_count_cycles_and_greedy_differences(tmp_path, m
         def close(self):
             pass
 
+    from openjet_plugin.speculative import SpeculativeResult
+    from openjet_plugin.speculative_tree import TreeStats
+
+    class TreeDec:
+        # every cycle emits 3 tokens (2 drafts, one of them on a side branch) and the EOG token at the end
+        def generate(self, p, params, max_tokens, stop_tokens, rng):
+            st = TreeStats(7)
+            st.cycles, st.generated_tokens = 3, 9
+            st.drafts_accepted, st.side_accepts = 6, 3
+            toks = [(p[-1] + i) % 100 for i in range(8)] + list(stop_tokens)[:1]
+            if params.temperature == 0 and params.seed is None and p is prompts_seen[1]:
+                toks[2] += 1                                  # one greedy output differs from plain
+            return SpeculativeResult(toks, "stop", st)
+
+    prompts_seen = []
+    Eng.eog_tokens = (99,)
+    orig_generate = Eng.generate
+
+    def generate(self, p, max_tokens, temperature, seed=None, **kw):
+        if self.depth == 0 and p not in prompts_seen:
+            prompts_seen.append(p)
+        return orig_generate(self, p, max_tokens, temperature, seed, **kw)
+
+    Eng.generate = generate
     monkeypatch.setattr(native, "native_status", lambda mf, n_ctx: (True, "toy"))
     monkeypatch.setattr(openjet_plugin, "load", lambda **kw: Eng(kw["draft_depth"]))
+    monkeypatch.setattr(acceptance, "tree_decoder", lambda path, n_ctx, budget: (TreeDec(), lambda: None))
     out = tmp_path / "a.jsonl"
     assert ours.main(["--model", str(SHIPPED_DEFAULT), "--out", str(out), "--accept", "0.0:2,0.7:3",
-                      "--accept-prompts", "3", "--accept-prompt-tokens", "16", "--accept-tokens", "8"]) == 0
+                      "--accept-trees", "0.0:8", "--accept-prompts", "3", "--accept-prompt-tokens", "16",
+                      "--accept-tokens", "8"]) == 0
     res, skips, lines = _child_lines(out)
     assert skips == {}
     g = res[report.row_key("accepted_per_cycle", "openjet", acceptance.row_params(2, 0.0))]
@@ -973,6 +999,11 @@ def test_accepted_per_cycle_rows_count_cycles_and_greedy_differences(tmp_path, m
     assert dg["acceptance_at"] == [1.0, 0.0] and dg["tokens_per_cycle"] == 2.0
     ds = details[report.row_key("accepted_per_cycle", "openjet", acceptance.row_params(3, 0.7))]
     assert "greedy_prompts_differing_from_plain" not in ds and ds["sampling"]["top_k"] == 40
+    tkey = report.row_key(acceptance.TREE_METRIC, "openjet", acceptance.tree_row_params(8, 0.0))
+    assert res[tkey]["samples"] == [3.0, 3.0, 3.0]
+    dt = details[tkey]
+    assert dt["tokens_per_cycle"] == 3.0 and dt["side_accepts"] == 9 and dt["drafts_accepted"] == 18
+    assert dt["greedy_prompts_differing_from_plain"] == 1 and dt["greedy_differing_prompts"] == [1]
 
 
 def test_heldout_split_is_the_training_split():

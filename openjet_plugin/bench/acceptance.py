@@ -12,6 +12,11 @@ depth policy generates `tokens` tokens per prompt (temperature 0: greedy; 0.7: t
 0.95, the engine's min-p 0.05; seed = prompt index). One sample = one prompt's generated tokens /
 cycles. Details: the pooled tokens per cycle, acceptance per draft slot, and for greedy the number
 of prompts whose output differs from the same engine without speculation (which must be 0).
+
+For each (temperature, B) of `trees`: the same prompts through draft trees of budget B
+(`speculative_native.native_tree_decoder` on a native backend without its own drafting, the draft
+vocabulary the engine would use), rows `tree_accepted_per_cycle`; details add the accepted drafts
+that were not their parent's first child (side branches).
 """
 
 from __future__ import annotations
@@ -64,36 +69,66 @@ def heldout_prompts(tokenizer, n: int, length: int, root: pathlib.Path | None = 
     return out
 
 
+TREE_METRIC = "tree_accepted_per_cycle"
+
+
 def row_params(drafts: int, temperature: float) -> dict:
     return {"drafts": drafts, "model": "trained default", "temperature": temperature}
 
 
+def tree_row_params(budget: int, temperature: float) -> dict:
+    return {"budget": budget, "model": "trained default", "temperature": temperature}
+
+
+def tree_decoder(path: pathlib.Path, n_ctx: int, budget: int):
+    """(a draft-tree SpeculativeDecoder of budget B on the native engine, its close())."""
+    from ..backends.native import NativeBackend
+    from ..model_file import open_model
+    from ..speculative_native import native_tree_decoder
+    from ..speculative_tree import TreePolicy
+    from .spec import draft_vocab
+
+    mf = open_model(path)
+    be = NativeBackend(mf, n_ctx=n_ctx, draft_depth=0)
+    vocab, _ = draft_vocab(str(path), be.n_vocab)
+
+    def close() -> None:
+        be.close()
+        mf.close()
+    return native_tree_decoder(be, TreePolicy(budget), vocab), close
+
+
 def measure(model_path: str, pairs: list[tuple[float, int]], n_prompts: int, prompt_tokens: int,
-            gen_tokens: int, out, time_left) -> None:
-    """Every (temperature, drafts) in `pairs` becomes a result or a skip with its reason on `out`
-    (bench.ours.Emitter)."""
+            gen_tokens: int, out, time_left, trees: list[tuple[float, int]] = ()) -> None:
+    """Every (temperature, drafts) in `pairs` and (temperature, budget) in `trees` becomes a result
+    or a skip with its reason on `out` (bench.ours.Emitter)."""
     import openjet_plugin
     from ..backends.native import native_status
     from ..model_file import open_model
     from ..tokenizer import Tokenizer
 
-    def skip(which, reason: str) -> None:
+    def skip(which, reason: str, tree_rows=()) -> None:
         for t, d in which:
             out.skip("accepted_per_cycle", row_params(d, t), reason)
+        for t, b in tree_rows:
+            out.skip(TREE_METRIC, tree_row_params(b, t), reason)
+
+    trees = list(trees)
+    skip_all = lambda reason: skip(pairs, reason, trees)   # noqa: E731 - every row, one reason
 
     n_ctx = prompt_tokens + gen_tokens + 16
     path = pathlib.Path(model_path)
     if not path.is_file():
-        skip(pairs, f"the trained default model {path} is missing")
+        skip_all(f"the trained default model {path} is missing")
         return
     with open_model(path) as mf:
         ok, why = native_status(mf, n_ctx)
         has_mtp = mf.config.mtp_layer is not None
     if not ok:
-        skip(pairs, f"native backend unavailable for {path.name}: {why}")
+        skip_all(f"native backend unavailable for {path.name}: {why}")
         return
     if not has_mtp:
-        skip(pairs, f"{path.name} has no MTP block (nextn_predict_layers = 0): nothing drafts")
+        skip_all(f"{path.name} has no MTP block (nextn_predict_layers = 0): nothing drafts")
         return
     prompts = heldout_prompts(Tokenizer.from_gguf(path), n_prompts, prompt_tokens)
 
@@ -103,12 +138,13 @@ def measure(model_path: str, pairs: list[tuple[float, int]], n_prompts: int, pro
     try:
         eng = load(0)
     except Exception as exc:  # noqa: BLE001 - e.g. a tensor the kernels cannot take: its message names it
-        skip(pairs, f"the native engine could not load {path.name}: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        skip_all(f"the native engine could not load {path.name}: {type(exc).__name__}: "
+                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
         return
     t0 = time.perf_counter()
     try:
         plain = [list(eng.generate(p, max_tokens=gen_tokens, temperature=0).tokens) for p in prompts]
+        eog = sorted(int(t) for t in eng.eog_tokens) if trees else []
     finally:
         eng.close()
     per_row = time.perf_counter() - t0
@@ -117,7 +153,7 @@ def measure(model_path: str, pairs: list[tuple[float, int]], n_prompts: int, pro
                                           "source": f"held-out stdlib files under {stdlib_root()}"}}})
     for i, (temp, depth) in enumerate(pairs):
         if per_row * 2 + 10 > time_left():
-            skip(pairs[i:], f"out of time: each row takes ~{per_row * 2:.0f} s")
+            skip(pairs[i:], f"out of time: each row takes ~{per_row * 2:.0f} s", trees)
             return
         params = row_params(depth, temp)
         try:
@@ -130,6 +166,55 @@ def measure(model_path: str, pairs: list[tuple[float, int]], n_prompts: int, pro
             continue
         out.result("accepted_per_cycle", params, "tokens/cycle", samples)
         out.details("accepted_per_cycle", params, details)
+    for i, (temp, budget) in enumerate(trees):
+        if per_row * 3 + 10 > time_left():
+            skip((), f"out of time: each row takes ~{per_row * 3:.0f} s", trees[i:])
+            return
+        params = tree_row_params(budget, temp)
+        try:
+            samples, details = _tree_row(path, n_ctx, prompts, plain, eog, temp, budget, gen_tokens)
+        except Exception as exc:  # noqa: BLE001 - one row's failure is recorded and the rest go on
+            out.skip(TREE_METRIC, params, f"{type(exc).__name__}: {exc}")
+            continue
+        if not samples:
+            out.skip(TREE_METRIC, params, "no prompt ran a speculative cycle")
+            continue
+        out.result(TREE_METRIC, params, "tokens/cycle", samples)
+        out.details(TREE_METRIC, params, details)
+
+
+def _tree_row(path, n_ctx: int, prompts, plain, eog, temp: float, budget: int,
+              gen_tokens: int) -> tuple[list[float], dict]:
+    import numpy as np
+
+    from ..sampling import SamplingParams
+
+    dec, close = tree_decoder(path, n_ctx, budget)
+    try:
+        samples, differ, tokens, cycles, side, accepted = [], [], 0, 0, 0, 0
+        for k, p in enumerate(prompts):
+            params = (SamplingParams(temperature=0.0) if temp == 0.0
+                      else SamplingParams(temperature=temp, seed=k, **SAMPLING))
+            r = dec.generate(p, params, max_tokens=gen_tokens, stop_tokens=eog, rng=np.random.default_rng(k))
+            st = r.stats
+            if st.cycles:
+                samples.append(st.generated_tokens / st.cycles)
+            tokens += st.generated_tokens
+            cycles += st.cycles
+            side += st.side_accepts
+            accepted += st.drafts_accepted
+            # the decoder emits the end-of-generation token the engine leaves out of its tokens
+            if temp == 0.0 and list(r.tokens[:len(plain[k])]) != plain[k]:
+                differ.append(k)
+    finally:
+        close()
+    details = {"tokens_per_cycle": round(tokens / max(cycles, 1), 4), "generated_tokens": tokens, "cycles": cycles,
+               "drafts_accepted": accepted, "side_accepts": side, "prompts": len(prompts),
+               "sampling": ({"temperature": 0.0} if temp == 0.0 else {"temperature": temp, **SAMPLING})}
+    if temp == 0.0:
+        details["greedy_prompts_differing_from_plain"] = len(differ)
+        details["greedy_differing_prompts"] = differ
+    return samples, details
 
 
 def _row(load, prompts, plain, temp: float, depth: int, gen_tokens: int) -> tuple[list[float], dict]:

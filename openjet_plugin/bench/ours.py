@@ -41,7 +41,8 @@ host — the same boundary llama-bench times for llama.cpp (llama_decode + synch
 - spec_tree_tps (--spec-tree BUDGET[:SHAPE][@DEPTH]): draft trees of B verify positions from the
   MTP head through the engine's tree decoder (bench/spec.py), from the same start points; a build
   without `speculative_native.native_tree_decoder` records each such row as not measured, and why.
-- accepted_per_cycle (--accept, on the trained default model): bench/acceptance.py.
+- accepted_per_cycle (--accept, on the trained default model) and tree_accepted_per_cycle
+  (--accept-trees, draft trees on it): bench/acceptance.py.
 
 Every result line is a JSON object {"metric", "engine", "params", "unit", "samples"}; lines
 {"skip": {...}, "reason"} name a measurement that was not made, and {"info": {...}} carries facts
@@ -456,10 +457,11 @@ def run(args, out: Emitter) -> int:
         return args.deadline - time.time() if args.deadline else float("inf")
 
     accept = _pairs(args.accept, "--accept")
-    if accept:
+    accept_trees = _pairs(args.accept_trees, "--accept-trees")
+    if accept or accept_trees:
         from . import acceptance
         acceptance.measure(args.model, accept, args.accept_prompts, args.accept_prompt_tokens,
-                           args.accept_tokens, out, time_left)
+                           args.accept_tokens, out, time_left, trees=accept_trees)
         return 0
 
     verify = _ints(args.verify)
@@ -595,6 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", default="", help="prefill_tps rows as NEW_TOKENS:DEPTH items, e.g. 2700:1800")
     ap.add_argument("--accept", default="", help="accepted_per_cycle rows as TEMPERATURE:DRAFTS items (--model: "
                                                  "the trained default model); nothing else runs")
+    ap.add_argument("--accept-trees", default="", help="tree_accepted_per_cycle rows as TEMPERATURE:BUDGET items "
+                                                       "(with --accept's model and prompts)")
     ap.add_argument("--accept-prompts", type=int, default=12)
     ap.add_argument("--accept-prompt-tokens", type=int, default=64)
     ap.add_argument("--accept-tokens", type=int, default=64)

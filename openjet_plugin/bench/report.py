@@ -40,6 +40,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     # draft trees of `budget` verify positions a cycle from the MTP head, shaped by `shape`
     "spec_tree_tps": ("tokens/s", ("budget", "depth", "shape"), True),
     "accepted_per_cycle": ("tokens/cycle", ("drafts", "model", "temperature"), True),
+    "tree_accepted_per_cycle": ("tokens/cycle", ("budget", "model", "temperature"), True),
     # teacher-forced agreement with llama.cpp (bench/agreement.py), engine openjet: the share of
     # positions whose argmaxes agree, and the mean KL(llama.cpp || ours)
     "agreement_top1": ("fraction", ("model", "depth", "positions"), True),
@@ -58,7 +59,7 @@ CARD_METRICS = ("read_gbps", "copy_gbps", "roofline_tps")
 # shown in their own tables under the main one (their columns differ)
 SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
 TREE_METRICS = ("spec_tree_tps",)
-ACCEPT_METRICS = ("accepted_per_cycle",)
+ACCEPT_METRICS = ("accepted_per_cycle", "tree_accepted_per_cycle")
 AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
 FALLBACK_METRICS = ("fallback_decode_tps",)
 CONCURRENT_METRICS = ("concurrent_tps", "concurrent_itl_p99_ms")
@@ -572,13 +573,14 @@ def tree_section(side, by_key, status, details, median_of, model: dict) -> list[
 def _accept_section(side, by_key, status, details, pending) -> list[str]:
     """Real MTP acceptance on the trained default model (held-out stdlib files)."""
     keys = sorted((k for k in side if k[0] in ACCEPT_METRICS),
-                  key=lambda k: (side[k]["temperature"], side[k]["drafts"]))
+                  key=lambda k: (side[k]["temperature"], k[0], side[k].get("drafts", side[k].get("budget"))))
     extra = _pending_lines(pending, ACCEPT_METRICS)
     if not keys and not extra:
         return []
     out = ["", "## Accepted tokens per cycle (trained default model, held-out stdlib files)", "",
            "Cell: median [lo, hi] over prompts of generated tokens / cycles; all prompts: the pooled "
-           "ratio; D drafts every cycle.", "",
+           "ratio; D drafts every cycle, or a draft tree of B positions (tree B; slots: the accepted "
+           "drafts on side branches, not their parent's first child).", "",
            "| temperature | D | tokens/cycle | all prompts | accepted at slot 1..D | greedy = plain |",
            "|---|---|---|---|---|---|"]
     for k in keys:
@@ -586,16 +588,18 @@ def _accept_section(side, by_key, status, details, pending) -> list[str]:
         key = row_key(k[0], "openjet", params)
         r = by_key.get(key)
         d = details.get(key, {})
+        what = params["drafts"] if "drafts" in params else f"tree {params['budget']}"
         if r is None:
-            out.append(f"| {params['temperature']} | {params['drafts']} | {status.get(key, '—')} | | | |")
+            out.append(f"| {params['temperature']} | {what} | {status.get(key, '—')} | | | |")
             continue
         same = ""
         if "greedy_prompts_differing_from_plain" in d:
             bad, n = d["greedy_prompts_differing_from_plain"], d.get("prompts", "?")
             same = f"{n - bad if isinstance(n, int) else '?'} of {n} prompts identical"
         tpc = d.get("tokens_per_cycle")
-        out.append(f"| {params['temperature']} | {params['drafts']} | {_cell(r)} | {_fmt(tpc) if tpc else ''} "
-                   f"| {_slots(d)} | {same} |")
+        slots = _slots(d) if "drafts" in params else f"side branches: {d.get('side_accepts', '?')} of {d.get('drafts_accepted', '?')}"
+        out.append(f"| {params['temperature']} | {what} | {_cell(r)} | {_fmt(tpc) if tpc else ''} "
+                   f"| {slots} | {same} |")
     if extra:
         out += [""] + extra
     return out

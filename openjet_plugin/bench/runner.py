@@ -127,6 +127,10 @@ def accept_params(drafts: int, temperature: float) -> dict:
     return {"drafts": int(drafts), "model": ACCEPT_MODEL, "temperature": float(temperature)}
 
 
+def accept_tree_params(budget: int, temperature: float) -> dict:
+    return {"budget": int(budget), "model": ACCEPT_MODEL, "temperature": float(temperature)}
+
+
 def tree_params(budget: int, shape: str, depth: int) -> dict:
     """spec_tree_tps rows: a draft tree of `budget` verify positions, shaped by `shape`."""
     return {"budget": int(budget), "depth": int(depth), "shape": shape}
@@ -152,7 +156,9 @@ def peer_spec_rows(s: Settings, drafts: int) -> list[tuple[str, str, dict]]:
 
 def accept_rows(s: Settings) -> list[tuple[str, str, dict]]:
     """Real acceptance on the trained default model (bench/acceptance.py)."""
-    return [("accepted_per_cycle", OURS, accept_params(d, t)) for t in s.accept_temperatures for d in s.drafts]
+    return ([("accepted_per_cycle", OURS, accept_params(d, t)) for t in s.accept_temperatures for d in s.drafts]
+            + [("tree_accepted_per_cycle", OURS, accept_tree_params(b, t))
+               for t in s.accept_temperatures for b in s.tree_budgets])
 
 
 def prefill_params(new_tokens: int, depth: int) -> dict:
@@ -393,12 +399,16 @@ def group_acceptance(run: Run) -> None:
     s = run.settings
     todo = [(t, d) for t in s.accept_temperatures for d in s.drafts
             if not run.store.has("accepted_per_cycle", OURS, accept_params(d, t))]
-    if not todo:
+    trees = [(t, b) for t in s.accept_temperatures for b in s.tree_budgets
+             if not run.store.has("tree_accepted_per_cycle", OURS, accept_tree_params(b, t))]
+    if not todo and not trees:
         return
-    rows = [("accepted_per_cycle", OURS, accept_params(d, t)) for t, d in todo]
+    rows = ([("accepted_per_cycle", OURS, accept_params(d, t)) for t, d in todo]
+            + [("tree_accepted_per_cycle", OURS, accept_tree_params(b, t)) for t, b in trees])
     cmd = [sys.executable, "-m", "openjet_plugin.bench.ours", "--model", str(accept_model()),
            "--verify", "", "--decode-depths", "",
            "--accept", ",".join(f"{float(t)}:{d}" for t, d in todo),
+           "--accept-trees", ",".join(f"{float(t)}:{b}" for t, b in trees),
            "--accept-prompts", str(s.accept_prompts), "--accept-prompt-tokens", str(s.accept_prompt_tokens),
            "--accept-tokens", str(s.accept_tokens), "--reps", str(s.reps)]
     run.log(f"openjet: {len(rows)} acceptance measurements on the trained default model")
@@ -737,7 +747,7 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
     if not run.no_ours:
         # the default model is 22 MB: loading and 12 prompts x 64 tokens per row take seconds, so it
         # goes before the group that can take all the time left
-        out.append(("openjet acceptance", 30.0, accept_rows(s), group_acceptance))
+        out.append(("openjet acceptance", 45.0, accept_rows(s), group_acceptance))   # chains and trees
         out.append(("openjet constraint", 20.0, [CONSTRAINT_ROW], group_constraint))
         # prefill: loading plus fills and appends at a few thousand tokens/s
         pre = load + sum(d / (2 * pp) + (s.reps + 1) * n / (2 * pp) for n, d in s.prefill)
