@@ -567,7 +567,7 @@ class NativeBackend:
         if not self._verify_tokens:
             raise RuntimeError("commit_path without a verify_tree")
         p = [int(i) for i in path]
-        parent = getattr(self, "_verify_parent", None) or list(range(-1, len(self._verify_tokens) - 1))
+        parent = self._verify_parent or list(range(-1, len(self._verify_tokens) - 1))
         if not p or p[0] != 0 or any(not 0 < b < len(parent) or parent[b] != a for a, b in zip(p, p[1:])):
             raise ValueError(f"{p} is not a root-first path of the last tree (parents {parent})")
         start = self.n_past
