@@ -58,14 +58,15 @@ def _path(name: str, workdir: Path) -> Path:
     return ts._model(name, workdir)
 
 
-def _backend(path: Path, n_ctx: int = 512, kv_type: str = "f16", depth: int = 0):
-    """A backend whose every evaluation goes through oj_eval / oj_verify (prefill_chunk 0: no int8
-    prefill projections), as the reference and the one-at-a-time engine evaluate."""
+def _backend(path: Path, n_ctx: int = 512, kv_type: str = "f16", depth: int = 0, prefill_chunk: int = 0):
+    """A backend whose every evaluation goes through oj_eval / oj_verify (prefill_chunk 0: no
+    batched prefill projections), as the reference and the one-at-a-time engine evaluate; with a
+    prefill_chunk, prompts longer than one call go through oj_prefill."""
     from openjet_plugin.backends.native import NativeBackend
     from openjet_plugin.model_file import open_model
 
     mf = open_model(path)
-    return mf, NativeBackend(mf, n_ctx=n_ctx, kv_type=kv_type, draft_depth=depth, prefill_chunk=0)
+    return mf, NativeBackend(mf, n_ctx=n_ctx, kv_type=kv_type, draft_depth=depth, prefill_chunk=prefill_chunk)
 
 
 def _close(*pairs) -> None:
@@ -275,8 +276,11 @@ def test_commit_path_equals_one_at_a_time(native, workdir, name, kv):
 
 # --- (d) greedy tree speculation == plain greedy -----------------------------------------------------
 
-@pytest.mark.parametrize("name", ["tiny-Q4_K_M", "small-Q4_K_M", "default"])
-def test_greedy_tree_speculation_equals_plain(native, workdir, name):
+@pytest.mark.parametrize("name,prefill_chunk", [("tiny-Q4_K_M", 0), ("small-Q4_K_M", 0), ("default", 0),
+                                                ("small-Q4_K_M", 256), ("default", 256)])
+def test_greedy_tree_speculation_equals_plain(native, workdir, name, prefill_chunk):
+    """With prefill_chunk, the tree decoder's prompt is one oj_prefill that makes its MTP rows in
+    the engine (NativeTreeTarget.prefill), and plain decoding prefills the same way."""
     from test_native_spec_gpu import _prompts, _top2_gap
 
     from openjet_plugin.sampling import SamplingParams
@@ -286,12 +290,13 @@ def test_greedy_tree_speculation_equals_plain(native, workdir, name):
 
     greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
     path = _path(name, workdir)
-    t, p = _backend(path, n_ctx=1024), _backend(path, n_ctx=1024)
+    t, p = (_backend(path, n_ctx=1024, prefill_chunk=prefill_chunk), _backend(path, n_ctx=1024, prefill_chunk=prefill_chunk))
     ties, cycles, emitted, side = 0, 0, 0, 0
     try:
         prompts = _prompts(name, t[1].n_vocab)[:N_PROMPTS]
         tree = native_tree_decoder(t[1], TreePolicy(8))
         plain = SpeculativeDecoder(NativeTreeTarget(p[1]), None)
+        long_prompts = sum(len(x) > 9 for x in prompts)
         for prompt in prompts:
             want = plain.generate(prompt, greedy, max_tokens=N_TOKENS).tokens
             r = tree.generate(prompt, greedy, max_tokens=N_TOKENS)
@@ -306,10 +311,12 @@ def test_greedy_tree_speculation_equals_plain(native, workdir, name):
                     break
             else:
                 assert len(r.tokens) == len(want)
+        if prefill_chunk:
+            assert t[1].prefilled_positions > 0 and long_prompts > 0, "no prompt went through oj_prefill"
     finally:
         _close(t, p)
-    report({"test": "tree_greedy_equals_plain", "model": name, "prompts": len(prompts), "tokens": N_TOKENS,
-            "tokens_per_cycle": emitted / max(cycles, 1), "side_accepts": side, "near_ties": ties})
+    report({"test": "tree_greedy_equals_plain", "model": name, "prefill_chunk": prefill_chunk, "prompts": len(prompts),
+            "tokens": N_TOKENS, "tokens_per_cycle": emitted / max(cycles, 1), "side_accepts": side, "near_ties": ties})
 
 
 # --- (e) errors -------------------------------------------------------------------------------------
