@@ -81,3 +81,30 @@ def test_phase_section_without_a_read_rate_says_so():
     md = report.markdown({"manifest": man, "results": []})
     assert "read rate (not measured)" in md
     assert "| ffn gate+up | 1.000 | 3,000.0 |  |  | 4 | 2 |" in md
+
+
+def test_launch_fit_recovers_the_cost_of_a_launch_and_the_streaming_rate():
+    """launch_fit on phases made from a known per-launch cost and rate gives them back; with fewer
+    than three projection phases, or a fit that is not positive, there is none; the phase section
+    prints it under the table."""
+    rng = np.random.default_rng(7)
+    a_us, gbps = 6.5, 2600.0
+    names = ours.PROJECTION_PHASES
+    phases = []
+    for name in names:
+        launches, b = int(rng.integers(2, 150)), float(rng.uniform(2e8, 7e9))
+        phases.append({"name": name, "ms": launches * a_us / 1e3 + b / (gbps * 1e6), "bytes": b,
+                       "launches": launches, "calls": 1})
+    phases.append({"name": "attention core", "ms": 5.0, "bytes": 1e6, "launches": 3, "calls": 1})   # not a projection
+    a, g = report.launch_fit(phases)
+    assert a == pytest.approx(a_us, rel=1e-9) and g == pytest.approx(gbps, rel=1e-9)
+    assert report.launch_fit(phases[:2]) is None
+    # more launches, less time: a negative cost per launch is no fit
+    falling = [{"name": n, "ms": ms, "bytes": 1e9, "launches": l, "calls": 1}
+               for n, l, ms in zip(names, (1, 2, 3), (1.0, 0.5, 0.1))]
+    assert report.launch_fit(falling) is None
+    params = {"positions": 1, "depth": 1024}
+    key = report.row_key("projection_gbps", "openjet", params)
+    man = {"gpu": {"name": "H200"}, "info": {report.PHASES_KEY: {key: {"passes": 1, "span_ms": 10.0, "phases": phases}}}}
+    md = report.markdown({"manifest": man, "results": [report.result("read_gbps", "openjet", {}, [3000.0] * 5)]})
+    assert f"a = {a_us:.1f} µs a launch, B = {gbps:,.0f} GB/s" in md

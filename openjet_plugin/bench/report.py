@@ -306,7 +306,40 @@ def phase_section(tables: dict, median_of) -> list[str]:
         if wall:
             out.append(f"| unprofiled pass, wall (verify_ms median) | {wall:.3f} | | | | | |")
             out.append(f"| wall − sum of phases (host, launch before the first kernel, copy back) | {wall - tot_ms:.3f} | | | | | |")
+        fit = launch_fit(t["phases"])
+        if fit is not None:
+            a_us, gbps = fit
+            n_l = sum(ph["launches"] for ph in t["phases"] if ph["calls"])
+            out += ["", f"Fit over the projection phases, ms = a × launches + bytes / B: a = {a_us:.1f} µs a launch, "
+                        f"B = {gbps:,.0f} GB/s. At that a, the pass's {n_l} launches account for "
+                        f"{n_l * a_us / 1e3:.2f} ms of the {tot_ms:.2f} ms its phases take."]
     return out
+
+
+def launch_fit(phases: list[dict]) -> tuple[float, float] | None:
+    """Least squares over the projection phases (bench/ours.py PROJECTION_PHASES) of
+    ms = a * launches + bytes / B, no intercept: (a in µs, B in GB/s), or None where fewer than
+    three phases have both or the fit is not positive. What one launch costs beyond streaming its
+    bytes: the per-kernel overhead issue 25's pass has to shed."""
+    from .ours import PROJECTION_PHASES
+
+    rows = [(float(ph["launches"]), float(ph["bytes"]), float(ph["ms"])) for ph in phases
+            if ph["name"] in PROJECTION_PHASES and ph["launches"] and ph["bytes"] and ph["ms"] > 0]
+    if len(rows) < 3:
+        return None
+    sll = sum(l * l for l, _, _ in rows)
+    slb = sum(l * b for l, b, _ in rows)
+    sbb = sum(b * b for _, b, _ in rows)
+    slt = sum(l * t for l, _, t in rows)
+    sbt = sum(b * t for _, b, t in rows)
+    det = sll * sbb - slb * slb
+    if det <= 0:
+        return None
+    a = (slt * sbb - slb * sbt) / det            # ms a launch
+    c = (sll * sbt - slb * slt) / det            # ms a byte
+    if a <= 0 or c <= 0:
+        return None
+    return a * 1e3, 1.0 / c / 1e6
 
 
 def _fallback_section(man: dict, cell, median_of) -> list[str]:
