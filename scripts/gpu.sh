@@ -16,14 +16,15 @@
 #   train          the default model's training run
 #   attn | deltanet | gemm | gemm-f16 | gemm-wgmma | matvec-f16 | matvec-group | stream-pattern
 #                  the kernel harnesses (native/tools/), each against float64 with its timings
+#   launch-chain   what a dependent launch costs beyond its bytes (plain, PDL, graph)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-commands="check bench session setup agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern"
+commands="check bench session setup agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern launch-chain"
 case "$cmd" in
     "" | -h | --help)
-        sed -n '2,18p' "$0"
+        sed -n '2,19p' "$0"
         exit 2
         ;;
 esac
