@@ -1385,3 +1385,17 @@ def test_only_and_prefill_options_parse_and_refuse_bad_values():
     names = ["card", "openjet acceptance", "openjet prefill", "openjet", "llama.cpp decode", "llama.cpp verify"]
     assert [n for n in names if runner.selected(n, only)] == ["card", "openjet", "llama.cpp decode"]
     assert [n for n in names if runner.selected(n, ("openjet",))] == ["openjet acceptance", "openjet prefill", "openjet"]
+
+
+@pytest.mark.parametrize("value", ["0.0-8", "0.0:eight", "warm:8"])
+def test_a_bad_accept_trees_item_is_refused_by_name(tmp_path, capsys, value):
+    """--accept-trees takes TEMPERATURE:BUDGET items; anything else stops the child before any
+    model is loaded, naming the option, the expected form and the item."""
+    from openjet_plugin.bench import ours
+    from openjet_plugin.defaults import SHIPPED_DEFAULT
+
+    out = tmp_path / "a.jsonl"
+    assert ours.main(["--model", str(SHIPPED_DEFAULT), "--out", str(out), "--accept-trees", value]) != 0
+    err = capsys.readouterr().err
+    assert "--accept-trees: expected VALUE:BUDGET items" in err and repr(value) in err
+    assert not out.exists() or "metric" not in out.read_text()

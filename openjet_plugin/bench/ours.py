@@ -208,8 +208,8 @@ def profiled_samples(be, positions: int, reps: int, rng: np.random.Generator) ->
     return [projection_gbps(x) for x in reads], phase_table(reads)
 
 
-def _pairs(text: str, what: str) -> list[tuple[float, int]]:
-    """'0.5:1,0.7:4' -> [(0.5, 1), (0.7, 4)]."""
+def _pairs(text: str, what: str, second: str = "DRAFTS") -> list[tuple[float, int]]:
+    """'0.5:1,0.7:4' -> [(0.5, 1), (0.7, 4)]; `second` names the integer in the error."""
     out = []
     for item in (x for x in (text or "").split(",") if x.strip()):
         a, sep, d = item.partition(":")
@@ -218,7 +218,7 @@ def _pairs(text: str, what: str) -> list[tuple[float, int]]:
                 raise ValueError
             out.append((float(a), int(d)))
         except ValueError:
-            raise ValueError(f"{what}: expected VALUE:DRAFTS items like 0.5:4, got {item!r}") from None
+            raise ValueError(f"{what}: expected VALUE:{second} items like 0.5:4, got {item!r}") from None
     return out
 
 
@@ -457,7 +457,7 @@ def run(args, out: Emitter) -> int:
         return args.deadline - time.time() if args.deadline else float("inf")
 
     accept = _pairs(args.accept, "--accept")
-    accept_trees = _pairs(args.accept_trees, "--accept-trees")
+    accept_trees = _pairs(args.accept_trees, "--accept-trees", "BUDGET")
     if accept or accept_trees:
         from . import acceptance
         acceptance.measure(args.model, accept, args.accept_prompts, args.accept_prompt_tokens,
