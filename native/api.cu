@@ -139,16 +139,16 @@ int32_t oj_memory(const oj_engine *engine, oj_memory_report *out) {
 
 int32_t oj_profile(oj_engine *engine, int32_t on) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    if (on != 0 && on != 1) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "oj_profile: on must be 0 or 1, got " + std::to_string(on));
-    return guarded(engine, [&] { oj::engine_profile(engine->e, on == 1); });
+    if (on < 0 || on > 2) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "oj_profile: on must be 0, 1 or 2, got " + std::to_string(on));
+    return guarded(engine, [&] { oj::engine_profile(engine->e, on); });
 }
 
 int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
-                        double *span_ms) {
+                        double *span_ms, double *host_ms) {
     if (!engine || !n_phases) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or n_phases is NULL");
     return guarded(engine, [&] {
         int p = 0;
-        *n_phases = oj::engine_profile_read(engine->e, out, capacity, &p, span_ms);
+        *n_phases = oj::engine_profile_read(engine->e, out, capacity, &p, span_ms, host_ms);
         if (passes) *passes = p;
     });
 }

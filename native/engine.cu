@@ -1,5 +1,7 @@
 // engine.cu: loading a model description onto the device, and the forward passes of the main
 // model and the MTP block for 1..8 positions. api.cu wraps these into the C API.
+#include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <string>
 #include <unordered_map>
@@ -390,6 +392,21 @@ void ffn(Engine &e, Layer &L, int n) {
     matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
+// What a layer's mixer pulls into L2 while its kernels wait on latency (pdl.cuh's L2Prefetch): its
+// output projection whole and the first FFN_PREFETCH bytes of the FFN's gate, the projections that
+// follow it. OJ_L2_PREFETCH=0 leaves it off: the A/B that decides whether it stays (issue 25).
+constexpr uint64_t FFN_PREFETCH = 16ull << 20;
+L2Prefetch mixer_prefetch(const Matrix &out, const Layer &L) {
+    static const bool off = env_is("OJ_L2_PREFETCH", "0");
+    L2Prefetch pf;
+    if (off) return pf;
+    pf.p[0] = out.data;
+    pf.bytes[0] = weight_bytes(out);
+    pf.p[1] = L.ffn_gate.data;
+    pf.bytes[1] = std::min<uint64_t>(weight_bytes(L.ffn_gate), FFN_PREFETCH);
+    return pf;
+}
+
 // attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree).
 void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0) {
     Scratch &s = e.s;
@@ -400,7 +417,7 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0) {
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
     const uint64_t kv = (uint64_t)(pos0 + n) * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
-    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
+    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree, mixer_prefetch(L.wo, L));
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
@@ -417,7 +434,7 @@ void deltanet_layer(Engine &e, Layer &L, int n) {
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
-    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
+    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree, mixer_prefetch(L.wssm_out, L));
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
                       e.stream);
@@ -548,6 +565,7 @@ void commit_rows(Engine &e, int n_accept) {
 
 // parent: a checked parent array (oj_verify_tree) or nullptr (a chain).
 void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
     check_tokens(e, tokens, n);
     const uint64_t tree = parent ? tree_word(parent, n) : 0;
     if (e.n_past + n > e.n_ctx)
@@ -586,6 +604,10 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
     stamp(e, -1);
     e.prof.active = false;
+    if (e.prof.host) {
+        e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        ++e.prof.host_passes;
+    }
     finish(e, "eval");
     collect(e);
     // the replay is in the state now; this evaluation's positions wait in e.slot for oj_commit
@@ -859,16 +881,19 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
     e.last_mtp_n = n;
 }
 
-void engine_profile(Engine &e, bool on) {
+void engine_profile(Engine &e, int on) {
     Profile &p = e.prof;
-    p.on = on;
+    p.on = on == 1;
+    p.host = on != 0;
     p.used = 0;
     for (Profile::Total &t : p.total) t = Profile::Total{};
     p.passes = 0;
     p.span_ms = 0;
+    p.host_passes = 0;
+    p.host_ms = 0;
 }
 
-int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms) {
+int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms, double *host_ms) {
     if (capacity < 0 || (capacity > 0 && !out)) fail(OJ_ERR_INVALID_ARGUMENT, "oj_profile_read: out is NULL or capacity negative");
     Profile &p = e.prof;
     const int n = capacity < PH_COUNT ? capacity : PH_COUNT;
@@ -881,9 +906,10 @@ int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, dou
         o.ms = p.total[i].ms;
         o.bytes = p.total[i].bytes;
     }
-    if (passes) *passes = p.passes;
+    if (passes) *passes = p.on ? p.passes : p.host_passes;
     if (span_ms) *span_ms = p.span_ms;
-    engine_profile(e, p.on);
+    if (host_ms) *host_ms = p.host_ms;
+    engine_profile(e, p.on ? 1 : p.host ? 2 : 0);
     return n;
 }
 

@@ -15,6 +15,7 @@
 
 #include "model_dims.h"
 #include "openjet.h"
+#include "pdl.cuh"   // L2Prefetch
 #include "quant_blocks.cuh"
 #include "tree.cuh"
 
@@ -146,7 +147,8 @@ struct Checkpoint {
 // oj_profile (engine.cu): CUDA events at the phase boundaries of the main model's verify pass, and
 // the totals oj_profile_read hands out.
 struct Profile {
-    bool on = false;                   // oj_profile(1)
+    bool on = false;                   // oj_profile(1): events
+    bool host = false;                 // oj_profile(1 or 2): the host time of each pass
     bool active = false;               // inside a profiled verify (the MTP block's calls stamp nothing)
     std::vector<cudaEvent_t> events;   // grown on demand, destroyed with the engine
     std::vector<int> phase;            // the phase begun at each event of this pass (-1: the pass's end)
@@ -161,6 +163,8 @@ struct Profile {
     Total total[OJ_MAX_PHASES];
     int passes = 0;
     double span_ms = 0;
+    int host_passes = 0;
+    double host_ms = 0;                // the passes' host time, start to last launch enqueued
 };
 
 struct Engine {
@@ -220,8 +224,8 @@ void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
 // oj_profile / oj_profile_read (openjet.h); read returns the phase count written.
-void engine_profile(Engine &e, bool on);
-int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms);
+void engine_profile(Engine &e, int on);
+int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms, double *host_ms);
 // prefill.cu: oj_prefill (openjet.h), and its buffers (engine_load calls alloc_prefill).
 void engine_prefill(Engine &e, const int32_t *tokens, int n);
 void alloc_prefill(Engine &e, int chunk);
@@ -274,8 +278,9 @@ void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 // `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
 // follow each node's ancestors).
+// pf: weights the conv kernel pulls into L2 for what follows (pdl.cuh's L2Prefetch).
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t tree = 0);
+                  cudaStream_t st, uint64_t tree = 0, const L2Prefetch &pf = L2Prefetch{});
 // deltanet.cu: o = rms_norm(o) * w * silu(z) per head of S values, in place ([n][n_heads][S]).
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st);
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
@@ -293,8 +298,9 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 // `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
 // its depth, attention over the committed rows and its path's (tree_path_rows).
+// pf: weights the prepare kernel pulls into L2 for what follows (pdl.cuh's L2Prefetch).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
-                   cudaStream_t st, uint64_t tree = 0);
+                   cudaStream_t st, uint64_t tree = 0, const L2Prefetch &pf = L2Prefetch{});
 // attention.cu: the first step alone for n positions of a prefill pass: q/k norms and RoPE to q_rot,
 // K/V appended at pos0...
 void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v,

@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 6, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
+enum { OJ_ABI_VERSION = 7, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -161,12 +161,16 @@ void oj_engine_free(oj_engine *engine);
 int32_t oj_memory(const oj_engine *engine, oj_memory_report *out);
 /* Per-phase profile of oj_verify / oj_eval / oj_cycle's main-model pass (issue 25): on 1 records a
    CUDA event at every phase boundary of each pass from now on (a few hundred per pass; the pass
-   runs slightly slower), 0 stops; both clear the totals. oj_profile_read copies up to capacity
-   phases (OJ_MAX_PHASES hold all) in pass order, the number of passes and the GPU time from each
-   pass's first event to its last, summed (*span_ms), then clears the totals. */
+   runs slightly slower) and the host time, 2 only the host time (no events: the pass as it runs
+   unprofiled), 0 stops; each clears the totals. oj_profile_read copies up to capacity phases
+   (OJ_MAX_PHASES hold all; their times are 0 under 2) in pass order, the number of passes, the
+   GPU time from each pass's first event to its last (*span_ms; 0 under 2) and the host time from
+   the pass's start to its last launch enqueued, before it waits for the GPU (*host_ms: where it
+   nears the pass's wall time, the GPU waits on the host), each summed over the passes, then
+   clears the totals. span_ms and host_ms may be NULL. */
 int32_t oj_profile(oj_engine *engine, int32_t on);
 int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
-                        double *span_ms);
+                        double *span_ms, double *host_ms);
 /* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches. */
 int32_t oj_reset(oj_engine *engine);
 int32_t oj_n_past(const oj_engine *engine, int32_t *out);

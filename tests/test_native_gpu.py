@@ -352,6 +352,11 @@ def test_profile_phases_cover_the_pass_and_leave_its_results_alone(native, workd
         be.profile(False)
         be.eval_all_logits(toks[:1])
         none = be.profile_read()
+        be.profile(True, host_only=True)      # the host time alone: no events, no phase times
+        be.eval_all_logits(toks[:1])
+        be.eval_all_logits(toks[:1])
+        host_read = be.profile_read()
+        be.profile(False)
     finally:
         be.close()
     c = mf.config
@@ -361,6 +366,9 @@ def test_profile_phases_cover_the_pass_and_leave_its_results_alone(native, workd
     mf.close()
     assert np.array_equal(plain, profiled), "the profile's events changed the logits"
     assert read["passes"] == 1 and off_read["passes"] == 1 and none["passes"] == 0
+    assert read["host_ms"] > 0 and none["host_ms"] == 0
+    assert host_read["passes"] == 2 and host_read["host_ms"] > 0 and host_read["span_ms"] == 0
+    assert all(p["ms"] == 0 and p["calls"] == 0 for p in host_read["phases"]), host_read["phases"]
     assert [p["name"] for p in read["phases"]] == PROFILE_PHASES
     by = {p["name"]: p for p in read["phases"]}
     calls = {"embedding": 1, "norms": 1, "deltanet projections": n_dn, "deltanet conv+recurrence": n_dn,
@@ -388,7 +396,8 @@ def test_profile_phases_cover_the_pass_and_leave_its_results_alone(native, workd
     total = sum(p["ms"] for p in read["phases"])
     assert total == pytest.approx(read["span_ms"], rel=1e-3), (total, read["span_ms"])
     report({"test": "profile", "model": "tiny-Q4_K_M", "origin": origin, "positions": n, "depth": depth,
-            "span_ms": read["span_ms"], "launches": sum(p["launches"] for p in read["phases"])})
+            "span_ms": read["span_ms"], "host_ms": read["host_ms"], "host_ms_unprofiled": host_read["host_ms"] / 2,
+            "launches": sum(p["launches"] for p in read["phases"])})
 
 
 def test_kv_cache_bytes_equal_the_estimate(native, workdir):

@@ -808,23 +808,27 @@ class NativeBackend:
         # `prefill` is ABI 3's: a library of an older header reports none
         return {k: int(getattr(rep, k, 0)) for k in MEMORY_FIELDS}
 
-    def profile(self, on: bool) -> None:
-        """oj_profile: CUDA events at the phase boundaries of every main-model pass from now (on) or
-        not; either way the totals start from zero (openjet bench's per-phase table)."""
-        self._check(self._nl.lib.oj_profile(self._handle(), 1 if on else 0), "profile")
+    def profile(self, on: bool, host_only: bool = False) -> None:
+        """oj_profile: from now, CUDA events at the phase boundaries of every main-model pass and
+        its host time (on), only the host time (on, host_only: the pass as it runs unprofiled), or
+        neither; each way the totals start from zero (openjet bench's per-phase table)."""
+        mode = (2 if host_only else 1) if on else 0
+        self._check(self._nl.lib.oj_profile(self._handle(), mode), "profile")
 
     def profile_read(self) -> dict:
-        """oj_profile_read: {"passes", "span_ms", "phases": [{"name", "calls", "launches", "ms",
-        "bytes"}, ...] in pass order}, summed over the passes since profile() or the last read;
-        the totals then start from zero."""
+        """oj_profile_read: {"passes", "span_ms", "host_ms", "phases": [{"name", "calls",
+        "launches", "ms", "bytes"}, ...] in pass order}, summed over the passes since profile() or
+        the last read (host_ms: from each pass's start to its last launch enqueued); the totals
+        then start from zero."""
         ffi, lib = self._nl.ffi, self._nl.lib
         cap = int(lib.OJ_MAX_PHASES)
         rows = ffi.new("oj_phase[]", cap)
-        n, passes, span = ffi.new("int32_t *"), ffi.new("int32_t *"), ffi.new("double *")
-        self._check(lib.oj_profile_read(self._handle(), rows, cap, n, passes, span), "profile_read")
+        n, passes = ffi.new("int32_t *"), ffi.new("int32_t *")
+        span, host = ffi.new("double *"), ffi.new("double *")
+        self._check(lib.oj_profile_read(self._handle(), rows, cap, n, passes, span, host), "profile_read")
         phases = [{"name": ffi.string(r.name).decode(), "calls": int(r.calls), "launches": int(r.launches),
                    "ms": float(r.ms), "bytes": int(r.bytes)} for r in rows[0:n[0]]]
-        return {"passes": int(passes[0]), "span_ms": float(span[0]), "phases": phases}
+        return {"passes": int(passes[0]), "span_ms": float(span[0]), "host_ms": float(host[0]), "phases": phases}
 
     def debug_fault(self, kind: int) -> None:
         """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""

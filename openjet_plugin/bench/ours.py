@@ -178,8 +178,9 @@ def projection_gbps(read: dict) -> float:
 
 
 def phase_table(reads: list[dict]) -> dict:
-    """Profile reads of one pass each -> per-pass means: {"passes", "span_ms", "phases": [{"name",
-    "calls", "launches", "ms", "bytes"}]} (calls, launches and bytes are the same every pass)."""
+    """Profile reads of one pass each -> per-pass means: {"passes", "span_ms", "host_ms", "phases":
+    [{"name", "calls", "launches", "ms", "bytes"}]} (calls, launches and bytes are the same every
+    pass)."""
     n = len(reads)
     names = [ph["name"] for ph in reads[0]["phases"]]
     phases = []
@@ -187,25 +188,39 @@ def phase_table(reads: list[dict]) -> dict:
         rows = [r["phases"][i] for r in reads]
         phases.append({"name": name, "calls": rows[0]["calls"], "launches": rows[0]["launches"],
                        "ms": sum(r["ms"] for r in rows) / n, "bytes": rows[0]["bytes"]})
-    return {"passes": n, "span_ms": sum(r["span_ms"] for r in reads) / n, "phases": phases}
+    return {"passes": n, "span_ms": sum(r["span_ms"] for r in reads) / n,
+            "host_ms": sum(r.get("host_ms", 0.0) for r in reads) / n, "phases": phases}
 
 
 def profiled_samples(be, positions: int, reps: int, rng: np.random.Generator) -> tuple[list[float], dict]:
     """`reps` profiled passes of `positions` tokens (after two warm-up passes): projection GB/s
-    per pass, and the phase table of the passes."""
-    be.profile(True)
-    try:
-        reads = []
-        for r in range(-2, reps):
-            be.eval_argmax(rng.integers(0, be.n_vocab, size=positions).tolist())
-            read = be.profile_read()
-            if read["passes"] != 1:
-                raise ValueError(f"profile: one eval of {positions} tokens read as {read['passes']} passes")
-            if r >= 0:
-                reads.append(read)
-    finally:
-        be.profile(False)
-    return [projection_gbps(x) for x in reads], phase_table(reads)
+    per pass, and the phase table of the passes; then `reps` passes with only the host time on
+    (as they run unprofiled): the table's "host_ms_unprofiled" (mean host time to enqueue the
+    pass) and "wall_ms_unprofiled" (mean wall time of those passes, one eval_argmax each)."""
+    def passes(host_only: bool) -> tuple[list[dict], list[float]]:
+        be.profile(True, host_only=host_only)
+        try:
+            reads, walls = [], []
+            for r in range(-2, reps):
+                t0 = time.perf_counter()
+                be.eval_argmax(rng.integers(0, be.n_vocab, size=positions).tolist())
+                dt = time.perf_counter() - t0
+                read = be.profile_read()
+                if read["passes"] != 1:
+                    raise ValueError(f"profile: one eval of {positions} tokens read as {read['passes']} passes")
+                if r >= 0:
+                    reads.append(read)
+                    walls.append(dt * 1e3)
+        finally:
+            be.profile(False)
+        return reads, walls
+
+    reads, _ = passes(False)
+    table = phase_table(reads)
+    host_reads, walls = passes(True)
+    table["host_ms_unprofiled"] = sum(r["host_ms"] for r in host_reads) / len(host_reads)
+    table["wall_ms_unprofiled"] = sum(walls) / len(walls)
+    return [projection_gbps(x) for x in reads], table
 
 
 def _pairs(text: str, what: str, second: str = "DRAFTS") -> list[tuple[float, int]]:

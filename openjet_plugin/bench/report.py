@@ -275,7 +275,9 @@ def phase_section(tables: dict, median_of) -> list[str]:
     """One table per profiled pass shape (manifest.info["phase_tables"]): each phase's time, bytes,
     floor (bytes over the card's read rate), % of floor, launches and calls per pass; then the
     sum of the phases, the profiled pass's GPU span and the wall time of an unprofiled pass
-    (verify_ms), whose difference is the time no phase accounts for (host, launch gaps)."""
+    (verify_ms), whose difference is the time no phase accounts for (host, launch gaps); the host
+    time to enqueue a pass, profiled and not (where it nears the wall time, the GPU waits on the
+    host's launches)."""
     read = median_of("read_gbps", "openjet", {})
     out: list[str] = []
     for key in sorted(tables):
@@ -303,6 +305,11 @@ def phase_section(tables: dict, median_of) -> list[str]:
         out.append(f"| **sum of phases** | **{tot_ms:.3f}** | {tot_b / 1e6:,.1f} | {'' if floor is None else f'{floor:.3f}'} "
                    f"| {f'{floor / tot_ms:.0%}' if floor and tot_ms > 0 else ''} | {int(tot_l)} | |")
         out.append(f"| profiled pass, first event to last | {t['span_ms']:.3f} | | | | | |")
+        if t.get("host_ms"):
+            out.append(f"| host: the profiled pass enqueued (start to its last launch) | {t['host_ms']:.3f} | | | | | |")
+        if t.get("host_ms_unprofiled"):
+            out.append(f"| host: an unprofiled pass enqueued / its wall time | {t['host_ms_unprofiled']:.3f} / "
+                       f"{t.get('wall_ms_unprofiled', 0.0):.3f} | | | | | |")
         if wall:
             out.append(f"| unprofiled pass, wall (verify_ms median) | {wall:.3f} | | | | | |")
             out.append(f"| wall − sum of phases (host, launch before the first kernel, copy back) | {wall - tot_ms:.3f} | | | | | |")
