@@ -97,9 +97,8 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
                                          void *__restrict__ k_cache, void *__restrict__ v_cache,
                                          __half *__restrict__ k_scale, __half *__restrict__ v_scale,
                                          int n_head, int n_head_kv, int n_ctx, int pos0, float eps,
-                                         RopeParams rp, uint64_t tree, L2Prefetch pf) {
+                                         RopeParams rp, uint64_t tree) {
     pdl_launch_dependents();
-    prefetch_l2(pf);   // the next projections' weights: they depend on no kernel
     pdl_wait();
     extern __shared__ float normed[];
     const int n = blockIdx.x, hh = blockIdx.y, D = blockDim.x, t = threadIdx.x;
@@ -215,11 +214,11 @@ void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, i
 // tree: tree.cuh's word, 0 for a chain (any n: a prefill pass too).
 template <bool Q8>
 void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v, float *q_rot, int n,
-                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const L2Prefetch &pf = L2Prefetch{}) {
+                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     check_cuda(launch(attention_prepare_kernel<Q8>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v, L.q_norm,
                       L.k_norm, q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv, n_ctx, pos0, d.hp.rms_eps,
-                      rope_params(d), tree, pf),
+                      rope_params(d), tree),
                "attention_prepare");
 }
 
@@ -245,18 +244,18 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
 
 template <bool Q8>
 void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                      uint64_t tree, const L2Prefetch &pf) {
-    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree, pf);
+                      uint64_t tree) {
+    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree);
     decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree);
 }
 
 }  // namespace
 
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                   uint64_t tree, const L2Prefetch &pf) {
+                   uint64_t tree) {
     switch (L.kv_type) {
-        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree, pf); break;
-        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree, pf); break;
+        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree); break;
+        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree); break;
         default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
     }
 }

@@ -51,9 +51,8 @@ template <int KERNEL, bool TREE>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
                                      float *__restrict__ state, float *__restrict__ out, int C, bool commit,
-                                     uint64_t parents, L2Prefetch pf) {
+                                     uint64_t parents) {
     pdl_launch_dependents();
-    prefetch_l2(pf);   // the next projections' weights: they depend on no kernel
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
@@ -106,7 +105,7 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
 // (parents != 0: the n new ones are a draft tree, tree.cuh's word).
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
                          const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st,
-                         bool recurrence = true, uint64_t parents = 0, const L2Prefetch &pf = L2Prefetch{}) {
+                         bool recurrence = true, uint64_t parents = 0) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = 128, blocks = (C + threads - 1) / threads;
@@ -115,7 +114,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
     cudaError_t e = cudaSuccess;
 #define OJ_CONV(K)                                                                                                  \
     e = launch(tree ? deltanet_conv_kernel<K, true> : deltanet_conv_kernel<K, false>, blocks, threads, 0, st, replay.qkv, \
-               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents, pf)
+               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents)
     switch (d.hp.ssm_conv_kernel) {
         case 2: OJ_CONV(2); break;
         case 3: OJ_CONV(3); break;
@@ -146,8 +145,8 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 }  // namespace
 
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t parents, const L2Prefetch &pf) {
-    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents, pf);
+                  cudaStream_t st, uint64_t parents) {
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents);
 }
 
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st) {

@@ -1,6 +1,5 @@
 // engine.cu: loading a model description onto the device, and the forward passes of the main
 // model and the MTP block for 1..8 positions. api.cu wraps these into the C API.
-#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -392,21 +391,6 @@ void ffn(Engine &e, Layer &L, int n) {
     matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
-// What a layer's mixer pulls into L2 while its kernels wait on latency (pdl.cuh's L2Prefetch): its
-// output projection whole and the first FFN_PREFETCH bytes of the FFN's gate, the projections that
-// follow it. OJ_L2_PREFETCH=0 leaves it off: the A/B that decides whether it stays (issue 25).
-constexpr uint64_t FFN_PREFETCH = 16ull << 20;
-L2Prefetch mixer_prefetch(const Matrix &out, const Layer &L) {
-    static const bool off = env_is("OJ_L2_PREFETCH", "0");
-    L2Prefetch pf;
-    if (off) return pf;
-    pf.p[0] = out.data;
-    pf.bytes[0] = weight_bytes(out);
-    pf.p[1] = L.ffn_gate.data;
-    pf.bytes[1] = std::min<uint64_t>(weight_bytes(L.ffn_gate), FFN_PREFETCH);
-    return pf;
-}
-
 // attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree).
 void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0) {
     Scratch &s = e.s;
@@ -417,7 +401,7 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0) {
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
     const uint64_t kv = (uint64_t)(pos0 + n) * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
-    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree, mixer_prefetch(L.wo, L));
+    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
@@ -434,7 +418,7 @@ void deltanet_layer(Engine &e, Layer &L, int n) {
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
-    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree, mixer_prefetch(L.wssm_out, L));
+    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
                       e.stream);

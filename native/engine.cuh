@@ -15,7 +15,6 @@
 
 #include "model_dims.h"
 #include "openjet.h"
-#include "pdl.cuh"   // L2Prefetch
 #include "quant_blocks.cuh"
 #include "tree.cuh"
 
@@ -278,9 +277,8 @@ void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 // `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
 // follow each node's ancestors).
-// pf: weights the conv kernel pulls into L2 for what follows (pdl.cuh's L2Prefetch).
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t tree = 0, const L2Prefetch &pf = L2Prefetch{});
+                  cudaStream_t st, uint64_t tree = 0);
 // deltanet.cu: o = rms_norm(o) * w * silu(z) per head of S values, in place ([n][n_heads][S]).
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st);
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
@@ -298,9 +296,8 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 // `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
 // its depth, attention over the committed rows and its path's (tree_path_rows).
-// pf: weights the prepare kernel pulls into L2 for what follows (pdl.cuh's L2Prefetch).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
-                   cudaStream_t st, uint64_t tree = 0, const L2Prefetch &pf = L2Prefetch{});
+                   cudaStream_t st, uint64_t tree = 0);
 // attention.cu: the first step alone for n positions of a prefill pass: q/k norms and RoPE to q_rot,
 // K/V appended at pos0...
 void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v,

@@ -32,40 +32,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// Weights to pull into L2 ahead of the projection that reads them (issue 25): up to two byte
-// ranges, issued by a latency-bound kernel of the pass (the DeltaNet conv, the attention prepare)
-// before its pdl_wait, so that HBM streams the next projections' weights while the mixer's own
-// kernels wait on latency. A hint: no result depends on it. sm_90+ (the copy engine's
-// cp.async.bulk.prefetch.L2, 32 KB a request, the grid's threads taking requests in turn);
-// compiled out before.
-struct L2Prefetch {
-    const void *p[2] = {nullptr, nullptr};
-    uint64_t bytes[2] = {0, 0};
-};
-
-__device__ __forceinline__ void prefetch_l2(const L2Prefetch &pf) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    constexpr uint64_t CHUNK = 32768;
-    const uint64_t per_block = (uint64_t)blockDim.x * blockDim.y * blockDim.z;
-    const uint64_t block = blockIdx.x + (uint64_t)gridDim.x * (blockIdx.y + (uint64_t)gridDim.y * blockIdx.z);
-    const uint64_t total = per_block * gridDim.x * gridDim.y * gridDim.z;
-    const uint64_t tid = block * per_block + threadIdx.x + (uint64_t)blockDim.x * (threadIdx.y + (uint64_t)blockDim.y * threadIdx.z);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (!pf.p[r]) continue;
-        // the range's whole 16-byte units (the instruction's alignment and size rule)
-        const uint64_t a0 = ((uint64_t)pf.p[r] + 15) & ~(uint64_t)15, a1 = ((uint64_t)pf.p[r] + pf.bytes[r]) & ~(uint64_t)15;
-        if (a1 <= a0) continue;
-        const uint64_t n = (a1 - a0 + CHUNK - 1) / CHUNK;
-        for (uint64_t i = tid; i < n; i += total) {
-            const uint64_t a = a0 + i * CHUNK;
-            const uint32_t size = (uint32_t)(a1 - a < CHUNK ? a1 - a : CHUNK);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
-        }
-    }
-#endif
-}
-
 // Kernel launches by this thread since it started (the profile's launches per phase).
 inline thread_local uint64_t g_launches = 0;
 

@@ -8,6 +8,7 @@
 #   bench          `openjet bench` with llama.cpp's llama-bench built in the background
 #   session        one device call: llama.cpp builds in the background while the suite runs, then
 #                  switch settings in $AB timed against the default, then bench (arguments go to it)
+#   ab             only the session's A/B: switch settings in $AB against the default (q27b)
 #   setup          openjet's llama-cpp-python CUDA build, doctor and the fallback as a user meets them
 #   agreement      teacher-forced agreement with llama.cpp on the q27b
 #   sanitize       compute-sanitizer over a slice of the GPU suite
@@ -21,10 +22,10 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-commands="check bench session setup agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern launch-chain"
+commands="check bench session ab setup agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern launch-chain"
 case "$cmd" in
     "" | -h | --help)
-        sed -n '2,19p' "$0"
+        sed -n '2,20p' "$0"
         exit 2
         ;;
 esac

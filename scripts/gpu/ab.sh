@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Engine switch settings timed against the default on the q27b, and nothing else (the session's A/B
+# step alone: bench/ours.py's verify_ms and projection_gbps at 1 and 5 positions, with the phase
+# tables and host times, and decode at depth 0; each setting in its own process, the engine reads
+# its switches once). Settings are separated by ';', a setting's variables by spaces:
+#
+#   AB="OJ_MVF16_CFG=4,3;OJ_MVF16_CFG=8,2" bash scripts/gpu.sh ab
+#
+# Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12) and the native library built here
+# (openjet_plugin/native: loaded as is when it loads, else rebuilt). $OUT/ab<i>.jsonl per setting
+# (setting <i> in $OUT/settings.txt); the summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/openjet-ab-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
+CACHE=$OPENJET_CACHE_DIR/bench
+mkdir -p "$CACHE"
+if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+python3 -c "from openjet_plugin import _native; _native.load()" >"$OUT/native-load.log" 2>&1 \
+    || OPENJET_CUDA_ARCHS=90 python3 -m openjet_plugin.build_native >>"$OUT/native-load.log" 2>&1 \
+    || { tail -20 "$OUT/native-load.log"; exit 1; }
+M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
+[ -f "$M" ] || { echo "ab: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
+: >"$OUT/settings.txt"
+i=0
+IFS=';' read -ra SETTINGS <<<"default;${AB:-}"
+for s in "${SETTINGS[@]}"; do
+    [ -z "$s" ] && continue
+    env_args=(OJ_AB=1)
+    [ "$s" != default ] && read -ra env_args <<<"$s"
+    echo "$i $s" >>"$OUT/settings.txt"
+    timeout "${AB_TIMEOUT:-120}" env "${env_args[@]}" python3 -m openjet_plugin.bench.ours --model "$M" --out "$OUT/ab$i.jsonl" \
+        --verify 1,5 --decode-depths 0 --decode-tokens 64 --reps 5 >>"$OUT/log.txt" 2>&1
+    echo "ab: setting $i ($s) exit $?" >>"$OUT/log.txt"
+    i=$((i + 1))
+done
+python3 - "$OUT" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+names = dict(line.split(" ", 1) for line in (out / "settings.txt").read_text().splitlines())
+for i, setting in names.items():
+    p = out / f"ab{i}.jsonl"
+    if not p.exists():
+        print(f"A/B {setting:<28} no results"); continue
+    for line in p.read_text().splitlines():
+        o = json.loads(line)
+        if "metric" in o:
+            print(f"A/B {setting:<28} {o['metric']:<16} {json.dumps(o['params'], sort_keys=True):<32} median {statistics.median(o['samples']):9.3f} {o['unit']}")
+        elif "info" in o and "phase_tables" in o["info"]:
+            for k, t in o["info"]["phase_tables"].items():
+                ph = " ".join(f"{x['name'].split()[-1][:6]}={x['ms']:.2f}" for x in t["phases"] if x["calls"])
+                print(f"    {k.split('|')[-1]}: span {t['span_ms']:.2f} host {t.get('host_ms_unprofiled', 0):.2f} / wall {t.get('wall_ms_unprofiled', 0):.2f} | {ph}")
+        elif "error" in o or "skip" in o:
+            print(f"A/B {setting:<28} {o}")
+PY
