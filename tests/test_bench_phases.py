@@ -20,7 +20,7 @@ def _read(ms_scale: float = 1.0) -> dict:
             ("attention core", 1, 3, 0.050, 10_000_000), ("attention output", 1, 2, 0.100, 150_000_000),
             ("ffn gate+up", 2, 4, 1.000, 3_000_000_000), ("swiglu", 2, 2, 0.010, 0),
             ("ffn down", 2, 4, 0.600, 1_500_000_000), ("head", 1, 2, 0.300, 1_000_000_000), ("argmax", 1, 1, 0.020, 0)]
-    return {"passes": 1, "span_ms": 3.2 * ms_scale,
+    return {"passes": 1, "span_ms": 3.2 * ms_scale, "host_ms": 1.5 * ms_scale,
             "phases": [{"name": n, "calls": c, "launches": la, "ms": ms * ms_scale, "bytes": b} for n, c, la, ms, b in rows]}
 
 
@@ -45,7 +45,7 @@ def test_projection_gbps_refuses_a_read_without_projection_time():
 
 def test_phase_table_is_the_mean_per_pass():
     t = ours.phase_table([_read(1.0), _read(3.0)])
-    assert t["passes"] == 2 and t["span_ms"] == pytest.approx(6.4)
+    assert t["passes"] == 2 and t["span_ms"] == pytest.approx(6.4) and t["host_ms"] == pytest.approx(3.0)
     by = {p["name"]: p for p in t["phases"]}
     assert by["ffn gate+up"]["ms"] == pytest.approx(2.0) and by["ffn gate+up"]["bytes"] == 3_000_000_000
     assert by["norms"]["launches"] == 5 and by["ffn down"]["calls"] == 2
@@ -59,9 +59,13 @@ def test_phase_section_floors_percentages_and_the_gap_to_the_wall():
     results = [report.result("read_gbps", "openjet", {}, [5000.0] * 5),
                report.result("verify_ms", "openjet", params, [4.0] * 6),
                report.result("projection_gbps", "openjet", params, rng.normal(3000, 10, 6))]
-    man = {"gpu": {"name": "H200"}, "info": {report.PHASES_KEY: {key: ours.phase_table([_read()])}}}
+    table = ours.phase_table([_read()])
+    table.update(host_ms_unprofiled=1.25, wall_ms_unprofiled=3.5)    # what profiled_samples adds
+    man = {"gpu": {"name": "H200"}, "info": {report.PHASES_KEY: {key: table}}}
     md = report.markdown({"manifest": man, "results": results})
     assert "## One verify pass, phase by phase (depth 1024, positions 1; mean of 1 profiled passes)" in md
+    assert "| host: the profiled pass enqueued (start to its last launch) | 1.500 |" in md
+    assert "| host: an unprofiled pass enqueued / its wall time | 1.250 / 3.500 |" in md
     # ffn gate+up: 3 GB at 5,000 GB/s = 0.6 ms floor, 1.0 ms taken: 60 %
     assert "| ffn gate+up | 1.000 | 3,000.0 | 0.600 | 60% | 4 | 2 |" in md
     # phases without bytes have no floor

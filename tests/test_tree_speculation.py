@@ -648,5 +648,18 @@ def test_head_is_the_top_of_from_logits(seed):
         np.testing.assert_allclose(head.probs, full.probs[:k], rtol=1e-12)
     whole = TokenDistribution.head(x, params, 10 * n_ids, history, vocab_ids=ids, n_vocab=n_vocab)
     assert whole.ids.tolist() == full.ids.tolist() and abs(whole.probs.sum() - 1.0) < 1e-12
+    # without penalties or bias (the restricted logits read in place), and with -inf entries
+    plain = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    y = x.copy()
+    y[rng.choice(n_ids, 30, replace=False)] = -np.inf
+    full = TokenDistribution.from_logits(y, plain, history, vocab_ids=ids, n_vocab=n_vocab)
+    for k in (1, 4, 8, 10 * n_ids):
+        head = TokenDistribution.head(y, plain, k, history, vocab_ids=ids, n_vocab=n_vocab)
+        assert head.ids.tolist() == full.ids[:k].tolist() and head.n_vocab == n_vocab
+        np.testing.assert_allclose(head.probs, full.probs[:k], rtol=1e-12)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        TokenDistribution.head(y[:-1], plain, 4, vocab_ids=ids, n_vocab=n_vocab)
+    with pytest.raises(ValueError, match="n_vocab is required"):
+        TokenDistribution.head(y, plain, 4, vocab_ids=ids)
     with pytest.raises(ValueError, match="temperature 1"):
         TokenDistribution.head(x, SamplingParams(temperature=0.7), 4, vocab_ids=ids, n_vocab=n_vocab)
