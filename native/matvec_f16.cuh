@@ -262,11 +262,6 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
     prep_store<TYPE>(xv, rec, v, lane);
 }
 
-__device__ __forceinline__ void prefetch_l2(const void *p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
-#endif
-}
 __device__ __forceinline__ void cp8(void *dst, const void *src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(gemm::smem_addr(dst)), "l"(src));
@@ -316,7 +311,6 @@ struct Args {
     bool accumulate;
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
     bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
-    int ahead;                   // tma: steps beyond the ring each warp pulls into L2 (ahead_steps)
     More more;
 };
 
@@ -651,30 +645,9 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
             bar_cp_async_arrive(bar);
         }
     };
-    // super-block u's bytes of this lane's row (lane l: row 16 (l & 1) + l / 2) into L2, so that
-    // its tensor copy `ahead` steps later finds them there: more bytes in flight per SM than the
-    // ring's stages hold (issue 25), through the load path, not the copy engine's queue
-    auto prefetch_w = [&](int64_t u) {
-        const int64_t bi = ((lane & 1) ? blk[1] : blk[0]) + u;
-        if constexpr (Q6) {
-            const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
-            const uint8_t *q = a.w.data + p.q + bi * 192;
-            prefetch_l2(q);
-            prefetch_l2(q + 96);
-            prefetch_l2(q + 191);
-            prefetch_l2(a.w.data + p.sc + bi * 16);
-        } else {
-            const uint8_t *q = a.w.data + bi * 144;
-            prefetch_l2(q);
-            prefetch_l2(q + 72);
-            prefetch_l2(q + 143);
-        }
-    };
-    const int ahead = a.ahead;
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nj) issue_w(ring + s * SB, bars + s, uw + (int64_t)s * WARPS);
-    for (int s = STAGES - 1; s < STAGES - 1 + ahead && s < nj; ++s) prefetch_w(uw + (int64_t)s * WARPS);
     pdl_wait();   // the prep grid's x
     if (lane == 0)
 #pragma unroll
@@ -699,7 +672,6 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
                 bulk(st + W, xn, xb, bars + wr);
                 bulk(st + W + xb, xn + INV_OFF, 32, bars + wr);
             }
-            if (j + STAGES - 1 + ahead < nj) prefetch_w(un + (int64_t)ahead * WARPS);
             un += WARPS;
             xn += WARPS * REC;
         }
@@ -960,18 +932,6 @@ inline size_t smem_bytes(int n_vec) {
            (size_t)WARPS * STAGES * 8;
 }
 
-// Steps beyond its ring each warp of a stream_tma matvec pulls into L2 (prefetch_w). OJ_MVF16_AHEAD
-// (0..8, read once) sets it for the A/B that decides it (issue 25); the engine's users never set it.
-inline int ahead_steps() {
-    static const int n = [] {
-        const char *e = std::getenv("OJ_MVF16_AHEAD");
-        int v = 2;
-        if (e && std::sscanf(e, "%d", &v) == 1 && v >= 0 && v <= 8) return v;
-        return 2;
-    }();
-    return n;
-}
-
 // A tensor map for stream_tma over `rows` rows of `row_bytes` bytes from `base` (boxes of `box`
 // bytes x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
 inline CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes, int box, const char *what) {
@@ -1028,7 +988,6 @@ inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, 
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
     Args b = a;
     b.tma = tma;
-    b.ahead = tma ? ahead_steps() : 0;
     if (b.tma) {
         maps_for(a.w, &b.map[0], &b.map_sc[0]);
         for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
@@ -1221,7 +1180,6 @@ inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, i
     a.accumulate = accumulate;
     a.n_more = 0;
     a.tma = false;   // launch_cfg decides
-    a.ahead = 0;
     return a;
 }
 
