@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and runs native/tools/launch_chain_bench.cu: what a kernel in a chain of dependent launches
-# costs beyond the bytes it streams (plain, PDL, a PDL graph; empty kernels and 1-64 MB streams),
+# costs beyond the bytes it streams (plain, PDL, a PDL graph; empty kernels and 1-64 MB streams;
+# prep -> stream pairs with 0-192 KB a block copied before the wait),
 # the floor under `openjet bench`'s launch fit for the decode pass (issue 25). < 1 minute. Logs to
 # $OUT (or /tmp/openjet-launch-out).
 set -uo pipefail
