@@ -762,9 +762,11 @@ class SpeculativeDecoder:
                 dt = (self.drafts.propose_tree(pos, current, prev_hidden, history, tree, room, params, rng)
                       if room > 0 else DraftTree([current], [-1]))
                 logits, hid = T.verify_tree(dt.tokens, dt.parent)
-                hists = [history + [int(dt.tokens[j]) for j in dt.path(i)[1:]] for i in range(dt.n)]
+                hists = _PathHistories(history, dt)
                 p = _TargetDistributions(logits, params, hists)
-                if params.greedy:
+                if params.greedy and not params.has_penalties and not params.logit_bias and hasattr(T, "argmax"):
+                    tv = verify_tree_greedy(dt, T.argmax())   # the target's argmax: no logits row read
+                elif params.greedy:
                     tv = verify_tree_greedy(dt, _Tops(p))
                 else:
                     tv = verify_tree_sampled(dt, p, rng, self.tree_rule)
@@ -819,6 +821,24 @@ class _Tops:
 
     def __getitem__(self, i: int) -> int:
         return self.p[i].top()
+
+
+class _PathHistories:
+    """The history before each node of a draft tree (the request's, then the node's path), built
+    when first read: penalties read it, nothing else does."""
+
+    def __init__(self, history: list[int], tree):
+        self.history, self.tree = history, tree
+        self._made: dict[int, list[int]] = {}
+
+    def __len__(self) -> int:
+        return self.tree.n
+
+    def __getitem__(self, i: int) -> list[int]:
+        i = range(len(self))[i]
+        if i not in self._made:
+            self._made[i] = self.history + [int(self.tree.tokens[j]) for j in self.tree.path(i)[1:]]
+        return self._made[i]
 
 
 class _TargetDistributions:

@@ -350,6 +350,11 @@ class NativeTreeTarget:
         self.b.verify_tree([int(t) for t in tokens], parent)
         return self._results(len(tokens))
 
+    def argmax(self) -> list[int]:
+        """The engine's argmax after each node of the last verify_tree (its pass computes them;
+        ties: the lowest id)."""
+        return self.b.argmax()
+
     def commit_path(self, path: Sequence[int]) -> None:
         self._stale()
         self.b.commit_path([int(i) for i in path])

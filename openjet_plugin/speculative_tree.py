@@ -426,6 +426,10 @@ class TreeTarget(Protocol):
     # keep the nodes of `path` (node 0, then each a child of the one before) as positions n_past..;
     # drop everything else of the last verify_tree
 
+    # Optional: argmax() -> list[int], the target's own argmax after each node of the last
+    # verify_tree (ties: the lowest id, as from_logits orders them). Greedy verification without
+    # penalties or a logit bias reads it instead of the logits rows (a 248K-float copy a row).
+
 
 class MTPTreeDrafts(MTPDrafts):
     """Draft trees from the MTP head over a restricted (dynamic) vocabulary (`grow_tree`).
@@ -451,7 +455,14 @@ class MTPTreeDrafts(MTPDrafts):
         ids = self.vocab.ids
         greedy = params.greedy
         rank = replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if greedy else params
-        hist: dict[int, list[int]] = {0: list(history)}
+        # a node's history (the request's, then its path's tokens) is read only for penalties:
+        # built then, not copied at every node (8K tokens a copy at depth 8K)
+        path_of: dict[int, list[int]] = {0: []}
+        penalised = params.has_penalties
+
+        def hist(i: int) -> Sequence[int]:
+            return list(history) + path_of[i] if penalised else ()
+
         state: dict[int, tuple[Any, list]] = {}          # node -> (MTP hidden after it, its branch's rows)
 
         def expand(i: int, tok: int, par: int, dep: int) -> TokenDistribution:
@@ -460,15 +471,15 @@ class MTPTreeDrafts(MTPDrafts):
                 self._true_upto = pos + 1                # (x_pos, h_{pos-1}) used the main hidden
                 rows: list = []
             else:
-                hist[i] = hist[par] + [int(tok)]
+                path_of[i] = path_of[par] + [int(tok)]
                 h_par, rows_par = state[par]
                 logits, h, row = self.drafter.step_branch(pos + dep, int(tok), h_par, ids, rows_par)
                 rows = rows_par + [row]
             state[i] = (h, rows)
             if greedy:       # only the ranking and each candidate's probability are read (grow_tree)
-                return TokenDistribution.head(logits, rank, policy.max_children, hist[i], vocab_ids=ids,
+                return TokenDistribution.head(logits, rank, policy.max_children, hist(i), vocab_ids=ids,
                                               n_vocab=self.n_vocab)
-            return TokenDistribution.from_logits(logits, rank, hist[i], vocab_ids=ids, n_vocab=self.n_vocab)
+            return TokenDistribution.from_logits(logits, rank, hist(i), vocab_ids=ids, n_vocab=self.n_vocab)
 
         return grow_tree(int(token), expand, policy, max_depth, greedy, rng)
 

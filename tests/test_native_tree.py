@@ -253,6 +253,33 @@ def test_native_tree_target_refuses_a_backend_that_follows_the_mtp_cache(fake_tr
         native_tree_decoder(_backend(0), 9)
 
 
+def test_greedy_tree_verification_reads_the_engine_argmax_not_logits_rows(fake_tree, monkeypatch):
+    """Greedy trees without penalties or bias verify on the engine's own argmax (NativeTreeTarget.
+    argmax): no logits row is copied (a 248K-float copy a row on the 27B), and the output is plain
+    decoding's. With a repetition penalty the rows are read (penalties change the argmax)."""
+    from openjet_plugin.speculative_native import native_tree_decoder
+
+    reads = {"n": 0}
+    get_logits = TreeFakeLib.oj_get_logits
+
+    def counted(self, *a):
+        reads["n"] += 1
+        return get_logits(self, *a)
+
+    monkeypatch.setattr(TreeFakeLib, "oj_get_logits", counted)
+    be = _backend(0)
+    dec = native_tree_decoder(be, 8)
+    dec.generate(PROMPTS[2], GREEDY, max_tokens=1)
+    prefill_reads, reads["n"] = reads["n"], 0         # this toy's prefill returns its last row
+    r = dec.generate(PROMPTS[2], GREEDY, max_tokens=40)
+    assert r.tokens == _plain(PROMPTS[2], 40) and r.stats.drafts_accepted > 0
+    assert reads["n"] == prefill_reads, "greedy tree verification read logits rows"
+    reads["n"] = 0
+    penalised = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.1)
+    dec.generate(PROMPTS[2], penalised, max_tokens=10)
+    assert reads["n"] > prefill_reads
+
+
 def test_chain_decoding_through_the_tree_target(fake_tree):
     """The same target also drives chains (verify/commit) and plain decoding."""
     from openjet_plugin.speculative_native import NativeTreeDrafter, NativeTreeTarget
