@@ -51,6 +51,26 @@ class _LazyRows:
         return self._rows[i]
 
 
+class _LazyHiddens:
+    """The target's hidden after each node of the last verify_tree, copied from the GPU when first
+    read (the decoder reads its accepted path's, before commit_path: the engine's rows are the
+    path's after it, so a read then is refused)."""
+
+    def __init__(self, backend, n: int):
+        self.b, self.n, self._rows = backend, n, {}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        i = range(self.n)[i]
+        if i not in self._rows:
+            if self.b is None:
+                raise RuntimeError("a draft tree's hidden read after commit_path: the engine's rows are the path's now")
+            self._rows[i] = self.b.hidden(i)
+        return self._rows[i]
+
+
 class _Targets:
     """p[i]: the target distribution after position i, built when verification asks for it;
     masks[i] (a constraint's allowed tokens there, or None) applied first."""
@@ -296,9 +316,8 @@ class NativeTreeTarget:
     `SpeculativeDecoder(tree=...)` drives (`native_tree_decoder`).
 
     verify_tree is oj_verify_tree (all nodes in one pass) and commit_path oj_commit_path. Logits
-    rows are copied from the GPU only when verification reads them; every node's hidden is copied
-    at once (the decoder hands the path's to the draft source, and after commit_path the engine's
-    rows are the path's). The draft source keeps the MTP cache itself (MTPTreeDrafts' catch-up
+    rows and hiddens are copied from the GPU only when read (the decoder reads its accepted path's
+    hiddens, for the draft source, before commit_path; after it the engine's rows are the path's). The draft source keeps the MTP cache itself (MTPTreeDrafts' catch-up
     through NativeTreeDrafter), so the backend must not also follow it: draft_depth 0.
     """
 
@@ -311,6 +330,7 @@ class NativeTreeTarget:
         self.b = backend
         self.n_vocab = backend.n_vocab
         self._rows: _LazyRows | None = None
+        self._hiddens: _LazyHiddens | None = None
 
     @property
     def n_past(self) -> int:
@@ -348,7 +368,9 @@ class NativeTreeTarget:
 
     def verify_tree(self, tokens: Sequence[int], parent: Sequence[int]):
         self.b.verify_tree([int(t) for t in tokens], parent)
-        return self._results(len(tokens))
+        n = len(tokens)
+        self._rows, self._hiddens = _LazyRows(self.b, n), _LazyHiddens(self.b, n)
+        return self._rows, self._hiddens
 
     def argmax(self) -> list[int]:
         """The engine's argmax after each node of the last verify_tree (its pass computes them;
@@ -364,6 +386,9 @@ class NativeTreeTarget:
         if self._rows is not None:
             self._rows.n = 0
             self._rows = None
+        if self._hiddens is not None:
+            self._hiddens.b = None
+            self._hiddens = None
 
 
 class NativeTreeDrafter:
