@@ -280,6 +280,24 @@ def test_greedy_tree_verification_reads_the_engine_argmax_not_logits_rows(fake_t
     assert reads["n"] > prefill_reads
 
 
+def test_tree_hiddens_are_read_before_commit_path_only(fake_tree):
+    """NativeTreeTarget.verify_tree's hiddens are copied when read: a node's equals the backend's
+    hidden(i) then; after commit_path (the engine's rows are the path's) a read is refused."""
+    from openjet_plugin.speculative_native import NativeTreeTarget
+
+    be = _backend(0)
+    T = NativeTreeTarget(be)
+    T.prefill([5, 17, 300])
+    rows, hid = T.verify_tree([12, 40, 41, 7], [-1, 0, 0, 1])
+    assert len(hid) == 4
+    np.testing.assert_array_equal(hid[2], be.hidden(2))
+    kept = hid[1]
+    T.commit_path([0, 1])
+    np.testing.assert_array_equal(hid[1], kept)               # read before: kept
+    with pytest.raises(RuntimeError, match="after commit_path"):
+        hid[3]
+
+
 def test_chain_decoding_through_the_tree_target(fake_tree):
     """The same target also drives chains (verify/commit) and plain decoding."""
     from openjet_plugin.speculative_native import NativeTreeDrafter, NativeTreeTarget
