@@ -261,6 +261,17 @@ int32_t oj_mtp_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, 
     return guarded(engine, [&] { oj::engine_mtp_eval(engine->e, tokens, n_tokens, pos0, h_source, h_host); });
 }
 
+int32_t oj_draft_tree(oj_engine *engine, const oj_tree_request *request, int32_t *tokens, int32_t *parent,
+                      double *prob, double *score, int32_t *n_nodes, int32_t *steps) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    if (!request || !n_nodes) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: request or n_nodes is NULL");
+    return guarded(engine, [&] {
+        int st = 0;
+        *n_nodes = oj::engine_draft_tree(engine->e, *request, tokens, parent, prob, score, &st);
+        if (steps) *steps = st;
+    });
+}
+
 int32_t oj_mtp_n_past(const oj_engine *engine, int32_t *out) {
     if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
     *out = engine->e.mtp_n_past;

@@ -76,6 +76,81 @@ __global__ void compact_rows_kernel(const CompactJob *__restrict__ jobs, uint64_
     }
 }
 
+// One block of 1024 threads over a row of `width` logits: its TOP_MAX (or k) largest values in
+// descending order (ties: the smaller index, as argmax_kernel), their indices mapped through `ids`
+// when set (a restricted draft head's rows back to token ids), and the row's max and sum of
+// exp(x - max) over its finite values (stats[0], stats[1]): a draft tree node's candidates and
+// their probabilities without the row leaving the GPU (oj_draft_tree).
+constexpr int TOP_MAX = 8;
+__device__ __forceinline__ bool top_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+__global__ void __launch_bounds__(1024) row_top_kernel(const float *__restrict__ x, int width, const int32_t *__restrict__ ids,
+                                                       int k, int32_t *__restrict__ out_id, float *__restrict__ out_val,
+                                                       float *__restrict__ stats) {
+    pdl_launch_dependents();
+    pdl_wait();
+    float tv[TOP_MAX];
+    int ti[TOP_MAX];
+#pragma unroll
+    for (int j = 0; j < TOP_MAX; ++j) tv[j] = -INFINITY, ti[j] = 0x7fffffff;
+    float m = -INFINITY, sum = 0.0f;   // online max and sum of exp(x - m) of the finite values
+    for (int i = threadIdx.x; i < width; i += blockDim.x) {
+        const float v = x[i];
+        if (!(v > -INFINITY && v < INFINITY)) continue;   // -inf, +inf and NaN: never a candidate
+        if (v > m) {
+            sum = sum * expf(m - v) + 1.0f;
+            m = v;
+        } else {
+            sum += expf(v - m);
+        }
+        if (top_before(v, i, tv[TOP_MAX - 1], ti[TOP_MAX - 1])) {   // insert, keeping the order
+            float cv = v;
+            int ci = i;
+#pragma unroll
+            for (int j = 0; j < TOP_MAX; ++j)
+                if (top_before(cv, ci, tv[j], ti[j])) {
+                    const float sv = tv[j];
+                    const int si = ti[j];
+                    tv[j] = cv, ti[j] = ci, cv = sv, ci = si;
+                }
+        }
+    }
+    __shared__ float sm[1024], ss[1024];
+    __shared__ int si[1024];
+    sm[threadIdx.x] = m;
+    ss[threadIdx.x] = sum;
+    __syncthreads();
+    for (int h = blockDim.x / 2; h > 0; h >>= 1) {
+        if (threadIdx.x < h) {
+            const float m1 = sm[threadIdx.x], m2 = sm[threadIdx.x + h], mm = fmaxf(m1, m2);
+            if (mm > -INFINITY)
+                ss[threadIdx.x] = (m1 > -INFINITY ? ss[threadIdx.x] * expf(m1 - mm) : 0.0f) +
+                                  (m2 > -INFINITY ? ss[threadIdx.x + h] * expf(m2 - mm) : 0.0f);
+            sm[threadIdx.x] = mm;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) stats[0] = sm[0], stats[1] = ss[0];
+    __syncthreads();
+    // k rounds: every thread offers its best remaining candidate; the block's best is taken
+    int head = 0;
+    for (int r = 0; r < k; ++r) {
+        float hv = -INFINITY;
+        int hi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < TOP_MAX; ++j)
+            if (j == head) hv = tv[j], hi = ti[j];
+        const int win = block_argmax(hv, hi, sm, si);
+        if (hi == win && hi != 0x7fffffff) ++head;
+        if (threadIdx.x == 0) {
+            const bool real = win != 0x7fffffff;
+            out_id[r] = real ? (ids ? ids[win] : win) : -1;
+            out_val[r] = real ? x[win] : -INFINITY;
+        }
+        __syncthreads();
+    }
+}
+
 // Reads through an address no allocation covers: the test of how a kernel fault surfaces.
 __global__ void fault_probe_kernel(int32_t *out) {
     const int32_t *bad = reinterpret_cast<const int32_t *>(uintptr_t(0x10));
@@ -100,6 +175,12 @@ void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st
 
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st) {
     check_cuda(launch(map_ids_kernel, 1, 32, 0, st, out, ids, n), "map_ids");
+}
+
+void row_top(const float *x, int width, const int32_t *ids, int k, int32_t *out_id, float *out_val, float *stats,
+             cudaStream_t st) {
+    if (k < 1 || k > TOP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "row_top: k must be 1.." + std::to_string(TOP_MAX));
+    check_cuda(launch(row_top_kernel, 1, 1024, 0, st, x, width, ids, k, out_id, out_val, stats), "row_top");
 }
 
 void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st) {

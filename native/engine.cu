@@ -1,9 +1,12 @@
 // engine.cu: loading a model description onto the device, and the forward passes of the main
 // model and the MTP block for 1..8 positions. api.cu wraps these into the C API.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "engine.cuh"
 #include "pdl.cuh"
@@ -368,6 +371,9 @@ void alloc_scratch(Engine &e) {
         s.draft_argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
         s.draft_hidden = f(N * E);
         s.draft_ids = static_cast<int32_t *>(e.alloc(V * sizeof(int32_t), c));
+        s.tree_h = f(N * E);
+        s.top_id = static_cast<int32_t *>(e.alloc(8 * sizeof(int32_t), c));
+        s.top_val = f(8 + 2);
     }
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
     // oj_commit_path's moves: 4 ring buffers per DeltaNet layer, K and V (and their q8_0 scales)
@@ -814,6 +820,8 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {
     e.last_mtp_n = 0;   // draft results of the old vocabulary are gone
 }
 
+void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *h);
+
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host) {
     if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block (nextn_predict_layers = 0 or nextn tensors absent)");
     check_tokens(e, tokens, n);
@@ -843,6 +851,18 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
     } else {
         fail(OJ_ERR_INVALID_ARGUMENT, "h_source " + std::to_string(h_source) + " is not an oj_h_source");
     }
+    mtp_launch(e, tokens, n, pos0, h);
+    finish(e, "mtp_eval");
+    e.mtp_n_past = pos0 + n;
+    e.last_mtp_n = n;
+}
+
+// The MTP block and its head over n positions at pos0.. from `h` (n device rows) onto the stream:
+// the draft results land in s.draft_logits / draft_argmax / draft_hidden.
+void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *h) {
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    Scratch &s = e.s;
     Mtp &m = e.mtp;
     check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
     embed_rows(*m.embed, s.tokens, s.x, n, e.stream);
@@ -860,9 +880,135 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
         matvec(*m.head, s.draft_hidden, s.draft_logits, n, false, e.stream);
         argmax_rows(s.draft_logits, s.draft_argmax, n, d.hp.n_vocab, e.stream);
     }
-    finish(e, "mtp_eval");
+}
+
+namespace {
+
+// One draft-tree node's MTP step (n positions at pos0 from the device rows h, the node the last),
+// then its k best candidates and their probabilities under its whole (restricted) head
+// distribution: one wait on the GPU.
+struct NodeTop {
+    int32_t id[8];
+    double prob[8];
+    int n = 0;
+};
+NodeTop tree_step(Engine &e, const int32_t *tokens, int n, int pos0, const float *h, int k, float *hidden_out) {
+    Scratch &s = e.s;
+    const int E = e.dims.hp.n_embd;
+    const int width = e.n_draft_ids > 0 ? e.n_draft_ids : e.dims.hp.n_vocab;
+    mtp_launch(e, tokens, n, pos0, h);
+    row_top(s.draft_logits + (size_t)(n - 1) * width, width, e.n_draft_ids > 0 ? s.draft_ids : nullptr, k, s.top_id,
+            s.top_val, s.top_val + 8, e.stream);
+    check_cuda(cudaMemcpyAsync(hidden_out, s.draft_hidden + (size_t)(n - 1) * E, (size_t)E * 4, cudaMemcpyDeviceToDevice,
+                               e.stream), "draft tree hidden");
+    int32_t ids[8];
+    float vals[10];
+    check_cuda(cudaMemcpyAsync(ids, s.top_id, sizeof ids, cudaMemcpyDeviceToHost, e.stream), "draft tree candidates");
+    check_cuda(cudaMemcpyAsync(vals, s.top_val, sizeof vals, cudaMemcpyDeviceToHost, e.stream), "draft tree candidates");
+    finish(e, "oj_draft_tree");
     e.mtp_n_past = pos0 + n;
     e.last_mtp_n = n;
+    NodeTop t;
+    const double m = vals[8], sum = vals[9];
+    for (int j = 0; j < k; ++j) {
+        if (ids[j] < 0 || !(sum > 0)) break;
+        t.id[t.n] = ids[j];
+        t.prob[t.n] = std::exp((double)vals[j] - m) / sum;
+        ++t.n;
+    }
+    return t;
+}
+
+}  // namespace
+
+int engine_draft_tree(Engine &e, const oj_tree_request &rq, int32_t *tokens, int32_t *parent, double *prob, double *score,
+                      int *steps_out) {
+    if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block (nextn_predict_layers = 0 or nextn tensors absent)");
+    if (!tokens || !parent || !prob || !score) fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: an output array is NULL");
+    if (!rq.root_h) fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: root_h is NULL");
+    if (rq.budget < 1 || rq.budget > OJ_MAX_POSITIONS)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: budget " + std::to_string(rq.budget) + " is outside 1.." +
+                                          std::to_string(OJ_MAX_POSITIONS));
+    if (rq.max_children < 1 || rq.max_children > 8)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: max_children " + std::to_string(rq.max_children) + " is outside 1..8");
+    if (rq.max_depth < 0) fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: max_depth is negative");
+    if (rq.n_bins < 1 || rq.n_bins > OJ_TREE_MAX_BINS || !rq.edges || !rq.accept_a || !rq.accept_c)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: 1.." + std::to_string(OJ_TREE_MAX_BINS) +
+                                          " acceptance bins with their edges and coefficients are needed");
+    check_tokens(e, &rq.root, 1);
+    const int pos = rq.pos;
+    if (pos < 0 || pos > e.mtp_n_past)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: pos " + std::to_string(pos) + " must be in [0, " +
+                                          std::to_string(e.mtp_n_past) + "] (the MTP cache is contiguous from position 0)");
+    const int max_depth = std::min(rq.max_depth, rq.budget - 1);
+    if (pos + 1 + max_depth > e.n_ctx) fail(OJ_ERR_CONTEXT_FULL, "oj_draft_tree: positions exceed n_ctx " + std::to_string(e.n_ctx));
+    Scratch &s = e.s;
+    const int E = e.dims.hp.n_embd;
+    // the acceptance estimate of a draft probability q: a + c q in q's bin (TreePolicy.estimate)
+    auto estimate = [&](double q) {
+        int b = 0;
+        while (b + 1 < rq.n_bins && q >= rq.edges[b + 1]) ++b;
+        return rq.accept_a[b] + rq.accept_c[b] * q;
+    };
+    int n = 1, steps = 0;
+    int depth[OJ_MAX_POSITIONS] = {0};
+    tokens[0] = rq.root, parent[0] = -1, prob[0] = 1.0, score[0] = 1.0;
+    NodeTop top[OJ_MAX_POSITIONS];
+    if (max_depth < 1 || rq.budget < 2) {
+        if (steps_out) *steps_out = 0;
+        return 1;
+    }
+    // the root's step: its row (x_pos, h_{pos-1}) from the host
+    check_cuda(cudaMemcpyAsync(s.h_in, rq.root_h, (size_t)E * 4, cudaMemcpyHostToDevice, e.stream), "draft tree root h");
+    top[0] = tree_step(e, &rq.root, 1, pos, s.h_in, rq.max_children, s.tree_h);
+    ++steps;
+    // best-first over the slots (grow_tree's order: score, then shallower, then the order pushed)
+    struct Slot { double score; int depth; int order; int node, j; };
+    std::vector<Slot> heap;
+    int order = 0;
+    auto worse = [](const Slot &a, const Slot &b) {   // a below b in the max-heap
+        if (a.score != b.score) return a.score < b.score;
+        if (a.depth != b.depth) return a.depth > b.depth;
+        return a.order > b.order;
+    };
+    auto push = [&](int i, int j) {
+        if (j < top[i].n) {
+            heap.push_back({score[i] * estimate(top[i].prob[j]), depth[i] + 1, order++, i, j});
+            std::push_heap(heap.begin(), heap.end(), worse);
+        }
+    };
+    push(0, 0);
+    while (n < rq.budget && !heap.empty()) {
+        std::pop_heap(heap.begin(), heap.end(), worse);
+        const Slot sl = heap.back();
+        heap.pop_back();
+        const int i = n++;
+        tokens[i] = top[sl.node].id[sl.j];
+        parent[i] = sl.node;
+        depth[i] = sl.depth;
+        prob[i] = top[sl.node].prob[sl.j];
+        score[i] = sl.score;
+        push(sl.node, sl.j + 1);
+        if (n < rq.budget && sl.depth < max_depth) {
+            // its step on its own branch: the path's rows (token, the MTP hidden of its parent) at pos + 1..
+            int path[OJ_MAX_POSITIONS], len = 0;
+            for (int v = i; v > 0; v = parent[v]) path[len++] = v;
+            int32_t ptok[OJ_MAX_POSITIONS];
+            for (int r = 0; r < len; ++r) {
+                const int v = path[len - 1 - r];
+                ptok[r] = tokens[v];
+                check_cuda(cudaMemcpyAsync(s.h_in + (size_t)r * E, s.tree_h + (size_t)parent[v] * E, (size_t)E * 4,
+                                           cudaMemcpyDeviceToDevice, e.stream), "draft tree path h");
+            }
+            top[i] = tree_step(e, ptok, len, pos + 1, s.h_in, rq.max_children, s.tree_h + (size_t)i * E);
+            ++steps;
+            push(i, 0);
+        } else {
+            top[i].n = 0;
+        }
+    }
+    if (steps_out) *steps_out = steps;
+    return n;
 }
 
 void engine_profile(Engine &e, int on) {

@@ -113,6 +113,9 @@ struct Scratch {
     int32_t *draft_ids = nullptr;                      // [n_vocab]: the draft vocabulary, when restricted
     float *hidden = nullptr;                           // [N+1][E]: row 0 = position before the batch
     float *draft_hidden = nullptr;                     // [N][E]
+    float *tree_h = nullptr;                           // [N][E] oj_draft_tree: each node's MTP hidden
+    int32_t *top_id = nullptr;                         // [8] oj_draft_tree: a node's candidates (row_top)
+    float *top_val = nullptr;                          // [8 + 2] their logits, the row's max and exp sum
     int32_t *fault_probe = nullptr;
 };
 
@@ -222,6 +225,9 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
 void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
+// oj_draft_tree: the number of nodes written
+int engine_draft_tree(Engine &e, const oj_tree_request &rq, int32_t *tokens, int32_t *parent, double *prob, double *score,
+                      int *steps_out);
 // oj_profile / oj_profile_read (openjet.h); read returns the phase count written.
 void engine_profile(Engine &e, int on);
 int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms, double *host_ms);
@@ -268,6 +274,11 @@ void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st
 // out[i] = ids[out[i]] for i < n (an argmax over a row subset back to token ids)
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st);
 void fault_probe(int32_t *out, cudaStream_t st);
+// elementwise.cu: the k (1..8) largest of one row of `width` values, descending (ties: the smaller
+// index), indices mapped through ids when set (-1 past the finite values), and the row's max and
+// sum of exp(x - max) over its finite values in stats[0..1] (oj_draft_tree's node candidates).
+void row_top(const float *x, int width, const int32_t *ids, int k, int32_t *out_id, float *out_val, float *stats,
+             cudaStream_t st);
 // elementwise.cu: for each of n_jobs jobs, rows path[i] -> rows i (i < n_path; path[i] >= i, as
 // a root-first path of a tree in topological order has): oj_commit_path's moves.
 void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st);

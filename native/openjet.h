@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 7, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
+enum { OJ_ABI_VERSION = 8, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -250,6 +250,33 @@ int32_t oj_draft_vocab_size(const oj_engine *engine, int32_t *out);
 int32_t oj_get_draft_argmax(oj_engine *engine, int32_t *out, int32_t n);
 int32_t oj_get_draft_logits(oj_engine *engine, int32_t index, float *out, int32_t n);
 int32_t oj_get_draft_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd);
+
+/* A greedy draft tree from the MTP head in one call (issue 28; speculative_tree.grow_tree's
+   best-first rule): the root `root` at MTP position pos (its row from root_h, the main hidden of
+   pos - 1, n_embd floats on the host); every node taken is expanded by one MTP step on its own
+   branch (its ancestors' rows, each (token, the MTP hidden after its parent), at pos + 1..) into
+   its max_children most probable tokens of the (restricted) head, slot j of node i scored
+   score(i) x (accept_a[b] + accept_c[b] q_j), b the bin of q_j (the last b with edges[b] <= q_j),
+   and slots are taken best score first (then shallower, then first pushed) until `budget` nodes
+   or no slot is left; a node at max_depth or the last taken is not expanded. Out (budget entries):
+   the nodes in the order taken (tokens, parent, the probability q their slot had, the score),
+   *n_nodes, and *steps the MTP steps made. The MTP cache holds the root's row at pos after it
+   (positions beyond are scratch), as after the same oj_mtp_eval calls. */
+enum { OJ_TREE_MAX_BINS = 32 };
+typedef struct oj_tree_request {
+    int32_t root;
+    int32_t pos;
+    const float *root_h;
+    int32_t budget;            /* 1..OJ_MAX_POSITIONS nodes, the root included */
+    int32_t max_children;      /* 1..8 */
+    int32_t max_depth;         /* >= 0 */
+    int32_t n_bins;            /* 1..OJ_TREE_MAX_BINS */
+    const double *edges;       /* [n_bins] lower edges, ascending */
+    const double *accept_a;    /* [n_bins] */
+    const double *accept_c;    /* [n_bins] */
+} oj_tree_request;
+int32_t oj_draft_tree(oj_engine *engine, const oj_tree_request *request, int32_t *tokens, int32_t *parent,
+                      double *prob, double *score, int32_t *n_nodes, int32_t *steps);
 
 /* Checkpoints: the recurrent state (DeltaNet conv + ssm state) and the hidden state at n_past,
    copied on the device into slot `slot` (< n_checkpoints). Restoring returns the conversation to

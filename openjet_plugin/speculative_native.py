@@ -442,6 +442,21 @@ class NativeTreeDrafter:
         logits = self.b.draft_logits(0) if vocab_ids is not None else None
         return logits, self.b.draft_hidden(0)
 
+    def grow(self, pos: int, token: int, hidden, vocab_ids, policy, max_depth: int):
+        """A greedy draft tree in one engine call (oj_draft_tree), by grow_tree's rule with the
+        policy's acceptance estimate: a DraftTree, or None where the engine cannot (an older
+        library, a budget or fan-out beyond it)."""
+        from .speculative_tree import DraftTree
+
+        if (not getattr(self.b, "supports_draft_tree", False) or policy.budget > MAX_NATIVE_DEPTH + 1
+                or policy.max_children > 8):
+            return None
+        self._use_vocab(vocab_ids)
+        edges, a, c = policy.estimate_table()
+        toks, par, prob, score, steps = self.b.draft_tree(int(token), int(pos), self._h(hidden), policy.budget,
+                                                          policy.max_children, int(max_depth), edges, a, c)
+        return DraftTree(toks, par, prob=prob, score=score, draft_steps=steps)
+
     def step_branch(self, pos, token, hidden, vocab_ids, path):
         self._use_vocab(vocab_ids)
         rows = list(path) + [(int(token), self._h(hidden))]

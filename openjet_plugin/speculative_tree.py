@@ -321,6 +321,16 @@ class TreePolicy:
     def estimate(self, q: float) -> float:
         return self.calibration.estimate(q) if self.calibrate else float(q)
 
+    def estimate_table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """estimate() as (edges, a, c): q in bin b (the last b with edges[b] <= q) estimates to
+        a[b] + c[b] q (what a native tree grower takes)."""
+        cal = self.calibration
+        edges = cal.EDGES[:-1].astype(np.float64)
+        if not self.calibrate:
+            return edges, np.zeros(edges.size), np.ones(edges.size)
+        den = cal.tested + cal.prior
+        return edges, cal.accepted / den, cal.prior / den
+
     def update(self, tree: DraftTree, verdict: TreeVerdict) -> None:
         """Record a verified tree: each child of an accepted node was accepted or not. Children a
         sampled verification never tested (a sibling before them was accepted) count as not
@@ -454,6 +464,11 @@ class MTPTreeDrafts(MTPDrafts):
         self.vocab.add([token])
         ids = self.vocab.ids
         greedy = params.greedy
+        if greedy and not params.has_penalties and not params.logit_bias and hasattr(self.drafter, "grow"):
+            tree = self.drafter.grow(pos, int(token), hidden, ids, policy, max_depth)
+            if tree is not None:                     # the whole tree in one engine call
+                self._true_upto = pos + 1            # the root's row (x_pos, h_{pos-1}) used the main hidden
+                return tree
         rank = replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if greedy else params
         # a node's history (the request's, then its path's tokens) is read only for penalties:
         # built then, not copied at every node (8K tokens a copy at depth 8K)

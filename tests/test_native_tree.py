@@ -47,6 +47,8 @@ class TreeFakeLib(FakeLib):
         self.n_embd = int(desc.hparams.n_embd)
         return super().oj_engine_create(desc, out)
 
+    draft_tree_calls = 0
+
     def oj_reset(self, h):
         self.parent: list[int] = []
         self.ids: np.ndarray | None = None
@@ -135,6 +137,84 @@ class TreeFakeLib(FakeLib):
 
     def oj_set_draft_vocab(self, h, ids, n):
         self.ids = None if n == 0 else np.array([int(ids[i]) for i in range(n)])
+        return 0
+
+    def oj_draft_tree(self, h, rq, toks, par, prob, score, n_out, steps):
+        """engine.cu's oj_draft_tree over this toy: grow_tree's best-first rule, each node's step
+        through oj_mtp_eval with host rows (the root's from root_h, a branch's from its ancestors'
+        MTP hiddens), candidates and probabilities from the draft logits row (float64 softmax)."""
+        E = self.n_embd
+        budget, K, max_depth, nb = int(rq.budget), int(rq.max_children), int(rq.max_depth), int(rq.n_bins)
+        if not 1 <= budget <= 8 or not 1 <= K <= 8 or max_depth < 0 or not 1 <= nb <= 32:
+            return self._fail("oj_draft_tree: budget, max_children, max_depth or n_bins out of range")
+        edges = [float(rq.edges[i]) for i in range(nb)]
+        a, c = [float(rq.accept_a[i]) for i in range(nb)], [float(rq.accept_c[i]) for i in range(nb)]
+        root, pos = int(rq.root), int(rq.pos)
+        root_h = np.frombuffer(self.ffi.buffer(rq.root_h, E * 4), dtype=np.float32).copy()
+        self.draft_tree_calls += 1
+
+        def estimate(q):
+            b = 0
+            while b + 1 < nb and q >= edges[b + 1]:
+                b += 1
+            return a[b] + c[b] * q
+
+        def step(tokens, pos0, rows):
+            arr = np.ascontiguousarray(np.stack(rows), dtype=np.float32)
+            assert self.oj_mtp_eval(h, self.ffi.new("int32_t[]", tokens), len(tokens), pos0, 2,
+                                    self.ffi.from_buffer("float[]", arr)) == 0
+            width = V if self.ids is None else len(self.ids)
+            row = np.empty(width, dtype=np.float32)
+            self.oj_get_draft_logits(h, len(tokens) - 1, self.ffi.from_buffer("float[]", row, require_writable=True), width)
+            hid = np.empty(E, dtype=np.float32)
+            self.oj_get_draft_hidden(h, len(tokens) - 1, self.ffi.from_buffer("float[]", hid, require_writable=True), E)
+            ids = np.arange(width) if self.ids is None else self.ids
+            x = row.astype(np.float64)
+            order = np.lexsort((np.arange(width), -x))[:K]
+            p = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+            return [int(ids[j]) for j in order], [float(p[j]) for j in order], hid
+
+        T, P, D, Q, S = [root], [-1], [0], [1.0], [1.0]
+        tops, hids, n_steps = {}, {}, 0
+        max_depth = min(max_depth, budget - 1)
+        if max_depth >= 1 and budget >= 2:
+            ids0, pr0, hids[0] = step([root], pos, [root_h])
+            tops[0], n_steps = (ids0, pr0), 1
+            heap, order = [], 0
+
+            def push(i, j):
+                nonlocal order
+                if j < len(tops[i][0]):
+                    heap.append((-(S[i] * estimate(tops[i][1][j])), D[i] + 1, order, i, j))
+                    order += 1
+                    heap.sort()
+
+            push(0, 0)
+            while len(T) < budget and heap:
+                neg, dep, _, i, j = heap.pop(0)
+                T.append(tops[i][0][j])
+                P.append(i)
+                D.append(dep)
+                Q.append(tops[i][1][j])
+                S.append(-neg)
+                push(i, j + 1)
+                k = len(T) - 1
+                if len(T) < budget and dep < max_depth:
+                    path = []
+                    v = k
+                    while v > 0:
+                        path.append(v)
+                        v = P[v]
+                    path.reverse()
+                    ids_k, pr_k, hids[k] = step([T[v] for v in path], pos + 1, [hids[P[v]] for v in path])
+                    tops[k] = (ids_k, pr_k)
+                    n_steps += 1
+                    push(k, 0)
+                else:
+                    tops[k] = ([], [])
+        for i in range(len(T)):
+            toks[i], par[i], prob[i], score[i] = T[i], P[i], Q[i], S[i]
+        n_out[0], steps[0] = len(T), n_steps
         return 0
 
     def oj_get_draft_logits(self, h, index, out, n):
@@ -278,6 +358,65 @@ def test_greedy_tree_verification_reads_the_engine_argmax_not_logits_rows(fake_t
     penalised = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.1)
     dec.generate(PROMPTS[2], penalised, max_tokens=10)
     assert reads["n"] > prefill_reads
+
+
+class DraftTreeFakeLib(TreeFakeLib):
+    """TreeFakeLib with oj_draft_tree (ABI 8)."""
+
+    abi = native.DRAFT_TREE_ABI
+
+
+@pytest.mark.parametrize("budget,calibrate", [(3, False), (5, False), (8, False), (8, True)])
+def test_one_call_draft_tree_is_the_step_by_step_tree(monkeypatch, budget, calibrate):
+    """Greedy trees grown in one engine call (oj_draft_tree, NativeTreeDrafter.grow) are the trees
+    grow_tree builds step by step through step / step_branch: the same output (plain decoding's),
+    cycles, accepted drafts, side branches and MTP steps; the one-call path made every tree."""
+    from openjet_plugin import speculative_tree
+    from openjet_plugin.speculative_native import native_tree_decoder
+    from openjet_plugin.speculative_tree import TreePolicy
+
+    proposed = {"n": 0}
+    propose = speculative_tree.MTPTreeDrafts.propose_tree
+
+    def counted(self, *a, **k):
+        proposed["n"] += 1
+        return propose(self, *a, **k)
+
+    monkeypatch.setattr(speculative_tree.MTPTreeDrafts, "propose_tree", counted)
+    runs = {}
+    for cls in (TreeFakeLib, DraftTreeFakeLib):
+        proposed["n"] = 0
+        libs = install_fake(monkeypatch, cls)
+        be = _backend(0)
+        dec = native_tree_decoder(be, TreePolicy(budget, calibrate=calibrate))
+        out = []
+        for prompt in PROMPTS:
+            r = dec.generate(prompt, GREEDY, max_tokens=30)
+            assert r.tokens == _plain(prompt, 30), (cls.__name__, prompt)
+            st = r.stats
+            out.append((r.tokens, st.cycles, st.drafts_accepted, st.side_accepts, st.draft_steps))
+        runs[cls] = (out, libs[-1].draft_tree_calls, be.supports_draft_tree, proposed["n"])
+    (step_by_step, calls_a, sup_a, _), (one_call, calls_b, sup_b, n_b) = runs[TreeFakeLib], runs[DraftTreeFakeLib]
+    assert not sup_a and calls_a == 0 and sup_b
+    assert calls_b == n_b > 0, "a tree was not grown in one call"
+    assert one_call == step_by_step
+
+
+def test_draft_tree_arguments_are_checked(monkeypatch):
+    """NativeBackend.draft_tree refuses a root hidden of the wrong size and mismatched bins by name;
+    a library before ABI 8 is refused, naming the rebuild."""
+    install_fake(monkeypatch, DraftTreeFakeLib)
+    be = _backend(0)
+    E = be.config.n_embd
+    edges, a, c = np.zeros(2), np.zeros(2), np.ones(2)
+    with pytest.raises(ValueError, match="root_h has 3 values"):
+        be.draft_tree(5, 0, np.zeros(3), 4, 2, 3, edges, a, c)
+    with pytest.raises(ValueError, match="one entry per bin"):
+        be.draft_tree(5, 0, np.zeros(E), 4, 2, 3, edges, a, np.ones(3))
+    install_fake(monkeypatch, TreeFakeLib)
+    old = _backend(0)
+    with pytest.raises(RuntimeError, match="oj_draft_tree needs 8: rebuild"):
+        old.draft_tree(5, 0, np.zeros(E), 4, 2, 3, edges, a, c)
 
 
 def test_tree_hiddens_are_read_before_commit_path_only(fake_tree):

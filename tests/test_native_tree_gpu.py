@@ -319,6 +319,56 @@ def test_greedy_tree_speculation_equals_plain(native, workdir, name, prefill_chu
             "tokens": N_TOKENS, "tokens_per_cycle": emitted / max(cycles, 1), "side_accepts": side, "near_ties": ties})
 
 
+@pytest.mark.parametrize("name", ["small-Q4_K_M", "default"])
+def test_one_call_draft_tree_is_the_step_by_step_tree(native, workdir, name, monkeypatch):
+    """oj_draft_tree (ABI 8: the greedy tree in one engine call) against grow_tree step by step on
+    the same engine (NativeTreeDrafter.grow off): both decoders emit plain decoding's tokens, and
+    cycle by cycle the trees have the same tokens and parents (a near-tie of two scores, rounded in
+    float32 on the GPU and float64 on the host, may order two slots otherwise: at most 5% of the
+    trees), their slot probabilities within 1e-4."""
+    from openjet_plugin.backends.native import DRAFT_TREE_ABI
+    from openjet_plugin import speculative_tree
+    from openjet_plugin.sampling import SamplingParams
+    from openjet_plugin.speculative_native import NativeTreeDrafter, native_tree_decoder
+    from openjet_plugin.speculative_tree import TreePolicy
+    from test_native_spec_gpu import _prompts
+
+    native_at_least(DRAFT_TREE_ABI, "oj_draft_tree")
+    greedy = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    propose = speculative_tree.MTPTreeDrafts.propose_tree
+    trees: list = []
+
+    def recorded(self, *a, **k):
+        t = propose(self, *a, **k)
+        trees.append((t.tokens.tolist(), t.parent.tolist(), np.asarray(t.prob, dtype=np.float64)))
+        return t
+
+    monkeypatch.setattr(speculative_tree.MTPTreeDrafts, "propose_tree", recorded)
+    path = _path(name, workdir)
+    runs = {}
+    for one_call in (True, False):
+        if not one_call:
+            monkeypatch.setattr(NativeTreeDrafter, "grow", lambda self, *a, **k: None)
+        trees.clear()
+        pair = _backend(path, n_ctx=1024)
+        try:
+            dec = native_tree_decoder(pair[1], TreePolicy(8))
+            prompts = _prompts(name, pair[1].n_vocab)[:N_PROMPTS]
+            toks = [dec.generate(prompt, greedy, max_tokens=N_TOKENS).tokens for prompt in prompts]
+        finally:
+            _close(pair)
+        runs[one_call] = (toks, list(trees))
+    (toks_a, trees_a), (toks_b, trees_b) = runs[True], runs[False]
+    assert toks_a == toks_b
+    same = [(a, b) for a, b in zip(trees_a, trees_b) if a[0] == b[0] and a[1] == b[1]]
+    prob_err = max((float(np.max(np.abs(a[2] - b[2]))) for a, b in same), default=0.0)
+    report({"test": "one_call_draft_tree", "model": name, "trees": len(trees_b), "identical": len(same),
+            "prob_err": prob_err})
+    assert len(trees_a) == len(trees_b) > 0
+    assert len(same) >= 0.95 * len(trees_b), f"{len(same)} of {len(trees_b)} trees identical"
+    assert prob_err <= 1e-4
+
+
 # --- (e) errors -------------------------------------------------------------------------------------
 
 def test_bad_trees_and_paths_give_named_errors(native, workdir):

@@ -57,6 +57,7 @@ DELTANET_CHUNK_COEF_BYTES = 2 * DELTANET_CHUNK * DELTANET_CHUNK * 2 + 3 * DELTAN
 PREFILL_ABI = 3              # the first oj_abi_version() with oj_prefill
 CYCLE_ABI = 4                # the first oj_abi_version() with oj_cycle
 TREE_ABI = 6                 # the first oj_abi_version() with oj_verify_tree / oj_commit_path
+DRAFT_TREE_ABI = 8           # the first oj_abi_version() with oj_draft_tree
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -248,6 +249,7 @@ class NativeBackend:
         self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
         self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
         self.supports_tree = int(self._nl.lib.oj_abi_version()) >= TREE_ABI
+        self.supports_draft_tree = int(self._nl.lib.oj_abi_version()) >= DRAFT_TREE_ABI
         self._engine = self._create(model_file, kv_type, device)
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
@@ -752,6 +754,37 @@ class NativeBackend:
         out = ffi.new("int32_t[]", len(toks))
         self._check(lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
         return [int(x) for x in out]
+
+    def draft_tree(self, root: int, pos: int, root_h: np.ndarray, budget: int, max_children: int, max_depth: int,
+                   edges: np.ndarray, accept_a: np.ndarray, accept_c: np.ndarray) -> tuple:
+        """oj_draft_tree: a greedy draft tree from the MTP head in one call (openjet.h says the rule;
+        speculative_tree.grow_tree is the same rule step by step). Returns (tokens, parent, prob,
+        score, steps): the nodes in the order taken."""
+        ffi, lib = self._nl.ffi, self._nl.lib
+        if not self.supports_draft_tree:
+            raise RuntimeError(f"the native library is ABI {int(lib.oj_abi_version())}; oj_draft_tree needs "
+                               f"{DRAFT_TREE_ABI}: rebuild it")
+        n_bins = len(edges)
+        if not (len(accept_a) == len(accept_c) == n_bins):
+            raise ValueError("edges, accept_a and accept_c must have one entry per bin")
+        h = np.ascontiguousarray(root_h, dtype=np.float32).reshape(-1)
+        if h.size != self.config.n_embd:
+            raise ValueError(f"root_h has {h.size} values, the model's hidden has {self.config.n_embd}")
+        e, a, c = (np.ascontiguousarray(x, dtype=np.float64) for x in (edges, accept_a, accept_c))
+        rq = ffi.new("oj_tree_request *")
+        rq.root, rq.pos, rq.root_h = int(root), int(pos), ffi.from_buffer("float[]", h)
+        rq.budget, rq.max_children, rq.max_depth, rq.n_bins = int(budget), int(max_children), int(max_depth), n_bins
+        rq.edges, rq.accept_a, rq.accept_c = (ffi.from_buffer("double[]", x) for x in (e, a, c))
+        cap = max(1, int(budget))
+        toks, par = ffi.new("int32_t[]", cap), ffi.new("int32_t[]", cap)
+        prob, score = ffi.new("double[]", cap), ffi.new("double[]", cap)
+        n, steps = ffi.new("int32_t *"), ffi.new("int32_t *")
+        self._cut_rows(int(pos))
+        self._mtp_upto = min(self._mtp_upto, int(pos))
+        self._check(lib.oj_draft_tree(self._handle(), rq, toks, par, prob, score, n, steps), "draft tree")
+        self._mtp_last = 0                         # the tree's steps: no draft row is read after them
+        k = int(n[0])
+        return (list(toks[0:k]), list(par[0:k]), list(prob[0:k]), list(score[0:k]), int(steps[0]))
 
     def draft_logits(self, index: int) -> np.ndarray:
         """Draft-head logits of position `index` of the last MTP call (negative: from the end),
