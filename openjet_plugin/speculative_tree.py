@@ -467,7 +467,8 @@ class MTPTreeDrafts(MTPDrafts):
         if greedy and not params.has_penalties and not params.logit_bias and hasattr(self.drafter, "grow"):
             tree = self.drafter.grow(pos, int(token), hidden, ids, policy, max_depth)
             if tree is not None:                     # the whole tree in one engine call
-                self._true_upto = pos + 1            # the root's row (x_pos, h_{pos-1}) used the main hidden
+                if tree.draft_steps:
+                    self._true_upto = pos + 1        # the root's row (x_pos, h_{pos-1}) used the main hidden
                 return tree
         rank = replace(params, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) if greedy else params
         # a node's history (the request's, then its path's tokens) is read only for penalties:
