@@ -369,6 +369,51 @@ def test_one_call_draft_tree_is_the_step_by_step_tree(native, workdir, name, mon
     assert prob_err <= 1e-4
 
 
+@pytest.mark.parametrize("restricted", [True, False])
+def test_draft_tree_root_candidates_are_the_heads_top(native, workdir, restricted):
+    """oj_draft_tree at max_depth 1: the root's step and its max_children best candidates, which
+    are row_top's (elementwise.cu) over the draft head's row: the same ids in the same order
+    (descending logit, ties the smaller id) and the same probabilities as numpy over the row
+    oj_mtp_eval leaves, for fresh roots, over a restricted draft vocabulary (ids mapped back) and
+    the whole one (248K-wide rows on the 27B; here the model's). Outputs poisoned first."""
+    from openjet_plugin.backends.native import DRAFT_TREE_ABI
+
+    native_at_least(DRAFT_TREE_ABI, "oj_draft_tree")
+    mf, be = _backend(_path("small-Q4_K_M", workdir), n_ctx=256)
+    rng = np.random.default_rng(7)
+    worst, checked = 0.0, 0
+    try:
+        V, E = be.n_vocab, be.config.n_embd
+        be.eval(rng.integers(0, V, 6).tolist())
+        if restricted:
+            ids = np.sort(rng.choice(V, V // 3, replace=False))
+            be.set_draft_vocab(ids)
+        else:
+            ids = np.arange(V)
+            be.set_draft_vocab(None)
+        edges, a, c = np.array([0.0]), np.zeros(1), np.ones(1)
+        pos = 0   # this backend does not follow the MTP cache (draft_depth 0): position 0 is always in reach
+        for trial in range(6):
+            root = int(rng.integers(0, V))
+            h = rng.standard_normal(E).astype(np.float32)
+            k = int(rng.integers(1, 8))
+            toks, par, prob, score, steps = be.draft_tree(root, pos, h, k + 1, k, 1, edges, a, c)
+            assert steps == 1 and toks[0] == root and par == [-1] + [0] * k, (toks, par)
+            be.mtp_eval([root], pos, h=h[None])
+            row = be.draft_logits(0).astype(np.float64)
+            order = np.lexsort((ids, -row))[:k]
+            want_ids = ids[order].tolist()
+            p = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
+            assert toks[1:] == want_ids, (trial, toks[1:], want_ids)
+            err = float(np.max(np.abs(np.asarray(prob[1:]) - p[order]) / np.maximum(p[order], 1e-30)))
+            worst, checked = max(worst, err), checked + k
+            np.testing.assert_allclose(score[1:], prob[1:], rtol=1e-12)   # a = 0, c = 1: score = q
+    finally:
+        _close((mf, be))
+    report({"test": "draft_tree_root_top", "restricted": restricted, "candidates": checked, "prob_rel_err": worst})
+    assert worst <= 1e-4
+
+
 # --- (e) errors -------------------------------------------------------------------------------------
 
 def test_bad_trees_and_paths_give_named_errors(native, workdir):
