@@ -36,28 +36,12 @@ MAX_NATIVE_DEPTH = 7          # one oj_verify takes the current token + 7 drafts
 
 
 class _LazyRows:
-    """The target's logits rows of the last verify, copied from the GPU when first read."""
+    """Rows of the target's last verify (`read`: the backend's logits or hidden), copied from the
+    GPU when first read. After the commit (`drop`) a row not read by then is refused: the engine's
+    rows are the kept path's."""
 
-    def __init__(self, backend, n: int):
-        self.b, self.n, self._rows = backend, n, {}
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        i = range(self.n)[i]
-        if i not in self._rows:
-            self._rows[i] = self.b.logits(i)
-        return self._rows[i]
-
-
-class _LazyHiddens:
-    """The target's hidden after each node of the last verify_tree, copied from the GPU when first
-    read (the decoder reads its accepted path's, before commit_path: the engine's rows are the
-    path's after it, so a read then is refused)."""
-
-    def __init__(self, backend, n: int):
-        self.b, self.n, self._rows = backend, n, {}
+    def __init__(self, read, n: int, what: str = "logits"):
+        self.read, self.n, self.what, self._rows = read, n, what, {}
 
     def __len__(self) -> int:
         return self.n
@@ -65,10 +49,14 @@ class _LazyHiddens:
     def __getitem__(self, i: int) -> np.ndarray:
         i = range(self.n)[i]
         if i not in self._rows:
-            if self.b is None:
-                raise RuntimeError("a draft tree's hidden read after commit_path: the engine's rows are the path's now")
-            self._rows[i] = self.b.hidden(i)
+            if self.read is None:
+                raise RuntimeError(f"the last verify's {self.what} row {i} read after commit_path or commit: "
+                                   f"the engine's rows are the kept path's now")
+            self._rows[i] = self.read(i)
         return self._rows[i]
+
+    def drop(self) -> None:
+        self.read = None
 
 
 class _Targets:
@@ -235,7 +223,7 @@ class NativeSpeculator:
         b.verify(tokens)
         if masks is not None and len(masks) == depth:
             masks.append(grammar.allowed())            # after the last draft, computed meanwhile
-        rows = _LazyRows(b, len(tokens))
+        rows = _LazyRows(b.logits, len(tokens))
         if (params.greedy and not params.has_penalties and not params.logit_bias
                 and grammar is None):
             v = verify_greedy(b.argmax(), drafts)
@@ -330,7 +318,7 @@ class NativeTreeTarget:
         self.b = backend
         self.n_vocab = backend.n_vocab
         self._rows: _LazyRows | None = None
-        self._hiddens: _LazyHiddens | None = None
+        self._hiddens: _LazyRows | None = None
 
     @property
     def n_past(self) -> int:
@@ -355,7 +343,7 @@ class NativeTreeTarget:
         return out
 
     def _results(self, n: int) -> tuple["_LazyRows", list[np.ndarray]]:
-        self._rows = _LazyRows(self.b, n)
+        self._rows = _LazyRows(self.b.logits, n)
         return self._rows, [self.b.hidden(i) for i in range(n)]
 
     def verify(self, tokens: Sequence[int]):
@@ -369,7 +357,7 @@ class NativeTreeTarget:
     def verify_tree(self, tokens: Sequence[int], parent: Sequence[int]):
         self.b.verify_tree([int(t) for t in tokens], parent)
         n = len(tokens)
-        self._rows, self._hiddens = _LazyRows(self.b, n), _LazyHiddens(self.b, n)
+        self._rows, self._hiddens = _LazyRows(self.b.logits, n), _LazyRows(self.b.hidden, n, "hidden")
         return self._rows, self._hiddens
 
     def argmax(self) -> list[int]:
@@ -383,12 +371,10 @@ class NativeTreeTarget:
 
     def _stale(self) -> None:
         # rows not read by now are gone: after commit_path the engine's rows are the path's
-        if self._rows is not None:
-            self._rows.n = 0
-            self._rows = None
-        if self._hiddens is not None:
-            self._hiddens.b = None
-            self._hiddens = None
+        for rows in (self._rows, self._hiddens):
+            if rows is not None:
+                rows.drop()
+        self._rows = self._hiddens = None
 
 
 class NativeTreeDrafter:
