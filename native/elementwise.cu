@@ -79,14 +79,13 @@ __global__ void compact_rows_kernel(const CompactJob *__restrict__ jobs, uint64_
 // One block of 1024 threads over a row of `width` logits: its TOP_MAX (or k) largest values in
 // descending order (ties: the smaller index, as argmax_kernel), their indices mapped through `ids`
 // when set (a restricted draft head's rows back to token ids), and the row's max and sum of
-// exp(x - max) over its finite values (stats[0], stats[1]): a draft tree node's candidates and
+// exp(x - max) over its finite values, into a TreeTop (engine.cuh): a draft tree node's candidates and
 // their probabilities without the row leaving the GPU (oj_draft_tree).
-constexpr int TOP_MAX = 8;
+constexpr int TOP_MAX = OJ_TREE_MAX_CHILDREN;
 __device__ __forceinline__ bool top_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
 
 __global__ void __launch_bounds__(1024) row_top_kernel(const float *__restrict__ x, int width, const int32_t *__restrict__ ids,
-                                                       int k, int32_t *__restrict__ out_id, float *__restrict__ out_val,
-                                                       float *__restrict__ stats) {
+                                                       int k, TreeTop *__restrict__ out) {
     pdl_launch_dependents();
     pdl_wait();
     float tv[TOP_MAX];
@@ -130,7 +129,7 @@ __global__ void __launch_bounds__(1024) row_top_kernel(const float *__restrict__
         }
         __syncthreads();
     }
-    if (threadIdx.x == 0) stats[0] = sm[0], stats[1] = ss[0];
+    if (threadIdx.x == 0) out->max = sm[0], out->sum = ss[0];
     __syncthreads();
     // k rounds: every thread offers its best remaining candidate; the block's best is taken
     int head = 0;
@@ -144,8 +143,8 @@ __global__ void __launch_bounds__(1024) row_top_kernel(const float *__restrict__
         if (hi == win && hi != 0x7fffffff) ++head;
         if (threadIdx.x == 0) {
             const bool real = win != 0x7fffffff;
-            out_id[r] = real ? (ids ? ids[win] : win) : -1;
-            out_val[r] = real ? x[win] : -INFINITY;
+            out->id[r] = real ? (ids ? ids[win] : win) : -1;
+            out->val[r] = real ? x[win] : -INFINITY;
         }
         __syncthreads();
     }
@@ -177,10 +176,9 @@ void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st) {
     check_cuda(launch(map_ids_kernel, 1, 32, 0, st, out, ids, n), "map_ids");
 }
 
-void row_top(const float *x, int width, const int32_t *ids, int k, int32_t *out_id, float *out_val, float *stats,
-             cudaStream_t st) {
+void row_top(const float *x, int width, const int32_t *ids, int k, TreeTop *out, cudaStream_t st) {
     if (k < 1 || k > TOP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "row_top: k must be 1.." + std::to_string(TOP_MAX));
-    check_cuda(launch(row_top_kernel, 1, 1024, 0, st, x, width, ids, k, out_id, out_val, stats), "row_top");
+    check_cuda(launch(row_top_kernel, 1, 1024, 0, st, x, width, ids, k, out), "row_top");
 }
 
 void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st) {

@@ -372,8 +372,7 @@ void alloc_scratch(Engine &e) {
         s.draft_hidden = f(N * E);
         s.draft_ids = static_cast<int32_t *>(e.alloc(V * sizeof(int32_t), c));
         s.tree_h = f(N * E);
-        s.top_id = static_cast<int32_t *>(e.alloc(8 * sizeof(int32_t), c));
-        s.top_val = f(8 + 2);
+        s.tree_top = static_cast<TreeTop *>(e.alloc(sizeof(TreeTop), c));
     }
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
     // oj_commit_path's moves: 4 ring buffers per DeltaNet layer, K and V (and their q8_0 scales)
@@ -888,8 +887,8 @@ namespace {
 // then its k best candidates and their probabilities under its whole (restricted) head
 // distribution: one wait on the GPU.
 struct NodeTop {
-    int32_t id[8];
-    double prob[8];
+    int32_t id[OJ_TREE_MAX_CHILDREN];
+    double prob[OJ_TREE_MAX_CHILDREN];
     int n = 0;
 };
 NodeTop tree_step(Engine &e, const int32_t *tokens, int n, int pos0, const float *h, int k, float *hidden_out) {
@@ -897,23 +896,20 @@ NodeTop tree_step(Engine &e, const int32_t *tokens, int n, int pos0, const float
     const int E = e.dims.hp.n_embd;
     const int width = e.n_draft_ids > 0 ? e.n_draft_ids : e.dims.hp.n_vocab;
     mtp_launch(e, tokens, n, pos0, h);
-    row_top(s.draft_logits + (size_t)(n - 1) * width, width, e.n_draft_ids > 0 ? s.draft_ids : nullptr, k, s.top_id,
-            s.top_val, s.top_val + 8, e.stream);
+    const int32_t *ids = e.n_draft_ids > 0 ? s.draft_ids : nullptr;
+    row_top(s.draft_logits + (size_t)(n - 1) * width, width, ids, k, s.tree_top, e.stream);
     check_cuda(cudaMemcpyAsync(hidden_out, s.draft_hidden + (size_t)(n - 1) * E, (size_t)E * 4, cudaMemcpyDeviceToDevice,
                                e.stream), "draft tree hidden");
-    int32_t ids[8];
-    float vals[10];
-    check_cuda(cudaMemcpyAsync(ids, s.top_id, sizeof ids, cudaMemcpyDeviceToHost, e.stream), "draft tree candidates");
-    check_cuda(cudaMemcpyAsync(vals, s.top_val, sizeof vals, cudaMemcpyDeviceToHost, e.stream), "draft tree candidates");
+    TreeTop got;
+    check_cuda(cudaMemcpyAsync(&got, s.tree_top, sizeof got, cudaMemcpyDeviceToHost, e.stream), "draft tree candidates");
     finish(e, "oj_draft_tree");
     e.mtp_n_past = pos0 + n;
     e.last_mtp_n = n;
     NodeTop t;
-    const double m = vals[8], sum = vals[9];
     for (int j = 0; j < k; ++j) {
-        if (ids[j] < 0 || !(sum > 0)) break;
-        t.id[t.n] = ids[j];
-        t.prob[t.n] = std::exp((double)vals[j] - m) / sum;
+        if (got.id[j] < 0 || !(got.sum > 0)) break;
+        t.id[t.n] = got.id[j];
+        t.prob[t.n] = std::exp((double)got.val[j] - got.max) / got.sum;
         ++t.n;
     }
     return t;
@@ -929,8 +925,9 @@ int engine_draft_tree(Engine &e, const oj_tree_request &rq, int32_t *tokens, int
     if (rq.budget < 1 || rq.budget > OJ_MAX_POSITIONS)
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: budget " + std::to_string(rq.budget) + " is outside 1.." +
                                           std::to_string(OJ_MAX_POSITIONS));
-    if (rq.max_children < 1 || rq.max_children > 8)
-        fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: max_children " + std::to_string(rq.max_children) + " is outside 1..8");
+    if (rq.max_children < 1 || rq.max_children > OJ_TREE_MAX_CHILDREN)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: max_children " + std::to_string(rq.max_children) + " is outside 1.." +
+                                          std::to_string(OJ_TREE_MAX_CHILDREN));
     if (rq.max_depth < 0) fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: max_depth is negative");
     if (rq.n_bins < 1 || rq.n_bins > OJ_TREE_MAX_BINS || !rq.edges || !rq.accept_a || !rq.accept_c)
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: 1.." + std::to_string(OJ_TREE_MAX_BINS) +

@@ -46,6 +46,13 @@ struct Matrix {
     bool present() const { return data != nullptr; }
 };
 
+// A draft-tree node's candidates as row_top leaves them: one copy back a node (oj_draft_tree).
+struct TreeTop {
+    int32_t id[OJ_TREE_MAX_CHILDREN];   // token ids, best first; -1 past the row's finite values
+    float val[OJ_TREE_MAX_CHILDREN];    // their logits
+    float max, sum;                     // the row's max and sum of exp(x - max) over its finite values
+};
+
 // One evaluation's Gated DeltaNet intermediates for up to OJ_MAX_POSITIONS positions: what a
 // replay needs to advance the state (deltanet.cu explains commit by replay).
 struct RingSlot {
@@ -114,8 +121,7 @@ struct Scratch {
     float *hidden = nullptr;                           // [N+1][E]: row 0 = position before the batch
     float *draft_hidden = nullptr;                     // [N][E]
     float *tree_h = nullptr;                           // [N][E] oj_draft_tree: each node's MTP hidden
-    int32_t *top_id = nullptr;                         // [8] oj_draft_tree: a node's candidates (row_top)
-    float *top_val = nullptr;                          // [8 + 2] their logits, the row's max and exp sum
+    TreeTop *tree_top = nullptr;                       // oj_draft_tree: a node's candidates (row_top)
     int32_t *fault_probe = nullptr;
 };
 
@@ -274,11 +280,10 @@ void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st
 // out[i] = ids[out[i]] for i < n (an argmax over a row subset back to token ids)
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st);
 void fault_probe(int32_t *out, cudaStream_t st);
-// elementwise.cu: the k (1..8) largest of one row of `width` values, descending (ties: the smaller
+// elementwise.cu: the k (1..OJ_TREE_MAX_CHILDREN) largest of one row of `width` values, descending (ties: the smaller
 // index), indices mapped through ids when set (-1 past the finite values), and the row's max and
-// sum of exp(x - max) over its finite values in stats[0..1] (oj_draft_tree's node candidates).
-void row_top(const float *x, int width, const int32_t *ids, int k, int32_t *out_id, float *out_val, float *stats,
-             cudaStream_t st);
+// sum of exp(x - max) over its finite values, into *out (oj_draft_tree's node candidates).
+void row_top(const float *x, int width, const int32_t *ids, int k, TreeTop *out, cudaStream_t st);
 // elementwise.cu: for each of n_jobs jobs, rows path[i] -> rows i (i < n_path; path[i] >= i, as
 // a root-first path of a tree in topological order has): oj_commit_path's moves.
 void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st);

@@ -262,13 +262,13 @@ int32_t oj_get_draft_hidden(oj_engine *engine, int32_t index, float *out, int32_
    the nodes in the order taken (tokens, parent, the probability q their slot had, the score),
    *n_nodes, and *steps the MTP steps made. The MTP cache holds the root's row at pos after it
    (positions beyond are scratch), as after the same oj_mtp_eval calls. */
-enum { OJ_TREE_MAX_BINS = 32 };
+enum { OJ_TREE_MAX_BINS = 32, OJ_TREE_MAX_CHILDREN = 8 };
 typedef struct oj_tree_request {
     int32_t root;
     int32_t pos;
     const float *root_h;
     int32_t budget;            /* 1..OJ_MAX_POSITIONS nodes, the root included */
-    int32_t max_children;      /* 1..8 */
+    int32_t max_children;      /* 1..OJ_TREE_MAX_CHILDREN */
     int32_t max_depth;         /* >= 0 */
     int32_t n_bins;            /* 1..OJ_TREE_MAX_BINS */
     const double *edges;       /* [n_bins] lower edges, ascending */

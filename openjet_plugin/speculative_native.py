@@ -432,10 +432,11 @@ class NativeTreeDrafter:
         """A greedy draft tree in one engine call (oj_draft_tree), by grow_tree's rule with the
         policy's acceptance estimate: a DraftTree, or None where the engine cannot (an older
         library, a budget or fan-out beyond it)."""
+        from .backends.native import MAX_TREE_CHILDREN
         from .speculative_tree import DraftTree
 
         if (not getattr(self.b, "supports_draft_tree", False) or policy.budget > MAX_NATIVE_DEPTH + 1
-                or policy.max_children > 8):
+                or policy.max_children > MAX_TREE_CHILDREN):
             return None
         self._use_vocab(vocab_ids)
         edges, a, c = policy.estimate_table()

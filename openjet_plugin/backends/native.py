@@ -40,6 +40,8 @@ from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngine
 
 
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
+MAX_TREE_CHILDREN = 8        # OJ_TREE_MAX_CHILDREN: candidates a node of oj_draft_tree
+TREE_TOP_BYTES = 8 * MAX_TREE_CHILDREN + 8   # engine.cuh's TreeTop: ids and logits, the row's max and sum
 MIN_COMPUTE_CAPABILITY = (8, 6)
 KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 bytes per 32 values)
 # The native engine's switches, read once per process, and the values each takes ("" = unset, the
@@ -145,6 +147,7 @@ def estimate_device_bytes(model_file, n_ctx: int, n_checkpoints: int = N_CHECKPO
     act = 4 * n * (2 * c.n_embd + 2 * c.n_ff + 2 * c.ssm_value_dim + 2 * c.q_dim + 2 * c.kv_dim + c.q_dim
                    + c.n_head * splits * (c.head_dim + 2) + 3 * c.n_embd + 2 * c.n_vocab + 2 * c.n_embd)
     act += 4 * c.n_vocab if c.n_layer_nextn else 0
+    act += 4 * n * c.n_embd + TREE_TOP_BYTES if c.n_layer_nextn else 0   # oj_draft_tree's node hiddens, TreeTop
     prefill = prefill_bytes(c, prefill_chunk)
     return {"weights": weights, "kv_cache": kv, "recurrent_state": recurrent, "activations": act,
             "checkpoints": checkpoints, "prefill": prefill,
