@@ -23,6 +23,7 @@ Run on the device: python -m pytest -q -m gpu tests/test_native_tree_gpu.py
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -415,6 +416,57 @@ def test_draft_tree_root_candidates_are_the_heads_top(native, workdir, restricte
 
 
 # --- (e) errors -------------------------------------------------------------------------------------
+
+def test_bad_draft_tree_requests_give_named_errors(native, workdir):
+    """oj_draft_tree refuses each bad field of its request by name (budget, max_children, max_depth,
+    bins, root token, pos, a NULL root_h or output) and oj_profile an unknown mode, before any step;
+    a good tree afterwards is the one a fresh engine grows."""
+    from openjet_plugin.backends.native import DRAFT_TREE_ABI
+    from openjet_plugin.errors import NativeEngineError
+
+    nl = native_at_least(DRAFT_TREE_ABI, "oj_draft_tree")
+    ffi, lib = nl.ffi, nl.lib
+    path = _path("small-Q4_K_M", workdir)
+    mf, be = _backend(path, n_ctx=64)
+    try:
+        V, E = be.n_vocab, be.config.n_embd
+        h = np.random.default_rng(3).standard_normal(E).astype(np.float32)
+        one = (np.zeros(1), np.zeros(1), np.ones(1))
+        for args, words in (((5, 0, h, 0, 2, 3, *one), "budget 0 is outside 1..8"),
+                            ((5, 0, h, 9, 2, 3, *one), "budget 9 is outside 1..8"),
+                            ((5, 0, h, 4, 0, 3, *one), "max_children 0 is outside 1..8"),
+                            ((5, 0, h, 4, 9, 3, *one), "max_children 9 is outside 1..8"),
+                            ((5, 0, h, 4, 2, -1, *one), "max_depth is negative"),
+                            ((5, 0, h, 4, 2, 3, np.zeros(0), np.zeros(0), np.zeros(0)), "acceptance bins"),
+                            ((V, 0, h, 4, 2, 3, *one), f"token id {V} is outside the vocabulary"),
+                            ((5, 1, h, 4, 2, 3, *one), "pos 1 must be in [0, 0]")):
+            with pytest.raises(NativeEngineError, match=re.escape(words)):
+                be.draft_tree(*args)
+        toks, par = ffi.new("int32_t[]", 4), ffi.new("int32_t[]", 4)
+        prob, score, n, steps = ffi.new("double[]", 4), ffi.new("double[]", 4), ffi.new("int32_t *"), ffi.new("int32_t *")
+        e, a, c = (ffi.new("double[]", [x]) for x in (0.0, 0.0, 1.0))
+        rq = ffi.new("oj_tree_request *")
+        rq.root, rq.pos, rq.root_h, rq.budget, rq.max_children, rq.max_depth = 5, 0, ffi.NULL, 4, 2, 3
+        rq.n_bins, rq.edges, rq.accept_a, rq.accept_c = 1, e, a, c
+        h_in = ffi.from_buffer("float[]", h)
+        handle = be._handle()
+        assert lib.oj_draft_tree(handle, rq, toks, par, prob, score, n, steps) == lib.OJ_ERR_INVALID_ARGUMENT
+        assert "root_h is NULL" in ffi.string(lib.oj_last_error(handle)).decode()
+        rq.root_h = h_in
+        assert lib.oj_draft_tree(handle, rq, ffi.NULL, par, prob, score, n, steps) == lib.OJ_ERR_INVALID_ARGUMENT
+        assert "output array is NULL" in ffi.string(lib.oj_last_error(handle)).decode()
+        assert lib.oj_profile(handle, 3) == lib.OJ_ERR_INVALID_ARGUMENT
+        assert "on must be 0, 1 or 2, got 3" in ffi.string(lib.oj_last_error(handle)).decode()
+        got = be.draft_tree(5, 0, h, 4, 2, 3, *one)
+    finally:
+        _close((mf, be))
+    fresh = _backend(path, n_ctx=64)
+    try:
+        want = fresh[1].draft_tree(5, 0, h, 4, 2, 3, *one)
+    finally:
+        _close(fresh)
+    assert got[:2] == want[:2] and got[4] == want[4], (got, want)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
 
 def test_bad_trees_and_paths_give_named_errors(native, workdir):
     from openjet_plugin.errors import NativeEngineError
