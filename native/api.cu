@@ -164,6 +164,22 @@ int32_t oj_n_past(const oj_engine *engine, int32_t *out) {
     return OJ_OK;
 }
 
+int32_t oj_seq_select(oj_engine *engine, int32_t seq) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_seq_select(engine->e, seq); });
+}
+
+int32_t oj_seq_selected(const oj_engine *engine, int32_t *out) {
+    if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
+    *out = engine->e.cur_seq;
+    return OJ_OK;
+}
+
+int32_t oj_eval_seqs(oj_engine *engine, const int32_t *seqs, const int32_t *tokens, int32_t n_seqs) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_eval_seqs(engine->e, seqs, tokens, n_seqs); });
+}
+
 int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] { oj::engine_eval(engine->e, tokens, n_tokens); });
@@ -229,7 +245,8 @@ int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] {
         oj::Engine &e = engine->e;
-        if (n < 1 || n > e.last_n) oj::fail(OJ_ERR_INVALID_ARGUMENT, "n must be 1.." + std::to_string(e.last_n) + " (the last eval's positions)");
+        if (n < 1 || n > e.result_rows)
+            oj::fail(OJ_ERR_INVALID_ARGUMENT, "n must be 1.." + std::to_string(e.result_rows) + " (the last eval's positions)");
         check_out(out, n, n, "oj_get_argmax");
         copy_to_host(e, out, e.s.argmax, n * sizeof(int32_t), "oj_get_argmax");
     });
@@ -239,7 +256,7 @@ int32_t oj_get_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vo
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] {
         oj::Engine &e = engine->e;
-        check_index(e, index, e.last_n, "oj_get_logits");
+        check_index(e, index, e.result_rows, "oj_get_logits");
         check_out(out, n_vocab, e.dims.hp.n_vocab, "oj_get_logits");
         copy_to_host(e, out, e.s.logits + (size_t)index * e.dims.hp.n_vocab, (size_t)e.dims.hp.n_vocab * 4, "oj_get_logits");
     });

@@ -19,9 +19,14 @@
 // pos0 + depth(i) from its path's rows (tree_path_rows): the positions, rows and order of decoding
 // the path one token at a time, so a tree node's attention is bit for bit the path's. A chain
 // (word 0) reads row p for position p: the code as it was.
+// Sequences (oj_eval_seqs, engine.cuh's SeqBatch): the SEQS instances take position n as the next
+// of sequence seq[n] at pos[n], its cache planes kv_seq_bytes * seq[n] past sequence 0's; the same
+// rows, splits and arithmetic as that sequence's own one-position pass, so its results are bit for
+// bit the same.
 // The KV type is a template parameter: the fp16 instances are the code they were before q8_0.
 // Query head h reads KV head h / (n_head / n_head_kv). Numpy twin: ReferenceModel._attention
 // (kv_q8_0=True rounds K/V through q8_0 the same way).
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
@@ -90,14 +95,16 @@ __device__ __forceinline__ void store_partial(float m, float l, const float (&ac
 
 // grid (n, n_head + n_head_kv), block head_dim. Q8: k_cache/v_cache are int8 quant planes with
 // k_scale/v_scale (else __half values and the scales unused).
-template <bool Q8>
+// SEQS (oj_eval_seqs): position n is the next of sequence sb.seq[n] at sb.pos[n], its planes
+// seq_bytes * sb.seq[n] bytes past the given ones (pos0 and tree unused).
+template <bool Q8, bool SEQS>
 __global__ void attention_prepare_kernel(const float *__restrict__ qg, const float *__restrict__ k,
                                          const float *__restrict__ v, const float *__restrict__ q_norm,
                                          const float *__restrict__ k_norm, float *__restrict__ q_rot,
                                          void *__restrict__ k_cache, void *__restrict__ v_cache,
                                          __half *__restrict__ k_scale, __half *__restrict__ v_scale,
                                          int n_head, int n_head_kv, int n_ctx, int pos0, float eps,
-                                         RopeParams rp, uint64_t tree) {
+                                         RopeParams rp, uint64_t tree, SeqBatch sb, size_t seq_bytes) {
     pdl_launch_dependents();
     pdl_wait();
     extern __shared__ float normed[];
@@ -110,8 +117,17 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
     const float ss = block_sum(x * x);
     normed[t] = x / sqrtf(ss / D + eps) * (is_q ? q_norm[t] : k_norm[t]);
     __syncthreads();
-    const int row = pos0 + n;   // the cache row; a draft-tree node's RoPE position is pos0 + its depth
-    const int pos = tree ? pos0 + tree_depth(tree, n) : row;
+    const int row = SEQS ? sb.pos[n] : pos0 + n;   // the cache row; a draft-tree node's RoPE position is pos0 + its depth
+    const int pos = !SEQS && tree ? pos0 + tree_depth(tree, n) : row;
+    if constexpr (SEQS) {
+        const size_t off = seq_bytes * sb.seq[n];
+        k_cache = static_cast<char *>(k_cache) + off;
+        v_cache = static_cast<char *>(v_cache) + off;
+        if constexpr (Q8) {
+            k_scale = reinterpret_cast<__half *>(reinterpret_cast<char *>(k_scale) + off);
+            v_scale = reinterpret_cast<__half *>(reinterpret_cast<char *>(v_scale) + off);
+        }
+    }
     float y = normed[t];
     const int half = rp.n_rot / 2;
     if (t < rp.n_rot) {
@@ -140,13 +156,14 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
 // grid (n_head, n, n_splits), block 32 * PARTIAL_WARPS; each warp's positions taken C at a time
 // (chunked_scan, attention_common.cuh, with the block's PARTIAL_WARPS warps interleaving row by
 // row). Lane l holds dims [l*PER, l*PER + PER).
-template <int D, bool Q8, int C>
+// SEQS: as attention_prepare_kernel's (position n scans 0..sb.pos[n] of its sequence's planes).
+template <int D, bool Q8, int C, bool SEQS>
 __global__ void __launch_bounds__(32 * PARTIAL_WARPS)
 attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__restrict__ k_cache,
                                  const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
                                  const __half *__restrict__ v_scale, float *__restrict__ part_ml,
                                  float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx,
-                                 int pos0, int n_splits, float scale, uint64_t tree) {
+                                 int pos0, int n_splits, float scale, uint64_t tree, SeqBatch sb, size_t seq_bytes) {
     pdl_launch_dependents();
     pdl_wait();
     constexpr int PER = D / 32;
@@ -155,7 +172,18 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     const int h = blockIdx.x, n = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = h / (n_head / n_head_kv);
-    const int len = pos0 + tree_depth(tree, n) + 1;   // n for a chain
+    if constexpr (SEQS) {   // the sequence's own planes; its position reads its own row
+        const size_t off = seq_bytes * sb.seq[n];
+        k_cache = static_cast<const char *>(k_cache) + off;
+        v_cache = static_cast<const char *>(v_cache) + off;
+        if constexpr (Q8) {
+            k_scale = reinterpret_cast<const __half *>(reinterpret_cast<const char *>(k_scale) + off);
+            v_scale = reinterpret_cast<const __half *>(reinterpret_cast<const char *>(v_scale) + off);
+        }
+        pos0 = sb.pos[n];
+        tree = 0;
+    }
+    const int len = SEQS ? pos0 + 1 : pos0 + tree_depth(tree, n) + 1;   // n for a chain
     const int begin = split * SPLIT, end = min(begin + SPLIT, len);
     float q[PER];
 #pragma unroll
@@ -202,39 +230,56 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
     out[((int64_t)n * n_head + h) * D + t] = a / L * sigmoid(gate);
 }
 
+// seqs: oj_eval_seqs's positions (the SEQS instances, from the layer's sequence-0 planes), or
+// nullptr (the selected sequence's planes, pos0 and tree).
 template <int D, bool Q8>
 void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
-                    int n_splits, float scale, uint64_t tree, cudaStream_t st) {
-    check_cuda(launch(attention_partial_chunked_kernel<D, Q8, CHUNK>, grid, 32 * PARTIAL_WARPS, 0, st, q_rot, L.k_cache,
-                      L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0, n_splits, scale,
-                      tree),
+                    int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st) {
+    const SeqBatch none{};
+    check_cuda(seqs ? launch(attention_partial_chunked_kernel<D, Q8, CHUNK, true>, grid, 32 * PARTIAL_WARPS, 0, st, q_rot,
+                             L.kv_base.k_cache, L.kv_base.v_cache, L.kv_base.k_scale, L.kv_base.v_scale, s.part_ml,
+                             s.part_acc, H, Hkv, n_ctx, 0, n_splits, scale, (uint64_t)0, *seqs, L.kv_seq_bytes)
+                    : launch(attention_partial_chunked_kernel<D, Q8, CHUNK, false>, grid, 32 * PARTIAL_WARPS, 0, st, q_rot,
+                             L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
+                             n_splits, scale, tree, none, (size_t)0),
                "attention_partial");
 }
 
-// tree: tree.cuh's word, 0 for a chain (any n: a prefill pass too).
+// tree: tree.cuh's word, 0 for a chain (any n: a prefill pass too). seqs: as launch_partial's.
 template <bool Q8>
 void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v, float *q_rot, int n,
-                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0) {
+                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
-    check_cuda(launch(attention_prepare_kernel<Q8>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v, L.q_norm,
-                      L.k_norm, q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv, n_ctx, pos0, d.hp.rms_eps,
-                      rope_params(d), tree),
+    const SeqBatch none{};
+    check_cuda(seqs ? launch(attention_prepare_kernel<Q8, true>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v,
+                             L.q_norm, L.k_norm, q_rot, L.kv_base.k_cache, L.kv_base.v_cache, L.kv_base.k_scale,
+                             L.kv_base.v_scale, H, Hkv, n_ctx, 0, d.hp.rms_eps, rope_params(d), (uint64_t)0, *seqs,
+                             L.kv_seq_bytes)
+                    : launch(attention_prepare_kernel<Q8, false>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v,
+                             L.q_norm, L.k_norm, q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv, n_ctx, pos0,
+                             d.hp.rms_eps, rope_params(d), tree, none, (size_t)0),
                "attention_prepare");
 }
 
-// Steps 2 and 3 for n <= OJ_MAX_POSITIONS positions at pos0.. (q_rot, qg and out point at the first).
+// Steps 2 and 3 for n <= OJ_MAX_POSITIONS positions at pos0.. (q_rot, qg and out point at the first);
+// seqs: as launch_partial's (then as many splits as the furthest position needs).
 template <bool Q8>
 void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg, float *out, int n,
-               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0) {
+               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
-    const int n_splits = (pos0 + n + SPLIT - 1) / SPLIT;
+    int end = pos0 + n;
+    if (seqs) {
+        end = 0;
+        for (int t = 0; t < n; ++t) end = std::max(end, seqs->pos[t] + 1);
+    }
+    const int n_splits = (end + SPLIT - 1) / SPLIT;
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
     const dim3 grid(H, n, n_splits);
     switch (D) {
-        case 64: launch_partial<64, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, st); break;
-        case 128: launch_partial<128, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, st); break;
-        case 256: launch_partial<256, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, st); break;
+        case 64: launch_partial<64, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
+        case 128: launch_partial<128, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
+        case 256: launch_partial<256, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");
@@ -244,9 +289,9 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
 
 template <bool Q8>
 void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                      uint64_t tree) {
-    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree);
-    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree);
+                      uint64_t tree, const SeqBatch *seqs = nullptr) {
+    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree, seqs);
+    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree, seqs);
 }
 
 }  // namespace
@@ -256,6 +301,14 @@ void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, in
     switch (L.kv_type) {
         case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree); break;
         case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree); break;
+        default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
+    }
+}
+
+void attention_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const SeqBatch &b, int n_ctx, cudaStream_t st) {
+    switch (L.kv_type) {
+        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, 0, n_ctx, st, 0, &b); break;
+        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, 0, n_ctx, st, 0, &b); break;
         default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
     }
 }

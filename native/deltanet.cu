@@ -31,6 +31,12 @@
 // above commits them as it commits a chain's, bit-identical to stepping the path one at a time.
 // The chain instances are the code as it was (the tree word is a constant 0 there).
 //
+// Sequences (oj_eval_seqs): one position each of up to 8 sequences, each sequence's state at its
+// own offset (Layer::conv_base / ssm_base + seq * per-sequence floats). The *_seqs kernels run the
+// chain code for one position with `commit` set, the state advanced in the pass: the arithmetic of a
+// one-position evaluation plus its replay, so the state and outputs are bit for bit a one-sequence
+// engine's.
+//
 // Prefill (deltanet_prefill) runs the same kernels over a whole pass (up to prefill_chunk
 // positions, the recurrence looping over them with the state in registers) with `commit` set:
 // the state after the last position is written back at the end, nothing is kept for a replay.
@@ -56,6 +62,20 @@ __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
+}
+
+// oj_eval_seqs: grid (channel blocks, n); position t is the next input of sequence sb.seq[t], its
+// conv state at state0 + sb.seq[t] * seq_floats, advanced by it (one committed step of the chain
+// code: the same arithmetic as a one-position evaluation and its replay).
+template <int KERNEL>
+__global__ void deltanet_conv_seqs_kernel(const float *__restrict__ qkv, const float *__restrict__ w, float *state0,
+                                          size_t seq_floats, float *__restrict__ out, int C, SeqBatch sb) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
+    if (c < C)
+        conv_channel<KERNEL>(c, nullptr, 0, qkv + (int64_t)t * C, 1, w, state0 + seq_floats * sb.seq[t],
+                             out + (int64_t)t * C, C, true);
 }
 
 // grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output.
@@ -87,6 +107,23 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
                       n_key_heads, n_v_heads, commit, TREE ? parents : 0);
+}
+
+// oj_eval_seqs: grid (n_v_heads, S / 4, n), block 128; position t steps sequence sb.seq[t]'s state
+// (state0 + sb.seq[t] * seq_floats) once and writes it back, as recurrence_row's committed chain code.
+template <int S>
+__global__ void __launch_bounds__(128)
+deltanet_recurrence_seqs_kernel(const float *__restrict__ conv_out, const float *__restrict__ beta_raw,
+                                const float *__restrict__ alpha_raw, const float *__restrict__ dt_bias,
+                                const float *__restrict__ ssm_a, float *state0, size_t seq_floats,
+                                float *__restrict__ out, int C, int key_dim, int n_key_heads, int n_v_heads, SeqBatch sb) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int t = blockIdx.z;
+    recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, nullptr, nullptr, nullptr, 0,
+                      conv_out + (int64_t)t * C, beta_raw + (int64_t)t * n_v_heads, alpha_raw + (int64_t)t * n_v_heads, 1,
+                      dt_bias, ssm_a, state0 + seq_floats * sb.seq[t], out + (int64_t)t * n_v_heads * S, C, key_dim,
+                      n_key_heads, n_v_heads, true);
 }
 
 // grid (n, n_v_heads), block d_state: o = rms_norm(o) * ssm_norm * silu(z), in place.
@@ -147,6 +184,35 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st, uint64_t parents) {
     conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents);
+}
+
+void deltanet_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const RingSlot &cur, const SeqBatch &b,
+                       cudaStream_t st) {
+    const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
+    const int threads = 128;
+    const dim3 conv_grid((C + threads - 1) / threads, n);
+    cudaError_t e = cudaSuccess;
+    switch (d.hp.ssm_conv_kernel) {
+        case 2: e = launch(deltanet_conv_seqs_kernel<2>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
+        case 3: e = launch(deltanet_conv_seqs_kernel<3>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
+        case 4: e = launch(deltanet_conv_seqs_kernel<4>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
+        default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
+    }
+    check_cuda(e, "deltanet_conv_seqs");
+    check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
+               "deltanet_qk_norm");
+    const dim3 grid(Hv, S / 4, n);
+#define OJ_RECURRENCE_SEQS(SS)                                                                                      \
+    e = launch(deltanet_recurrence_seqs_kernel<SS>, grid, 128, 0, st, cur.conv, cur.beta, cur.alpha, L.dt_bias, L.ssm_a, \
+               L.ssm_base, L.ssm_floats, s.dn_out, C, d.ssm_key_dim(), Hk, Hv, b)
+    switch (S) {
+        case 32: OJ_RECURRENCE_SEQS(32); break;
+        case 64: OJ_RECURRENCE_SEQS(64); break;
+        case 128: OJ_RECURRENCE_SEQS(128); break;
+        default: fail(OJ_ERR_UNSUPPORTED, "ssm.state_size must be 32, 64 or 128");
+    }
+#undef OJ_RECURRENCE_SEQS
+    check_cuda(e, "deltanet_recurrence_seqs");
 }
 
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st) {

@@ -258,19 +258,19 @@ void load_common(Loader &ld, Engine &e, Layer &L, int il) {
 // K and V caches of an attention layer (or the MTP block) in e.kv_type; see Layer's KV fields.
 // q8_0: the int8 plane (kv_dim * n_ctx bytes, a multiple of 64) then the fp16 scales, 34 bytes per
 // 32 values in all, which is what memory.kv_cache reports and estimate_device_bytes predicts.
+// Sequences: one allocation each for K and V holding every sequence's, sequence i's at
+// i * kv_seq_bytes (bind_sequence points the layer at the selected one's).
 void alloc_kv(Engine &e, Layer &L) {
     const size_t values = (size_t)e.dims.kv_dim() * e.n_ctx;
     L.kv_type = e.kv_type;
-    if (e.kv_type == OJ_KV_F16) {
-        L.k_cache = e.alloc(values * sizeof(__half), e.memory.kv_cache);
-        L.v_cache = e.alloc(values * sizeof(__half), e.memory.kv_cache);
-        return;
+    L.kv_seq_bytes = e.kv_type == OJ_KV_F16 ? values * sizeof(__half) : values + values / QK8_0 * sizeof(__half);
+    KvPlanes &b = L.kv_base;
+    b.k_cache = e.alloc(L.kv_seq_bytes * e.n_seq, e.memory.kv_cache);
+    b.v_cache = e.alloc(L.kv_seq_bytes * e.n_seq, e.memory.kv_cache);
+    if (e.kv_type == OJ_KV_Q8_0) {
+        b.k_scale = reinterpret_cast<__half *>(static_cast<uint8_t *>(b.k_cache) + values);
+        b.v_scale = reinterpret_cast<__half *>(static_cast<uint8_t *>(b.v_cache) + values);
     }
-    const size_t bytes = values + values / QK8_0 * sizeof(__half);
-    L.k_cache = e.alloc(bytes, e.memory.kv_cache);
-    L.v_cache = e.alloc(bytes, e.memory.kv_cache);
-    L.k_scale = reinterpret_cast<__half *>(static_cast<uint8_t *>(L.k_cache) + values);
-    L.v_scale = reinterpret_cast<__half *>(static_cast<uint8_t *>(L.v_cache) + values);
 }
 
 void load_attention(Loader &ld, Engine &e, Layer &L, int il) {
@@ -299,10 +299,13 @@ void load_deltanet(Loader &ld, Engine &e, Layer &L, int il) {
     L.dt_bias = ld.vector(p + "ssm_dt.bias", Hv);
     L.ssm_a = ld.vector(p + "ssm_a", Hv);
     L.ssm_norm = ld.vector(p + "ssm_norm.weight", S);
-    L.conv_state = static_cast<float *>(e.alloc((size_t)C * (d.hp.ssm_conv_kernel - 1) * 4, e.memory.recurrent_state));
-    L.ssm_state = static_cast<float *>(e.alloc((size_t)Hv * S * S * 4, e.memory.recurrent_state));
+    L.conv_floats = (size_t)C * (d.hp.ssm_conv_kernel - 1);
+    L.ssm_floats = (size_t)Hv * S * S;
+    L.conv_base = static_cast<float *>(e.alloc(L.conv_floats * 4 * e.n_seq, e.memory.recurrent_state));
+    L.ssm_base = static_cast<float *>(e.alloc(L.ssm_floats * 4 * e.n_seq, e.memory.recurrent_state));
     const size_t N = OJ_MAX_POSITIONS;
-    for (RingSlot &r : L.ring) {
+    L.rings.resize(2 * (size_t)e.n_seq);
+    for (RingSlot &r : L.rings) {
         r.qkv = static_cast<float *>(e.alloc(N * C * 4, e.memory.recurrent_state));
         r.conv = static_cast<float *>(e.alloc(N * C * 4, e.memory.recurrent_state));
         r.beta = static_cast<float *>(e.alloc(N * Hv * 4, e.memory.recurrent_state));
@@ -365,7 +368,7 @@ void alloc_scratch(Engine &e) {
     s.h_in = f(N * E);
     s.logits = f(N * V);
     s.argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
-    s.hidden = f((N + 1) * E);
+    for (SeqState &q : e.seqs) q.hidden = f((N + 1) * E);   // each sequence's hidden window
     if (e.has_mtp) {
         s.draft_logits = f(N * V);
         s.draft_argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
@@ -383,6 +386,29 @@ void alloc_scratch(Engine &e) {
     e.compact_jobs = static_cast<CompactJob *>(e.alloc((size_t)jobs * sizeof(CompactJob), c));
 }
 
+// Points the layers' KV caches, recurrent states and ring slots and the hidden window at sequence
+// i's (the host bookkeeping is engine_seq_select's).
+void bind_sequence(Engine &e, int i) {
+    auto bind = [&](Layer &L) {
+        if (L.recurrent) {
+            L.conv_state = L.conv_base + L.conv_floats * i;
+            L.ssm_state = L.ssm_base + L.ssm_floats * i;
+            L.ring[0] = L.rings[2 * (size_t)i];
+            L.ring[1] = L.rings[2 * (size_t)i + 1];
+            return;
+        }
+        const size_t off = L.kv_seq_bytes * i;
+        auto at = [off](void *p) { return p ? static_cast<void *>(static_cast<uint8_t *>(p) + off) : nullptr; };
+        L.k_cache = at(L.kv_base.k_cache);
+        L.v_cache = at(L.kv_base.v_cache);
+        L.k_scale = static_cast<__half *>(at(L.kv_base.k_scale));
+        L.v_scale = static_cast<__half *>(at(L.kv_base.v_scale));
+    };
+    for (Layer &L : e.layers) bind(L);
+    if (e.has_mtp) bind(e.mtp.block);
+    e.s.hidden = e.hidden;
+}
+
 // post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). On the fp16 path the
 // norm and SwiGLU run inside the projections' preps (matvec_group_norm, matvec_swiglu).
 void ffn(Engine &e, Layer &L, int n) {
@@ -396,24 +422,32 @@ void ffn(Engine &e, Layer &L, int n) {
     matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
-// attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree).
-void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0) {
+// attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree;
+// `seqs`: oj_eval_seqs's positions, pos0 and tree unused).
+void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
     stamp(e, PH_AT_PROJ, weight_bytes(L.wq) + weight_bytes(L.wk) + weight_bytes(L.wv));
     matvec_group_norm(w, y, 3, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
-    const uint64_t kv = (uint64_t)(pos0 + n) * e.dims.kv_dim() * 2;
+    uint64_t rows = (uint64_t)(pos0 + n);
+    if (seqs) {
+        rows = 0;
+        for (int t = 0; t < n; ++t) rows += (uint64_t)seqs->pos[t] + 1;
+    }
+    const uint64_t kv = rows * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
-    attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
+    if (seqs) attention_mix_seqs(e.dims, L, s, n, *seqs, e.n_ctx, e.stream);
+    else attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
 }
 
 // attn_norm(s.x) -> Gated DeltaNet added into s.x. The projections land in the layer's ring slot of
-// this evaluation (kept for the replay).
-void deltanet_layer(Engine &e, Layer &L, int n) {
+// this evaluation (kept for the replay). `seqs`: oj_eval_seqs's positions, each sequence's state
+// advanced in the pass (the selected sequence's free ring slot is only scratch then).
+void deltanet_layer(Engine &e, Layer &L, int n, const SeqBatch *seqs = nullptr) {
     Scratch &s = e.s;
     const RingSlot &r = L.ring[e.slot];
     const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
@@ -423,7 +457,8 @@ void deltanet_layer(Engine &e, Layer &L, int n) {
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
-    deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
+    if (seqs) deltanet_mix_seqs(e.dims, L, s, n, r, *seqs, e.stream);
+    else deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
                       e.stream);
@@ -450,6 +485,12 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
     if (desc.kv_type != OJ_KV_F16 && desc.kv_type != OJ_KV_Q8_0)
         fail(OJ_ERR_UNSUPPORTED, "kv_type " + std::to_string(desc.kv_type) + " is not an oj_kv_type (0 = f16, 1 = q8_0)");
     if (desc.n_tensors <= 0 || !desc.tensors) fail(OJ_ERR_INVALID_ARGUMENT, "the model description has no tensors");
+    if (desc.n_seq < 0 || desc.n_seq > OJ_MAX_SEQUENCES)
+        fail(OJ_ERR_INVALID_ARGUMENT, "n_seq is " + std::to_string(desc.n_seq) + "; an engine holds 1.." +
+                                          std::to_string(OJ_MAX_SEQUENCES) + " sequences (0 counts as 1)");
+    e.n_seq = desc.n_seq > 0 ? desc.n_seq : 1;
+    e.seqs.assign(e.n_seq, SeqState{});
+    e.cur_seq = 0;
     e.dims.hp = desc.hparams;
     e.n_ctx = desc.n_ctx;
     e.kv_type = desc.kv_type;
@@ -498,7 +539,12 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
     // cudaMemcpy from pageable memory may return before its DMA lands, and the engine's stream does
     // not wait for the legacy default stream: finish every upload before the first kernel.
     check_cuda(cudaDeviceSynchronize(), "upload weights");
-    engine_reset(e);
+    for (int i = e.n_seq - 1; i >= 0; --i) {   // every sequence empty; sequence 0 selected last
+        static_cast<SeqState &>(e) = e.seqs[i];
+        e.cur_seq = i;
+        bind_sequence(e, i);
+        engine_reset(e);
+    }
 }
 
 void engine_reset(Engine &e) {
@@ -520,6 +566,20 @@ void engine_reset(Engine &e) {
     e.last_n = 0;
     e.mtp_n_past = 0;
     e.last_mtp_n = 0;
+    e.result_rows = 0;
+}
+
+void engine_seq_select(Engine &e, int seq) {
+    if (seq < 0 || seq >= e.n_seq)
+        fail(OJ_ERR_INVALID_ARGUMENT, "sequence " + std::to_string(seq) + " does not exist (the engine holds " +
+                                          std::to_string(e.n_seq) + "; n_seq at creation)");
+    if (seq == e.cur_seq) return;
+    e.seqs[e.cur_seq] = static_cast<const SeqState &>(e);
+    static_cast<SeqState &>(e) = e.seqs[seq];
+    e.cur_seq = seq;
+    // draft results (s.draft_*) are scratch of whichever sequence drafted last: not this one's
+    e.last_mtp_n = 0;
+    bind_sequence(e, seq);
 }
 
 namespace {
@@ -605,6 +665,7 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     e.slot ^= 1;
     e.last_start = e.n_past;
     e.last_n = n;
+    e.result_rows = n;
     e.uncommitted = n;
     remember_parents(e, parent, n);
 }
@@ -701,6 +762,7 @@ void engine_commit_path(Engine &e, const int32_t *path, int n_path) {
     e.tree = 0;
     remember_parents(e, nullptr, 0);
     e.last_n = n_path;
+    e.result_rows = n_path;
 }
 
 int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
@@ -762,6 +824,73 @@ void engine_eval(Engine &e, const int32_t *tokens, int n) {
     engine_commit(e, n);
 }
 
+void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int n) {
+    check_tokens(e, tokens, n);
+    if (!seqs) fail(OJ_ERR_INVALID_ARGUMENT, "oj_eval_seqs: seqs is NULL");
+    for (int t = 0; t < n; ++t) {
+        if (seqs[t] < 0 || seqs[t] >= e.n_seq)
+            fail(OJ_ERR_INVALID_ARGUMENT, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " (entry " + std::to_string(t) +
+                                              ") does not exist (the engine holds " + std::to_string(e.n_seq) + ")");
+        for (int u = 0; u < t; ++u)
+            if (seqs[u] == seqs[t])
+                fail(OJ_ERR_INVALID_ARGUMENT, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " appears twice (entries " +
+                                                  std::to_string(u) + " and " + std::to_string(t) + "); one token each");
+        const int n_past = seqs[t] == e.cur_seq ? e.n_past : e.seqs[seqs[t]].n_past;
+        if (n_past + 1 > e.n_ctx)
+            fail(OJ_ERR_CONTEXT_FULL, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " holds " + std::to_string(n_past) +
+                                          " positions, n_ctx " + std::to_string(e.n_ctx) + ": no room for one more");
+    }
+    const int home = e.cur_seq;
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    Scratch &s = e.s;
+    // Every sequence as before its own oj_eval: a pending verify dropped, accepted positions
+    // replayed into its state (the pass then advances the state itself).
+    SeqBatch b{};
+    for (int t = 0; t < n; ++t) {
+        engine_seq_select(e, seqs[t]);
+        e.uncommitted = 0;
+        e.tree = 0;
+        engine_flush(e);
+        b.seq[t] = seqs[t];
+        b.pos[t] = e.n_past;
+    }
+    // the DeltaNet projections go to the last one's free ring slot (nothing pending there now)
+    check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
+    for (int il = 0; il < d.hp.n_layer; ++il) {
+        Layer &L = e.layers[il];
+        if (L.recurrent) deltanet_layer(e, L, n, &b);
+        else attention_layer(e, L, n, 0, 0, &b);
+        ffn(e, L, n);
+    }
+    float *h = s.h_in;   // the pass's hidden rows (the MTP block's input buffer, free here)
+    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
+    matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
+    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    // each sequence's hidden window as after its own one-token oj_eval: row 0 = h of the position
+    // before (zeros at position 0), row 1 = the new one's
+    for (int t = 0; t < n; ++t) {
+        engine_seq_select(e, seqs[t]);
+        if (e.n_past == 0)
+            check_cuda(cudaMemsetAsync(s.hidden, 0, E * 4, e.stream), "hidden window");
+        else if (e.prev_row != 0)
+            check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream),
+                       "hidden window");
+        check_cuda(cudaMemcpyAsync(s.hidden + E, h + (size_t)t * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
+        e.last_start = e.n_past;
+        e.last_n = 1;
+        e.n_past += 1;
+        e.prev_row = 1;
+        e.replay_n = 0;
+        e.uncommitted = 0;
+        remember_parents(e, nullptr, 0);
+    }
+    finish(e, "oj_eval_seqs");
+    e.result_rows = n;
+    engine_seq_select(e, home);
+}
+
 void engine_flush(Engine &e) {
     if (e.replay_n == 0) return;
     for (Layer &L : e.layers)
@@ -797,6 +926,7 @@ int engine_checkpoint_restore(Engine &e, int slot) {
     e.n_past = c.n_past;
     e.last_start = e.n_past;   // only h_{n_past-1} (row 0) is in the window now
     e.last_n = 0;
+    e.result_rows = 0;
     if (e.mtp_n_past > e.n_past) e.mtp_n_past = e.n_past;
     e.last_mtp_n = 0;
     return e.n_past;

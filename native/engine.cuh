@@ -70,6 +70,20 @@ struct CompactJob {
     int32_t row_words;
 };
 
+// One attention layer's KV planes (Layer's fields of the same names).
+struct KvPlanes {
+    void *k_cache = nullptr, *v_cache = nullptr;
+    __half *k_scale = nullptr, *v_scale = nullptr;
+};
+
+// oj_eval_seqs (issue 29): position t of a pass is the next token of sequence seq[t], at its
+// position pos[t]; the kernels' SEQS instances index each position's KV cache and recurrent state
+// by it (base + seq[t] * the per-sequence stride), the other instances are the code they were.
+struct SeqBatch {
+    int32_t seq[OJ_MAX_POSITIONS];
+    int32_t pos[OJ_MAX_POSITIONS];
+};
+
 struct Layer {
     bool recurrent = false;
     float *attn_norm = nullptr, *post_norm = nullptr;
@@ -77,7 +91,8 @@ struct Layer {
     // gated attention (also the MTP block)
     Matrix wq, wk, wv, wo;
     float *q_norm = nullptr, *k_norm = nullptr;
-    // KV cache, values [n_head_kv][n_ctx][head_dim] of type kv_type (oj_kv_type):
+    // KV cache of the selected sequence (engine_seq_select), values [n_head_kv][n_ctx][head_dim] of
+    // type kv_type (oj_kv_type); sequence i's lies kv_seq_bytes * i bytes after sequence 0's (kv_base):
     // OJ_KV_F16: k_cache/v_cache hold __half. OJ_KV_Q8_0: they hold int8 quants in that shape and
     // k_scale/v_scale the fp16 scale of each 32 values, [n_head_kv][n_ctx][head_dim / 32]: ggml's
     // block_q8_0 split into a quant plane and a scale plane, so that a lane's quants are one aligned
@@ -85,12 +100,18 @@ struct Layer {
     int kv_type = OJ_KV_F16;
     void *k_cache = nullptr, *v_cache = nullptr;
     __half *k_scale = nullptr, *v_scale = nullptr;
+    KvPlanes kv_base;              // sequence 0's planes (all sequences' in one allocation each)
+    size_t kv_seq_bytes = 0;       // one sequence's bytes of each allocation (K's, V's)
     // Gated DeltaNet
     Matrix wqkv, wgate, wbeta, walpha, wssm_out;
     float *conv1d = nullptr, *dt_bias = nullptr, *ssm_a = nullptr, *ssm_norm = nullptr;
+    // the selected sequence's state; sequence i's at conv_base + i * conv_floats (ssm likewise)
     float *conv_state = nullptr;   // [conv_dim][kernel-1], oldest input first
     float *ssm_state = nullptr;    // [n_v_heads][d_state (value j)][d_state (key i)]
+    float *conv_base = nullptr, *ssm_base = nullptr;
+    size_t conv_floats = 0, ssm_floats = 0;
     RingSlot ring[2];              // evaluations alternate slots: one replays while one is written
+    std::vector<RingSlot> rings;   // [n_seq][2]: every sequence's; ring = the selected one's
 };
 
 struct Mtp {
@@ -175,7 +196,23 @@ struct Profile {
     double host_ms = 0;                // the passes' host time, start to last launch enqueued
 };
 
-struct Engine {
+// What a sequence (oj_seq_select) keeps of the engine's bookkeeping: the fields below, swapped in
+// and out whole on a select; the device state it points at is rebound (bind_sequence).
+struct SeqState {
+    int n_past = 0;                   // committed positions
+    int last_start = 0, last_n = 0;   // the last evaluation's first position and length
+    // Commit by replay (deltanet.cu): the next evaluation writes ring slot `slot`; the first
+    // replay_n positions of slot replay_slot are accepted but not yet in the recurrent state.
+    int slot = 0, replay_slot = 1, replay_n = 0;
+    int uncommitted = 0;              // positions of the last oj_verify awaiting oj_commit
+    uint64_t tree = 0;                // the last verify's shape (tree.cuh; 0: a chain, oj_verify)
+    int8_t tree_parent[OJ_MAX_POSITIONS] = {};   // its parents (host copy for oj_commit_path's checks)
+    int prev_row = 0;                 // hidden-window row of position n_past - 1 after the last commit
+    int mtp_n_past = 0, last_mtp_n = 0;
+    float *hidden = nullptr;          // its hidden window (Scratch::hidden while selected)
+};
+
+struct Engine : SeqState {
     ModelDims dims;
     int n_ctx = 0;
     int kv_type = OJ_KV_F16;          // oj_kv_type of every KV cache (main layers and MTP block)
@@ -190,20 +227,15 @@ struct Engine {
  Scratch s;
     PrefillScratch pf;
 
-    int n_past = 0;                   // committed positions
-    int last_start = 0, last_n = 0;   // the last evaluation's first position and length
-    // Commit by replay (deltanet.cu): the next evaluation writes ring slot `slot`; the first
-    // replay_n positions of slot replay_slot are accepted but not yet in the recurrent state.
-    int slot = 0, replay_slot = 1, replay_n = 0;
-    int uncommitted = 0;              // positions of the last oj_verify awaiting oj_commit
-    uint64_t tree = 0;                // the last verify's shape (tree.cuh; 0: a chain, oj_verify)
-    int8_t tree_parent[OJ_MAX_POSITIONS] = {};   // its parents (host copy for oj_commit_path's checks)
+    // Sequences: the SeqState fields this Engine inherits are the selected sequence's; the others
+    // wait in seqs (seqs[cur_seq] is stale while selected).
+    int n_seq = 1, cur_seq = 0;
+    std::vector<SeqState> seqs;
+    int result_rows = 0;              // rows of s.logits / s.argmax the last pass wrote (any sequence)
     CompactJob *compact_jobs = nullptr;          // device table for oj_commit_path's row moves
     int compact_capacity = 0;
-    int prev_row = 0;                 // hidden-window row of position n_past - 1 after the last commit
     int n_draft_ids = 0;              // 0: the draft head scores the whole vocabulary
     std::vector<Checkpoint> checkpoints;
-    int mtp_n_past = 0, last_mtp_n = 0;
     Profile prof;
 
     std::vector<void *> allocations;
@@ -228,6 +260,9 @@ int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *
 void engine_eval(Engine &e, const int32_t *tokens, int n);     // verify + commit all
 void engine_flush(Engine &e);                                   // replay pending positions now
 void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
+// oj_seq_select / oj_eval_seqs (openjet.h).
+void engine_seq_select(Engine &e, int seq);
+void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int n);
 void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
@@ -295,6 +330,12 @@ void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_
 // follow each node's ancestors).
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st, uint64_t tree = 0);
+// deltanet.cu: the mixer for the positions of oj_eval_seqs, position t the next of sequence
+// b.seq[t] (its conv and ssm state at Layer::conv_base / ssm_base + seq * the per-sequence floats),
+// from ring slot `cur` to s.dn_out, each sequence's state ADVANCED by its position (committed in
+// the pass, as prefill does; the sequences have nothing pending to replay).
+void deltanet_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const RingSlot &cur, const SeqBatch &b,
+                       cudaStream_t st);
 // deltanet.cu: o = rms_norm(o) * w * silu(z) per head of S values, in place ([n][n_heads][S]).
 void deltanet_gated_norm(float *o, const float *z, const float *w, int n, int n_heads, int S, float eps, cudaStream_t st);
 // deltanet.cu: the prefill form: n positions from raw conv inputs qkv (conv output to conv) and raw
@@ -314,6 +355,9 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // its depth, attention over the committed rows and its path's (tree_path_rows).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
                    cudaStream_t st, uint64_t tree = 0);
+// attention.cu: attention_mix for the positions of oj_eval_seqs, position t at b.pos[t] in
+// sequence b.seq[t]'s KV cache (Layer::kv_base + seq * kv_seq_bytes).
+void attention_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const SeqBatch &b, int n_ctx, cudaStream_t st);
 // attention.cu: the first step alone for n positions of a prefill pass: q/k norms and RoPE to q_rot,
 // K/V appended at pos0...
 void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v,

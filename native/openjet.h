@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 8, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096 };
+enum { OJ_ABI_VERSION = 9, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -118,6 +118,9 @@ typedef struct oj_model_desc {
     int32_t n_checkpoints;    /* recurrent-state checkpoint slots (oj_checkpoint_save), 0..64 */
     int32_t prefill_chunk;    /* positions per oj_prefill pass, 0 (no oj_prefill) or 64..OJ_MAX_PREFILL_CHUNK:
                                  the prefill buffers (memory report `prefill`) scale with it */
+    int32_t n_seq;            /* sequences held at once (oj_seq_select), 1..OJ_MAX_SEQUENCES (0 counts as 1):
+                                 each its own n_ctx positions of KV cache (main and MTP), DeltaNet state,
+                                 hidden window and n_past; kv_cache and recurrent_state scale with it */
 } oj_model_desc;
 
 /* Device memory the engine holds, by purpose (bytes). */
@@ -232,6 +235,25 @@ int32_t oj_commit_path(oj_engine *engine, const int32_t *path, int32_t n_path);
    (oj_get_draft_*) are not readable. */
 int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
                  int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts);
+/* Sequences (issue 29): an engine holds n_seq conversations. Every call that evaluates, commits,
+   drafts, checkpoints or reads state applies to the selected sequence (0 after creation), as if it
+   were the engine's only one; oj_reset resets only it. oj_seq_select switches in constant time (no
+   copy). The results of the last pass (oj_get_argmax / oj_get_logits rows, draft results) belong to
+   the engine and stay readable across a select; oj_get_hidden reads the selected sequence's own
+   window. Checkpoint slots are the engine's: a slot restored into a sequence gives it the saved
+   recurrent state, hidden and n_past (the KV rows are that sequence's own). */
+int32_t oj_seq_select(oj_engine *engine, int32_t seq);
+int32_t oj_seq_selected(const oj_engine *engine, int32_t *out);
+/* One pass for n_seqs (1..OJ_MAX_POSITIONS) different sequences, one token each: tokens[t] is
+   appended at sequence seqs[t]'s n_past and committed, as oj_eval of that one token on it would
+   (a pending verify counts as oj_commit(0)); the weights are read once for all of them, and each
+   sequence's results and state are bit for bit those of its own one-token oj_eval. Afterwards
+   oj_get_argmax(.., n_seqs) and oj_get_logits(t) read row t for seqs[t]; each sequence's hidden
+   window and OJ_H_MAIN read as after its own oj_eval; MTP caches are left as they were. The
+   selected sequence does not change. Checked before anything runs: ids in range and distinct,
+   every sequence with room for one more position (else OJ_ERR_CONTEXT_FULL naming it). */
+int32_t oj_eval_seqs(oj_engine *engine, const int32_t *seqs, const int32_t *tokens, int32_t n_seqs);
+
 /* Results of the last oj_eval: argmax per position, one position's logits or final hidden
    state (after output_norm). */
 int32_t oj_get_argmax(oj_engine *engine, int32_t *out, int32_t n);

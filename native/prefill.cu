@@ -287,6 +287,7 @@ void engine_prefill(Engine &e, const int32_t *tokens, int n) {
     e.n_past = start + n;
     e.last_start = e.n_past - 1;
     e.last_n = 1;
+    e.result_rows = 1;
     e.prev_row = 1;
     e.replay_n = 0;
     e.uncommitted = 0;
