@@ -119,8 +119,8 @@ class _OpenJetParams(BaseModel):
 
     n_slots: int | None = 1
     """Conversations the engine holds at once: that many concurrent calls (threads, `abatch`)
-    generate together, sharing the engine's passes. None: the backend's choice for a server
-    (llama.cpp 4; the native engine 1 until its multi-sequence pass exists)."""
+    generate together, sharing the engine's passes. None: the backend's choice for a server (4;
+    the native engine holds at most 8, and speculates only with 1)."""
 
     temperature: float = 0.8
     """Sampling temperature; 0 is greedy."""

@@ -48,8 +48,8 @@ def _add_serving_args(p: argparse.ArgumentParser) -> None:
     """What the memory estimate assumes: the context and slots of `openjet serve`."""
     p.add_argument("--n-ctx", type=int, default=4096, help="context window in tokens, per slot (default 4096)")
     p.add_argument("--slots", type=int, default=None,
-                   help="conversations served at once, as `openjet serve --slots` (default: the backend's, "
-                        "4 on llama.cpp, 1 on native)")
+                   help="conversations served at once, as `openjet serve --slots` (default 4; the native "
+                        "engine holds up to 8)")
     p.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"], help="KV cache type (default f16)")
     p.add_argument("--prefix-cache-mb", default=None, metavar="MB",
                    help="host memory for the prefix cache, as `openjet serve --prefix-cache-mb` (0: none; "
@@ -276,7 +276,7 @@ def cmd_info(args) -> int:
         from .model_file import open_model
 
         with open_model(args.model) as mf:
-            backend, _ = choose_backend("auto", mf, args.n_ctx, args.kv_type)
+            backend, _ = choose_backend("auto", mf, args.n_ctx, args.kv_type, args.slots)
             plan = serving_memory(mf, backend, args.n_ctx, args.slots, args.kv_type, cache)
         text += "".join(f"\n{k}: {v}" for k, v in plan.rows())
     print(text)
@@ -332,9 +332,9 @@ def cmd_doctor(args) -> int:
     plan = None
     try:
         with open_model(model) as mf:
-            ok, why = native_verdict(mf, args.n_ctx, args.kv_type)
+            ok, why = native_verdict(mf, args.n_ctx, args.kv_type, args.slots)
             rows.append(("native backend", ("usable: " if ok else "not usable: ") + why))
-            name, reason = choose_backend("auto", mf, args.n_ctx, args.kv_type)
+            name, reason = choose_backend("auto", mf, args.n_ctx, args.kv_type, args.slots)
             plan = serving_memory(mf, name, args.n_ctx, args.slots, args.kv_type, cache)
     except WrongArchitectureError as exc:
         arch = read_foreign(model).architecture
@@ -453,8 +453,9 @@ def serving_memory(model_file, backend: str, n_ctx: int, slots: int | None = Non
                    kv_type: str = "f16", prefix_cache_bytes: int | None = None,
                    on_gpu: bool | None = None) -> ServingMemory:
     """The memory `openjet serve --slots slots` takes for model_file on backend ("native" or
-    "llama.cpp"), before loading it. slots None: the backend's default (llama.cpp
-    DEFAULT_SERVE_SEQUENCES; native 1, the only count it serves today). prefix_cache_bytes: as
+    "llama.cpp"), before loading it. slots None: the default, DEFAULT_SERVE_SEQUENCES (the native
+    engine holds 1..8; each slot there is a sequence's KV cache, recurrent state and checkpoint
+    slots, and a hidden window in the working buffers). prefix_cache_bytes: as
     load() takes it (None: the engine's default, DEFAULT_PREFIX_CACHE_BYTES with several slots;
     only a backend that copies sequence state, llama.cpp, has one). on_gpu (llama.cpp): where
     its compute buffers are planned for; None: where it would run here."""
@@ -465,16 +466,22 @@ def serving_memory(model_file, backend: str, n_ctx: int, slots: int | None = Non
     if n_ctx < 16:
         raise ValueError(f"n_ctx must be an integer >= 16, got {n_ctx}")
     check_prefix_cache_bytes(prefix_cache_bytes)
-    if backend == "native":
-        from .backends.native import estimate_device_bytes
+    from .backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
 
-        est = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type)
-        note = f" (it serves one conversation at a time: --slots {slots} becomes 1)" if (slots or 1) > 1 else ""
-        return ServingMemory(
-            "native", 1, n_ctx, {"kv_cache": est["kv_cache"], "recurrent_state": est["recurrent_state"]},
-            {"weights": est["weights"], "buffers": est["activations"] + est["checkpoints"] + est["prefill"]}, note)
+    n = DEFAULT_SERVE_SEQUENCES if slots is None else slots
+    if backend == "native":
+        from .backends.native import MAX_SEQUENCES, estimate_device_bytes
+
+        if n > MAX_SEQUENCES:
+            raise ValueError(f"the native engine holds at most {MAX_SEQUENCES} slots, {n} asked")
+        # the engine's own accounting for n sequences: the per-sequence terms split evenly, the rest
+        # (weights, activations with every sequence's hidden window, prefill buffers) held once, so
+        # the plan's total is the estimate's
+        est = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type, n_seq=n)
+        per_slot = {k: est[k] // n for k in ("kv_cache", "recurrent_state", "checkpoints")}
+        return ServingMemory("native", n, n_ctx, per_slot,
+                             {"weights": est["weights"], "buffers": est["activations"] + est["prefill"]})
     from .backends.llama_cpp import (
-        DEFAULT_SERVE_SEQUENCES,
         checkpoint_memory,
         compute_memory,
         sequence_memory,
@@ -482,7 +489,6 @@ def serving_memory(model_file, backend: str, n_ctx: int, slots: int | None = Non
     )
 
     cfg = model_file.config
-    n = DEFAULT_SERVE_SEQUENCES if slots is None else slots
     weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
     gpu = _llama_cpp_on_gpu() if on_gpu is None else on_gpu
     buffers = compute_memory(cfg, n_ctx, flash_attn=uses_flash_attention(kv_type, gpu), on_gpu=gpu,

@@ -10,8 +10,10 @@ list; a request takes a free slot for its whole run (the one whose tokens share 
 prefix with its prompt, else the least recently used; where the prefix cache below serves the
 prompt as well, one it would not cut first: `_slot_preference`) and waits, in arrival order,
 while none is free. Concurrent requests run the same generation loop in their own threads; the backend gathers
-their evals into shared passes (llama.cpp: backends/llama_cpp_sequences.py). With one slot (the
-default, and the native backend's only mode for now) requests run one at a time, as before.
+their evals into shared passes (backends/passes.py; llama.cpp: backends/llama_cpp_sequences.py, the
+native engine: up to 8 sequences, backends/native.py). With one slot (the default) requests run one
+at a time, as before. Speculative decoding runs on a one-slot engine only: a native engine of
+several sequences is built without it (its backend does not speculate).
 
 Conversation reuse: a slot's `tokens` is always exactly the token list in its sequence's state. A
 new prompt is compared with it; the common prefix is kept and only the rest is evaluated. Going back
@@ -921,9 +923,10 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     grow with it (the backend's memory report, `prefill`).
     n_slots: conversations held at once, so that as many requests (threads) run concurrently and
     share the backend's passes (see Engine); each has its own n_ctx positions of KV cache and its
-    own recurrent state. None: the backend's choice for a server (llama.cpp: 4, see
-    backends/llama_cpp.py DEFAULT_SERVE_SEQUENCES). The native backend runs one sequence per pass
-    until its multi-sequence kernels exist: it takes 1 whatever is asked (logged).
+    own recurrent state. None: the backend's choice for a server (4, see backends/llama_cpp.py
+    DEFAULT_SERVE_SEQUENCES). The native engine holds at most 8 (backend="auto" runs llama.cpp for
+    more, saying why) and with more than one it does not speculate (draft_depth is then not used:
+    its verify pass serves one sequence); n_checkpoints is per slot there.
     prefix_cache_bytes: host memory for copies of the state after recurring prompt prefixes, so a
     request in any slot reuses a system prompt another request evaluated (see Engine;
     prefix_cache.py); least recently used copies go first. None: DEFAULT_PREFIX_CACHE_BYTES (2 GiB)

@@ -26,8 +26,8 @@ LiteLLM's admin routes (UI, key management, /openapi.json, /routes), which are c
 Requests: a body that breaks the OpenAI API's rules is answered 400 naming the field before
 anything is queued; an omitted max_tokens generates to the end of the context window for chat
 (OpenAI's rule) and 16 tokens for text completions (OpenAI's default there); each engine runs
-`--slots` requests at once (their tokens share the engine's passes; default 4 on llama.cpp, 1 on
-the native engine until its multi-sequence pass exists) and `--max-queue` more wait, beyond that
+`--slots` requests at once (their tokens share the engine's passes; default 4; the native engine
+holds up to 8, and does not speculate with more than one) and `--max-queue` more wait, beyond that
 503 with Retry-After; a prompt prefix one request evaluated (a system prompt, an agent scaffold)
 is loaded by the next from the engine's prefix cache (`--prefix-cache-mb`, host memory; 0 turns
 it off); `/metrics`
@@ -102,7 +102,7 @@ def proxy_environment(models: list[tuple[str, str]], args: argparse.Namespace, m
         env["OPENJET_N_CTX"] = str(args.n_ctx)
     if args.draft_depth is not None:
         env["OPENJET_DRAFT_DEPTH"] = str(args.draft_depth)
-    # "auto": the backend's choice (llama.cpp: 4 slots; native: 1, see engine.load)
+    # "auto": the backend's choice (4 slots, see engine.load)
     env["OPENJET_SLOTS"] = "auto" if args.slots is None else str(args.slots)
     # "auto": the engine's default (2 GiB of host memory with several slots, none with one)
     env["OPENJET_PREFIX_CACHE_MB"] = "auto" if args.prefix_cache_mb is None else str(args.prefix_cache_mb)
@@ -124,8 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key-file", help="file holding the key clients must send (default: $OPENJET_API_KEY, "
                    "else a random one on loopback)")
     p.add_argument("--slots", type=int, default=None,
-                   help="requests each engine runs at once, sharing its passes (default: 4 on llama.cpp; "
-                   "1 on the native engine, which serves one sequence per pass for now)")
+                   help="requests each engine runs at once, sharing its passes (default 4; the native "
+                   "engine holds up to 8 and speculates only with 1)")
     p.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                    help="host memory for each engine's prefix cache: copies of the state after prompt "
                    "prefixes that recur across conversations (system prompts, agent scaffolds); 0 turns it "
@@ -237,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _slots_guess(args: argparse.Namespace) -> int:
-    """Slots per engine before any is loaded: --slots, else what the backend takes where
-    --backend names it (auto: llama.cpp's, the fallback that runs everywhere)."""
-    return args.slots or (1 if args.backend == "native" else DEFAULT_SERVE_SEQUENCES)
+    """Slots per engine before any is loaded: --slots, else what either backend takes."""
+    return args.slots or DEFAULT_SERVE_SEQUENCES
 
 
 def _warm_up(handler, names: list[str]) -> None:

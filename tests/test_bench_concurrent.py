@@ -114,7 +114,7 @@ def test_ours_on_the_cpu_gives_every_row_with_identical_streams(ours_cpu):
 
 
 def test_an_engine_of_one_sequence_runs_the_streams_in_turn_and_says_so(tmp_path, monkeypatch):
-    """As the native backend does today (n_slots becomes 1): the rate rows are measured with
+    """An engine of fewer slots than the streams (one here): the rate rows are measured with
     sequences 1, the latency rows are not, with the reason."""
     import openjet_plugin
 
@@ -517,3 +517,35 @@ def test_a_round_the_prompt_outlasted_runs_again_longer_on_a_spare_prompt(monkey
     timed = [(n, lp) for n, lp in seen if lp is not None][1:]      # after the warm-up round's
     assert [lp for _, lp in timed] == [tuple(longs[2]), tuple(longs[4]), tuple(longs[3])]
     assert timed[1][0] >= 2 * timed[0][0] and d["tokens"] == timed[1][0]
+
+
+def test_ours_on_the_native_sequences_serves_the_streams_together(tmp_path, monkeypatch):
+    """run_ours on the native backend over tests/test_native_sequences.py's fake engine of
+    sequences: the rate rows run S streams on S sequences (passes shared, every stream equal to
+    its prompt alone), the latency rows on streams + 1, and the speculative row says why not."""
+    from test_native_bookkeeping import install_fake
+    from test_native_sequences import SeqFakeLib
+
+    libs = install_fake(monkeypatch, SeqFakeLib)
+    out = tmp_path / "rows.jsonl"
+    concurrent.run_ours(str(DEFAULT_GGUF), concurrent.Plan(**SMALL), "native", Emitter(out), lambda: math.inf)
+    recs = _records(out)
+    details = {}
+    for r in recs:
+        details.update(r.get("info", {}).get("spec_details", {}))
+    assert not [r for r in recs if "error" in r], recs
+    for S in (1, 4):
+        d = details[report.row_key("concurrent_tps", "openjet", {"streams": S, "drafts": 0})]
+        assert d["backend"] == "native" and d["sequences"] == S and d["streams_differing_from_alone"] == 0
+        if S > 1:
+            assert d["max_sequences_in_a_pass"] >= 3 and d["shared_passes"] > 0, d
+        else:
+            assert "max_sequences_in_a_pass" not in d           # one sequence: no scheduler
+    for L in (0, 128):
+        d = details[report.row_key("concurrent_itl_p99_ms", "openjet", {"streams": 3, "prompt_tokens": L})]
+        assert d["sequences"] == 4 and d["max_sequences_in_a_pass"] >= 3
+    # the engines loaded (native_status's own library loads made none): rows 1, 4, the latency rows, the speculative
+    assert [lib.created[-1]["n_seq"] for lib in libs if lib.created] == [1, 4, 4, 4]
+    skips = [r for r in recs if "skip" in r]
+    assert [s["skip"]["params"] for s in skips] == [{"streams": 4, "drafts": 2}]
+    assert "native backend does not speculate with 4 slot(s)" in skips[0]["reason"]

@@ -187,16 +187,43 @@ def test_serving_memory_prefix_cache_budget(model):
                 cli.serving_memory(mf, "llama.cpp", 512, 2, prefix_cache_bytes=bad)
 
 
-def test_serving_memory_on_native_is_its_estimate_for_one_slot(model):
-    from openjet_plugin.backends.native import estimate_device_bytes
+def test_serving_memory_on_native_is_its_estimate_for_the_slots(model):
+    """The native engine of 4 sequences: each slot its KV cache, recurrent state and checkpoint
+    slots; the plan's total is the engine's own estimate for n_seq 4 (issue 29)."""
+    from openjet_plugin.backends.native import N_CHECKPOINTS, estimate_device_bytes
     from openjet_plugin.model_file import open_model
 
     with open_model(model) as mf:
         plan = cli.serving_memory(mf, "native", 2048, 4)
-        est = estimate_device_bytes(mf, 2048)
-    assert plan.slots == 1 and "--slots 4 becomes 1" in dict(plan.rows())["serving"]
-    assert plan.per_slot == {"kv_cache": est["kv_cache"], "recurrent_state": est["recurrent_state"]}
-    assert plan.total == est["total"]
+        one, est = estimate_device_bytes(mf, 2048), estimate_device_bytes(mf, 2048, n_seq=4)
+    _, state = _per_slot_formula(mf.config, 2048, 2)
+    assert plan.slots == 4 and dict(plan.rows())["serving"] == "4 slots x 2048 context on native"
+    assert plan.per_slot == {"kv_cache": one["kv_cache"], "recurrent_state": one["recurrent_state"],
+                             "checkpoints": one["checkpoints"]}
+    # a checkpoint slot: the recurrent state and the hidden at n_past
+    assert one["checkpoints"] == N_CHECKPOINTS * (state + mf.config.n_embd * 4)
+    assert plan.total == est["total"] == est["weights"] + est["activations"] + est["prefill"] + 4 * sum(plan.per_slot.values())
+
+
+def test_info_reports_native_slots_before_loading(model, capsys, monkeypatch):
+    from openjet_plugin.backends import select
+    from openjet_plugin.backends.native import estimate_device_bytes
+    from openjet_plugin.model_file import _human_bytes, open_model
+
+    asked = []
+
+    def verdict(mf, n_ctx, kv_type="f16", n_slots=1):
+        asked.append(n_slots)
+        return True, "test: native"
+    monkeypatch.setattr(select, "native_verdict", verdict)
+    with open_model(model) as mf:
+        total = estimate_device_bytes(mf, 2048, n_seq=3)["total"]
+    assert cli.main(["info", str(model), "--slots", "3", "--n-ctx", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "serving: 3 slots x 2048 context on native" in out and f"memory: {_human_bytes(total)} = weights " in out
+    assert cli.main(["info", str(model), "--n-ctx", "2048"]) == 0
+    assert "serving: 4 slots x 2048 context on native" in capsys.readouterr().out
+    assert asked == [3, None]                  # the verdict is asked for the slots it will serve
 
 
 def test_info_and_doctor_report_slots_context_and_memory(model, capsys, monkeypatch):

@@ -79,7 +79,7 @@ def _gpu_reason() -> str | None:
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,slots", [("native", 1), ("llama.cpp", 1), ("llama.cpp", 4)])
+@pytest.mark.parametrize("backend,slots", [("native", 1), ("native", 4), ("llama.cpp", 1), ("llama.cpp", 4)])
 def test_gpu_plan_within_10_percent_of_device_growth(model_dir, backend, slots):
     reason = _gpu_reason()
     if reason:

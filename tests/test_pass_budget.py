@@ -131,13 +131,14 @@ class NoLlama:
 
 
 def scheduler(n_batch=64):
-    from openjet_plugin.backends.llama_cpp_sequences import PassScheduler, _Work
+    from openjet_plugin.backends.llama_cpp_sequences import PassScheduler
+    from openjet_plugin.backends.passes import Work
 
     sched = PassScheduler(NoLlama(), None, 10, n_batch, 4)
     order = iter(range(100))
 
     def work(seq, n_tokens):
-        w = _Work(seq, list(range(n_tokens)), 0, next(order))
+        w = Work(seq, list(range(n_tokens)), 0, next(order))
         sched._pending.append(w)
         return w
     return sched, work

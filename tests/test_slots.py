@@ -21,8 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import openjet_plugin
-from openjet_plugin.errors import ContextOverflowError
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from concurrency import run_threads  # noqa: E402
+
+import openjet_plugin  # noqa: E402
+from openjet_plugin.errors import ContextOverflowError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,24 +54,6 @@ def engine(model):
     eng.close()
 
 
-def run_threads(fns) -> list:
-    """Run each fn in its own thread at once; their results (or exceptions) in order."""
-    out: list = [None] * len(fns)
-    start = threading.Barrier(len(fns))
-
-    def run(i, fn):
-        start.wait()
-        try:
-            out[i] = fn()
-        except BaseException as exc:  # noqa: BLE001 - returned to the test
-            out[i] = exc
-
-    threads = [threading.Thread(target=run, args=(i, fn)) for i, fn in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    return out
 
 
 def stream_tokens(eng, prompt, n=N_TOKENS):
@@ -373,7 +358,9 @@ def test_serve_slots_option_reaches_the_provider(monkeypatch, capsys):
     args = serve._parser().parse_args(["--slots", "3"])
     assert serve.proxy_environment([], args, "sk-m")["OPENJET_SLOTS"] == "3"
     assert serve.proxy_environment([], serve._parser().parse_args([]), "sk-m")["OPENJET_SLOTS"] == "auto"
-    assert serve._slots_guess(serve._parser().parse_args(["--backend", "native"])) == 1
+    # the native engine holds several sequences too: the same default before it loads
+    from openjet_plugin.backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
+    assert serve._slots_guess(serve._parser().parse_args(["--backend", "native"])) == DEFAULT_SERVE_SEQUENCES
     monkeypatch.setattr(serve, "_run_proxy", lambda *a, **k: pytest.fail("the server started"))
     assert serve.main(["--slots", "0"]) == 2
     assert "--slots" in capsys.readouterr().err

@@ -1,7 +1,7 @@
 """What the engine asks of a backend.
 
 A backend holds one conversation's model state (KV cache and recurrent state) and turns tokens into
-next-token logits. Everything above that — sampling, stop strings, conversation reuse, the lock and
+next-token logits; one that holds several hands out a view per conversation (below). Everything above that — sampling, stop strings, conversation reuse, the lock and
 the stats — is the engine's, so every backend behaves the same way to a caller.
 """
 
@@ -68,7 +68,8 @@ class Backend(Protocol):
 #         # False if it failed (the sequence is then empty, n_past 0)
 # Neither may disturb another sequence: a multi-sequence backend does both between its passes.
 # The llama.cpp backend implements them (llama_cpp_sequences.py); the native backend would copy
-# its KV region [0, p) and DeltaNet / conv state the same way.
+# its KV region [0, p) and DeltaNet / conv state the same way (its checkpoints restore a recurrent
+# state into any sequence, but not the KV rows: not yet).
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,6 +86,5 @@ class SequenceState:
 #     def sequences(self) -> list[Backend]: ...
 #         # one view per sequence, each the protocol above over that sequence's own state
 #         # (KV region, recurrent state, n_past); evals from different threads may run at once
-#         # and the backend serves them together (llama_cpp_sequences.py)
-# A backend without them holds one sequence (the native engine's CUDA cycle, for now: its
-# multi-sequence pass would plug in here, with a view per sequence as llama.cpp's).
+#         # and the backend serves them together (passes.py: llama_cpp_sequences.py, native.py)
+# A backend without them holds one sequence.

@@ -13,15 +13,13 @@ context of one sequence is its sequence 0 too (`LlamaCppBackend` with n_seq=1 de
 decoding through `OneSequencePasses`: the same batches, in the calling thread.
 
 With several sequences a sequence's eval does not call llama.cpp itself: it hands its tokens to
-the `PassScheduler` and waits. The scheduler's thread fills each pass from what the request
-threads have handed in: every waiting decode step first, then prompt chunks in arrival order, at
-most n_batch tokens in all. While sequences decode, the prompt tokens of a pass are capped by a
-`PassBudget` (pass_budget.py): sized from the passes' measured times so that a mixed pass costs at
-most about twice the decode-only pass, and a long prompt arriving does not stall the others' next
-tokens (issue 29); with nobody decoding a prompt goes at full n_batch. Before a pass it waits (at
-most one pass's duration) for the sequences of the previous pass to come back with their next
-token: they are sampling, and a pass that waits for them serves them together instead of one pass
-each.
+the `PassScheduler` and waits. The scheduling is passes.py's, shared with the native backend: the
+scheduler's thread fills each pass from what the request threads have handed in (every waiting
+decode step first, then prompt chunks in arrival order, at most n_batch tokens in all; the prompt
+tokens next to decode steps capped by a `PassBudget`, pass_budget.py, so that a mixed pass costs at
+most about twice the decode-only pass and a long prompt arriving does not stall the others' next
+tokens; with nobody decoding a prompt goes at full n_batch), waiting at most one pass's duration
+for the sequences of the previous pass. Here a pass is one `llama_decode` of every chosen token.
 
 There only the scheduler's thread decodes; every other use of the context (cutting a sequence,
 copying its recurrent state, copying a whole sequence state out or in) takes `context_lock`, which
@@ -43,7 +41,6 @@ dest_seq_id). That snapshot is self-contained, so it is what `save_state` / `loa
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
 import time
 
@@ -51,10 +48,10 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from .base import SequenceState
-from .pass_budget import PassBudget
+from .passes import PassScheduler as SharedPasses
+from .passes import Work
 
 MAX_CHECKPOINTS = 3
-GATHER_MAX_SECONDS = 0.05      # the longest a pass waits for a sequence of the previous pass
 
 
 # --- recurrent checkpoints of one sequence (llama.cpp's "partial" sequence state) -------------------
@@ -96,24 +93,6 @@ def load_sequence_state(lib, ctx, seq: int, buf: ctypes.Array) -> bool:
 
 # --- the pass -----------------------------------------------------------------------------------------
 
-class _Work:
-    """One eval call: tokens of one sequence to append at n_past; done counts those evaluated."""
-
-    __slots__ = ("seq", "tokens", "n_past", "order", "done", "logits", "error", "cancelled", "event")
-
-    def __init__(self, seq: int, tokens: list[int], n_past: int, order: int):
-        self.seq, self.tokens, self.n_past, self.order = seq, tokens, n_past, order
-        self.done = 0
-        self.logits: np.ndarray | None = None
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self.event = threading.Event()
-
-    @property
-    def left(self) -> int:
-        return len(self.tokens) - self.done
-
-
 class _Passes:
     """What both ways of running passes share: the batch, its decode, and `context_lock`, held by
     every use of the context (a pass, cutting a sequence, copying its recurrent state)."""
@@ -129,7 +108,7 @@ class _Passes:
             self._lib.llama_batch_free(self._batch)
             self._batch = None
 
-    def _decode(self, chosen: list[tuple[_Work, int]]) -> tuple[int, list[np.ndarray | None]]:
+    def _decode(self, chosen: list[tuple[Work, int]]) -> tuple[int, list[np.ndarray | None]]:
         """One llama_decode of the chosen tokens; a logits row for each work it finishes."""
         b, lib = self._batch, self._lib
         i = 0
@@ -161,12 +140,12 @@ class OneSequencePasses(_Passes):
     """The passes of a context that holds one sequence: its eval decodes in the calling thread,
     n_batch tokens a pass (the batches llama-cpp-python's Llama.eval makes), with no thread."""
 
-    def submit(self, seq: int, tokens: list[int], n_past: int) -> _Work:
+    def submit(self, seq: int, tokens: list[int], n_past: int) -> Work:
         if self._batch is None:
             raise RuntimeError("the llama.cpp context is closed")
-        return _Work(seq, tokens, n_past, 0)
+        return Work(seq, tokens, n_past, 0)
 
-    def wait(self, work: _Work) -> None:
+    def wait(self, work: Work) -> None:
         """Run the work's passes; `done` counts each pass as it ends, so an interruption between
         two leaves it counting what went into the state."""
         while work.left:
@@ -188,156 +167,34 @@ class OneSequencePasses(_Passes):
         self._free_batch()
 
 
-class PassScheduler(_Passes):
-    """Gathers the eval calls of several sequences into shared `llama_decode` passes (see the
-    module docstring). Counters: `passes`, `shared_passes` (passes with tokens of more than one
-    sequence), `max_sequences_in_a_pass`. `budget`: the prompt tokens a pass may carry next to
-    decode steps, fed with every pass's time."""
+class PassScheduler(_Passes, SharedPasses):
+    """Gathers the eval calls of several sequences into shared `llama_decode` passes (passes.py:
+    the scheduling; here the pass is one batch of every chosen token, each naming its sequence)."""
+
+    serves = "the llama.cpp context"
+    thread_name = "openjet-llama-pass"
 
     def __init__(self, lib, ctx, n_vocab: int, n_batch: int, n_seq: int):
-        super().__init__(lib, ctx, n_vocab, n_batch)
-        self.n_seq = n_seq
-        self._cv = threading.Condition()
-        self._pending: list[_Work] = []
-        self._in_pass: set[int] = set()        # sequences with tokens in the pass running now
-        self._expected: set[int] = set()       # the sequences of the previous pass
-        self._last_pass_seconds = 0.0
-        self._decoders_of_last_pass = 0       # sequences sampling their next token now
-        self.budget = PassBudget(n_batch)
-        self._order = itertools.count()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self.passes = 0
-        self.shared_passes = 0
-        self.max_sequences_in_a_pass = 0
+        _Passes.__init__(self, lib, ctx, n_vocab, n_batch)
+        SharedPasses.__init__(self, n_batch, n_seq)
 
-    # --- the request threads' side --------------------------------------------------------------
-    def submit(self, seq: int, tokens: list[int], n_past: int) -> _Work:
-        """Hand in tokens of sequence seq to evaluate at n_past..; its event is set when they
-        are done (logits: those of the last token) or failed (error)."""
-        work = _Work(seq, tokens, n_past, next(self._order))
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the llama.cpp context is closed")
-            if any(w.seq == seq for w in self._pending):
-                raise RuntimeError(f"sequence {seq} already has an eval in progress")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="openjet-llama-pass", daemon=True)
-                self._thread.start()
-            self._pending.append(work)
-            self._cv.notify_all()
-        return work
-
-    def wait(self, work: _Work) -> None:
-        """Until the work is done or failed (the scheduler's thread runs its passes)."""
-        work.event.wait()
-
-    def cancel(self, seq: int) -> None:
-        """Drop sequence seq's unfinished work (its caller gave up, e.g. on Ctrl-C) and wait for a
-        pass that holds it to end: afterwards the scheduler touches the sequence no more, and the
-        work's `done` counts exactly the tokens that went into its state."""
-        with self._cv:
-            for w in [w for w in self._pending if w.seq == seq]:
-                w.cancelled = True
-                self._pending.remove(w)
-                w.error = RuntimeError("cancelled")
-                w.event.set()
-            while seq in self._in_pass:
-                self._cv.wait()
+    def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
+        with self.context_lock:
+            # timed inside the lock: a checkpoint copy holding it is not the pass's cost
+            t0 = time.perf_counter()
+            rc, rows = self._decode(chosen)
+            seconds = time.perf_counter() - t0
+        if rc != 0:
+            # llama.cpp says only that the batch failed, not for which sequence
+            return [RuntimeError(f"llama_decode returned {rc}")] * len(chosen), seconds
+        for (w, _), row in zip(chosen, rows):
+            if row is not None:
+                w.logits = row
+        return [None] * len(chosen), seconds
 
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-            thread = self._thread
-        if thread is not None:
-            thread.join()
-        with self._cv:
-            for w in self._pending:
-                w.error = RuntimeError("the llama.cpp context was closed")
-                w.event.set()
-            self._pending = []
+        SharedPasses.close(self)
         self._free_batch()
-
-    # --- the scheduler's thread -------------------------------------------------------------------
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                # the sequences of the last pass are sampling their next token: wait for them,
-                # at most one pass's time (a later one would cost them a whole pass each)
-                deadline = time.monotonic() + min(self._last_pass_seconds, GATHER_MAX_SECONDS)
-                while not self._closed:
-                    missing = self._expected - {w.seq for w in self._pending}
-                    left = deadline - time.monotonic()
-                    if not missing or left <= 0:
-                        break
-                    self._cv.wait(left)
-                if self._closed:
-                    return
-                chosen, n_decode = self._compose()
-                self._in_pass = {w.seq for w, _ in chosen}
-            failure = ""
-            seconds = 0.0
-            try:
-                with self.context_lock:
-                    # timed inside the lock: a checkpoint copy holding it is not the pass's cost
-                    t0 = time.perf_counter()
-                    rc, rows = self._decode(chosen)
-                    seconds = time.perf_counter() - t0
-            except Exception as exc:  # noqa: BLE001 - the callers get it; the thread serves on
-                rc, rows, failure = -1, [None] * len(chosen), f": {type(exc).__name__}: {exc}"
-            with self._cv:
-                if rc == 0:
-                    self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
-                    self._last_pass_seconds = seconds
-                self._expected = {w.seq for w, _ in chosen}
-                self._decoders_of_last_pass = n_decode
-                self.passes += 1
-                self.shared_passes += len(chosen) > 1
-                self.max_sequences_in_a_pass = max(self.max_sequences_in_a_pass, len(chosen))
-                for (w, n), row in zip(chosen, rows):
-                    if rc == 0:
-                        w.done += n             # in the sequence's state, cancelled or not
-                    if w.cancelled:
-                        continue
-                    if rc != 0:
-                        w.error = RuntimeError(f"llama_decode returned {rc}{failure}")
-                    elif w.left:
-                        continue                # more of its prompt in a later pass
-                    else:
-                        w.logits = row
-                    self._pending.remove(w)
-                    w.event.set()
-                self._in_pass = set()
-                self._cv.notify_all()
-
-    def _compose(self) -> tuple[list[tuple[_Work, int]], int]:
-        """(work, tokens it puts in this pass) and the pass's decode tokens: decode steps (works
-        of one token) first, then prompts by arrival, at most n_batch tokens, the prompts' at most
-        what the budget allows next to the sequences that decode."""
-        decode = sorted((w for w in self._pending if w.left == 1), key=lambda w: w.order)[:self.n_batch]
-        chosen = [(w, 1) for w in decode]
-        # the decoders of the last pass count even when not back yet: the budget is for them,
-        # and a full n_batch chunk now would be the stall it exists to prevent
-        decoders = max(len(decode), self._decoders_of_last_pass)
-        room = min(self.n_batch - len(decode), self.budget.prompt_tokens(min(decoders, self.n_batch)))
-        for w in sorted((w for w in self._pending if w.left > 1), key=lambda w: w.order):
-            n = min(w.left, room)
-            if n == 0:
-                break
-            chosen.append((w, n))
-            room -= n
-        # In the batch by sequence id: with a KV stream per sequence llama.cpp splits a batch into
-        # ubatches (one graph, one read of the weights each) of sequences whose ids follow one
-        # another in the order they first appear (llama_batch_allocr::split_equal, sequential), so
-        # 3, 1, 2, 0 in arrival order would be four passes over the weights and 0, 1, 2, 3 is one.
-        # (A gap, 0 and 2 without 1, still makes two; equal tokens per sequence in a ubatch puts a
-        # prompt chunk's tokens after its first in a ubatch of their own.)
-        return sorted(chosen, key=lambda c: c[0].seq), len(decode)
 
 
 # --- a sequence, as the engine's loop sees a backend --------------------------------------------

@@ -5,6 +5,18 @@ The model file (openjet_plugin.model_file.ModelFile) is described to the engine 
 once and keeps nothing of the host mapping. One NativeBackend holds one conversation on the GPU.
 Logits stay on the device unless asked for: `eval_argmax` copies one int back per call.
 
+Several conversations (issue 29): `NativeBackend(n_seq=N)` makes one engine of N sequences, each
+its own KV cache, DeltaNet state, hidden window and n_past (oj_model_desc.n_seq), and hands out a
+view per sequence (`sequences()`, the engine's slots): each view is a NativeBackend over the same
+engine (`_SharedEngine`) with its own Python-side state and its own range of checkpoint slots,
+selecting its sequence (oj_seq_select) before its calls. Every native call runs under the engine's
+lock: the selected sequence and the results of the last pass (argmax and logits rows) are the
+engine's, so a call and the reads of its results must not interleave with another sequence's. The
+views' evals go through `NativePasses` (passes.py's scheduler): the decode steps of a pass in one
+oj_eval_seqs (one read of the weights for up to 8 sequences), then each prompt chunk on its own
+sequence through the eval path below. With several sequences the backend does not speculate yet:
+a verify pass over several sequences' drafts does not exist in the engine.
+
 Speculative decoding (issue 6): `verify` evaluates the current token and the drafts together and
 `commit` keeps the accepted prefix (the engine replays the accepted DeltaNet positions, see
 native/deltanet.cu). With an MTP block and draft_depth > 0 the backend keeps the MTP cache in step
@@ -28,7 +40,12 @@ MTP cache then runs a row ahead of `_mtp_upto`: `_token_row` says for which (pos
 
 from __future__ import annotations
 
+import copy
+import functools
+import logging
 import os
+import threading
+import time
 from typing import Iterable
 
 import numpy as np
@@ -37,6 +54,9 @@ from gguf import GGMLQuantizationType
 from .. import _native, gpus
 from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
 from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
+from .passes import PassScheduler, Work
+
+log = logging.getLogger("openjet_plugin")
 
 
 MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
@@ -49,7 +69,13 @@ KV_TYPES = {"f16": 0, "q8_0": 1}   # oj_kv_type: fp16, or ggml q8_0 blocks (34 b
 SWITCHES = {"OPENJET_PREFILL_GEMM": ("", "f16", "int8", "wgmma"),
             "OPENJET_PREFILL_ATTN": ("", "flash", "decode"),
             "OPENJET_PREFILL_DELTANET": ("", "sequential", "chunked")}
-N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint)
+N_CHECKPOINTS = 2            # recurrent-state copies for conversation reuse (save/restore_checkpoint), per sequence
+MAX_CHECKPOINT_SLOTS = 64    # oj_model_desc.n_checkpoints: the engine's slots, every sequence's together
+MAX_SEQUENCES = 8            # OJ_MAX_SEQUENCES: sequences one engine holds (oj_model_desc.n_seq)
+# positions of a multi-sequence pass with no decode steps in it (passes.py's n_batch): a prompt
+# alone goes in prefill_chunk positions a pass, or this many through oj_eval when there is no
+# batched prefill (8 a call, several calls a pass)
+EVAL_PASS_POSITIONS = 64
 MEMORY_FIELDS = ("weights", "kv_cache", "recurrent_state", "activations", "checkpoints", "prefill", "total")
 PREFILL_CHUNK = 2048         # positions per oj_prefill pass (oj_model_desc.prefill_chunk); 0 = no oj_prefill
 MIN_PREFILL_CHUNK = 64       # the header's allowed range: 0 or 64..OJ_MAX_PREFILL_CHUNK
@@ -128,26 +154,41 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
     return 4 * P + 4 * floats + workspace + dn_coef
 
 
+def check_sequences(n_seq) -> int:
+    """n_seq as the engine takes it (1..MAX_SEQUENCES), else ValueError naming it."""
+    if isinstance(n_seq, bool) or not isinstance(n_seq, (int, np.integer)) or not 1 <= n_seq <= MAX_SEQUENCES:
+        raise ValueError(f"n_seq must be an integer in [1, {MAX_SEQUENCES}] (sequences one native engine holds), "
+                         f"got {n_seq!r}")
+    return int(n_seq)
+
+
 def estimate_device_bytes(model_file, n_ctx: int, n_checkpoints: int = N_CHECKPOINTS,
-                          kv_type: str = "f16", prefill_chunk: int = PREFILL_CHUNK) -> dict[str, int]:
-    """What the engine will allocate, by purpose (mirrors engine.cu's allocations)."""
+                          kv_type: str = "f16", prefill_chunk: int = PREFILL_CHUNK, n_seq: int = 1) -> dict[str, int]:
+    """What the engine will allocate, by purpose (mirrors engine.cu's allocations), for n_seq
+    sequences of n_ctx positions each with n_checkpoints checkpoint slots each (the engine's pool
+    is n_checkpoints x n_seq slots): the KV cache, the recurrent state (state and replay ring per
+    DeltaNet layer) and the checkpoints scale with n_seq; the activations gain a hidden window
+    ((OJ_MAX_POSITIONS + 1) x n_embd floats) for each sequence after the first; the weights and the
+    prefill buffers are held once."""
+    n_seq = check_sequences(n_seq)
     c = model_file.config
     weights = sum(int(t.n_bytes) for t in model_file.tensors.values())
     # vectors are widened to fp32 on the device
     weights += sum(int(t.n_bytes) for t in model_file.tensors.values()
                    if len(t.ne) == 1 and t.ggml_type in ("F16", "BF16"))
-    kv = kv_cache_bytes(c, n_ctx, kv_type)
+    kv = n_seq * kv_cache_bytes(c, n_ctx, kv_type)
     dn = len(c.deltanet_layers())
     n = MAX_POSITIONS
     state = (c.ssm_conv_dim * (c.ssm_conv_kernel - 1) + c.ssm_dt_rank * c.ssm_d_state ** 2) * 4
     ring = 2 * n * (2 * c.ssm_conv_dim + 2 * c.ssm_dt_rank) * 4    # two slots of replay intermediates
-    recurrent = dn * (state + ring)
-    checkpoints = n_checkpoints * (dn * state + c.n_embd * 4)
+    recurrent = n_seq * dn * (state + ring)
+    checkpoints = n_checkpoints * n_seq * (dn * state + c.n_embd * 4)
     splits = (n_ctx + 255) // 256
     act = 4 * n * (2 * c.n_embd + 2 * c.n_ff + 2 * c.ssm_value_dim + 2 * c.q_dim + 2 * c.kv_dim + c.q_dim
                    + c.n_head * splits * (c.head_dim + 2) + 3 * c.n_embd + 2 * c.n_vocab + 2 * c.n_embd)
     act += 4 * c.n_vocab if c.n_layer_nextn else 0
     act += 4 * n * c.n_embd + TREE_TOP_BYTES if c.n_layer_nextn else 0   # oj_draft_tree's node hiddens, TreeTop
+    act += (n_seq - 1) * 4 * (n + 1) * c.n_embd      # each further sequence's hidden window
     prefill = prefill_bytes(c, prefill_chunk)
     return {"weights": weights, "kv_cache": kv, "recurrent_state": recurrent, "activations": act,
             "checkpoints": checkpoints, "prefill": prefill,
@@ -177,8 +218,11 @@ def model_problems(model_file) -> list[str]:
 
 
 def native_status(model_file, n_ctx: int, kv_type: str = "f16",
-                  prefill_chunk: int = PREFILL_CHUNK) -> tuple[bool, str]:
-    """(True, what will run) or (False, why not): library, GPU, memory, model shape/types."""
+                  prefill_chunk: int = PREFILL_CHUNK, n_seq: int = 1) -> tuple[bool, str]:
+    """(True, what will run) or (False, why not): sequences, library, GPU, memory (n_seq sequences
+    of n_ctx positions), model shape/types."""
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or not 1 <= n_seq <= MAX_SEQUENCES:
+        return False, f"the native engine holds 1..{MAX_SEQUENCES} sequences at once, {n_seq!r} asked"
     for env, allowed in SWITCHES.items():
         value = os.environ.get(env, "")
         if value not in allowed:
@@ -206,30 +250,75 @@ def native_status(model_file, n_ctx: int, kv_type: str = "f16",
     problems = model_problems(model_file)
     if problems:
         return False, "the model does not fit the native kernels: " + "; ".join(problems[:5])
-    need = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type, prefill_chunk=prefill_chunk)["total"] + _MEMORY_MARGIN
+    need = estimate_device_bytes(model_file, n_ctx, kv_type=kv_type, prefill_chunk=prefill_chunk,
+                                 n_seq=n_seq)["total"] + _MEMORY_MARGIN
     if need > int(free[0]):
-        return False, (f"GPU {gpu} has {int(free[0]) / 2**30:.1f} GiB free, the model at n_ctx {n_ctx} "
+        seqs = f" x {n_seq} sequences" if n_seq > 1 else ""
+        return False, (f"GPU {gpu} has {int(free[0]) / 2**30:.1f} GiB free, the model at n_ctx {n_ctx}{seqs} "
                        f"needs about {need / 2**30:.1f} GiB")
     return True, f"native CUDA engine on {gpu} (sm_{cc[0]}{cc[1]}, {int(free[0]) / 2**30:.1f} GiB free)"
 
 
+class _SharedEngine:
+    """What the sequences of one native engine share, held by each of its views: the handle, the
+    lock every native call runs under, the sequence oj_seq_select chose last, the views, the pass
+    scheduler of a multi-sequence engine, and the tokenizer."""
+
+    def __init__(self, nl, handle, n_seq: int):
+        self.nl = nl
+        self.handle = handle
+        self.n_seq = n_seq
+        # re-entrant: a view's method calls others (eval -> n_past -> ...) under one hold
+        self.lock = threading.RLock()
+        self.selected = 0                       # oj_seq_select's: sequence 0 after creation
+        self.views: list[NativeBackend] = []
+        self.passes: NativePasses | None = None
+        self.tokenizer = None
+        self.tokenizer_lock = threading.Lock()
+
+
+def _on_engine(method):
+    """The method runs under the engine's lock: its native calls (each on the view's sequence:
+    _handle selects it) and the reads of their results come in one piece, between another
+    sequence's calls and passes."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._shared.lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class NativeBackend:
-    """One conversation on the GPU through the native engine (see backends/base.py's protocol)."""
+    """Conversations on the GPU through the native engine (see backends/base.py's protocol).
+
+    With n_seq 1 (the default) the backend is its engine's one conversation and speculates where
+    the model has an MTP block and draft_depth > 0. With n_seq > 1 the engine holds n_seq
+    conversations and `sequences()` gives a view of each (this backend is sequence 0's); their
+    evals share passes (NativePasses). Such an engine does not speculate (draft_depth becomes 0,
+    supports_speculative False): the engine has no verify pass over several sequences' drafts yet.
+    n_checkpoints is per sequence: the engine is given n_checkpoints x n_seq slots (at most
+    MAX_CHECKPOINT_SLOTS), each sequence its own range of them."""
 
     name = "native"
 
     def __init__(self, model_file, n_ctx: int, draft_depth: int = 4, kv_type: str = "f16",
                  seed: int | None = None, device: int = 0, n_checkpoints: int = N_CHECKPOINTS,
-                 checkpoint_interval: int = 0, prefill_chunk: int = PREFILL_CHUNK):
+                 checkpoint_interval: int = 0, prefill_chunk: int = PREFILL_CHUNK, n_seq: int = 1):
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type {kv_type!r} is not supported by the native engine "
                              f"(supported: {', '.join(KV_TYPES)})")
         if n_ctx < 1:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
-        if isinstance(n_checkpoints, bool) or not isinstance(n_checkpoints, int) or not 0 <= n_checkpoints <= 64:
-            raise ValueError(f"n_checkpoints must be an integer in [0, 64], got {n_checkpoints!r}")
+        if (isinstance(n_checkpoints, bool) or not isinstance(n_checkpoints, int)
+                or not 0 <= n_checkpoints <= MAX_CHECKPOINT_SLOTS):
+            raise ValueError(f"n_checkpoints must be an integer in [0, {MAX_CHECKPOINT_SLOTS}], got {n_checkpoints!r}")
         if isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int) or checkpoint_interval < 0:
             raise ValueError(f"checkpoint_interval must be an integer >= 0 (0: off), got {checkpoint_interval!r}")
+        self.n_seq = check_sequences(n_seq)
+        if n_checkpoints * self.n_seq > MAX_CHECKPOINT_SLOTS:
+            raise ValueError(f"n_checkpoints {n_checkpoints} per sequence x n_seq {self.n_seq} is "
+                             f"{n_checkpoints * self.n_seq} checkpoint slots; the engine holds at most "
+                             f"{MAX_CHECKPOINT_SLOTS}: fewer checkpoints or fewer sequences")
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
         self._nl = _native.load()
         self._model_file = model_file
@@ -237,28 +326,46 @@ class NativeBackend:
         self.n_ctx = int(n_ctx)
         self.n_vocab = int(self.config.n_vocab)
         self.draft_depth = int(draft_depth)
-        self._tokenizer = None
-        self._engine = None
-        self._last_n = 0
-        self.n_checkpoints = int(n_checkpoints)
+        if self.n_seq > 1 and self.draft_depth > 0:
+            log.info("openjet: the native engine holds %d sequences and does not speculate with more than "
+                     "one (a verify pass over several sequences' drafts does not exist yet): draft_depth %d "
+                     "becomes 0", self.n_seq, self.draft_depth)
+            self.draft_depth = 0
+        self.n_sequences = self.n_seq             # backends/base.py: > 1, the engine makes a slot per view
+        self.n_checkpoints = int(n_checkpoints)   # per sequence
         # also save a checkpoint each time n_past crosses a multiple of this (0: off)
         self.checkpoint_interval = int(checkpoint_interval)
-        self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
         self.kv_type = kv_type
         # oj_prefill where the library has it (load() already insists on the header's ABI) and
         # the engine was given its buffers
         self.batched_prefill = (self.prefill_chunk > 0
                                 and int(self._nl.lib.oj_abi_version()) >= PREFILL_ABI)
-        self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
         self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
         self.supports_tree = int(self._nl.lib.oj_abi_version()) >= TREE_ABI
         self.supports_draft_tree = int(self._nl.lib.oj_abi_version()) >= DRAFT_TREE_ABI
-        self._engine = self._create(model_file, kv_type, device)
+        self._shared = _SharedEngine(self._nl, self._create(model_file, kv_type, device), self.n_seq)
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
         self.has_mtp = il is not None and f"blk.{il}.nextn.eh_proj.weight" in model_file.tensors
         # the MTP cache follows the main model when drafting is possible at all
         self.supports_speculative = self.has_mtp and self.draft_depth > 0
+        self._owns_engine = True
+        self._begin_sequence(0)
+        self._shared.views = [self] + [self._view(s) for s in range(1, self.n_seq)]
+        if self.n_seq > 1:
+            # a pass with no decode steps takes a prompt in prefill_chunk positions, as one
+            # sequence's eval does
+            n_batch = self.prefill_chunk if self.batched_prefill else EVAL_PASS_POSITIONS
+            self._shared.passes = NativePasses(self._shared, n_batch)
+
+    def _begin_sequence(self, seq: int) -> None:
+        """The Python-side state of sequence seq, as after oj_reset."""
+        self.seq = seq
+        # its checkpoint slots: _checkpoint_base .. _checkpoint_base + n_checkpoints - 1
+        self._checkpoint_base = seq * self.n_checkpoints
+        self._last_n = 0               # positions of this sequence's last call, whose results are readable
+        self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
+        self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
         self._mtp_upto = 0          # MTP rows of positions < this are made from main hiddens
         self._uncaught: list[int] = []   # committed tokens at positions _mtp_upto.. without a row
         # (position, token) of the current token's MTP row made ahead of the committed rows, by
@@ -268,6 +375,26 @@ class NativeBackend:
         self._verify_tokens: list[int] = []
         self._verify_parent: list[int] | None = None   # the last verify_tree's parents (None: a chain)
         self._draft_vocab_len = 0
+
+    def _view(self, seq: int) -> "NativeBackend":
+        """Sequence seq's view: this backend's settings over the same engine, its own state."""
+        view = copy.copy(self)
+        view._owns_engine = False
+        view._begin_sequence(seq)
+        return view
+
+    def sequences(self) -> list["NativeBackend"]:
+        """One view per sequence, the backend an engine slot uses (this backend is sequence 0's)."""
+        return list(self._shared.views)
+
+    @property
+    def pass_counts(self) -> dict[str, int]:
+        """Shared-pass counters of the multi-sequence scheduler (empty with one sequence)."""
+        sc = self._shared.passes
+        if sc is None:
+            return {}
+        return {"passes": sc.passes, "shared_passes": sc.shared_passes,
+                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass}
 
     # --- creation ------------------------------------------------------------------------------
     def _create(self, model_file, kv_type: str, device: int):
@@ -305,7 +432,8 @@ class NativeBackend:
         desc.n_ctx = self.n_ctx
         desc.kv_type = KV_TYPES[kv_type]
         desc.device = int(device)
-        desc.n_checkpoints = self.n_checkpoints
+        desc.n_checkpoints = self.n_checkpoints * self.n_seq    # the engine's pool: every sequence's slots
+        desc.n_seq = self.n_seq
         if self.batched_prefill:     # an ABI 2 header has no such field (0 = no buffers otherwise)
             desc.prefill_chunk = self.prefill_chunk
         out = ffi.new("oj_engine **")
@@ -315,19 +443,27 @@ class NativeBackend:
         return ffi.gc(out[0], lib.oj_engine_free)
 
     def _check(self, rc: int, what: str) -> None:
-        _native.check(self._nl, rc, self._handle(), what)
+        if rc != 0:
+            _native.check(self._nl, rc, self._shared.handle, what)
 
     def _handle(self):
-        if self._engine is None:
+        """The engine, with this view's sequence selected (every call below applies to it)."""
+        sh = self._shared
+        if sh.handle is None:
             raise NativeEngineError(-1, "the native engine is closed")
-        return self._engine
+        if sh.selected != self.seq:
+            self._check(self._nl.lib.oj_seq_select(sh.handle, self.seq), f"selecting sequence {self.seq}")
+            sh.selected = self.seq
+        return sh.handle
 
     # --- tokenizer -----------------------------------------------------------------------------
     def _tok(self):
-        if self._tokenizer is None:
-            from ..tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.from_gguf(self._model_file.path)
-        return self._tokenizer
+        sh = self._shared
+        with sh.tokenizer_lock:
+            if sh.tokenizer is None:
+                from ..tokenizer import Tokenizer
+                sh.tokenizer = Tokenizer.from_gguf(self._model_file.path)
+            return sh.tokenizer
 
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:
         return list(self._tok().encode(bytes(text), add_special=add_special, parse_special=parse_special))
@@ -337,6 +473,7 @@ class NativeBackend:
 
     # --- state ---------------------------------------------------------------------------------
     @property
+    @_on_engine
     def n_past(self) -> int:
         out = self._nl.ffi.new("int32_t *")
         self._check(self._nl.lib.oj_n_past(self._handle(), out), "n_past")
@@ -421,6 +558,7 @@ class NativeBackend:
         if self.supports_speculative:
             self._mtp_upto = self.n_past     # the engine made every row of the span
 
+    @_on_engine
     def prefill_with_mtp_rows(self, tokens: list[int]) -> bool:
         """Append `tokens` in one oj_prefill that also makes their MTP rows in the engine (the
         draft source of a tree decoder, which keeps the MTP cache itself, then has nothing to catch
@@ -437,13 +575,47 @@ class NativeBackend:
         return True
 
     def eval(self, tokens: list[int]) -> np.ndarray:
-        self._eval_chunks(tokens)
-        return self.logits(self._last_n - 1)
+        if self._shared.passes is not None:
+            return self._eval_in_passes(tokens, want_logits=True).logits
+        with self._shared.lock:
+            self._eval_chunks(tokens)
+            return self.logits(self._last_n - 1)
 
     def eval_argmax(self, tokens: list[int]) -> int:
-        self._eval_chunks(tokens)
-        return self.argmax()[-1]
+        if self._shared.passes is not None:
+            return self._eval_in_passes(tokens, want_logits=False).argmax
+        with self._shared.lock:
+            self._eval_chunks(tokens)
+            return self.argmax()[-1]
 
+    def _eval_in_passes(self, tokens: list[int], want_logits: bool) -> Work:
+        """An eval of a multi-sequence engine: handed to the pass scheduler, which runs it with the
+        other sequences' (NativePasses). The token ids and the sequence's room are checked here,
+        so that no pass sees a request that cannot run; with want_logits False no logits row is
+        copied off the device (only the argmax)."""
+        toks = [int(t) for t in tokens]
+        with self._shared.lock:
+            self._chunks(toks)                  # ids and context: refused here, alone
+        passes = self._shared.passes
+        work = passes.submit(self.seq, toks, want_logits=want_logits)
+        try:
+            passes.wait(work)
+        finally:
+            if not work.event.is_set():
+                # interrupted (Ctrl-C): the work is dropped after the pass that holds it; n_past,
+                # read from the engine, counts what went in
+                passes.cancel(self.seq)
+        if work.error is not None:
+            raise work.error
+        return work
+
+    def _after_shared_pass(self) -> None:
+        """This sequence took one token in an oj_eval_seqs: committed (a pending verify counts as
+        oj_commit(0)); its result row is the pass's, read there, not this view's to read again."""
+        self._last_n = 0
+        self._verify_tokens, self._verify_parent = [], None
+
+    @_on_engine
     def eval_all_logits(self, tokens: list[int], positions_per_call: int = MAX_POSITIONS) -> np.ndarray:
         """Logits `[n, n_vocab]` of every token (teacher forcing), `positions_per_call` at a time."""
         if not 1 <= positions_per_call <= MAX_POSITIONS:
@@ -458,6 +630,7 @@ class NativeBackend:
                 out[i + j] = self.logits(j)
         return out
 
+    @_on_engine
     def argmax(self) -> list[int]:
         """Argmax of every position of the last native call."""
         ffi = self._nl.ffi
@@ -465,12 +638,14 @@ class NativeBackend:
         self._check(self._nl.lib.oj_get_argmax(self._handle(), out, self._last_n), "argmax")
         return [int(x) for x in out]
 
+    @_on_engine
     def logits(self, index: int) -> np.ndarray:
         out = np.empty(self.n_vocab, dtype=np.float32)
         ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
         self._check(self._nl.lib.oj_get_logits(self._handle(), index, ptr, self.n_vocab), "logits")
         return out
 
+    @_on_engine
     def hidden(self, index: int) -> np.ndarray:
         """Final hidden state (after output_norm) of position `index` of the last call."""
         out = np.empty(self.config.n_embd, dtype=np.float32)
@@ -483,6 +658,12 @@ class NativeBackend:
         return n_keep == self.n_past
 
     def reset(self) -> None:
+        if self._shared.passes is not None:
+            self._shared.passes.cancel(self.seq)        # no pass touches the sequence after this
+        with self._shared.lock:
+            self._reset()
+
+    def _reset(self) -> None:
         self._check(self._nl.lib.oj_reset(self._handle()), "reset")
         self._last_n = 0
         self._checkpoints = []
@@ -490,6 +671,7 @@ class NativeBackend:
         self._token_row = None
 
     # --- checkpoints (backends/base.py's optional protocol) ------------------------------------
+    @_on_engine
     def save_checkpoint(self) -> None:
         """Copy the recurrent state at n_past into a slot (on the device; the oldest is reused)."""
         if self.n_checkpoints < 1:
@@ -498,17 +680,20 @@ class NativeBackend:
         n = self.n_past
         self._checkpoints = [(s, k) for s, k in self._checkpoints if k != n]
         used = {s for s, _ in self._checkpoints}
-        free = [s for s in range(self.n_checkpoints) if s not in used]
+        # this sequence's own slots: another sequence's checkpoints are never overwritten
+        base = self._checkpoint_base
+        free = [s for s in range(base, base + self.n_checkpoints) if s not in used]
         slot = free[0] if free else self._checkpoints.pop(0)[0]
         self._check(self._nl.lib.oj_checkpoint_save(self._handle(), slot), "checkpoint save")
         self._checkpoints.append((slot, n))
 
+    @_on_engine
     def restore_checkpoint(self, n_max: int) -> int:
         """Back to the newest checkpoint with <= n_max tokens (checkpoints after n_max belong to a
         history that no longer holds: dropped). Returns its n_past; 0 after a reset."""
         keep = [(s, k) for s, k in self._checkpoints if k <= n_max]
         if not keep:
-            self.reset()
+            self._reset()
             return 0
         slot, n = max(keep, key=lambda sk: sk[1])
         out = self._nl.ffi.new("int32_t *")
@@ -520,6 +705,7 @@ class NativeBackend:
         return int(out[0])
 
     # --- speculative cycles (used by speculative_native.NativeSpeculator) ----------------------
+    @_on_engine
     def verify(self, tokens: list[int]) -> None:
         """Evaluate the current token and the drafts at n_past provisionally (read the results
         with argmax()/logits()); nothing is kept until commit()."""
@@ -534,6 +720,7 @@ class NativeBackend:
         self._verify_tokens = toks[0]
         self._verify_parent = None
 
+    @_on_engine
     def commit(self, n_accept: int) -> None:
         """Keep the first n_accept positions of the last verify."""
         if not self._verify_tokens:
@@ -544,6 +731,7 @@ class NativeBackend:
         self._verify_tokens = []
         self._owe_rows(start, kept)
 
+    @_on_engine
     def verify_tree(self, tokens: list[int], parent) -> None:
         """Evaluate a draft tree at n_past provisionally (oj_verify_tree; the layout of
         speculative_tree: node 0 the current token with parent -1, parent[i] < i): argmax(),
@@ -565,6 +753,7 @@ class NativeBackend:
         self._verify_tokens = toks[0]
         self._verify_parent = par.tolist()
 
+    @_on_engine
     def commit_path(self, path) -> None:
         """Keep one root-first path of the last verify_tree (or verify) as positions n_past..
         (oj_commit_path). Its tokens then owe their MTP rows like commit()'s: the engine moved the
@@ -596,6 +785,7 @@ class NativeBackend:
             self._token_row = None
         self._uncaught += kept[max(0, self._mtp_upto - start):]
 
+    @_on_engine
     def cycle(self, tokens: list[int], n_draft: int) -> tuple[int, list[int], list[int]]:
         """One greedy cycle in one call (oj_cycle): verify tokens = [current token, drafts] at
         n_past, accept the drafts equal to the main model's argmax before them, commit the current
@@ -674,6 +864,7 @@ class NativeBackend:
             self._mtp_call(toks, self._mtp_upto, "main")
             self._mtp_upto += len(toks)
 
+    @_on_engine
     def draft_first(self, token: int) -> int:
         """The MTP step for the current (not yet evaluated) token at n_past, batched with the rows
         still owed; returns the draft argmax (a token id). Draft logits: draft_logits(-1)."""
@@ -697,6 +888,7 @@ class NativeBackend:
         self._check(self._nl.lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
         return int(out[len(toks) - 1])
 
+    @_on_engine
     def draft_next(self, token: int, pos: int) -> int:
         """A chained draft step: `token` at MTP position pos with the MTP block's own last output
         as the hidden; returns the draft argmax."""
@@ -706,6 +898,7 @@ class NativeBackend:
         self._check(self._nl.lib.oj_get_draft_argmax(self._handle(), out, 1), "draft argmax")
         return int(out[0])
 
+    @_on_engine
     def set_draft_vocab(self, ids: np.ndarray | None) -> None:
         """Restrict the draft head to `ids` (None: the whole vocabulary)."""
         ffi = self._nl.ffi
@@ -719,9 +912,17 @@ class NativeBackend:
         self._draft_vocab_len = int(arr.size)
 
     def close(self) -> None:
-        if self._engine is not None:
-            self._nl.ffi.release(self._engine)   # runs oj_engine_free now
-            self._engine = None
+        """Free the engine, every sequence's (a view of a later sequence leaves that to the backend
+        that made it, sequence 0's)."""
+        if not self._owns_engine:
+            return
+        sh = self._shared
+        if sh.passes is not None:
+            sh.passes.close()                    # the scheduler's thread ends before the engine goes
+        with sh.lock:
+            if sh.handle is not None:
+                self._nl.ffi.release(sh.handle)  # runs oj_engine_free now
+                sh.handle = None
 
     def __enter__(self) -> "NativeBackend":
         return self
@@ -730,6 +931,7 @@ class NativeBackend:
         self.close()
 
     # --- MTP draft head ------------------------------------------------------------------------
+    @_on_engine
     def mtp_eval(self, tokens: list[int], pos0: int, h: str | np.ndarray = "main") -> list[int]:
         """Run the MTP block on tokens at MTP positions pos0..; returns the draft argmax of each.
 
@@ -758,6 +960,7 @@ class NativeBackend:
         self._check(lib.oj_get_draft_argmax(self._handle(), out, len(toks)), "draft argmax")
         return [int(x) for x in out]
 
+    @_on_engine
     def draft_tree(self, root: int, pos: int, root_h: np.ndarray, budget: int, max_children: int, max_depth: int,
                    edges: np.ndarray, accept_a: np.ndarray, accept_c: np.ndarray) -> tuple:
         """oj_draft_tree: a greedy draft tree from the MTP head in one call (openjet.h says the rule;
@@ -789,6 +992,7 @@ class NativeBackend:
         k = int(n[0])
         return (list(toks[0:k]), list(par[0:k]), list(prob[0:k]), list(score[0:k]), int(steps[0]))
 
+    @_on_engine
     def draft_logits(self, index: int) -> np.ndarray:
         """Draft-head logits of position `index` of the last MTP call (negative: from the end),
         over the draft vocabulary (set_draft_vocab's order) or the whole vocabulary."""
@@ -800,6 +1004,7 @@ class NativeBackend:
         self._check(self._nl.lib.oj_get_draft_logits(self._handle(), index, ptr, width), "draft logits")
         return out
 
+    @_on_engine
     def draft_hidden(self, index: int) -> np.ndarray:
         out = np.empty(self.config.n_embd, dtype=np.float32)
         ptr = self._nl.ffi.from_buffer("float[]", out, require_writable=True)
@@ -808,6 +1013,7 @@ class NativeBackend:
         return out
 
     # --- introspection -------------------------------------------------------------------------
+    @_on_engine
     def state(self) -> dict[str, np.ndarray]:
         """Per-conversation state under the numpy reference's names and layouts."""
         ffi, lib = self._nl.ffi, self._nl.lib
@@ -838,12 +1044,14 @@ class NativeBackend:
                 out["mtp.v"] = read(lib.oj_read_kv, shape, c.mtp_layer, 1, 0, int(m[0]))
         return out
 
+    @_on_engine
     def memory(self) -> dict[str, int]:
         rep = self._nl.ffi.new("oj_memory_report *")
         self._check(self._nl.lib.oj_memory(self._handle(), rep), "memory")
         # `prefill` is ABI 3's: a library of an older header reports none
         return {k: int(getattr(rep, k, 0)) for k in MEMORY_FIELDS}
 
+    @_on_engine
     def profile(self, on: bool, host_only: bool = False) -> None:
         """oj_profile: from now, CUDA events at the phase boundaries of every main-model pass and
         its host time (on), only the host time (on, host_only: the pass as it runs unprofiled), or
@@ -851,6 +1059,7 @@ class NativeBackend:
         mode = (2 if host_only else 1) if on else 0
         self._check(self._nl.lib.oj_profile(self._handle(), mode), "profile")
 
+    @_on_engine
     def profile_read(self) -> dict:
         """oj_profile_read: {"passes", "span_ms", "host_ms", "phases": [{"name", "calls",
         "launches", "ms", "bytes"}, ...] in pass order}, summed over the passes since profile() or
@@ -866,6 +1075,90 @@ class NativeBackend:
                    "ms": float(r.ms), "bytes": int(r.bytes)} for r in rows[0:n[0]]]
         return {"passes": int(passes[0]), "span_ms": float(span[0]), "host_ms": float(host[0]), "phases": phases}
 
+    @_on_engine
     def debug_fault(self, kind: int) -> None:
         """Test hook (see oj_debug_fault): 1 = illegal address in a kernel, 2 = out of memory."""
         self._check(self._nl.lib.oj_debug_fault(self._handle(), int(kind)), "debug fault")
+
+
+class NativePasses(PassScheduler):
+    """The passes of a multi-sequence native engine; passes.py chooses what goes in each. A pass,
+    under the engine's lock: the decode steps (one token each, finishing their work) in
+    oj_eval_seqs, MAX_SEQUENCES a call, one read of the weights for all of them; then each prompt
+    chunk on its own sequence through its view's eval path (oj_prefill spans, or oj_eval 8
+    positions a call), which selects the sequence. A work that asked only for the argmax gets no
+    logits row copied. A sequence the engine refuses fails alone: oj_eval_seqs checks every
+    sequence before it runs anything, so where it refuses a call of several, each runs again by
+    itself."""
+
+    serves = "the native engine"
+    thread_name = "openjet-native-pass"
+
+    def __init__(self, shared: _SharedEngine, n_batch: int):
+        super().__init__(n_batch, shared.n_seq)
+        self._shared = shared
+        self.eval_seqs_calls = 0              # oj_eval_seqs calls, and those with several sequences
+        self.eval_seqs_shared = 0
+
+    def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
+        errors: list[BaseException | None] = [None] * len(chosen)
+        steps = [i for i, (w, n) in enumerate(chosen) if n == w.left == 1]
+        stepping = set(steps)
+        with self._shared.lock:
+            # timed inside the lock: a checkpoint copy holding it is not the pass's cost
+            t0 = time.perf_counter()
+            for k in range(0, len(steps), MAX_SEQUENCES):
+                self._decode_steps(chosen, steps[k:k + MAX_SEQUENCES], errors)
+            for i, (w, n) in enumerate(chosen):
+                if i in stepping:
+                    continue
+                view = self._shared.views[w.seq]
+                try:
+                    view._eval_chunks(w.tokens[w.done:w.done + n])
+                    if n == w.left:
+                        if w.want_logits:
+                            w.logits = view.logits(view._last_n - 1)
+                        else:
+                            w.argmax = view.argmax()[-1]
+                except Exception as exc:  # noqa: BLE001 - its own caller gets it; the pass goes on
+                    errors[i] = exc
+            seconds = time.perf_counter() - t0
+        return errors, seconds
+
+    def _decode_steps(self, chosen: list[tuple[Work, int]], idx: list[int], errors: list) -> None:
+        """oj_eval_seqs of the works chosen[i] for i in idx (distinct sequences, one token each);
+        their results, or their errors."""
+        sh = self._shared
+        ffi, lib = sh.nl.ffi, sh.nl.lib
+        works = [chosen[i][0] for i in idx]
+        seqs = [w.seq for w in works]
+        try:
+            if sh.handle is None:
+                raise NativeEngineError(-1, "the native engine is closed")
+            rc = lib.oj_eval_seqs(sh.handle, ffi.new("int32_t[]", seqs),
+                                  ffi.new("int32_t[]", [w.tokens[w.done] for w in works]), len(works))
+            self.eval_seqs_calls += 1
+            self.eval_seqs_shared += len(works) > 1
+            status = ffi.typeof("oj_status").relements
+            if rc != 0 and len(works) > 1 and rc in (status["OJ_ERR_INVALID_ARGUMENT"], status["OJ_ERR_CONTEXT_FULL"]):
+                # refused before anything ran: each alone, so that only the refused one fails
+                for i in idx:
+                    self._decode_steps(chosen, [i], errors)
+                return
+            _native.check(sh.nl, rc, sh.handle, f"eval of sequences {seqs}")
+            for w in works:
+                sh.views[w.seq]._after_shared_pass()
+            out = ffi.new("int32_t[]", len(works))
+            _native.check(sh.nl, lib.oj_get_argmax(sh.handle, out, len(works)), sh.handle, "argmax")
+            for t, w in enumerate(works):
+                if w.want_logits:
+                    row = np.empty(sh.views[w.seq].n_vocab, dtype=np.float32)
+                    rc = lib.oj_get_logits(sh.handle, t, ffi.from_buffer("float[]", row, require_writable=True),
+                                           row.size)
+                    _native.check(sh.nl, rc, sh.handle, "logits")
+                    w.logits = row
+                else:
+                    w.argmax = int(out[t])
+        except Exception as exc:  # noqa: BLE001 - the works of this call get it
+            for i in idx:
+                errors[i] = exc

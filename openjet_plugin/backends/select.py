@@ -5,6 +5,11 @@ which checks its library loads, the GPU is sm_86/89/90/120 with enough free memo
 passes its shape/type check) and falls back to llama.cpp with the reason recorded (logged, and
 returned so the engine can show it as `backend_reason` and `openjet doctor` can print it).
 backend="native" raises BackendUnavailableError with that reason instead of falling back.
+
+Slots: both backends hold several conversations at once (`n_slots`, None: DEFAULT_SERVE_SEQUENCES,
+a server's default): llama.cpp through its own sequences, the native engine through its
+sequences (at most 8 of them; its memory check counts every one's KV cache and state). A count
+the native engine cannot hold is, under auto, a reason to run llama.cpp.
 """
 
 from __future__ import annotations
@@ -37,29 +42,44 @@ def _native_module():
         return None, f"the native backend failed to import: {type(exc).__name__}: {exc}"
 
 
-def native_verdict(model_file, n_ctx: int, kv_type: str = "f16") -> tuple[bool, str]:
-    """(True, why) when the native backend can run this model here, else (False, why not)."""
+def slots_or_default(n_slots: int | None) -> int:
+    """The sequences a backend holds for n_slots (None: a server's default, DEFAULT_SERVE_SEQUENCES)."""
+    from .llama_cpp import DEFAULT_SERVE_SEQUENCES
+
+    return DEFAULT_SERVE_SEQUENCES if n_slots is None else n_slots
+
+
+def native_verdict(model_file, n_ctx: int, kv_type: str = "f16", n_slots: int | None = 1) -> tuple[bool, str]:
+    """(True, why) when the native backend can run this model here with n_slots sequences of
+    n_ctx positions (None: the default for a server), else (False, why not)."""
     mod, why = _native_module()
     if mod is None:
         return False, why
     status = getattr(mod, "native_status", None)
     if status is None:
         return False, f"{NATIVE_MODULE} has no native_status()"
+    # the memory check counts the KV cache in the requested type (q8_0: 34 bytes per 32 values)
+    # and of every sequence; the defaults are not passed (a status function of one sequence works)
+    extra = {} if kv_type == "f16" else {"kv_type": kv_type}
+    n_seq = slots_or_default(n_slots)
+    if n_seq != 1:
+        extra["n_seq"] = n_seq
     try:
-        # the memory check counts the KV cache in the requested type (q8_0: 34 bytes per 32 values)
-        ok, reason = status(model_file, n_ctx) if kv_type == "f16" else status(model_file, n_ctx, kv_type=kv_type)
+        ok, reason = status(model_file, n_ctx, **extra)
     except Exception as exc:  # noqa: BLE001
         return False, f"the native status check failed: {type(exc).__name__}: {exc}"
     return bool(ok), str(reason)
 
 
-def choose_backend(backend: str, model_file, n_ctx: int, kv_type: str = "f16") -> tuple[str, str]:
-    """Resolve `backend` to "native" or "llama.cpp" with the reason, without starting anything.
-    Raises BackendUnavailableError for backend="native" where native cannot run."""
+def choose_backend(backend: str, model_file, n_ctx: int, kv_type: str = "f16",
+                   n_slots: int | None = 1) -> tuple[str, str]:
+    """Resolve `backend` to "native" or "llama.cpp" with the reason, without starting anything, for
+    n_slots conversations at once (None: a server's default). Raises BackendUnavailableError for
+    backend="native" where native cannot run."""
     check_backend_name(backend)
     if backend == "llama.cpp":
         return "llama.cpp", "llama.cpp requested (backend='llama.cpp')"
-    ok, reason = native_verdict(model_file, n_ctx, kv_type)
+    ok, reason = native_verdict(model_file, n_ctx, kv_type, n_slots)
     if ok:
         return "native", reason or "native backend supported on this machine"
     if backend == "native":
@@ -77,10 +97,11 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
     declined: why the native engine cannot take this file at all (another architecture:
     model_file is then None); the model goes to llama.cpp, or backend="native" raises.
     n_layers: the model's block count, for llama.cpp's GPU placement.
-    n_slots: sequences the backend holds (None: its default for a server); the native backend
-    holds one until its multi-sequence pass exists."""
-    from .llama_cpp import DEFAULT_SERVE_SEQUENCES, LlamaCppBackend, sequence_bytes
+    n_slots: sequences the backend holds (None: DEFAULT_SERVE_SEQUENCES, a server's default);
+    the native engine holds up to 8, and with more than one does not speculate."""
+    from .llama_cpp import LlamaCppBackend, sequence_bytes
 
+    n_seq = slots_or_default(n_slots)
     if declined is not None:
         check_backend_name(backend)
         if backend == "native":
@@ -89,16 +110,14 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
         reason = ("llama.cpp requested (backend='llama.cpp')" if backend == "llama.cpp"
                   else f"native backend unavailable: {declined}; using llama.cpp")
     else:
-        name, reason = choose_backend(backend, model_file, n_ctx, kv_type)
+        name, reason = choose_backend(backend, model_file, n_ctx, kv_type, n_seq)
     if name == "native":
         mod, _ = _native_module()
         try:
-            # checkpoints: {"n_checkpoints": K, "checkpoint_interval": N}, only when asked for
-            be = mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed, **(checkpoints or {}))
-            if n_slots not in (None, 1):
-                # its CUDA cycle serves one sequence (one KV cache, one DeltaNet state) per pass
-                log.warning("openjet: the native backend serves one conversation at a time for now; "
-                            "n_slots=%d becomes 1", n_slots)
+            # checkpoints: {"n_checkpoints": K, "checkpoint_interval": N}, only when asked for;
+            # n_seq only where there are several (a one-sequence backend is built as before)
+            seqs = {"n_seq": n_seq} if n_seq != 1 else {}
+            be = mod.NativeBackend(model_file, n_ctx, draft_depth, kv_type, seed, **(checkpoints or {}), **seqs)
             return be, reason
         except Exception as exc:  # noqa: BLE001
             if backend == "native":
@@ -107,7 +126,6 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
             reason = f"native backend failed to start ({type(exc).__name__}: {exc}); using llama.cpp"
     if n_layers is None and model_file is not None:
         n_layers = model_file.config.n_layer + model_file.config.n_layer_nextn
-    n_seq = DEFAULT_SERVE_SEQUENCES if n_slots is None else n_slots
     # another architecture's dimensions are not known here: its sequences share GPU_RESERVE_BYTES
     seq_bytes = sequence_bytes(model_file.config, n_ctx, kv_type) if model_file is not None and n_seq > 1 else 0
     be = LlamaCppBackend(model_path, n_ctx, kv_type=kv_type, n_threads=n_threads, n_layers=n_layers,

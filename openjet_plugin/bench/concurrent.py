@@ -41,9 +41,13 @@ because only those return every token id): their per-stream latency is llama.cpp
 predicted_ms / (predicted_n - 1).
 
 What the engine does now is what is measured: every row's details name the backend and the
-sequences it served at once (`sequences`; the native backend serves one until its
-multi-sequence pass exists, so its streams run one after another); the latency rows need
-streams + 1 sequences and are not measured with fewer.
+sequences it served at once (`sequences`, its slots: an engine of fewer than the streams runs them
+partly one after another), and where the backend counts its shared passes (llama.cpp's and the
+native engine's multi-sequence schedulers, backends/passes.py) the most sequences one pass served
+(`max_sequences_in_a_pass`) and the passes that served several (`shared_passes`), over the
+engine's life (the requests alone included); the latency rows need streams + 1 sequences and are
+not measured with fewer. The native engine holds up to 8 sequences and does not speculate with
+more than one: its speculative row says so instead of a number.
 
 Child output: JSON lines as bench/ours.py's ({"metric"...}, {"skip"...}, {"info"...},
 {"error"...}); each row's details go to info "spec_details" keyed by the row.
@@ -480,8 +484,14 @@ def measure_latency(client, prompts: list[list[int]], long_prompts: list[list[in
 # --- our engine (the child process) ---------------------------------------------------------------------
 
 def _engine_facts(engine, asked: int) -> dict:
-    return {"backend": engine.backend_name, "backend_reason": engine.backend_reason,
-            "slots_asked": asked, "sequences": engine.n_slots}
+    """The engine a row ran on; read after the row, for the pass counters."""
+    facts = {"backend": engine.backend_name, "backend_reason": engine.backend_reason,
+             "slots_asked": asked, "sequences": engine.n_slots}
+    counts = getattr(engine._backend, "pass_counts", None) or {}
+    if counts:
+        facts.update(max_sequences_in_a_pass=counts["max_sequences_in_a_pass"],
+                     shared_passes=counts["shared_passes"], passes=counts["passes"])
+    return facts
 
 
 OUT_OF_TIME = "out of time in this run; run again with the same --resume folder to finish it"
@@ -555,7 +565,6 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
         try:
             if prompts is None:
                 prompts, long_prompts = plan.prompts(engine.n_vocab)
-            facts = _engine_facts(engine, need)
             if engine.n_slots < need:
                 for row in lat:
                     out.skip(*row, f"the engine serves {engine.n_slots} sequence(s) at once on the "
@@ -563,9 +572,9 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
                                    f"need {need}")
             else:
                 client = EngineClient(engine, ban_eog=bool(ban))
-                facts["eog_banned"] = bool(ban)
                 made = measure_latency(client, prompts[:plan.latency_streams], long_prompts,
                                        plan.latency_tokens, plan.reps)
+                facts = {**_engine_facts(engine, need), "eog_banned": bool(ban)}
                 for metric, params in lat:
                     samples, details = made[params["prompt_tokens"]]
                     out.result(metric, params, "ms", samples)
@@ -587,7 +596,8 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
         return
     try:
         if not engine.supports_speculative:
-            out.skip(*spec, f"the {engine.backend_name} backend does not speculate ({engine.backend_reason})")
+            out.skip(*spec, f"the {engine.backend_name} backend does not speculate with {engine.n_slots} "
+                            f"slot(s) ({engine.backend_reason})")
             return
         if prompts is None:
             prompts, long_prompts = plan.prompts(engine.n_vocab)

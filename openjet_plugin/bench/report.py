@@ -672,7 +672,7 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
            "with n_slots = streams, one thread per request; llama.cpp: llama-server -np 8 on the same file. "
            "× base: over the same engine's 1-stream row (D 0), or its plain row of as many streams (D > 0). "
            "sequences: how many the engine served at once (fewer than the streams: they ran one after "
-           "another). = alone: streams, over every round, whose tokens equal the request run alone.", "",
+           "another), and where counted the most that shared one pass. = alone: streams, over every round, whose tokens equal the request run alone.", "",
            "| streams | D | openjet tokens/s | × base | sequences | = alone | llama.cpp tokens/s | × base "
            "| = alone | openjet/llama.cpp |",
            "|---|---|---|---|---|---|---|---|---|---|"]
@@ -686,6 +686,8 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
             meds.append(r["median"] if r else None)
             ratio = _ratio(r["median"], b["median"]) if r and b and base != params else ""
             seq = f"{d['sequences']} ({d.get('backend', '?')})" if "sequences" in d else ""
+            if seq and "max_sequences_in_a_pass" in d:
+                seq += f", {d['max_sequences_in_a_pass']} a pass"
             cells.append((_cell(r) if r else status.get(key, "—"), ratio, seq, _alone(d)))
         (o, o_x, o_seq, o_same), (q, q_x, _, q_same) = cells
         out.append(f"| {params['streams']} | {params['drafts']} | {o} | {o_x} | {o_seq} | {o_same} | {q} | {q_x} "

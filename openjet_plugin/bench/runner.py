@@ -96,7 +96,8 @@ class Settings:
     latency_tokens: int = 128
     # planned_mem_gb / peak_mem_gb (bench/memory.py): (backend, slots, n_ctx) of each pair, what
     # `openjet info` plans for serving the model beside the device memory loading it takes
-    memory: tuple[tuple[str, int, int], ...] = (("native", 1, 32768), ("llama.cpp", 1, 32768), ("llama.cpp", 4, 8192))
+    memory: tuple[tuple[str, int, int], ...] = (("native", 1, 32768), ("native", 4, 8192), ("llama.cpp", 1, 32768),
+                                                ("llama.cpp", 4, 8192))
 
     @classmethod
     def quick_run(cls, **kw) -> "Settings":

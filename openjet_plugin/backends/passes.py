@@ -1,0 +1,212 @@
+"""Shared passes for several sequences of one backend (issue 29): what the llama.cpp and the native
+multi-sequence backends have in common.
+
+Each sequence view's eval hands its tokens to a `PassScheduler` and waits. The scheduler's thread
+fills each pass from what the request threads have handed in: every waiting decode step first
+(a work of one token), then prompt chunks in arrival order, at most n_batch tokens in all. While
+sequences decode, the prompt tokens of a pass are capped by a `PassBudget` (pass_budget.py), so a
+long prompt arriving does not stall the others' next tokens. Before a pass it waits (at most one
+pass's duration, GATHER_MAX_SECONDS at most) for the sequences of the previous pass to come back
+with their next token: they are sampling, and a pass that waits for them serves them together
+instead of one pass each.
+
+What differs between backends is only how the chosen works run: `_run_pass(chosen)`, given
+(work, tokens it puts in this pass) pairs, puts those tokens into each work's sequence, sets the
+result of every work it finishes (`logits`, or `argmax` for a work that asked for no logits row)
+and says per work whether its tokens went in. llama.cpp runs them as one `llama_decode` batch
+(llama_cpp_sequences.py); the native engine as one `oj_eval_seqs` of the decode steps and a
+prefill per prompt chunk (native.py). A failure of one work fails that work only, where the
+backend can tell which one it was.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+
+from .pass_budget import PassBudget
+
+GATHER_MAX_SECONDS = 0.05      # the longest a pass waits for a sequence of the previous pass
+
+
+class Work:
+    """One eval call: tokens of one sequence to append at n_past; done counts those evaluated.
+    want_logits False: the caller needs only the greedy id (`argmax`), so no logits row is copied
+    off the device for it."""
+
+    __slots__ = ("seq", "tokens", "n_past", "order", "done", "want_logits", "logits", "argmax", "error",
+                 "cancelled", "event")
+
+    def __init__(self, seq: int, tokens: list[int], n_past: int, order: int, want_logits: bool = True):
+        self.seq, self.tokens, self.n_past, self.order = seq, tokens, n_past, order
+        self.want_logits = want_logits
+        self.done = 0
+        self.logits: np.ndarray | None = None
+        self.argmax: int | None = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.event = threading.Event()
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.done
+
+
+class PassScheduler:
+    """Gathers the eval calls of several sequences into shared passes (see the module docstring).
+    Counters: `passes`, `shared_passes` (passes with tokens of more than one sequence),
+    `max_sequences_in_a_pass`. `budget`: the prompt tokens a pass may carry next to decode steps,
+    fed with every pass's time. A subclass runs the passes (`_run_pass`) and names what it serves
+    (`serves`, for messages)."""
+
+    serves = "the backend"             # "the llama.cpp context", "the native engine"
+    thread_name = "openjet-pass"
+
+    def __init__(self, n_batch: int, n_seq: int):
+        self.n_batch = n_batch
+        self.n_seq = n_seq
+        self._cv = threading.Condition()
+        self._pending: list[Work] = []
+        self._in_pass: set[int] = set()        # sequences with tokens in the pass running now
+        self._expected: set[int] = set()       # the sequences of the previous pass
+        self._last_pass_seconds = 0.0
+        self._decoders_of_last_pass = 0       # sequences sampling their next token now
+        self.budget = PassBudget(n_batch)
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.passes = 0
+        self.shared_passes = 0
+        self.max_sequences_in_a_pass = 0
+
+    def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
+        """Put each chosen work's next n tokens into its sequence; set the result (logits or
+        argmax) of each work they finish. Returns, per chosen work, None where its n tokens went
+        in or the exception that failed it, and the pass's seconds (timed where it held the
+        backend, not waiting for it)."""
+        raise NotImplementedError
+
+    # --- the request threads' side --------------------------------------------------------------
+    def submit(self, seq: int, tokens: list[int], n_past: int = 0, want_logits: bool = True) -> Work:
+        """Hand in tokens of sequence seq to evaluate at n_past..; its event is set when they
+        are done (logits or argmax: those of the last token) or failed (error)."""
+        work = Work(seq, tokens, n_past, next(self._order), want_logits)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError(f"{self.serves} is closed")
+            if any(w.seq == seq for w in self._pending):
+                raise RuntimeError(f"sequence {seq} already has an eval in progress")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self.thread_name, daemon=True)
+                self._thread.start()
+            self._pending.append(work)
+            self._cv.notify_all()
+        return work
+
+    def wait(self, work: Work) -> None:
+        """Until the work is done or failed (the scheduler's thread runs its passes)."""
+        work.event.wait()
+
+    def cancel(self, seq: int) -> None:
+        """Drop sequence seq's unfinished work (its caller gave up, e.g. on Ctrl-C) and wait for a
+        pass that holds it to end: afterwards the scheduler touches the sequence no more, and the
+        work's `done` counts exactly the tokens that went into its state."""
+        with self._cv:
+            for w in [w for w in self._pending if w.seq == seq]:
+                w.cancelled = True
+                self._pending.remove(w)
+                w.error = RuntimeError("cancelled")
+                w.event.set()
+            while seq in self._in_pass:
+                self._cv.wait()
+
+    def close(self) -> None:
+        """End the scheduler's thread (after the pass it runs) and fail the works still waiting."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._cv:
+            for w in self._pending:
+                w.error = RuntimeError(f"{self.serves} was closed")
+                w.event.set()
+            self._pending = []
+
+    # --- the scheduler's thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                # the sequences of the last pass are sampling their next token: wait for them,
+                # at most one pass's time (a later one would cost them a whole pass each)
+                deadline = time.monotonic() + min(self._last_pass_seconds, GATHER_MAX_SECONDS)
+                while not self._closed:
+                    missing = self._expected - {w.seq for w in self._pending}
+                    left = deadline - time.monotonic()
+                    if not missing or left <= 0:
+                        break
+                    self._cv.wait(left)
+                if self._closed:
+                    return
+                chosen, n_decode = self._compose()
+                self._in_pass = {w.seq for w, _ in chosen}
+            try:
+                errors, seconds = self._run_pass(chosen)
+            except Exception as exc:  # noqa: BLE001 - the callers get it; the thread serves on
+                failure = RuntimeError(f"a pass of {self.serves} failed: {type(exc).__name__}: {exc}")
+                errors, seconds = [failure] * len(chosen), 0.0
+            with self._cv:
+                if not any(errors):
+                    self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
+                    self._last_pass_seconds = seconds
+                self._expected = {w.seq for w, _ in chosen}
+                self._decoders_of_last_pass = n_decode
+                self.passes += 1
+                self.shared_passes += len(chosen) > 1
+                self.max_sequences_in_a_pass = max(self.max_sequences_in_a_pass, len(chosen))
+                for (w, n), error in zip(chosen, errors):
+                    if error is None:
+                        w.done += n             # in the sequence's state, cancelled or not
+                    if w.cancelled:
+                        continue
+                    if error is not None:
+                        w.error = error
+                    elif w.left:
+                        continue                # more of its prompt in a later pass
+                    self._pending.remove(w)
+                    w.event.set()
+                self._in_pass = set()
+                self._cv.notify_all()
+
+    def _compose(self) -> tuple[list[tuple[Work, int]], int]:
+        """(work, tokens it puts in this pass) and the pass's decode tokens: decode steps (works
+        of one token) first, then prompts by arrival, at most n_batch tokens, the prompts' at most
+        what the budget allows next to the sequences that decode."""
+        decode = sorted((w for w in self._pending if w.left == 1), key=lambda w: w.order)[:self.n_batch]
+        chosen = [(w, 1) for w in decode]
+        # the decoders of the last pass count even when not back yet: the budget is for them,
+        # and a full n_batch chunk now would be the stall it exists to prevent
+        decoders = max(len(decode), self._decoders_of_last_pass)
+        room = min(self.n_batch - len(decode), self.budget.prompt_tokens(min(decoders, self.n_batch)))
+        for w in sorted((w for w in self._pending if w.left > 1), key=lambda w: w.order):
+            n = min(w.left, room)
+            if n == 0:
+                break
+            chosen.append((w, n))
+            room -= n
+        # In the pass by sequence id: with a KV stream per sequence llama.cpp splits a batch into
+        # ubatches (one graph, one read of the weights each) of sequences whose ids follow one
+        # another in the order they first appear (llama_batch_allocr::split_equal, sequential), so
+        # 3, 1, 2, 0 in arrival order would be four passes over the weights and 0, 1, 2, 3 is one.
+        # (A gap, 0 and 2 without 1, still makes two; equal tokens per sequence in a ubatch puts a
+        # prompt chunk's tokens after its first in a ubatch of their own.) The native engine takes
+        # its decode steps in any order; by sequence, its result rows come in a fixed one.
+        return sorted(chosen, key=lambda c: c[0].seq), len(decode)

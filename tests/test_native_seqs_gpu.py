@@ -1,0 +1,273 @@
+"""Several sequences in one native engine (issue 29): oj_seq_select and oj_eval_seqs.
+
+Needs an NVIDIA GPU and a library with oj_eval_seqs (ABI 9); skips with the reason otherwise.
+`scripts/gpu.sh check` runs it on the GPU machine; rows go to `$OPENJET_GPU_REPORT`. Generated
+models (test_native_gpu.model_path), fresh random histories, host buffers NaN before every read:
+
+(a) a pass of n sequences, one token each, gives every sequence the logits, argmax, hidden, conv /
+    ssm state and K/V rows of its own one-token oj_eval on an engine of one sequence, bit for bit
+    (f16 and q8_0 KV, the 27B's head shapes too), over many passes whose sequences, order and
+    count change, with single-sequence evaluations (oj_eval chunks, oj_verify + oj_commit) of
+    other sequences between them and each sequence at its own depth;
+(b) bad requests (a sequence twice, one out of range, a full context, NULL) fail by name before
+    anything runs, every sequence as it was;
+(c) kv_cache and recurrent_state of the memory report grow n_seq times.
+
+Run on the device: python -m pytest -q -m gpu tests/test_native_seqs_gpu.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_native_spec_gpu as ts  # noqa: E402
+from test_native_gpu import native_at_least, report  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+SEQS_ABI = 9
+PASSES = 24
+
+
+@pytest.fixture(scope="module")
+def native():
+    return native_at_least(SEQS_ABI, "oj_eval_seqs")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("seq_models")
+
+
+class Raw:
+    """The engine's C API on one handle, the sequence chosen explicitly (no backend bookkeeping)."""
+
+    def __init__(self, be):
+        self.be = be
+        self.nl = be._nl
+        self.ffi, self.lib = self.nl.ffi, self.nl.lib
+        self.h = be._handle()
+        self.c = be.config
+
+    def ok(self, rc: int, what: str) -> None:
+        from openjet_plugin import _native
+
+        assert rc == 0, f"{what}: {_native.last_error(self.nl, self.h)}"
+
+    def select(self, seq: int) -> None:
+        self.ok(self.lib.oj_seq_select(self.h, seq), f"select {seq}")
+
+    def eval(self, tokens: list[int]) -> None:
+        buf = self.ffi.new("int32_t[]", tokens)
+        self.ok(self.lib.oj_eval(self.h, buf, len(tokens)), "oj_eval")
+
+    def verify_commit(self, tokens: list[int], keep: int) -> None:
+        buf = self.ffi.new("int32_t[]", tokens)
+        self.ok(self.lib.oj_verify(self.h, buf, len(tokens)), "oj_verify")
+        self.ok(self.lib.oj_commit(self.h, keep), "oj_commit")
+
+    def eval_seqs(self, seqs: list[int], tokens: list[int]) -> int:
+        s = self.ffi.new("int32_t[]", seqs)
+        t = self.ffi.new("int32_t[]", tokens)
+        return int(self.lib.oj_eval_seqs(self.h, s, t, len(seqs)))
+
+    def n_past(self) -> int:
+        out = self.ffi.new("int32_t *")
+        self.ok(self.lib.oj_n_past(self.h, out), "n_past")
+        return int(out[0])
+
+    def _floats(self, fn, shape, *args) -> np.ndarray:
+        a = np.full(shape, np.nan, dtype=np.float32)
+        self.ok(fn(self.h, *args, self.ffi.from_buffer("float[]", a, require_writable=True), a.size), "read")
+        return a
+
+    def logits(self, row: int) -> np.ndarray:
+        a = np.full(self.c.n_vocab, np.nan, dtype=np.float32)
+        self.ok(self.lib.oj_get_logits(self.h, row, self.ffi.from_buffer("float[]", a, require_writable=True), a.size),
+                "logits")
+        return a
+
+    def argmax(self, n: int) -> list[int]:
+        out = self.ffi.new("int32_t[]", n)
+        self.ok(self.lib.oj_get_argmax(self.h, out, n), "argmax")
+        return [int(x) for x in out]
+
+    def hidden(self, row: int) -> np.ndarray:
+        a = np.full(self.c.n_embd, np.nan, dtype=np.float32)
+        self.ok(self.lib.oj_get_hidden(self.h, row, self.ffi.from_buffer("float[]", a, require_writable=True), a.size),
+                "hidden")
+        return a
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The selected sequence's recurrent state and K/V rows [0, n_past)."""
+        c, lib = self.c, self.lib
+        out = {}
+        for il in c.deltanet_layers():
+            out[f"blk.{il}.conv"] = self._floats(lib.oj_read_conv_state, (c.ssm_conv_dim, c.ssm_conv_kernel - 1), il)
+            out[f"blk.{il}.ssm"] = self._floats(lib.oj_read_ssm_state, (c.ssm_dt_rank, c.ssm_d_state, c.ssm_d_state), il)
+        n = self.n_past()
+        for il in c.attention_layers():
+            for which, name in ((0, "k"), (1, "v")):
+                out[f"blk.{il}.{name}"] = self._floats(lib.oj_read_kv, (n, c.n_head_kv, c.head_dim), il, which, 0, n)
+        return out
+
+
+def _backend(path: Path, n_seq: int, n_ctx: int, kv_type: str):
+    from openjet_plugin.backends.native import NativeBackend
+    from openjet_plugin.model_file import open_model
+
+    mf = open_model(path)
+    kw = {"n_seq": n_seq} if n_seq > 1 else {}
+    # prefill_chunk 0: every prompt through oj_eval, as the one-sequence reference evaluates it
+    return mf, NativeBackend(mf, n_ctx=n_ctx, kv_type=kv_type, draft_depth=0, prefill_chunk=0, **kw)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("name,kv_type,n_seq", [("tiny-F32", "f16", 4), ("tiny-Q4_K_M", "q8_0", 8),
+                                                ("w256-Q4_K_M", "f16", 3), ("small-Q4_K_M", "f16", 5)])
+def test_eval_seqs_is_each_sequences_own_eval(native, workdir, name, kv_type, n_seq):
+    path = ts._model(name, workdir)
+    rng = np.random.default_rng(abs(hash((name, kv_type, n_seq))) % 2**32)
+    mf, be = _backend(path, n_seq, 512, kv_type)
+    rmf, ref = _backend(path, 1, 512, kv_type)
+    try:
+        multi, one = Raw(be), Raw(ref)
+        V = be.n_vocab
+        # every sequence's history as a list of steps: ("eval", tokens) | ("verify", tokens, keep) |
+        # ("seqs", token, pass index, row); replayed on the one-sequence engine at the end
+        history: list[list[tuple]] = [[] for _ in range(n_seq)]
+        got_logits: dict[tuple[int, int], np.ndarray] = {}
+        got_argmax: dict[tuple[int, int], int] = {}
+        got_hidden: dict[tuple[int, int], np.ndarray] = {}
+        for q in range(n_seq):   # prompts of different lengths: each sequence at its own depth
+            multi.select(q)
+            toks = rng.integers(0, V, int(rng.integers(1, 40))).tolist()
+            for a in range(0, len(toks), 8):
+                multi.eval(toks[a:a + 8])
+                history[q].append(("eval", toks[a:a + 8]))
+        for p in range(PASSES):
+            k = int(rng.integers(1, n_seq + 1))
+            seqs = rng.permutation(n_seq)[:k].tolist()
+            toks = rng.integers(0, V, k).tolist()
+            multi.ok(multi.eval_seqs(seqs, toks), f"oj_eval_seqs {seqs}")
+            am = multi.argmax(k)
+            for t, q in enumerate(seqs):
+                got_logits[(q, p)] = multi.logits(t)
+                got_argmax[(q, p)] = am[t]
+                history[q].append(("seqs", toks[t], p))
+            for q in seqs:   # each window as after its own one-token oj_eval (the select keeps results)
+                multi.select(q)
+                got_hidden[(q, p)] = multi.hidden(0)
+            if p % 3 == 1:   # a single-sequence evaluation of another sequence between passes
+                q = int(rng.integers(0, n_seq))
+                multi.select(q)
+                toks = rng.integers(0, V, int(rng.integers(1, 9))).tolist()
+                if p % 2:
+                    multi.eval(toks)
+                    history[q].append(("eval", toks))
+                else:
+                    keep = int(rng.integers(0, len(toks) + 1))
+                    multi.verify_commit(toks, keep)
+                    history[q].append(("verify", toks, keep))
+        passes = sum(1 for h in history for s in h if s[0] == "seqs")
+        bad: list[str] = []
+        for q in range(n_seq):
+            ref.reset()
+            for step in history[q]:
+                if step[0] == "eval":
+                    one.eval(step[1])
+                elif step[0] == "verify":
+                    one.verify_commit(step[1], step[2])
+                else:
+                    _, tok, p = step
+                    one.eval([tok])
+                    if not _same(one.logits(0), got_logits[(q, p)]):
+                        bad.append(f"seq {q} pass {p}: logits")
+                    if one.argmax(1)[0] != got_argmax[(q, p)]:
+                        bad.append(f"seq {q} pass {p}: argmax")
+                    if not _same(one.hidden(0), got_hidden[(q, p)]):
+                        bad.append(f"seq {q} pass {p}: hidden")
+            multi.select(q)
+            assert multi.n_past() == one.n_past()
+            mine, theirs = multi.state(), one.state()
+            bad += [f"seq {q}: {key}" for key in theirs if not _same(mine[key], theirs[key])]
+        report({"test": "eval_seqs_bit_identical", "model": name, "kv_type": kv_type, "n_seq": n_seq,
+                "positions": passes, "mismatches": len(bad)})
+        assert not bad, f"{len(bad)} of {passes} positions / states differ from one-sequence evals: {bad[:8]}"
+    finally:
+        for b, m in ((be, mf), (ref, rmf)):
+            b.close()
+            m.close()
+
+
+def test_eval_seqs_bad_requests_fail_by_name(native, workdir):
+    path = ts._model("tiny-F32", workdir)
+    mf, be = _backend(path, 3, 32, "f16")
+    try:
+        r = Raw(be)
+        lib = r.lib
+        for q in range(3):
+            r.select(q)
+            r.eval(list(range(1, 1 + 8 * (q + 1)))[:8])
+        r.select(2)
+        r.eval(list(range(20, 28)) * 1)
+        r.eval(list(range(30, 38)))
+        r.eval(list(range(40, 47)))   # sequence 2: 31 of 32 positions
+        r.eval([5])                   # full
+        before = []
+        for q in range(3):
+            r.select(q)
+            before.append((r.n_past(), r.state()))
+        r.select(1)
+
+        def err() -> str:
+            return r.ffi.string(lib.oj_last_error(r.h)).decode()
+
+        assert r.eval_seqs([0, 0], [1, 2]) != 0 and "appears twice" in err()
+        assert r.eval_seqs([0, 3], [1, 2]) != 0 and "sequence 3" in err() and "does not exist" in err()
+        assert r.eval_seqs([0, 2], [1, 2]) != 0 and "sequence 2" in err() and "no room" in err()
+        assert r.eval_seqs([0], [be.n_vocab]) != 0 and "outside the vocabulary" in err()
+        assert lib.oj_eval_seqs(r.h, r.ffi.NULL, r.ffi.new("int32_t[]", [1]), 1) != 0 and "seqs is NULL" in err()
+        assert r.eval_seqs([], []) != 0
+        assert lib.oj_seq_select(r.h, 3) != 0 and "does not exist" in err()
+        assert lib.oj_seq_select(r.h, -1) != 0
+        out = r.ffi.new("int32_t *")
+        assert lib.oj_seq_selected(r.h, out) == 0 and out[0] == 1   # nothing moved the selection
+        for q in range(3):
+            r.select(q)
+            n, st = before[q]
+            assert r.n_past() == n
+            now = r.state()
+            assert all(_same(now[k], st[k]) for k in st), f"sequence {q} changed by a refused call"
+        # and the engine still works: a pass of the two with room
+        assert r.eval_seqs([1, 0], [7, 9]) == 0
+        r.select(0)
+        assert r.n_past() == before[0][0] + 1
+    finally:
+        be.close()
+        mf.close()
+
+
+def test_memory_grows_with_sequences(native, workdir):
+    path = ts._model("tiny-Q4_K_M", workdir)
+    mf1, one = _backend(path, 1, 256, "f16")
+    mf4, four = _backend(path, 4, 256, "f16")
+    try:
+        m1, m4 = one.memory(), four.memory()
+        assert m4["kv_cache"] == 4 * m1["kv_cache"]
+        assert m4["recurrent_state"] == 4 * m1["recurrent_state"]
+        assert m4["weights"] == m1["weights"]
+        report({"test": "seqs_memory", "kv_1": m1["kv_cache"], "kv_4": m4["kv_cache"],
+                "recurrent_1": m1["recurrent_state"], "recurrent_4": m4["recurrent_state"]})
+    finally:
+        for b, m in ((one, mf1), (four, mf4)):
+            b.close()
+            m.close()

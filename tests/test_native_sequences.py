@@ -1,0 +1,606 @@
+"""Several conversations on one native engine (issue 29), the Python side, on the CPU:
+NativeBackend(n_seq=N)'s views, the pass scheduler that serves them together (NativePasses over
+backends/passes.py), and the Engine with n_slots > 1 on the native backend.
+
+`SeqFakeLib` extends tests/test_native_bookkeeping.py's FakeLib (the toy model: the next token is
+a hash of the sequence's whole committed history, so a token lost, doubled or put into another
+sequence changes every later output) to the C API of openjet.h ABI 9: n_seq sequences, each its
+own history, n_past and MTP cache, switched by oj_seq_select; oj_eval_seqs appending one token to
+each of several sequences, refusing the whole call before running anything on a bad id, a
+duplicate, a sequence without room or a token it is told to refuse; the results of the last pass
+(argmax, logits rows) the engine's; checkpoint slots the engine's, restored into whichever
+sequence is selected. It also records two threads inside its entry points at once (the engine is
+one CUDA stream: every native call must run under the backend's lock).
+
+The GPU runs the same through the real engine: tests/test_native_seqs_engine_gpu.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from concurrency import run_threads  # noqa: E402
+from test_native_bookkeeping import V, FakeLib, _mix, install_fake  # noqa: E402
+
+import openjet_plugin  # noqa: E402
+from openjet_plugin.backends import native  # noqa: E402
+from openjet_plugin.errors import BackendUnavailableError, ContextOverflowError, NativeEngineError  # noqa: E402
+
+DEFAULT_GGUF = Path(__file__).resolve().parent.parent / "openjet_plugin" / "data" / "default.gguf"
+REFUSED = V - 7           # a token id oj_eval_seqs / oj_eval of SeqFakeLib refuse (an engine failure)
+PASS_SECONDS = 0.0005     # each evaluating call takes this long, so that threads interleave
+
+
+class SeqFakeLib(FakeLib):
+    """FakeLib with sequences (openjet.h ABI 9; see the module docstring)."""
+
+    # what each sequence holds; the rest (results of the last pass, checkpoint slots, draft
+    # vocabulary) is the engine's
+    PER_SEQUENCE = ("hist", "hashes", "last_start", "prev_row", "uncommitted", "verify_toks", "mtp_n_past",
+                    "last_mtp_n", "mtp_rows", "draft_h", "verifies")
+
+    def __init__(self, ffi):
+        self.n_seq = 1
+        self.selected = 0
+        self.saved: dict[int, dict] = {}
+        self.eval_seqs_calls: list[list[int]] = []     # the sequences of every oj_eval_seqs
+        self.logits_reads = 0
+        self.slot_saves: list[tuple[int, int]] = []    # (sequence, slot) of every oj_checkpoint_save
+        self.overlaps: list[str] = []                  # entry points entered while another thread was inside
+        self._inside: int | None = None
+        self._meta = threading.Lock()
+        super().__init__(ffi)
+
+    def __getattribute__(self, name):
+        attr = object.__getattribute__(self, name)
+        if not name.startswith("oj_") or not callable(attr):
+            return attr
+        get = object.__getattribute__
+
+        def entry(*args):
+            me = threading.get_ident()
+            with get(self, "_meta"):
+                outer = get(self, "_inside")
+                if outer not in (None, me):
+                    get(self, "overlaps").append(name)
+                self._inside = me
+            try:
+                return attr(*args)
+            finally:
+                self._inside = outer
+        return entry
+
+    def oj_device_info(self, device, major, minor, free, total, name, capacity):
+        """An sm_90 card with room for anything (native_status runs its real checks)."""
+        major[0], minor[0] = 9, 0
+        if free != self.ffi.NULL:
+            free[0] = total[0] = 80 << 30
+        if name != self.ffi.NULL:
+            text = b"Fake H100"
+            for i, b in enumerate(text[:capacity - 1]):
+                name[i] = bytes([b])
+            name[min(len(text), capacity - 1)] = b"\0"
+        return 0
+
+    def oj_engine_create(self, desc, out):
+        self.n_seq = max(1, int(desc.n_seq))
+        self.n_ctx = int(desc.n_ctx)
+        if self.n_seq > 8:
+            return self._fail(f"n_seq is {self.n_seq}; allowed 0..8")
+        rc = super().oj_engine_create(desc, out)
+        self.created[-1]["n_seq"] = self.n_seq
+        fresh = {k: getattr(self, k) for k in self.PER_SEQUENCE}
+        self.saved = {s: _copy_state(fresh) for s in range(self.n_seq)}
+        return rc
+
+    def _keep_selected(self) -> None:
+        self.saved[self.selected] = {k: getattr(self, k) for k in self.PER_SEQUENCE}
+
+    def oj_seq_select(self, h, seq):
+        if not 0 <= seq < self.n_seq:
+            return self._fail(f"sequence {seq} is outside 0..{self.n_seq - 1}")
+        self._keep_selected()
+        for k, v in self.saved[seq].items():
+            setattr(self, k, v)
+        self.selected = seq
+        return 0
+
+    def oj_seq_selected(self, h, out):
+        out[0] = self.selected
+        return 0
+
+    def oj_reset(self, h):
+        keep = {k: getattr(self, k) for k in ("ckpt", "out", "last_n", "win", "draft") if hasattr(self, k)}
+        super().oj_reset(h)
+        for k, v in keep.items():                   # results and slots are the engine's
+            setattr(self, k, v)
+        return 0
+
+    def _evaluate(self, buf, n):
+        time.sleep(PASS_SECONDS)
+        if any(int(buf[i]) == REFUSED for i in range(n)):
+            return self._fail(f"sequence {self.selected}: token {REFUSED} refused")
+        return super()._evaluate(buf, n)
+
+    def oj_prefill(self, h, buf, n):
+        time.sleep(PASS_SECONDS)
+        if any(int(buf[i]) == REFUSED for i in range(n)):
+            return self._fail(f"sequence {self.selected}: token {REFUSED} refused")
+        return super().oj_prefill(h, buf, n)
+
+    def oj_eval_seqs(self, h, seqs_buf, toks_buf, n):
+        time.sleep(PASS_SECONDS)
+        if not 1 <= n <= 8:
+            return self._fail(f"n_seqs {n} outside 1..8")
+        seqs = [int(seqs_buf[i]) for i in range(n)]
+        toks = [int(toks_buf[i]) for i in range(n)]
+        self.eval_seqs_calls.append(seqs)
+        self._keep_selected()
+        for s, t in zip(seqs, toks):                # checked before anything runs
+            if not 0 <= s < self.n_seq or seqs.count(s) > 1:
+                return self._fail(f"sequence {s}: out of range or twice in one oj_eval_seqs")
+            if not 0 <= t < V or t == REFUSED:
+                return self._fail(f"sequence {s}: token {t} refused")
+            if len(self.saved[s]["hist"]) + 1 > self.n_ctx:
+                self._fail(f"sequence {s} is full ({self.n_ctx} positions)")
+                return 5
+        rows = []
+        for s, t in zip(seqs, toks):
+            st = self.saved[s]
+            hs = _mix(st["hashes"][-1], t)
+            st["hist"].append(t)
+            st["hashes"].append(hs)
+            st["uncommitted"], st["verify_toks"] = 0, []
+            st["last_start"] = len(st["hist"]) - 1
+            rows.append(hs)
+        for k, v in self.saved[self.selected].items():    # the selected sequence does not change
+            setattr(self, k, v)
+        self.out = [self._next(hs) for hs in rows]
+        self.win = [0] + rows                     # logits(t) is row t's, as oj_get_logits reads it
+        self.last_n = n
+        return 0
+
+    def oj_get_logits(self, h, index, out, n):
+        self.logits_reads += 1
+        return super().oj_get_logits(h, index, out, n)
+
+    def oj_mtp_eval(self, h, buf, n, pos0, source, hp):
+        if self.n_seq > 1:
+            return self._fail("a multi-sequence engine's backend drafts nothing (no MTP calls of its own)")
+        return super().oj_mtp_eval(h, buf, n, pos0, source, hp)
+
+    def oj_checkpoint_save(self, h, slot):
+        self.slot_saves.append((self.selected, slot))
+        return super().oj_checkpoint_save(h, slot)
+
+    def history(self, seq: int) -> list[int]:
+        """Sequence seq's committed tokens."""
+        return list(self.hist) if seq == self.selected else list(self.saved[seq]["hist"])
+
+
+def _copy_state(st: dict) -> dict:
+    return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in st.items()}
+
+
+@pytest.fixture()
+def fake_seqs(monkeypatch):
+    return install_fake(monkeypatch, SeqFakeLib)
+
+
+def _backend(n_seq: int, n_ctx: int = 512, **kw) -> native.NativeBackend:
+    from openjet_plugin.model_file import open_model
+
+    return native.NativeBackend(open_model(DEFAULT_GGUF), n_ctx=n_ctx, n_seq=n_seq, **kw)
+
+
+
+
+def greedy(view, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens after prompt on a sequence view, through eval_argmax (the engine's greedy path)."""
+    toks = [view.eval_argmax(prompt)]
+    while len(toks) < n:
+        toks.append(view.eval_argmax([toks[-1]]))
+    return toks
+
+
+PROMPTS = [list(range(10 + 7 * k, 10 + 7 * k + m)) for k, m in enumerate((5, 40, 1, 150, 12, 3, 77, 9))]
+
+
+# --- the backend: views and their shared passes --------------------------------------------------------
+
+def test_views_decode_together_and_each_equals_its_sequence_alone(fake_seqs):
+    alone = _backend(1)
+    want = []
+    for p in PROMPTS[:4]:
+        alone.reset()
+        want.append(greedy(alone, p, 30))
+    be = _backend(4)
+    lib = fake_seqs[-1]
+    views = be.sequences()
+    assert be.n_sequences == 4 and [v.seq for v in views] == [0, 1, 2, 3] and views[0] is be
+    assert lib.created[-1]["n_seq"] == 4 and lib.created[-1]["n_checkpoints"] == 4 * native.N_CHECKPOINTS
+    got = run_threads([lambda v=v, p=p: greedy(v, p, 30) for v, p in zip(views, PROMPTS)])
+    assert got == want
+    for v, p, toks in zip(views, PROMPTS, got):
+        assert lib.history(v.seq) == p + toks[:-1]     # exactly its own tokens went into its sequence
+        assert v.n_past == len(p) + 29
+    # decode steps of several sequences went through one oj_eval_seqs
+    together = [s for s in lib.eval_seqs_calls if len(s) > 1]
+    assert len(together) >= 20 and max(len(s) for s in together) == 4, lib.eval_seqs_calls[:10]
+    assert all(s == sorted(s) for s in lib.eval_seqs_calls)
+    counts = be.pass_counts
+    assert counts["shared_passes"] >= 20 and counts["max_sequences_in_a_pass"] == 4
+    assert lib.overlaps == []
+    # greedy steps read no logits row; a prompt's last chunk read through eval does (and only then)
+    assert lib.logits_reads == 0
+    rows = run_threads([lambda v=v: v.eval([5, 6, 7]) for v in views[:2]])
+    assert lib.logits_reads == 2 and all(int(np.argmax(r)) == int(r.argmax()) for r in rows)
+    be.close()
+    alone.close()
+
+
+def test_eval_returns_each_sequences_own_logits(fake_seqs):
+    one = _backend(1)
+    want = []
+    for p in PROMPTS[:3]:
+        one.reset()
+        rows = [one.eval(p)]
+        for t in (3, 4, 5):
+            rows.append(one.eval([t]))
+        want.append(rows)
+    be = _backend(3)
+
+    def run(v, p):
+        rows = [v.eval(p)]
+        for t in (3, 4, 5):
+            rows.append(v.eval([t]))
+        return rows
+    got = run_threads([lambda v=v, p=p: run(v, p) for v, p in zip(be.sequences(), PROMPTS)])
+    for g, w in zip(got, want):
+        assert len(g) == len(w) and all(np.array_equal(a, b) for a, b in zip(g, w))
+    assert fake_seqs[-1].overlaps == []
+
+
+def test_a_refused_step_fails_only_its_own_sequence(fake_seqs):
+    """oj_eval_seqs refuses the whole call for one sequence's token: the call is run again one
+    sequence at a time, and only that sequence's eval fails; the others' tokens are their own."""
+    alone = _backend(1)
+    want = []
+    for p in PROMPTS[:3]:
+        alone.reset()
+        want.append(greedy(alone, p, 25))
+    be = _backend(4)
+    lib = fake_seqs[-1]
+    views = be.sequences()
+
+    since = {}
+
+    def shared_a_call() -> bool:
+        """A call with others since the refused steps began (its prompt's last token may have had one)."""
+        return "start" in since and any(3 in s and len(s) > 1 for s in lib.eval_seqs_calls[since["start"]:])
+
+    def refused():
+        v = views[3]
+        v.eval_argmax([1, 2, 3])
+        since["start"] = len(lib.eval_seqs_calls)
+        errors = []
+        while not shared_a_call() and len(errors) < 20:       # until it went into a call with others
+            try:
+                v.eval_argmax([REFUSED])
+            except NativeEngineError as exc:
+                errors.append(exc)
+        return errors
+
+    got = run_threads([lambda v=v, p=p: greedy(v, p, 25) for v, p in zip(views, PROMPTS[:3])] + [refused])
+    assert got[:3] == want
+    assert shared_a_call(), "the refused step never shared a call"
+    assert got[3] and all(f"token {REFUSED} refused" in str(e) for e in got[3])
+    assert [3] in lib.eval_seqs_calls                          # then ran alone
+    assert lib.history(3) == [1, 2, 3] and views[3].n_past == 3
+    assert lib.overlaps == []
+
+
+def test_a_sequence_without_room_is_refused_before_any_pass(fake_seqs):
+    be = _backend(2, n_ctx=64)
+    a, b = be.sequences()
+    a.eval_argmax(list(range(60)))
+    with pytest.raises(ContextOverflowError):
+        a.eval_argmax(list(range(5)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        b.eval([V])
+    assert a.n_past == 60 and b.n_past == 0
+    assert greedy(b, [1, 2], 3) and fake_seqs[-1].history(0) == list(range(60))
+
+
+def test_an_interrupted_eval_counts_exactly_what_went_into_the_sequence(fake_seqs):
+    """Ctrl-C while a view waits for its passes: the rest of its prompt is dropped after the pass
+    that holds it, n_past (the engine's) counts what went in, and going on from there ends where
+    one uninterrupted eval ends."""
+    be = _backend(2, prefill_chunk=64)
+    a, _ = be.sequences()
+    lib = fake_seqs[-1]
+    sched = be._shared.passes
+    assert sched.n_batch == 64
+    submit = sched.submit
+    interrupted = threading.Event()
+
+    def second_chunk_waits(h, buf, n):
+        # the second pass is running when its caller gives up: it goes in, nothing after it
+        if len(lib.prefills) == 1:
+            assert interrupted.wait(30)
+        return SeqFakeLib.oj_prefill(lib, h, buf, n)
+    lib.oj_prefill = second_chunk_waits
+
+    class InterruptedWait(threading.Event):
+        work = None
+
+        def wait(self, timeout=None):
+            while self.work.done < 64:          # one pass in
+                time.sleep(0.001)
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    def interrupted_submit(*args, **kw):
+        work = submit(*args, **kw)
+        ev = InterruptedWait()
+        ev.work = work
+        work.event = ev
+        return work
+
+    sched.submit = interrupted_submit
+    prompt = list(range(300))
+    with pytest.raises(KeyboardInterrupt):
+        a.eval(prompt)
+    sched.submit = submit
+    assert a.n_past == 128 and lib.history(0) == prompt[:128] and [n for _, n in lib.prefills] == [64, 64]
+    got = a.eval(prompt[a.n_past:])
+    a.reset()
+    assert a.n_past == 0 and np.array_equal(got, a.eval(prompt))
+
+
+def test_checkpoint_slots_of_different_views_never_collide(fake_seqs):
+    be = _backend(3, n_checkpoints=2)
+    lib = fake_seqs[-1]
+    assert lib.created[-1]["n_checkpoints"] == 6
+    views = be.sequences()
+    for turn in range(3):                       # three checkpoints each: the ring of two reused
+        for k, v in enumerate(views):
+            v.eval_argmax([100 * k + 10 * turn + i for i in range(4)])
+            v.save_checkpoint()
+    for s, slot in lib.slot_saves:
+        assert 2 * s <= slot < 2 * s + 2, (s, slot)
+    for k, v in enumerate(views):
+        assert v.restore_checkpoint(8) == 8                     # its own second checkpoint
+        assert lib.history(v.seq) == [100 * k + i for i in range(4)] + [100 * k + 10 + i for i in range(4)]
+    assert views[1].restore_checkpoint(3) == 0 and views[1].n_past == 0      # none that early: reset
+    assert views[2].n_past == 8 and views[0].n_past == 8
+
+
+def test_too_many_checkpoint_slots_or_sequences_are_refused_with_their_names(fake_seqs):
+    with pytest.raises(ValueError, match=r"n_checkpoints 24 per sequence x n_seq 4 is 96 .* at most 64"):
+        _backend(4, n_checkpoints=24)
+    for bad in (0, 9, True, 2.0):
+        with pytest.raises(ValueError, match="n_seq"):
+            _backend(bad)
+    assert fake_seqs == []                     # refused before the library is touched
+
+
+def test_a_multi_sequence_backend_does_not_speculate_and_says_why(fake_seqs, caplog):
+    caplog.set_level(logging.INFO, logger="openjet_plugin")
+    be = _backend(2, draft_depth=4)
+    assert not be.supports_speculative and be.draft_depth == 0
+    assert all(not v.supports_speculative for v in be.sequences())
+    assert any("does not speculate" in r.getMessage() and "draft_depth 4 becomes 0" in r.getMessage()
+               for r in caplog.records)
+    one = _backend(1, draft_depth=4)
+    assert one.supports_speculative and one.draft_depth == 4 and one.sequences() == [one]
+
+
+def test_closing_fails_waiting_work_and_frees_the_engine(fake_seqs):
+    be = _backend(2)
+    a, b = be.sequences()
+    greedy(a, [1, 2, 3], 4)
+    b.close()                                   # a view's close leaves the engine to its owner
+    assert greedy(b, [4, 5], 2)
+    be.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.eval_argmax([1])
+    with pytest.raises(NativeEngineError, match="closed"):
+        b.n_past
+
+
+# --- the engine: n_slots on the native backend ----------------------------------------------------------
+
+def _load(n_slots, **kw):
+    return openjet_plugin.load(DEFAULT_GGUF, backend="native", n_ctx=kw.pop("n_ctx", 512), n_slots=n_slots, **kw)
+
+
+TEXTS = ["def fibonacci(n):", "The quick brown fox", "import os\nimport sys\n\nclass Config:", "for i in range(10):",
+         "x"]
+
+
+def _stream(eng, prompt, n=24, **kw):
+    return [t for c in eng.generate(prompt, max_tokens=n, temperature=0, stream=True, **kw) for t in c.tokens]
+
+
+def test_concurrent_requests_on_four_native_slots_equal_each_alone(fake_seqs):
+    with _load(1, draft_depth=0) as one:
+        alone = {p: one.generate(p, max_tokens=24, temperature=0).tokens for p in TEXTS[:4]}
+        sampled = one.generate(TEXTS[4], max_tokens=24, temperature=0.8, seed=5).tokens
+    with _load(4) as eng:
+        lib = fake_seqs[-1]
+        assert eng.n_slots == 4 and eng.backend_name == "native" and eng._speculator is None
+        assert not eng.supports_speculative and lib.created[-1]["n_seq"] == 4
+        got = run_threads([lambda p=p: _stream(eng, p) for p in TEXTS[:4]])
+        assert got == [alone[p] for p in TEXTS[:4]]
+        assert eng._backend.pass_counts["max_sequences_in_a_pass"] >= 3
+        assert sum(len(s) > 1 for s in lib.eval_seqs_calls) >= 10
+        # a sampled request (the logits path) beside greedy ones
+        more = run_threads([lambda: eng.generate(TEXTS[4], max_tokens=24, temperature=0.8, seed=5).tokens,
+                            lambda: _stream(eng, TEXTS[0]), lambda: _stream(eng, TEXTS[1])])
+        assert more == [sampled, alone[TEXTS[0]], alone[TEXTS[1]]]
+        assert lib.overlaps == []
+        for s in eng._slots:                    # every slot's tokens are exactly its sequence's
+            assert lib.history(s.backend.seq) == s.tokens
+
+
+def test_a_bad_request_among_native_slots_fails_alone(fake_seqs):
+    with _load(1, draft_depth=0) as one:
+        alone = {p: one.generate(p, max_tokens=24, temperature=0).tokens for p in TEXTS[:2]}
+    with _load(4, n_ctx=256) as eng:
+        too_long = [100 + i % 500 for i in range(eng.n_ctx + 1)]
+
+        def overflow():
+            time.sleep(0.01)
+            return eng.generate(too_long, max_tokens=4, temperature=0)
+
+        def refused():
+            time.sleep(0.01)
+            return eng.generate([5, 6, 7, REFUSED], max_tokens=4, temperature=0)
+
+        got = run_threads([lambda: _stream(eng, TEXTS[0]), overflow, refused, lambda: _stream(eng, TEXTS[1])])
+        assert isinstance(got[1], ContextOverflowError)
+        assert isinstance(got[2], NativeEngineError) and "refused" in str(got[2])
+        assert got[0] == alone[TEXTS[0]] and got[3] == alone[TEXTS[1]]
+        assert all(s.owner is None for s in eng._slots)
+        # the slots that failed were emptied, and serve again
+        assert run_threads([lambda: _stream(eng, TEXTS[1]), lambda: _stream(eng, TEXTS[0])]) == \
+            [alone[TEXTS[1]], alone[TEXTS[0]]]
+
+
+def test_a_stream_closed_midway_frees_its_native_slot(fake_seqs):
+    with _load(1, draft_depth=0) as one:
+        alone = {p: one.generate(p, max_tokens=24, temperature=0).tokens for p in TEXTS[:3]}
+    with _load(2) as eng:
+        started = threading.Event()
+
+        def abandoned():
+            stream = eng.generate(TEXTS[0], max_tokens=200, temperature=0, stream=True)
+            got = next(stream).tokens
+            started.set()
+            time.sleep(0.02)
+            stream.close()
+            return got
+
+        def steady():
+            started.wait(30)
+            return _stream(eng, TEXTS[1])
+
+        first, other = run_threads([abandoned, steady])
+        assert other == alone[TEXTS[1]] and first == alone[TEXTS[0]][:len(first)]
+        assert all(s.owner is None for s in eng._slots)
+        # the abandoned conversation goes on from its slot's checkpoint, as on one slot
+        again = eng.generate(TEXTS[0], max_tokens=24, temperature=0)
+        assert again.tokens == alone[TEXTS[0]] and again.stats.cached_prompt_tokens > 0
+        assert _stream(eng, TEXTS[2]) == alone[TEXTS[2]]
+
+
+def test_load_n_slots_on_native(fake_seqs, caplog):
+    from openjet_plugin.backends.llama_cpp import DEFAULT_SERVE_SEQUENCES
+
+    with _load(None) as eng:
+        assert eng.n_slots == DEFAULT_SERVE_SEQUENCES and eng._backend.n_seq == DEFAULT_SERVE_SEQUENCES
+    with pytest.raises(BackendUnavailableError, match="1..8 sequences"):
+        _load(9)
+    caplog.set_level(logging.INFO, logger="openjet_plugin")
+    with openjet_plugin.load(DEFAULT_GGUF, backend="auto", n_ctx=64, n_slots=9, n_threads=1) as eng:
+        assert eng.backend_name == "llama.cpp" and eng.n_slots == 9
+        assert "1..8 sequences" in eng.backend_reason
+    assert not any("becomes 1" in r.getMessage() for r in caplog.records)
+
+
+def test_a_one_slot_native_engine_is_unchanged(monkeypatch):
+    """FakeLib has neither oj_seq_select nor oj_eval_seqs: a one-sequence backend never calls
+    them, gives the engine n_seq 1 and N_CHECKPOINTS slots, and speculates as before."""
+    libs = install_fake(monkeypatch, FakeLib)
+    monkeypatch.setattr(native, "native_status", lambda mf, n_ctx, **kw: (True, f"fake, {kw}"))
+    with openjet_plugin.load(DEFAULT_GGUF, backend="native", n_ctx=256) as spec, \
+            openjet_plugin.load(DEFAULT_GGUF, backend="native", n_ctx=256, draft_depth=0) as plain:
+        assert spec.n_slots == 1 and spec._speculator is not None and plain._speculator is None
+        assert spec.backend_reason == "fake, {}"          # no n_seq asked of the status check
+        for p in TEXTS:
+            assert spec.generate(p, max_tokens=20, temperature=0).tokens == \
+                plain.generate(p, max_tokens=20, temperature=0).tokens
+        assert spec.last_stats.drafts_accepted > 0
+        assert spec._backend._shared.passes is None and spec._backend.pass_counts == {}
+    assert len(libs) == 2 and all(lib.created[-1]["n_checkpoints"] == native.N_CHECKPOINTS for lib in libs)
+
+
+# --- memory: the plan of N slots before loading ---------------------------------------------------------
+
+def test_estimate_scales_with_sequences_as_the_engine_allocates():
+    from types import SimpleNamespace
+
+    from openjet_plugin.config import PRESETS
+
+    c = PRESETS["q27b"]
+    mf = SimpleNamespace(config=c, tensors={})
+    one = native.estimate_device_bytes(mf, 8192)
+    assert native.estimate_device_bytes(mf, 8192, n_seq=1) == one
+    window = (native.MAX_POSITIONS + 1) * c.n_embd * 4
+    for n in (2, 4, 8):
+        est = native.estimate_device_bytes(mf, 8192, n_seq=n)
+        for k in ("kv_cache", "recurrent_state", "checkpoints"):
+            assert est[k] == n * one[k], k
+        assert est["activations"] == one["activations"] + (n - 1) * window
+        assert est["weights"] == one["weights"] and est["prefill"] == one["prefill"]
+        assert est["total"] == sum(v for k, v in est.items() if k != "total")
+    # the 27B at 8K: a sequence is 0.5 GiB of KV cache (16 attention layers + MTP) and 150 MiB of state
+    assert one["kv_cache"] == native.kv_cache_bytes(c, 8192) == 17 * 2 * 1024 * 8192 * 2
+    with pytest.raises(ValueError, match="n_seq"):
+        native.estimate_device_bytes(mf, 8192, n_seq=9)
+
+
+def test_info_and_doctor_plan_slots_times_context_on_native():
+    from openjet_plugin.cli import serving_memory
+    from openjet_plugin.model_file import open_model
+
+    with open_model(DEFAULT_GGUF) as mf:
+        for slots in (1, 4, 8):
+            plan = serving_memory(mf, "native", 2048, slots)
+            est = native.estimate_device_bytes(mf, 2048, n_seq=slots)
+            assert plan.slots == slots and plan.total == est["total"]
+            assert plan.per_slot == {k: est[k] // slots for k in ("kv_cache", "recurrent_state", "checkpoints")}
+            rows = dict(plan.rows())
+            assert rows["serving"].startswith(f"{slots} slot{'s' if slots > 1 else ''} x 2048 context on native")
+            assert "becomes 1" not in rows["serving"]
+        default = serving_memory(mf, "native", 2048)
+        assert default.slots == 4
+        with pytest.raises(ValueError, match="at most 8"):
+            serving_memory(mf, "native", 2048, 9)
+
+
+def test_native_status_counts_every_sequence(fake_seqs, monkeypatch):
+    from openjet_plugin.model_file import open_model
+
+    with open_model(DEFAULT_GGUF) as mf:
+        ok, why = native.native_status(mf, 2048, n_seq=9)
+        assert not ok and "1..8 sequences" in why
+        need = {n: native.estimate_device_bytes(mf, 2048, n_seq=n)["total"] + native._MEMORY_MARGIN for n in (1, 4)}
+        free = (need[1] + need[4]) // 2               # room for one sequence, not for four
+
+        def device_info(self, device, major, minor, f, total, name, capacity):
+            major[0], minor[0] = 9, 0
+            f[0] = total[0] = free
+            return 0
+        monkeypatch.setattr(SeqFakeLib, "oj_device_info", device_info)
+        assert native.native_status(mf, 2048)[0]
+        ok, why = native.native_status(mf, 2048, n_seq=4)
+        assert not ok and "x 4 sequences" in why
+
+
+def test_sequence_limits_match_the_header():
+    from openjet_plugin import _native
+
+    ffi = _native.make_ffi()
+    lib = ffi.dlopen(None)
+    assert lib.OJ_MAX_SEQUENCES == native.MAX_SEQUENCES and lib.OJ_ABI_VERSION >= 9
+    assert "n_seq" in dict(ffi.typeof("oj_model_desc").fields)
