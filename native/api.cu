@@ -180,6 +180,21 @@ int32_t oj_eval_seqs(oj_engine *engine, const int32_t *seqs, const int32_t *toke
     return guarded(engine, [&] { oj::engine_eval_seqs(engine->e, seqs, tokens, n_seqs); });
 }
 
+int32_t oj_seq_state_size(oj_engine *engine, uint64_t *out) {
+    if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
+    return guarded(engine, [&] { *out = oj::engine_seq_state_size(engine->e); });
+}
+
+int32_t oj_seq_state_save(oj_engine *engine, void *out, uint64_t size) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_seq_state_save(engine->e, out, size); });
+}
+
+int32_t oj_seq_state_load(oj_engine *engine, const void *data, uint64_t size) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    return guarded(engine, [&] { oj::engine_seq_state_load(engine->e, data, size); });
+}
+
 int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] { oj::engine_eval(engine->e, tokens, n_tokens); });

@@ -932,6 +932,155 @@ int engine_checkpoint_restore(Engine &e, int slot) {
     return e.n_past;
 }
 
+namespace {
+
+// oj_seq_state_save's layout: this header, then every DeltaNet layer's conv then ssm state (fp32),
+// h of n_past - 1 (fp32), then per attention layer in order and the MTP block last: K then V rows
+// [0, rows) of each KV head, the quant / value plane then (q8_0) the scale plane.
+struct SeqStateHeader {
+    uint32_t magic;           // SEQ_STATE_MAGIC
+    uint32_t version;         // SEQ_STATE_VERSION
+    uint64_t fingerprint;     // model_fingerprint of the engine that saved it
+    int32_t n_past;
+    int32_t mtp_rows;         // MTP block rows copied: min(mtp_n_past, n_past)
+};
+constexpr uint32_t SEQ_STATE_MAGIC = 0x4f4a5351;   // "QSJO"
+constexpr uint32_t SEQ_STATE_VERSION = 1;
+
+// FNV-1a over the hyperparameters and the KV type: what the copy's layout and meaning depend on
+// (n_ctx does not: a copy of n_past positions loads into any context that holds them).
+uint64_t model_fingerprint(const Engine &e) {
+    uint64_t h = 1469598103934665603ull;
+    auto mix = [&h](const void *p, size_t n) {
+        const uint8_t *b = static_cast<const uint8_t *>(p);
+        for (size_t i = 0; i < n; ++i) h = (h ^ b[i]) * 1099511628211ull;
+    };
+    const oj_hparams &hp = e.dims.hp;
+    const int32_t ints[] = {hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_ff, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_rot,
+                            hp.ssm_conv_kernel, hp.ssm_d_state, hp.ssm_n_group, hp.ssm_dt_rank, hp.full_attention_interval,
+                            hp.n_layer_nextn, e.kv_type, e.has_mtp ? 1 : 0};
+    mix(ints, sizeof(ints));
+    mix(hp.rope_sections, sizeof(hp.rope_sections));
+    mix(&hp.rope_freq_base, sizeof(hp.rope_freq_base));
+    mix(&hp.rms_eps, sizeof(hp.rms_eps));
+    return h;
+}
+
+// One position's bytes of one plane set (K or V) of an attention layer: the values (fp16) or the
+// quants then the scales (q8_0), over every KV head.
+size_t kv_position_bytes(const Engine &e) {
+    const size_t values = (size_t)e.dims.kv_dim();
+    return e.kv_type == OJ_KV_F16 ? values * 2 : values + values / QK8_0 * sizeof(__half);
+}
+
+uint64_t seq_state_bytes(const Engine &e, int n_past, int mtp_rows) {
+    const ModelDims &d = e.dims;
+    uint64_t n = sizeof(SeqStateHeader) + (uint64_t)d.hp.n_embd * 4;
+    int attention = 0;
+    for (const Layer &L : e.layers) {
+        if (L.recurrent) n += (uint64_t)recurrent_floats(d) * 4;
+        else ++attention;
+    }
+    n += (uint64_t)attention * 2 * n_past * kv_position_bytes(e);
+    if (e.has_mtp) n += (uint64_t)2 * mtp_rows * kv_position_bytes(e);
+    return n;
+}
+
+// K and V rows [0, rows) of layer L (the selected sequence's planes) to or from host memory at *p,
+// which advances past them.
+void copy_kv_rows(Engine &e, Layer &L, int rows, uint8_t *&p, bool save) {
+    if (rows == 0) return;
+    const ModelDims &d = e.dims;
+    const int Hkv = d.hp.n_head_kv, D = d.hp.head_dim;
+    const size_t elem = e.kv_type == OJ_KV_F16 ? 2 : 1;
+    auto plane = [&](void *dev, size_t row_bytes) {   // [Hkv][n_ctx][row_bytes] on the device
+        const size_t width = (size_t)rows * row_bytes, pitch = (size_t)e.n_ctx * row_bytes;
+        check_cuda(save ? cudaMemcpy2DAsync(p, width, dev, pitch, width, Hkv, cudaMemcpyDeviceToHost, e.stream)
+                        : cudaMemcpy2DAsync(dev, pitch, p, width, width, Hkv, cudaMemcpyHostToDevice, e.stream),
+                   "sequence state KV");
+        p += width * Hkv;
+    };
+    plane(L.k_cache, D * elem);
+    if (e.kv_type == OJ_KV_Q8_0) plane(L.k_scale, D / QK8_0 * sizeof(__half));
+    plane(L.v_cache, D * elem);
+    if (e.kv_type == OJ_KV_Q8_0) plane(L.v_scale, D / QK8_0 * sizeof(__half));
+}
+
+// The recurrent state, h of n_past - 1 (hidden-window row `hidden_row`) and the KV rows of every
+// layer to or from host memory after the header.
+void copy_seq_state(Engine &e, uint8_t *p, int n_past, int mtp_rows, int hidden_row, bool save) {
+    const ModelDims &d = e.dims;
+    const size_t conv = (size_t)d.ssm_conv_dim() * (d.hp.ssm_conv_kernel - 1) * 4;
+    const size_t ssm = (size_t)d.hp.ssm_dt_rank * d.hp.ssm_d_state * d.hp.ssm_d_state * 4;
+    const cudaMemcpyKind kind = save ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+    for (Layer &L : e.layers) {
+        if (!L.recurrent) continue;
+        check_cuda(save ? cudaMemcpyAsync(p, L.conv_state, conv, kind, e.stream) : cudaMemcpyAsync(L.conv_state, p, conv, kind, e.stream),
+                   "sequence state");
+        p += conv;
+        check_cuda(save ? cudaMemcpyAsync(p, L.ssm_state, ssm, kind, e.stream) : cudaMemcpyAsync(L.ssm_state, p, ssm, kind, e.stream),
+                   "sequence state");
+        p += ssm;
+    }
+    const size_t E = (size_t)d.hp.n_embd * 4;
+    float *row = e.s.hidden + (size_t)hidden_row * d.hp.n_embd;
+    check_cuda(save ? cudaMemcpyAsync(p, row, E, kind, e.stream) : cudaMemcpyAsync(row, p, E, kind, e.stream), "sequence state");
+    p += E;
+    for (Layer &L : e.layers)
+        if (!L.recurrent) copy_kv_rows(e, L, n_past, p, save);
+    if (e.has_mtp) copy_kv_rows(e, e.mtp.block, mtp_rows, p, save);
+}
+
+}  // namespace
+
+uint64_t engine_seq_state_size(const Engine &e) {
+    return seq_state_bytes(e, e.n_past, std::min(e.mtp_n_past, e.n_past));
+}
+
+void engine_seq_state_save(Engine &e, void *out, uint64_t size) {
+    if (!out) fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_save: out is NULL");
+    const uint64_t need = engine_seq_state_size(e);
+    if (size < need)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_save: out holds " + std::to_string(size) + " bytes, the state of sequence " +
+                                          std::to_string(e.cur_seq) + " needs " + std::to_string(need) + " (oj_seq_state_size)");
+    e.uncommitted = 0;
+    engine_flush(e);
+    SeqStateHeader h{SEQ_STATE_MAGIC, SEQ_STATE_VERSION, model_fingerprint(e), e.n_past, std::min(e.mtp_n_past, e.n_past)};
+    std::memcpy(out, &h, sizeof(h));
+    copy_seq_state(e, static_cast<uint8_t *>(out) + sizeof(h), h.n_past, h.mtp_rows, e.prev_row, true);
+    finish(e, "oj_seq_state_save");
+}
+
+void engine_seq_state_load(Engine &e, const void *data, uint64_t size) {
+    if (!data) fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: data is NULL");
+    SeqStateHeader h{};
+    if (size < sizeof(h)) fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: " + std::to_string(size) + " bytes is no sequence state");
+    std::memcpy(&h, data, sizeof(h));
+    if (h.magic != SEQ_STATE_MAGIC || h.version != SEQ_STATE_VERSION)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: not a sequence state of this engine's format (magic / version)");
+    if (h.fingerprint != model_fingerprint(e))
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: the state was saved by an engine of another model or KV type");
+    if (h.n_past < 0 || h.n_past > e.n_ctx || h.mtp_rows < 0 || h.mtp_rows > h.n_past)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: the state holds " + std::to_string(h.n_past) + " positions (" +
+                                          std::to_string(h.mtp_rows) + " MTP rows); this engine's n_ctx is " + std::to_string(e.n_ctx));
+    const uint64_t need = seq_state_bytes(e, h.n_past, h.mtp_rows);
+    if (size != need)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: " + std::to_string(size) + " bytes, but a state of " + std::to_string(h.n_past) +
+                                          " positions is " + std::to_string(need));
+    uint8_t *p = const_cast<uint8_t *>(static_cast<const uint8_t *>(data)) + sizeof(h);   // read only (save = false)
+    copy_seq_state(e, p, h.n_past, h.mtp_rows, 0, false);
+    finish(e, "oj_seq_state_load");
+    e.n_past = h.n_past;
+    e.replay_n = 0;
+    e.uncommitted = 0;
+    e.tree = 0;
+    e.prev_row = 0;            // the loaded hidden is row 0: the position before the next batch
+    e.last_start = e.n_past;   // only h_{n_past-1} (row 0) is in the window now
+    e.last_n = 0;
+    e.mtp_n_past = h.mtp_rows;
+    e.last_mtp_n = 0;
+}
+
 void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {
     if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block: there is no draft head to restrict");
     const int V = e.dims.hp.n_vocab;

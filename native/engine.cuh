@@ -263,6 +263,10 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
 // oj_seq_select / oj_eval_seqs (openjet.h).
 void engine_seq_select(Engine &e, int seq);
 void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int n);
+// oj_seq_state_size / save / load (openjet.h): the selected sequence's whole state to and from host memory.
+uint64_t engine_seq_state_size(const Engine &e);
+void engine_seq_state_save(Engine &e, void *out, uint64_t size);
+void engine_seq_state_load(Engine &e, const void *data, uint64_t size);
 void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);

@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 9, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
+enum { OJ_ABI_VERSION = 10, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -253,6 +253,21 @@ int32_t oj_seq_selected(const oj_engine *engine, int32_t *out);
    selected sequence does not change. Checked before anything runs: ids in range and distinct,
    every sequence with room for one more position (else OJ_ERR_CONTEXT_FULL naming it). */
 int32_t oj_eval_seqs(oj_engine *engine, const int32_t *seqs, const int32_t *tokens, int32_t n_seqs);
+
+/* A copy of the selected sequence's whole state at its n_past, loadable into any sequence of an
+   engine of the same model and KV type (the prefix cache: a system prompt or agent scaffold
+   evaluated once, reused by later conversations): every DeltaNet layer's conv and ssm state, the
+   hidden of position n_past - 1, the K/V rows [0, n_past) of every attention layer and the MTP
+   block's rows [0, min(oj_mtp_n_past, n_past)). oj_seq_state_size: the bytes of that copy now.
+   oj_seq_state_save writes it to host memory `out` (size bytes at least), after putting accepted
+   positions into the state (a pending verify counts as oj_commit(0)). oj_seq_state_load replaces
+   the selected sequence's state by a copy (its n_past and MTP rows become the copy's; a pending
+   verify is dropped; the hidden window then holds only h of n_past - 1, as after a checkpoint
+   restore). A buffer of another model or KV type, a size that is not the copy's, or more positions
+   than n_ctx is refused by name, the sequence as it was. */
+int32_t oj_seq_state_size(oj_engine *engine, uint64_t *out);
+int32_t oj_seq_state_save(oj_engine *engine, void *out, uint64_t size);
+int32_t oj_seq_state_load(oj_engine *engine, const void *data, uint64_t size);
 
 /* Results of the last oj_eval: argmax per position, one position's logits or final hidden
    state (after output_norm). */

@@ -930,7 +930,7 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     prefix_cache_bytes: host memory for copies of the state after recurring prompt prefixes, so a
     request in any slot reuses a system prompt another request evaluated (see Engine;
     prefix_cache.py); least recently used copies go first. None: DEFAULT_PREFIX_CACHE_BYTES (2 GiB)
-    with several slots, 0 with one; 0: no prefix cache. The llama.cpp backend only, for now.
+    with several slots, 0 with one; 0: no prefix cache.
     """
     from .backends.select import create_backend
     from .defaults import default_model_path

@@ -129,7 +129,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                    help="host memory for each engine's prefix cache: copies of the state after prompt "
                    "prefixes that recur across conversations (system prompts, agent scaffolds); 0 turns it "
-                   "off (default: 2048 with several slots, none with one; llama.cpp only for now)")
+                   "off (default: 2048 with several slots, none with one)")
     p.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a busy engine; more get 503 with Retry-After (default 16)")
     p.add_argument("--admin", action="store_true", help="open LiteLLM's admin routes (UI, key management, "

@@ -11,7 +11,9 @@ models (test_native_gpu.model_path), fresh random histories, host buffers NaN be
     other sequences between them and each sequence at its own depth;
 (b) bad requests (a sequence twice, one out of range, a full context, NULL) fail by name before
     anything runs, every sequence as it was;
-(c) kv_cache and recurrent_state of the memory report grow n_seq times.
+(c) kv_cache and recurrent_state of the memory report grow n_seq times;
+(d) a copy of a sequence's state (oj_seq_state_save) loaded into another sequence or another engine
+    of the same model continues bit for bit as the original; bad copies are refused by name.
 
 Run on the device: python -m pytest -q -m gpu tests/test_native_seqs_gpu.py
 """
@@ -30,7 +32,7 @@ from test_native_gpu import native_at_least, report  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SEQS_ABI = 9
+SEQS_ABI = 10   # oj_eval_seqs came at 9, oj_seq_state_* at 10
 PASSES = 24
 
 
@@ -114,6 +116,12 @@ class Raw:
         for il in c.attention_layers():
             for which, name in ((0, "k"), (1, "v")):
                 out[f"blk.{il}.{name}"] = self._floats(lib.oj_read_kv, (n, c.n_head_kv, c.head_dim), il, which, 0, n)
+        m = self.ffi.new("int32_t *")
+        self.ok(lib.oj_mtp_n_past(self.h, m), "mtp n_past")
+        if c.mtp_layer is not None and m[0] > 0:
+            for which, name in ((0, "k"), (1, "v")):
+                out[f"mtp.{name}"] = self._floats(lib.oj_read_kv, (int(m[0]), c.n_head_kv, c.head_dim), c.mtp_layer,
+                                                  which, 0, int(m[0]))
         return out
 
 
@@ -269,5 +277,76 @@ def test_memory_grows_with_sequences(native, workdir):
                 "recurrent_1": m1["recurrent_state"], "recurrent_4": m4["recurrent_state"]})
     finally:
         for b, m in ((one, mf1), (four, mf4)):
+            b.close()
+            m.close()
+
+
+@pytest.mark.parametrize("name,kv_type", [("tiny-Q4_K_M", "f16"), ("w256-Q4_K_M", "q8_0")])
+def test_a_sequence_state_copy_continues_bit_for_bit_in_any_sequence(native, workdir, name, kv_type):
+    """(d) oj_seq_state_save at p (with a replay pending and a verify uncommitted), loaded into
+    another sequence of the engine and into another engine of the same model: the state and every
+    later result equal the original sequence's, bit for bit; bad copies are refused by name."""
+    path = ts._model(name, workdir)
+    rng = np.random.default_rng()
+    mf, be = _backend(path, 3, 256, kv_type)
+    omf, other = _backend(path, 1, 256, kv_type)
+    xmf, wrong_kv = _backend(path, 1, 256, "q8_0" if kv_type == "f16" else "f16")
+    try:
+        r, o, w = Raw(be), Raw(other), Raw(wrong_kv)
+        V = be.n_vocab
+        r.select(0)
+        first = rng.integers(0, V, 8).tolist()
+        r.eval(first)
+        if be.has_mtp:   # MTP rows of positions 0..7 from the main hiddens: the copy carries them
+            r.ok(r.lib.oj_mtp_eval(r.h, r.ffi.new("int32_t[]", first), 8, 0, 0, r.ffi.NULL), "mtp rows")
+        for _ in range(4):
+            r.eval(rng.integers(0, V, 8).tolist())
+        r.verify_commit(rng.integers(0, V, 5).tolist(), 3)   # accepted positions waiting for their replay
+        buf = r.ffi.new("int32_t[]", rng.integers(0, V, 4).tolist())
+        r.ok(r.lib.oj_verify(r.h, buf, 4), "a verify left uncommitted")
+        size = r.ffi.new("uint64_t *")
+        r.ok(r.lib.oj_seq_state_size(r.h, size), "state size")
+        data = np.full(int(size[0]), 0xAB, dtype=np.uint8)
+        small = r.lib.oj_seq_state_save(r.h, r.ffi.from_buffer("char[]", data), data.size - 1)
+        assert small != 0 and "needs" in r.ffi.string(r.lib.oj_last_error(r.h)).decode()
+        r.ok(r.lib.oj_seq_state_save(r.h, r.ffi.from_buffer("char[]", data), data.size), "state save")
+        saved_n = r.n_past()
+        original = r.state()
+        r.select(2)
+        r.eval(rng.integers(0, V, 6).tolist())               # sequence 2 held something else
+        r.ok(r.lib.oj_seq_state_load(r.h, r.ffi.from_buffer("char[]", data), data.size), "state load")
+        o.ok(o.lib.oj_seq_state_load(o.h, o.ffi.from_buffer("char[]", data), data.size), "state load, another engine")
+        assert r.n_past() == o.n_past() == saved_n
+        bad = []
+        for who, raw in (("sequence 2", r), ("another engine", o)):
+            got = raw.state()
+            bad += [f"{who}: {k}" for k in original if not _same(got[k], original[k])]
+        # the three continue with the same tokens: the same results
+        for _ in range(6):
+            toks = rng.integers(0, V, int(rng.integers(1, 9))).tolist()
+            rows = []
+            for raw, seq in ((r, 0), (r, 2), (o, 0)):
+                raw.select(seq)
+                raw.eval(toks)
+                rows.append([raw.logits(i) for i in range(len(toks))])
+            bad += [f"continuation row {i}" for i in range(len(toks))
+                    if not (_same(rows[0][i], rows[1][i]) and _same(rows[0][i], rows[2][i]))]
+        # refused copies: another KV type, a truncated or damaged buffer; the sequence stays
+        w.eval([1, 2, 3])
+        for label, (raw, blob, n) in {"other kv type": (w, data, data.size), "truncated": (r, data, data.size - 8),
+                                      "damaged": (r, np.zeros_like(data), data.size)}.items():
+            raw.select(1 if raw is r else 0)
+            before = raw.n_past()
+            rc = raw.lib.oj_seq_state_load(raw.h, raw.ffi.from_buffer("char[]", blob), n)
+            msg = raw.ffi.string(raw.lib.oj_last_error(raw.h)).decode()
+            assert rc != 0 and "oj_seq_state_load" in msg, (label, msg)
+            assert raw.n_past() == before, label
+        assert not be.has_mtp or "mtp.k" in original
+        report({"test": "seq_state_copy", "model": name, "kv_type": kv_type, "bytes": int(size[0]),
+                "n_past": saved_n, "mtp_rows": int(original["mtp.k"].shape[0]) if "mtp.k" in original else 0,
+                "mismatches": len(bad)})
+        assert not bad, bad[:8]
+    finally:
+        for b, m in ((be, mf), (other, omf), (wrong_kv, xmf)):
             b.close()
             m.close()

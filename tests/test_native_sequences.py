@@ -181,6 +181,41 @@ class SeqFakeLib(FakeLib):
         self.slot_saves.append((self.selected, slot))
         return super().oj_checkpoint_save(h, slot)
 
+    # --- oj_seq_state_*: a copy of the selected sequence (its tokens, hashes and MTP rows up to
+    # n_past, as the engine copies the DeltaNet state, K/V and MTP rows), the buffer holding its id
+    def _state_bytes(self) -> int:
+        return 16 + 8 * len(self.hist)
+
+    def oj_seq_state_size(self, h, out):
+        out[0] = self._state_bytes()
+        return 0
+
+    def oj_seq_state_save(self, h, buf, size):
+        if size < self._state_bytes():
+            return self._fail(f"oj_seq_state_save: out holds {size} bytes, {self._state_bytes()} needed")
+        n = len(self.hist)
+        self.uncommitted, self.verify_toks = 0, []
+        copy = {"hist": list(self.hist), "hashes": list(self.hashes),
+                "mtp_rows": {p: r for p, r in self.mtp_rows.items() if p < n}, "mtp_n_past": min(self.mtp_n_past, n)}
+        self.copies = getattr(self, "copies", [])
+        self.copies.append(copy)
+        self.ffi.memmove(buf, len(self.copies).to_bytes(8, "little") + b"\0" * 8, 16)
+        self.state_saves = getattr(self, "state_saves", []) + [(self.selected, n)]
+        return 0
+
+    def oj_seq_state_load(self, h, buf, size):
+        ident = int.from_bytes(bytes(self.ffi.buffer(buf, 8)), "little")
+        copies = getattr(self, "copies", [])
+        if not 1 <= ident <= len(copies) or size != 16 + 8 * len(copies[ident - 1]["hist"]):
+            return self._fail("oj_seq_state_load: not a sequence state of this engine")
+        c = copies[ident - 1]
+        self.hist, self.hashes = list(c["hist"]), list(c["hashes"])
+        self.mtp_rows, self.mtp_n_past = dict(c["mtp_rows"]), c["mtp_n_past"]
+        self.uncommitted, self.verify_toks, self.prev_row, self.last_mtp_n = 0, [], 0, 0
+        self.last_start, self.win = len(self.hist), [self.hashes[-1]]
+        self.state_loads = getattr(self, "state_loads", []) + [(self.selected, len(self.hist))]
+        return 0
+
     def history(self, seq: int) -> list[int]:
         """Sequence seq's committed tokens."""
         return list(self.hist) if seq == self.selected else list(self.saved[seq]["hist"])
@@ -450,6 +485,53 @@ def test_concurrent_requests_on_four_native_slots_equal_each_alone(fake_seqs):
         assert lib.overlaps == []
         for s in eng._slots:                    # every slot's tokens are exactly its sequence's
             assert lib.history(s.backend.seq) == s.tokens
+
+
+def test_a_state_copied_into_another_sequence_continues_as_the_original(fake_seqs):
+    be = _backend(3)
+    try:
+        a, b, c = be.sequences()
+        prompt = [(17 * i + 5) % 400 + 3 for i in range(40)]
+        a.eval_argmax(prompt)
+        assert a.save_state(max_bytes=10) is None          # larger than allowed: no copy
+        state = a.save_state(max_bytes=1 << 20)
+        assert state is not None and state.n_past == 40 and state.nbytes == 16 + 8 * 40
+        c.eval_argmax([9, 9, 9])                          # c held something else before
+        assert b.load_state(state) and c.load_state(state)
+        assert b.n_past == c.n_past == 40 and b._checkpoints == [] == c._checkpoints
+        # all three continue from the same 40 tokens: the same greedy tokens
+        got = run_threads([lambda v=v: greedy(v, [11], 20) for v in (a, b, c)])
+        assert got[0] == got[1] == got[2]
+        lib = fake_seqs[-1]
+        assert [lib.history(q)[:40] for q in range(3)] == [prompt] * 3
+        with pytest.raises(ValueError, match="another backend"):
+            b.load_state(native.SequenceState(40, state.nbytes, state.data, object()))
+        bad = native.SequenceState(40, state.nbytes, np.zeros(state.nbytes, dtype=np.uint8), be._shared)
+        assert not c.load_state(bad) and c.n_past == 0    # refused: the sequence is empty, as the protocol says
+        assert be.save_state(1 << 20) is not None and b.sequences()[0] is be
+    finally:
+        be.close()
+
+
+def test_native_slots_reuse_a_prompt_prefix_another_slot_evaluated(fake_seqs):
+    with _load(1, draft_depth=0) as one:
+        # token prompts whose first turn (a system prompt of 60 tokens) ends in an end-of-turn
+        # token: the engine keeps a copy of the state there
+        end_of_turn = min(t for t in one.eog_tokens if t != REFUSED)
+        system = [(13 * i + 7) % 900 + 3 for i in range(60)] + [end_of_turn]
+        questions = [tuple(system + [(5 * i + k) % 700 + 3 for i in range(6 + k)]) for k in range(3)]
+        alone = {q: one.generate(list(q), max_tokens=16, temperature=0).tokens for q in questions}
+    with _load(3) as eng:
+        lib = fake_seqs[-1]
+        assert eng.prefix_cache_stats["budget_bytes"] > 0        # on by default with several slots
+        first = eng.generate(list(questions[0]), max_tokens=16, temperature=0)
+        assert first.tokens == alone[questions[0]]
+        # the others, at once, in other slots: each loads a copy another slot saved
+        got = run_threads([lambda q=q: eng.generate(list(q), max_tokens=16, temperature=0) for q in questions[1:]])
+        assert [r.tokens for r in got] == [alone[q] for q in questions[1:]]
+        assert all(r.stats.prefix_cache_tokens > 0 for r in got), [r.stats.prefix_cache_tokens for r in got]
+        assert eng.prefix_cache_stats["hits"] >= 2
+        assert getattr(lib, "state_loads", []) and lib.overlaps == []
 
 
 def test_a_bad_request_among_native_slots_fails_alone(fake_seqs):

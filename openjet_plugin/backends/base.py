@@ -67,9 +67,9 @@ class Backend(Protocol):
 #         # backend: n_past becomes state.n_past and the sequence's own checkpoints are dropped;
 #         # False if it failed (the sequence is then empty, n_past 0)
 # Neither may disturb another sequence: a multi-sequence backend does both between its passes.
-# The llama.cpp backend implements them (llama_cpp_sequences.py); the native backend would copy
-# its KV region [0, p) and DeltaNet / conv state the same way (its checkpoints restore a recurrent
-# state into any sequence, but not the KV rows: not yet).
+# The llama.cpp backend implements them (llama_cpp_sequences.py), the native one with
+# oj_seq_state_save / load (backends/native.py: its KV rows [0, p), DeltaNet / conv state, h of
+# p - 1 and MTP rows, in host memory).
 
 
 @dataclass(frozen=True, eq=False)

@@ -15,7 +15,9 @@ engine's, so a call and the reads of its results must not interleave with anothe
 views' evals go through `NativePasses` (passes.py's scheduler): the decode steps of a pass in one
 oj_eval_seqs (one read of the weights for up to 8 sequences), then each prompt chunk on its own
 sequence through the eval path below. With several sequences the backend does not speculate yet:
-a verify pass over several sequences' drafts does not exist in the engine.
+a verify pass over several sequences' drafts does not exist in the engine. `save_state` /
+`load_state` copy a sequence's whole state to host memory and into any sequence (oj_seq_state_save
+/ load), which is what the engine's prefix cache needs.
 
 Speculative decoding (issue 6): `verify` evaluates the current token and the drafts together and
 `commit` keeps the accepted prefix (the engine replays the accepted DeltaNet positions, see
@@ -54,6 +56,7 @@ from gguf import GGMLQuantizationType
 from .. import _native, gpus
 from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
 from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
+from .base import SequenceState
 from .passes import PassScheduler, Work
 
 log = logging.getLogger("openjet_plugin")
@@ -703,6 +706,54 @@ class NativeBackend:
         self._mtp_upto, self._uncaught, self._verify_tokens = min(self._mtp_upto, n), [], []
         self._cut_rows(n)                               # the engine cut the MTP cache to n
         return int(out[0])
+
+    # --- whole-state copies (backends/base.py's optional protocol: the engine's prefix cache) ----
+    def save_state(self, max_bytes: int) -> SequenceState | None:
+        """A copy of this sequence's state at n_past in host memory (oj_seq_state_save: the DeltaNet
+        state, h of n_past - 1, the K/V rows [0, n_past) and the MTP rows), loadable into any
+        sequence of this engine; None when n_past is 0, when it would take more than max_bytes, or
+        when a speculating backend's MTP rows do not reach n_past (a copy without them would draft
+        from a cache with a gap)."""
+        with self._shared.lock:
+            self._flush_mtp()                   # rows still owed, while their hiddens are in the window
+            n = self.n_past
+            if n == 0:
+                return None
+            ffi, lib = self._nl.ffi, self._nl.lib
+            size = ffi.new("uint64_t *")
+            self._check(lib.oj_seq_state_size(self._handle(), size), "sequence state size")
+            if int(size[0]) > max_bytes:
+                return None
+            if self.supports_speculative and self._mtp_n_past() < n:
+                return None
+            data = np.empty(int(size[0]), dtype=np.uint8)
+            self._check(lib.oj_seq_state_save(self._handle(), ffi.from_buffer("char[]", data, require_writable=True),
+                                              data.size), "sequence state save")
+            return SequenceState(n, int(data.size), data, self._shared)
+
+    def load_state(self, state: SequenceState) -> bool:
+        """Replace this sequence's state by `state` (saved by any sequence of this engine). False,
+        with the sequence empty, if the engine refused it."""
+        if state.origin is not self._shared:
+            raise ValueError("load_state: the state was saved by another backend")
+        if state.n_past > self.n_ctx:
+            raise ContextOverflowError(state.n_past, self.n_ctx)
+        if self._shared.passes is not None:
+            self._shared.passes.cancel(self.seq)        # no pass touches the sequence after this
+        with self._shared.lock:
+            ffi, lib = self._nl.ffi, self._nl.lib
+            rc = lib.oj_seq_state_load(self._handle(), ffi.from_buffer("char[]", state.data), state.nbytes)
+            if rc != 0:
+                self._reset()
+                return False
+            # the sequence's own checkpoints and pending work were of the state it held before; the
+            # copy's MTP rows reach its n_past wherever the backend speculates (save_state's rule)
+            self._checkpoints = []
+            self._last_n = 0
+            self._verify_tokens, self._verify_parent = [], None
+            self._uncaught, self._token_row = [], None
+            self._mtp_upto = state.n_past
+            return True
 
     # --- speculative cycles (used by speculative_native.NativeSpeculator) ----------------------
     @_on_engine
