@@ -544,6 +544,7 @@ void engine_load(Engine &e, const oj_model_desc &desc) {
         e.cur_seq = i;
         bind_sequence(e, i);
         engine_reset(e);
+        e.seqs[i] = static_cast<const SeqState &>(e);
     }
 }
 
@@ -855,8 +856,13 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
         b.seq[t] = seqs[t];
         b.pos[t] = e.n_past;
     }
-    // the DeltaNet projections go to the last one's free ring slot (nothing pending there now)
+    // the DeltaNet projections go to the last one's free ring slot (nothing pending there now);
+    // the pass is profiled as a verify's is (oj_profile)
+    const auto t0 = std::chrono::steady_clock::now();
+    e.prof.active = e.prof.on;
+    e.prof.used = 0;
     check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    stamp(e, PH_EMBED);
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
@@ -865,9 +871,19 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
         ffn(e, L, n);
     }
     float *h = s.h_in;   // the pass's hidden rows (the MTP block's input buffer, free here)
+    stamp(e, PH_NORM);
     rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
-    matvec(e.output.present() ? e.output : e.tok_embd, h, s.logits, n, false, e.stream);
+    const Matrix &head = e.output.present() ? e.output : e.tok_embd;
+    stamp(e, PH_HEAD, weight_bytes(head));
+    matvec(head, h, s.logits, n, false, e.stream);
+    stamp(e, PH_ARGMAX);
     argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    stamp(e, -1);
+    e.prof.active = false;
+    if (e.prof.host) {
+        e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        ++e.prof.host_passes;
+    }
     // each sequence's hidden window as after its own one-token oj_eval: row 0 = h of the position
     // before (zeros at position 0), row 1 = the new one's
     for (int t = 0; t < n; ++t) {
@@ -887,6 +903,7 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
         remember_parents(e, nullptr, 0);
     }
     finish(e, "oj_eval_seqs");
+    collect(e);
     e.result_rows = n;
     engine_seq_select(e, home);
 }
