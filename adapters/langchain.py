@@ -120,7 +120,7 @@ class _OpenJetParams(BaseModel):
     n_slots: int | None = 1
     """Conversations the engine holds at once: that many concurrent calls (threads, `abatch`)
     generate together, sharing the engine's passes. None: the backend's choice for a server (4;
-    the native engine holds at most 8, and speculates only with 1)."""
+    the native engine holds at most 8, and speculates for a request served alone)."""
 
     temperature: float = 0.8
     """Sampling temperature; 0 is greedy."""

@@ -12,8 +12,10 @@ prompt as well, one it would not cut first: `_slot_preference`) and waits, in ar
 while none is free. Concurrent requests run the same generation loop in their own threads; the backend gathers
 their evals into shared passes (backends/passes.py; llama.cpp: backends/llama_cpp_sequences.py, the
 native engine: up to 8 sequences, backends/native.py). With one slot (the default) requests run one
-at a time, as before. Speculative decoding runs on a one-slot engine only: a native engine of
-several sequences is built without it (its backend does not speculate).
+at a time, as before. Speculative decoding: on a one-slot engine every request speculates where
+the backend drafts; with several slots (native) only a request that starts while no other slot
+is serving one (one client alone keeps MTP speculation; there is no verify pass over several
+sequences' drafts): `_speculator_for`.
 
 Conversation reuse: a slot's `tokens` is always exactly the token list in its sequence's state. A
 new prompt is compared with it; the common prefix is kept and only the rest is evaluated. Going back
@@ -206,9 +208,12 @@ class Engine:
         self._streams: "weakref.WeakKeyDictionary[Iterator, int]" = weakref.WeakKeyDictionary()
         self._constraints = None                 # constraints.ConstraintCompiler, built at first use
         self._constraints_lock = threading.Lock()
-        self._speculator = self._make_speculator(backend)
-        if self._speculator is not None and len(self._slots) > 1:
-            raise ValueError("speculative decoding runs on a one-slot engine")
+        # a speculator per slot whose backend drafts; with several slots a request uses its slot's
+        # only when it is served alone (_speculator_for)
+        vocab = self._draft_vocab(backend)
+        self._speculators = {s.index: spec for s in self._slots
+                             if (spec := self._make_speculator(s.backend, vocab)) is not None}
+        self._speculator = self._speculators.get(0)     # the one slot's, on a one-slot engine
         _LIVE_ENGINES.add(self)
 
     def _make_prefix_cache(self, budget: int | None) -> PrefixCache | None:
@@ -236,18 +241,42 @@ class Engine:
         return self._prefix_cache.stats()
 
     @staticmethod
-    def _make_speculator(backend):
-        """MTP speculative decoding where the backend drafts (native with an MTP block and
-        draft_depth > 0); None otherwise."""
-        if not getattr(backend, "supports_speculative", False) or getattr(backend, "draft_depth", 0) < 1:
+    def _drafts(backend) -> bool:
+        """The backend drafts with an MTP head (native with an MTP block and draft_depth > 0)."""
+        return bool(getattr(backend, "supports_speculative", False)) and getattr(backend, "draft_depth", 0) >= 1
+
+    @classmethod
+    def _draft_vocab(cls, backend):
+        """The draft head's vocabulary where the backend drafts over a large one (None otherwise)."""
+        if not cls._drafts(backend):
             return None
         from .speculative import DEFAULT_DRAFT_VOCAB_SIZE, DraftVocab
+
+        if backend.n_vocab <= DEFAULT_DRAFT_VOCAB_SIZE:
+            return None
+        return DraftVocab.from_gguf(backend._model_file.path, n_vocab=backend.n_vocab)
+
+    @classmethod
+    def _make_speculator(cls, backend, vocab=None):
+        """MTP speculative decoding where the backend drafts; None otherwise."""
+        if not cls._drafts(backend):
+            return None
         from .speculative_native import NativeSpeculator
 
-        vocab = None
-        if backend.n_vocab > DEFAULT_DRAFT_VOCAB_SIZE:
-            vocab = DraftVocab.from_gguf(backend._model_file.path, n_vocab=backend.n_vocab)
         return NativeSpeculator(backend, backend.draft_depth, vocab)
+
+    def _speculator_for(self, slot: _Slot):
+        """The speculator of this request: its slot's on a one-slot engine; with several slots, its
+        slot's only when no other slot is serving a request and the slot's MTP cache follows its
+        sequence (one client alone keeps MTP speculation), else None: the request decodes in the
+        shared passes, and after its prefill its sequence's MTP cache stops following (`leave_mtp`:
+        a shared pass makes no MTP rows)."""
+        spec = self._speculators.get(slot.index)
+        if spec is None or len(self._slots) == 1:
+            return spec
+        with self._cv:
+            alone = all(s.owner is None for s in self._slots if s is not slot)
+        return spec if alone and slot.backend.supports_speculative else None
 
     # --- properties ---------------------------------------------------------------------------
     @property
@@ -260,7 +289,9 @@ class Engine:
 
     @property
     def supports_speculative(self) -> bool:
-        return bool(self._backend.supports_speculative)
+        """Requests can speculate: every greedy-able one on a one-slot engine, one served alone with
+        several slots."""
+        return bool(self._speculators)
 
     @property
     def n_slots(self) -> int:
@@ -558,6 +589,24 @@ class Engine:
         common = _common_prefix(slot.tokens, prompt)
         if common == len(prompt) == len(slot.tokens) and slot.logits is not None:
             return slot.logits, None, common, 0       # the same prompt again: nothing to evaluate
+        todo, common, from_cache = self._prefill_head(slot, prompt)
+        if want_logits:
+            logits = b.eval(todo)
+            slot.tokens += todo
+            slot.logits = logits
+            return logits, None, common, from_cache
+        top = b.eval_argmax(todo)
+        slot.tokens += todo
+        return None, top, common, from_cache
+
+    def _prefill_head(self, slot: _Slot, prompt: list[int]) -> tuple[list[int], int, int]:
+        """Bring the slot's state to the prompt but its last token (but its last tokens where the
+        backend keeps no checkpoints and there is no prefix cache): from the shared prefix, a
+        checkpoint or a prefix cache copy, keeping a copy at the end of the first turn and before
+        the last token. Returns (the prompt tokens still to evaluate, cached, of which loaded from
+        the prefix cache)."""
+        b = slot.backend
+        common = _common_prefix(slot.tokens, prompt)
         if common == len(prompt):
             common -= 1                                # at least one token must be evaluated for logits
         cache = self._prefix_cache
@@ -606,14 +655,7 @@ class Engine:
                 save()
             if cache is not None and slot.tokens not in cache:
                 self._keep_prefix(b, slot.tokens)
-        if want_logits:
-            logits = b.eval(todo)
-            slot.tokens += todo
-            slot.logits = logits
-            return logits, None, common, from_cache
-        top = b.eval_argmax(todo)
-        slot.tokens += todo
-        return None, top, common, from_cache
+        return todo, common, from_cache
 
     def _first_turn_end(self, prompt: list[int]) -> int:
         """Tokens up to and including the prompt's first end-of-turn token (<|im_end|> in
@@ -628,21 +670,16 @@ class Engine:
         if state is not None:
             cache.put(prefix, state)
 
-    def _prefill_before_last(self, slot: _Slot, prompt: list[int]) -> int:
+    def _prefill_before_last(self, slot: _Slot, prompt: list[int]) -> tuple[int, int]:
         """Speculative requests: bring the state to prompt[:-1] (the last prompt token enters the
-        first cycle, which emits the first tokens). Returns the cached prompt tokens."""
-        b = slot.backend
-        head = prompt[:-1]
-        common = _common_prefix(slot.tokens, head)
-        if common < b.n_past and not b.rollback(common):
-            common = b.restore_checkpoint(common)
-        slot.tokens = list(head[:common])
+        first cycle, which emits the first tokens), as _prefill does before its last token.
+        Returns (cached prompt tokens, of which loaded from the prefix cache)."""
+        todo, common, from_cache = self._prefill_head(slot, prompt)
+        if len(todo) > 1:
+            slot.backend.eval(todo[:-1])
+            slot.tokens += todo[:-1]
         slot.logits = None
-        if len(head) > common:
-            b.eval(head[common:])
-            slot.tokens = list(head)
-        b.save_checkpoint()
-        return common
+        return common, from_cache
 
     def _run(self, prompt: list[int], params: SamplingParams, grammar=None,
              n_top: int | None = None) -> Iterator[Chunk]:
@@ -675,20 +712,37 @@ class Engine:
         argmax_only = (params.greedy and not params.has_penalties and not params.logit_bias
                        and grammar is None and not want_rows)
 
-        spec = self._speculator
+        spec = self._speculator_for(slot)
         queue: list[int] = []       # tokens a speculative cycle emitted, still to hand out
         rows: list[np.ndarray] = []  # with logprobs: the target's logits row of each queued token
         t0 = time.perf_counter()
         if spec is not None:
-            cached = self._prefill_before_last(slot, prompt)
-            spec.begin(prompt)
-            rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
-            logits, top = None, prompt[-1]      # the last prompt token is the first cycle's current
+            cached, stats.prefix_cache_tokens = self._prefill_before_last(slot, prompt)
+            if b.supports_speculative:
+                spec.begin(prompt)
+                rng = np.random.default_rng(None if params.seed is None else params.seed + 1)
+                logits, top = None, prompt[-1]      # the last prompt token is the first cycle's current
+            else:
+                # the prefix cache's copy it loaded came from a sequence that decoded in shared
+                # passes (no MTP rows): this request decodes without drafts, from its last token
+                spec = None
+                b.leave_mtp()
+                last = prompt[-1:]
+                if argmax_only:
+                    logits, top = None, b.eval_argmax(last)
+                else:
+                    logits, top = b.eval(last), None
+                    slot.logits = logits
+                slot.tokens += last
         else:
             logits, top, cached, stats.prefix_cache_tokens = self._prefill(slot, prompt,
                                                                            want_logits=not argmax_only)
             if argmax_only and top is None:
                 top = int(np.argmax(logits))
+            if self._speculators and len(self._slots) > 1:
+                # its decode steps go into the shared passes, which make no MTP rows (a restore in
+                # the prefill may have brought the sequence back to where its rows reach)
+                b.leave_mtp()
         t1 = time.perf_counter()
         stats.cached_prompt_tokens = cached
         stats.prefill_seconds = t1 - t0
@@ -780,7 +834,12 @@ class Engine:
         the emitted tokens (the last is the next cycle's current token). grammar (the request's
         GrammarState) is left after the emitted tokens; rows, when given, gets the target's
         logits row of each emitted token."""
-        emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit, grammar=grammar, rows_out=rows)
+        if len(self._slots) > 1:     # the cycle reads its own verify's results: no pass in between
+            with slot.backend.exclusive():
+                emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit, grammar=grammar,
+                                                      rows_out=rows)
+        else:
+            emitted, depth, accepted = spec.cycle(tok, history, params, rng, max_emit, grammar=grammar, rows_out=rows)
         slot.tokens += [tok] + emitted[:-1]
         stats.cycles += 1
         stats.drafts_proposed += depth
@@ -925,8 +984,8 @@ def load(model_path: str | os.PathLike[str] | None = None, *, backend: str = "au
     share the backend's passes (see Engine); each has its own n_ctx positions of KV cache and its
     own recurrent state. None: the backend's choice for a server (4, see backends/llama_cpp.py
     DEFAULT_SERVE_SEQUENCES). The native engine holds at most 8 (backend="auto" runs llama.cpp for
-    more, saying why) and with more than one it does not speculate (draft_depth is then not used:
-    its verify pass serves one sequence); n_checkpoints is per slot there.
+    more, saying why) and with more than one only a request served alone speculates (the others
+    decode in shared passes); n_checkpoints is per slot there.
     prefix_cache_bytes: host memory for copies of the state after recurring prompt prefixes, so a
     request in any slot reuses a system prompt another request evaluated (see Engine;
     prefix_cache.py); least recently used copies go first. None: DEFAULT_PREFIX_CACHE_BYTES (2 GiB)

@@ -27,7 +27,7 @@ Requests: a body that breaks the OpenAI API's rules is answered 400 naming the f
 anything is queued; an omitted max_tokens generates to the end of the context window for chat
 (OpenAI's rule) and 16 tokens for text completions (OpenAI's default there); each engine runs
 `--slots` requests at once (their tokens share the engine's passes; default 4; the native engine
-holds up to 8, and does not speculate with more than one) and `--max-queue` more wait, beyond that
+holds up to 8, and speculates for a request served alone) and `--max-queue` more wait, beyond that
 503 with Retry-After; a prompt prefix one request evaluated (a system prompt, an agent scaffold)
 is loaded by the next from the engine's prefix cache (`--prefix-cache-mb`, host memory; 0 turns
 it off); `/metrics`
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
                    "else a random one on loopback)")
     p.add_argument("--slots", type=int, default=None,
                    help="requests each engine runs at once, sharing its passes (default 4; the native "
-                   "engine holds up to 8 and speculates only with 1)")
+                   "engine holds up to 8 and speculates for a request served alone)")
     p.add_argument("--prefix-cache-mb", type=int, default=None, metavar="MB",
                    help="host memory for each engine's prefix cache: copies of the state after prompt "
                    "prefixes that recur across conversations (system prompts, agent scaffolds); 0 turns it "

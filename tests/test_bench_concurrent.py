@@ -548,4 +548,4 @@ def test_ours_on_the_native_sequences_serves_the_streams_together(tmp_path, monk
     assert [lib.created[-1]["n_seq"] for lib in libs if lib.created] == [1, 4, 4, 4]
     skips = [r for r in recs if "skip" in r]
     assert [s["skip"]["params"] for s in skips] == [{"streams": 4, "drafts": 2}]
-    assert "native backend does not speculate with 4 slot(s)" in skips[0]["reason"]
+    assert "speculates only for a request served alone: 4 concurrent streams" in skips[0]["reason"]

@@ -126,7 +126,7 @@ def test_concurrent_greedy_requests_equal_each_alone(native, workdir, name, n_sl
     with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=1, draft_depth=0) as one:
         prompts = _prompts(one.n_vocab, n_slots)
         alone = [one.generate(p, max_tokens=N_TOKENS, temperature=0).tokens for p in prompts]
-    with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=n_slots) as eng:
+    with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=n_slots, draft_depth=0) as eng:
         assert eng.backend_name == "native", eng.backend_reason
         assert eng.n_slots == n_slots and eng._speculator is None and not eng.supports_speculative
 
@@ -148,6 +148,32 @@ def test_concurrent_greedy_requests_equal_each_alone(native, workdir, name, n_sl
                            f"the engine's arithmetic: see test_decode_steps_of_several_sequences_are_each_ones_own)")
     assert counts["shared_passes"] >= N_TOKENS // 2 and counts["max_sequences_in_a_pass"] >= n_slots // 2, counts
     assert shared_calls >= N_TOKENS // 2
+
+
+def test_a_request_alone_speculates_and_concurrent_ones_share_passes(native, workdir):
+    """With several slots and an MTP head: a request served alone speculates (cycles, drafts
+    accepted) and gives plain greedy decoding's tokens; four at once give each its tokens alone,
+    at most one of them speculating, the others in shared passes."""
+    import openjet_plugin
+
+    path = _model("default", workdir)
+    with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=1, draft_depth=0) as one:
+        prompts = _prompts(one.n_vocab, 4)
+        alone = [one.generate(p, max_tokens=N_TOKENS, temperature=0).tokens for p in prompts]
+    with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=4) as eng:
+        assert eng.supports_speculative
+        first = eng.generate(prompts[0], max_tokens=N_TOKENS, temperature=0)
+        got = run_threads([lambda p=p: eng.generate(p, max_tokens=N_TOKENS, temperature=0) for p in prompts],
+                          timeout=600)
+        counts = eng._backend.pass_counts
+    for g in got:
+        assert not isinstance(g, BaseException), g
+    report({"test": "seqs_engine_alone_speculates", "cycles_alone": first.stats.cycles,
+            "accepted_alone": first.stats.drafts_accepted, "speculating_of_4": sum(g.stats.cycles > 0 for g in got),
+            **counts})
+    assert first.tokens == alone[0] and first.stats.cycles > 0 and first.stats.drafts_accepted > 0
+    assert [g.tokens for g in got] == alone
+    assert sum(g.stats.cycles > 0 for g in got) <= 1 and counts["shared_passes"] > 0
 
 
 @pytest.mark.parametrize("n_seq", [1, 4, 8])

@@ -44,8 +44,10 @@ class SeqFakeLib(FakeLib):
 
     # what each sequence holds; the rest (results of the last pass, checkpoint slots, draft
     # vocabulary) is the engine's
+    # (hwin, hlast_n: the sequence's own hidden window, which OJ_H_MAIN reads; win / last_n are
+    # the rows of the engine's last pass, whichever sequence it served)
     PER_SEQUENCE = ("hist", "hashes", "last_start", "prev_row", "uncommitted", "verify_toks", "mtp_n_past",
-                    "last_mtp_n", "mtp_rows", "draft_h", "verifies")
+                    "last_mtp_n", "mtp_rows", "draft_h", "verifies", "hwin", "hlast_n")
 
     def __init__(self, ffi):
         self.n_seq = 1
@@ -122,19 +124,36 @@ class SeqFakeLib(FakeLib):
         super().oj_reset(h)
         for k, v in keep.items():                   # results and slots are the engine's
             setattr(self, k, v)
+        self.hwin, self.hlast_n = [0], 0
         return 0
+
+    def _own_window(self) -> None:
+        """The selected sequence's hidden window is the pass it just ran."""
+        self.hwin, self.hlast_n = list(self.win), self.last_n
 
     def _evaluate(self, buf, n):
         time.sleep(PASS_SECONDS)
         if any(int(buf[i]) == REFUSED for i in range(n)):
             return self._fail(f"sequence {self.selected}: token {REFUSED} refused")
-        return super()._evaluate(buf, n)
+        rc = super()._evaluate(buf, n)
+        if rc == 0:
+            self._own_window()
+        return rc
 
     def oj_prefill(self, h, buf, n):
         time.sleep(PASS_SECONDS)
         if any(int(buf[i]) == REFUSED for i in range(n)):
             return self._fail(f"sequence {self.selected}: token {REFUSED} refused")
-        return super().oj_prefill(h, buf, n)
+        rc = super().oj_prefill(h, buf, n)
+        if rc == 0:
+            self._own_window()
+        return rc
+
+    def oj_checkpoint_restore(self, h, slot, out):
+        rc = super().oj_checkpoint_restore(h, slot, out)
+        if rc == 0:
+            self.hwin, self.hlast_n = list(self.win), 0
+        return rc
 
     def oj_eval_seqs(self, h, seqs_buf, toks_buf, n):
         time.sleep(PASS_SECONDS)
@@ -160,6 +179,7 @@ class SeqFakeLib(FakeLib):
             st["hashes"].append(hs)
             st["uncommitted"], st["verify_toks"] = 0, []
             st["last_start"] = len(st["hist"]) - 1
+            st["hwin"], st["hlast_n"] = [st["hashes"][-2], hs], 1   # as after its own one-token oj_eval
             rows.append(hs)
         for k, v in self.saved[self.selected].items():    # the selected sequence does not change
             setattr(self, k, v)
@@ -173,9 +193,13 @@ class SeqFakeLib(FakeLib):
         return super().oj_get_logits(h, index, out, n)
 
     def oj_mtp_eval(self, h, buf, n, pos0, source, hp):
-        if self.n_seq > 1:
-            return self._fail("a multi-sequence engine's backend drafts nothing (no MTP calls of its own)")
-        return super().oj_mtp_eval(h, buf, n, pos0, source, hp)
+        """OJ_H_MAIN reads the sequence's own window, not the engine's last pass."""
+        rows = (self.win, self.last_n)
+        self.win, self.last_n = self.hwin, self.hlast_n
+        try:
+            return super().oj_mtp_eval(h, buf, n, pos0, source, hp)
+        finally:
+            self.win, self.last_n = rows
 
     def oj_checkpoint_save(self, h, slot):
         self.slot_saves.append((self.selected, slot))
@@ -212,7 +236,7 @@ class SeqFakeLib(FakeLib):
         self.hist, self.hashes = list(c["hist"]), list(c["hashes"])
         self.mtp_rows, self.mtp_n_past = dict(c["mtp_rows"]), c["mtp_n_past"]
         self.uncommitted, self.verify_toks, self.prev_row, self.last_mtp_n = 0, [], 0, 0
-        self.last_start, self.win = len(self.hist), [self.hashes[-1]]
+        self.last_start, self.hwin, self.hlast_n = len(self.hist), [self.hashes[-1]], 0
         self.state_loads = getattr(self, "state_loads", []) + [(self.selected, len(self.hist))]
         return 0
 
@@ -231,8 +255,11 @@ def fake_seqs(monkeypatch):
 
 
 def _backend(n_seq: int, n_ctx: int = 512, **kw) -> native.NativeBackend:
+    """Views that do not follow the MTP cache unless draft_depth is given (these tests are about
+    shared passes; a following view takes even one token through its eval path)."""
     from openjet_plugin.model_file import open_model
 
+    kw.setdefault("draft_depth", 0)
     return native.NativeBackend(open_model(DEFAULT_GGUF), n_ctx=n_ctx, n_seq=n_seq, **kw)
 
 
@@ -428,13 +455,28 @@ def test_too_many_checkpoint_slots_or_sequences_are_refused_with_their_names(fak
     assert fake_seqs == []                     # refused before the library is touched
 
 
-def test_a_multi_sequence_backend_does_not_speculate_and_says_why(fake_seqs, caplog):
-    caplog.set_level(logging.INFO, logger="openjet_plugin")
+def test_a_sequence_leaves_the_mtp_cache_when_it_decodes_in_shared_passes(fake_seqs):
     be = _backend(2, draft_depth=4)
-    assert not be.supports_speculative and be.draft_depth == 0
-    assert all(not v.supports_speculative for v in be.sequences())
-    assert any("does not speculate" in r.getMessage() and "draft_depth 4 becomes 0" in r.getMessage()
-               for r in caplog.records)
+    a, b = be.sequences()
+    lib = fake_seqs[-1]
+    assert a.supports_speculative and b.supports_speculative and a.draft_depth == 4
+    # a following sequence takes its tokens through its eval path, which makes their MTP rows
+    a.eval_argmax(PROMPTS[1])
+    a.eval_argmax([5])
+    assert a._mtp_upto == a.n_past == len(PROMPTS[1]) + 1 and lib.eval_seqs_calls == []
+    # b leaves it: its decode steps go into oj_eval_seqs, which makes no rows
+    b.eval_argmax(PROMPTS[0])
+    b.leave_mtp()
+    assert not b.supports_speculative and a.supports_speculative
+    rows = b._mtp_upto
+    for t in range(3):
+        b.eval_argmax([7 + t])
+    assert lib.eval_seqs_calls and all(s == [1] for s in lib.eval_seqs_calls) and b._mtp_upto == rows
+    # a restore to where its rows reach follows again; a reset too
+    b.save_checkpoint()                                  # at n_past, past its rows: no use
+    assert b.restore_checkpoint(b.n_past) == b.n_past and not b.supports_speculative
+    b.reset()
+    assert b.supports_speculative and b._mtp_upto == 0
     one = _backend(1, draft_depth=4)
     assert one.supports_speculative and one.draft_depth == 4 and one.sequences() == [one]
 
@@ -470,7 +512,7 @@ def test_concurrent_requests_on_four_native_slots_equal_each_alone(fake_seqs):
     with _load(1, draft_depth=0) as one:
         alone = {p: one.generate(p, max_tokens=24, temperature=0).tokens for p in TEXTS[:4]}
         sampled = one.generate(TEXTS[4], max_tokens=24, temperature=0.8, seed=5).tokens
-    with _load(4) as eng:
+    with _load(4, draft_depth=0) as eng:
         lib = fake_seqs[-1]
         assert eng.n_slots == 4 and eng.backend_name == "native" and eng._speculator is None
         assert not eng.supports_speculative and lib.created[-1]["n_seq"] == 4
@@ -532,6 +574,44 @@ def test_native_slots_reuse_a_prompt_prefix_another_slot_evaluated(fake_seqs):
         assert all(r.stats.prefix_cache_tokens > 0 for r in got), [r.stats.prefix_cache_tokens for r in got]
         assert eng.prefix_cache_stats["hits"] >= 2
         assert getattr(lib, "state_loads", []) and lib.overlaps == []
+
+
+def test_a_request_served_alone_speculates_and_concurrent_ones_share_passes(fake_seqs):
+    with _load(1, draft_depth=0) as one:
+        alone = {p: one.generate(p, max_tokens=24, temperature=0).tokens for p in TEXTS}
+    with _load(4, draft_depth=4) as eng:
+        lib = fake_seqs[-1]
+        assert eng.supports_speculative and eng.n_slots == 4
+        # one client alone: MTP speculation, the output of plain greedy decoding
+        r = eng.generate(TEXTS[0], max_tokens=24, temperature=0)
+        assert r.tokens == alone[TEXTS[0]] and r.stats.cycles > 0 and r.stats.drafts_accepted > 0
+        assert lib.eval_seqs_calls == []
+        # four at once: at most the first one speculates, the others decode in shared passes
+        got = run_threads([lambda p=p: eng.generate(p, max_tokens=24, temperature=0) for p in TEXTS[:4]])
+        assert [g.tokens for g in got] == [alone[p] for p in TEXTS[:4]]
+        assert sum(g.stats.cycles > 0 for g in got) <= 1
+        assert sum(len(s) > 1 for s in lib.eval_seqs_calls) >= 5, (lib.eval_seqs_calls, [g.stats for g in got])
+        assert lib.overlaps == []
+        for s in eng._slots:
+            assert lib.history(s.backend.seq) == s.tokens
+        # a slot that decoded in shared passes keeps no MTP rows: alone again, its conversation
+        # continues without drafts (the same tokens); a new conversation in it speculates again
+        left = next(s for s in eng._slots if s.tokens and not s.backend.supports_speculative)
+        prompt = left.tokens + [11]
+        more = eng.generate(prompt, max_tokens=8, temperature=0)
+        assert more.stats.cycles == 0 and more.stats.cached_prompt_tokens == len(prompt) - 1
+        with _load(1, draft_depth=0) as one:
+            assert more.tokens == one.generate(prompt, max_tokens=8, temperature=0).tokens
+        for s in eng._slots:
+            s.backend.reset()
+            s.tokens, s.logits = [], None
+        fresh = eng.generate(TEXTS[4], max_tokens=24, temperature=0)    # no copy of it cached
+        assert fresh.tokens == alone[TEXTS[4]] and fresh.stats.cycles > 0
+        # a prompt whose prefix copy came from a shared pass's sequence (no MTP rows in it) loads the
+        # copy and decodes without drafts: the same tokens
+        cached = eng.generate(TEXTS[1], max_tokens=24, temperature=0)
+        assert cached.tokens == alone[TEXTS[1]] and cached.stats.prefix_cache_tokens > 0
+        assert lib.overlaps == []
 
 
 def test_a_bad_request_among_native_slots_fails_alone(fake_seqs):

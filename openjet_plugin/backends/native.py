@@ -14,8 +14,9 @@ lock: the selected sequence and the results of the last pass (argmax and logits 
 engine's, so a call and the reads of its results must not interleave with another sequence's. The
 views' evals go through `NativePasses` (passes.py's scheduler): the decode steps of a pass in one
 oj_eval_seqs (one read of the weights for up to 8 sequences), then each prompt chunk on its own
-sequence through the eval path below. With several sequences the backend does not speculate yet:
-a verify pass over several sequences' drafts does not exist in the engine. `save_state` /
+sequence through the eval path below. With several sequences a sequence speculates only while it
+is served alone (its MTP cache follows it until it decodes in a shared pass: `leave_mtp`); a
+verify pass over several sequences' drafts does not exist in the engine. `save_state` /
 `load_state` copy a sequence's whole state to host memory and into any sequence (oj_seq_state_save
 / load), which is what the engine's prefix cache needs.
 
@@ -278,6 +279,7 @@ class _SharedEngine:
         self.passes: NativePasses | None = None
         self.tokenizer = None
         self.tokenizer_lock = threading.Lock()
+        self.draft_vocab_len = 0                # oj_set_draft_vocab's: the engine's, not a sequence's
 
 
 def _on_engine(method):
@@ -297,10 +299,12 @@ class NativeBackend:
     With n_seq 1 (the default) the backend is its engine's one conversation and speculates where
     the model has an MTP block and draft_depth > 0. With n_seq > 1 the engine holds n_seq
     conversations and `sequences()` gives a view of each (this backend is sequence 0's); their
-    evals share passes (NativePasses). Such an engine does not speculate (draft_depth becomes 0,
-    supports_speculative False): the engine has no verify pass over several sequences' drafts yet.
-    n_checkpoints is per sequence: the engine is given n_checkpoints x n_seq slots (at most
-    MAX_CHECKPOINT_SLOTS), each sequence its own range of them."""
+    evals share passes (NativePasses). There a sequence speculates only while it is served alone:
+    its MTP cache follows the main model (supports_speculative) until it decodes in a shared pass
+    (oj_eval_seqs makes no MTP rows: `leave_mtp` says so first), and follows again after a reset,
+    a restore to where its rows reach, or a loaded copy that has them (the engine has no verify pass
+    over several sequences' drafts). n_checkpoints is per sequence: the engine is given
+    n_checkpoints x n_seq slots (at most MAX_CHECKPOINT_SLOTS), each sequence its own range."""
 
     name = "native"
 
@@ -329,11 +333,6 @@ class NativeBackend:
         self.n_ctx = int(n_ctx)
         self.n_vocab = int(self.config.n_vocab)
         self.draft_depth = int(draft_depth)
-        if self.n_seq > 1 and self.draft_depth > 0:
-            log.info("openjet: the native engine holds %d sequences and does not speculate with more than "
-                     "one (a verify pass over several sequences' drafts does not exist yet): draft_depth %d "
-                     "becomes 0", self.n_seq, self.draft_depth)
-            self.draft_depth = 0
         self.n_sequences = self.n_seq             # backends/base.py: > 1, the engine makes a slot per view
         self.n_checkpoints = int(n_checkpoints)   # per sequence
         # also save a checkpoint each time n_past crosses a multiple of this (0: off)
@@ -350,8 +349,8 @@ class NativeBackend:
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
         self.has_mtp = il is not None and f"blk.{il}.nextn.eh_proj.weight" in model_file.tensors
-        # the MTP cache follows the main model when drafting is possible at all
-        self.supports_speculative = self.has_mtp and self.draft_depth > 0
+        # the MTP cache follows the main model when drafting is possible at all (supports_speculative)
+        self._speculates = self.has_mtp and self.draft_depth > 0
         self._owns_engine = True
         self._begin_sequence(0)
         self._shared.views = [self] + [self._view(s) for s in range(1, self.n_seq)]
@@ -369,6 +368,8 @@ class NativeBackend:
         self._last_n = 0               # positions of this sequence's last call, whose results are readable
         self._checkpoints: list[tuple[int, int]] = []   # (slot, n_past), oldest first
         self.prefilled_positions = 0     # positions that went through oj_prefill (tests, bench)
+        # True once the sequence decoded in a shared pass: MTP rows from _mtp_upto on are missing
+        self._mtp_left = False
         self._mtp_upto = 0          # MTP rows of positions < this are made from main hiddens
         self._uncaught: list[int] = []   # committed tokens at positions _mtp_upto.. without a row
         # (position, token) of the current token's MTP row made ahead of the committed rows, by
@@ -377,7 +378,31 @@ class NativeBackend:
         self._token_row: tuple[int, int] | None = None
         self._verify_tokens: list[int] = []
         self._verify_parent: list[int] | None = None   # the last verify_tree's parents (None: a chain)
-        self._draft_vocab_len = 0
+
+    @property
+    def supports_speculative(self) -> bool:
+        """The MTP cache follows the main model: drafting is possible (an MTP block, draft_depth > 0)
+        and the sequence has not decoded in a shared pass since its rows last reached n_past."""
+        return self._speculates and not self._mtp_left
+
+    @property
+    def _draft_vocab_len(self) -> int:
+        return self._shared.draft_vocab_len
+
+    @_on_engine
+    def leave_mtp(self) -> None:
+        """This sequence is about to decode in shared passes, which make no MTP rows: its MTP cache
+        stops following the main model (no more rows made for it) until a reset, a restore to a
+        position its rows reach, or a loaded copy with its rows."""
+        if self._speculates and not self._mtp_left:
+            self._flush_mtp()                   # the rows still owed, while their hiddens are here
+            self._mtp_left = True
+            self._uncaught, self._token_row = [], None
+
+    def exclusive(self):
+        """The engine's lock, for a run of calls that must not interleave with another sequence's
+        passes (a speculative cycle reads the results of its own verify)."""
+        return self._shared.lock
 
     def _view(self, seq: int) -> "NativeBackend":
         """Sequence seq's view: this backend's settings over the same engine, its own state."""
@@ -617,6 +642,8 @@ class NativeBackend:
         oj_commit(0)); its result row is the pass's, read there, not this view's to read again."""
         self._last_n = 0
         self._verify_tokens, self._verify_parent = [], None
+        if self._speculates:                    # no MTP row for this token (leave_mtp said so)
+            self._mtp_left, self._uncaught, self._token_row = True, [], None
 
     @_on_engine
     def eval_all_logits(self, tokens: list[int], positions_per_call: int = MAX_POSITIONS) -> np.ndarray:
@@ -672,6 +699,7 @@ class NativeBackend:
         self._checkpoints = []
         self._mtp_upto, self._uncaught, self._verify_tokens = 0, [], []
         self._token_row = None
+        self._mtp_left = False                          # an empty sequence's MTP cache is in step
 
     # --- checkpoints (backends/base.py's optional protocol) ------------------------------------
     @_on_engine
@@ -703,6 +731,8 @@ class NativeBackend:
         self._check(self._nl.lib.oj_checkpoint_restore(self._handle(), slot, out), "checkpoint restore")
         self._checkpoints = keep
         self._last_n = 0
+        if self._mtp_left and self._mtp_upto >= n:      # back to where its MTP rows reach
+            self._mtp_left = False
         self._mtp_upto, self._uncaught, self._verify_tokens = min(self._mtp_upto, n), [], []
         self._cut_rows(n)                               # the engine cut the MTP cache to n
         return int(out[0])
@@ -746,13 +776,15 @@ class NativeBackend:
             if rc != 0:
                 self._reset()
                 return False
-            # the sequence's own checkpoints and pending work were of the state it held before; the
-            # copy's MTP rows reach its n_past wherever the backend speculates (save_state's rule)
+            # the sequence's own checkpoints and pending work were of the state it held before; its
+            # MTP cache follows the main model again where the copy's rows reach its n_past (a
+            # speculating sequence's copies do: save_state's rule)
             self._checkpoints = []
             self._last_n = 0
             self._verify_tokens, self._verify_parent = [], None
             self._uncaught, self._token_row = [], None
-            self._mtp_upto = state.n_past
+            self._mtp_upto = min(self._mtp_n_past(), state.n_past)
+            self._mtp_left = self._speculates and self._mtp_upto < state.n_past
             return True
 
     # --- speculative cycles (used by speculative_native.NativeSpeculator) ----------------------
@@ -955,12 +987,12 @@ class NativeBackend:
         ffi = self._nl.ffi
         if ids is None:
             self._check(self._nl.lib.oj_set_draft_vocab(self._handle(), ffi.NULL, 0), "draft vocabulary")
-            self._draft_vocab_len = 0
+            self._shared.draft_vocab_len = 0
             return
         arr = np.ascontiguousarray(ids, dtype=np.int32)
         self._check(self._nl.lib.oj_set_draft_vocab(self._handle(), ffi.from_buffer("int32_t[]", arr), arr.size),
                     "draft vocabulary")
-        self._draft_vocab_len = int(arr.size)
+        self._shared.draft_vocab_len = int(arr.size)
 
     def close(self) -> None:
         """Free the engine, every sequence's (a view of a later sequence leaves that to the backend
@@ -1138,7 +1170,9 @@ class NativePasses(PassScheduler):
     oj_eval_seqs, MAX_SEQUENCES a call, one read of the weights for all of them; then each prompt
     chunk on its own sequence through its view's eval path (oj_prefill spans, or oj_eval 8
     positions a call), which selects the sequence. A work that asked only for the argmax gets no
-    logits row copied. A sequence the engine refuses fails alone: oj_eval_seqs checks every
+    logits row copied (a sequence whose MTP cache follows the main model, a speculating request's,
+    takes its tokens through the eval path, which makes their MTP rows). A sequence the engine
+    refuses fails alone: oj_eval_seqs checks every
     sequence before it runs anything, so where it refuses a call of several, each runs again by
     itself."""
 
@@ -1153,7 +1187,10 @@ class NativePasses(PassScheduler):
 
     def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
         errors: list[BaseException | None] = [None] * len(chosen)
-        steps = [i for i, (w, n) in enumerate(chosen) if n == w.left == 1]
+        # a sequence whose MTP cache follows the main model (a speculating request's prompt) takes
+        # even one token through its eval path, which makes the token's MTP row
+        steps = [i for i, (w, n) in enumerate(chosen)
+                 if n == w.left == 1 and not self._shared.views[w.seq].supports_speculative]
         stepping = set(steps)
         with self._shared.lock:
             # timed inside the lock: a checkpoint copy holding it is not the pass's cost

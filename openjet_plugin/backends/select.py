@@ -98,7 +98,7 @@ def create_backend(backend: str, model_path: str | os.PathLike[str], model_file,
     model_file is then None); the model goes to llama.cpp, or backend="native" raises.
     n_layers: the model's block count, for llama.cpp's GPU placement.
     n_slots: sequences the backend holds (None: DEFAULT_SERVE_SEQUENCES, a server's default);
-    the native engine holds up to 8, and with more than one does not speculate."""
+    the native engine holds up to 8, and with more than one speculates for a request served alone."""
     from .llama_cpp import LlamaCppBackend, sequence_bytes
 
     n_seq = slots_or_default(n_slots)

@@ -46,8 +46,9 @@ partly one after another), and where the backend counts its shared passes (llama
 native engine's multi-sequence schedulers, backends/passes.py) the most sequences one pass served
 (`max_sequences_in_a_pass`) and the passes that served several (`shared_passes`), over the
 engine's life (the requests alone included); the latency rows need streams + 1 sequences and are
-not measured with fewer. The native engine holds up to 8 sequences and does not speculate with
-more than one: its speculative row says so instead of a number.
+not measured with fewer. The native engine holds up to 8 sequences and speculates only for a
+request served alone (no verify pass over several sequences' drafts): its speculative row says so
+instead of a number.
 
 Child output: JSON lines as bench/ours.py's ({"metric"...}, {"skip"...}, {"info"...},
 {"error"...}); each row's details go to info "spec_details" keyed by the row.
@@ -598,6 +599,11 @@ def run_ours(model: str, plan: Plan, backend: str, out, time_left: Callable[[], 
         if not engine.supports_speculative:
             out.skip(*spec, f"the {engine.backend_name} backend does not speculate with {engine.n_slots} "
                             f"slot(s) ({engine.backend_reason})")
+            return
+        if engine.backend_name == "native" and engine.n_slots > 1:
+            out.skip(*spec, f"the native engine speculates only for a request served alone: {S} concurrent "
+                            f"streams decode in shared passes without drafts (no verify pass over several "
+                            f"sequences' drafts yet)")
             return
         if prompts is None:
             prompts, long_prompts = plan.prompts(engine.n_vocab)
