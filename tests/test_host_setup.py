@@ -260,11 +260,11 @@ def test_doctor_without_gpu(monkeypatch, capsys, cache_dir):
 def test_doctor_forced_unsupported_and_supported_verdicts(monkeypatch, capsys, cache_dir):
     from openjet_plugin.backends import select
 
-    monkeypatch.setattr(select, "native_verdict", lambda mf, n_ctx, kv_type="f16": (False, "forced: sm_75 is too old"))
+    monkeypatch.setattr(select, "native_verdict", lambda mf, n_ctx, kv_type="f16", n_slots=1: (False, "forced: sm_75 is too old"))
     rc, rows, out = _doctor_rows(capsys, [])
     assert "forced: sm_75 is too old" in rows["native backend"]
     assert rows["backend=auto runs"].startswith("llama.cpp on the") and "forced: sm_75" in rows["backend=auto runs"]
-    monkeypatch.setattr(select, "native_verdict", lambda mf, n_ctx, kv_type="f16": (True, "native CUDA engine on Test GPU"))
+    monkeypatch.setattr(select, "native_verdict", lambda mf, n_ctx, kv_type="f16", n_slots=1: (True, "native CUDA engine on Test GPU"))
     rc, rows, out = _doctor_rows(capsys, [])
     assert rc == 0 and rows["backend=auto runs"].startswith("native on the GPU"), out
 
