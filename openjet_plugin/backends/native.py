@@ -385,6 +385,11 @@ class NativeBackend:
         and the sequence has not decoded in a shared pass since its rows last reached n_past."""
         return self._speculates and not self._mtp_left
 
+    @supports_speculative.setter
+    def supports_speculative(self, on: bool) -> None:
+        # bench/spec.py's main_model_only: plain passes without the MTP rows, then back
+        self._speculates = bool(on)
+
     @property
     def _draft_vocab_len(self) -> int:
         return self._shared.draft_vocab_len

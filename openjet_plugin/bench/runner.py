@@ -60,7 +60,7 @@ class Settings:
     quick: bool = False
     depths: tuple[int, ...] = (0, 8192, 30720)
     decode_tokens: int = 128
-    verify_positions: tuple[int, ...] = (1, 2, 3, 4, 5)
+    verify_positions: tuple[int, ...] = (1, 2, 3, 4, 5, 8)   # 8: issue 25's 8 / 1 ratio, and the pass oj_eval_seqs takes for 8 sequences
     verify_depth: int = 1024
     prefill: tuple[tuple[int, int], ...] = ((2700, 1800), (12000, 29500))
     spec_depth: int = 8192
