@@ -104,7 +104,7 @@ class Settings:
         base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800),),
                     read_mib=2048, copy_mib=1024, concurrent_streams=(1, 8), concurrent_tokens=32,
                     latency_prompt_tokens=4096, latency_tokens=64,
-                    memory=(("native", 1, 8192), ("llama.cpp", 4, 4096)))
+                    memory=(("native", 1, 8192), ("native", 4, 4096), ("llama.cpp", 4, 4096)))
         base["agreement"] = (("q27b", 4096, 256), ("default", 0, 256), ("default", 3840, 256))
         base.update(kw)
         return cls(**base)
