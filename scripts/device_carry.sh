@@ -10,7 +10,7 @@
 # (tests/test_constraints_gpu.py; without them its import failed at collection, and pytest then ran
 # no GPU test at all), diskcache (llama-cpp-python's Python package imports it: the fallback rows).
 # The versions are those CI installs (pyproject.toml's pins, the venv's
-# resolution of the rest on 2026-12-05). scripts/gpu/*.sh install them with --no-deps into
+# resolution of the rest on 2026-12-05). scripts/gpu/common.sh installs them with --no-deps into
 # /tmp/site. .carry: the llama-cpp-python sdist without the parts its build never reads
 # (openjet_plugin/bench/peer.py pack), from which the bench builds llama.cpp with CUDA.
 set -euo pipefail

@@ -349,17 +349,35 @@ def test_every_device_script_parses():
 
 def test_gpu_entry_point_lists_its_commands_and_refuses_an_unknown_one(tmp_path):
     """scripts/gpu.sh: every command it names has its script under scripts/gpu/ (and every script
-    there is a command); an unknown command exits 2 naming the ones there are."""
+    there but common.sh, which the others source, is a command); an unknown command exits 2 naming
+    the ones there are, and so does `common`."""
     text = (SCRIPTS / "gpu.sh").read_text()
     line = next(ln for ln in text.splitlines() if ln.startswith("commands="))
     commands = set(line.split('"')[1].split())
     scripts = {p.stem for p in (SCRIPTS / "gpu").glob("*.sh")}
-    assert commands == scripts
-    r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh"), "everything"], capture_output=True, text=True,
-                       env={**os.environ, "OUT": str(tmp_path)})
-    assert r.returncode == 2 and "unknown command 'everything'" in r.stdout and "check" in r.stdout
+    assert commands == scripts - {"common"}
+    for name in ("everything", "common"):
+        r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh"), name], capture_output=True, text=True,
+                           env={**os.environ, "OUT": str(tmp_path)})
+        assert r.returncode == 2 and f"unknown command '{name}'" in r.stdout and "check" in r.stdout
     r = subprocess.run(["bash", str(SCRIPTS / "gpu.sh")], capture_output=True, text=True)
     assert r.returncode == 2 and "session" in r.stdout
+
+
+def test_gpu_scripts_take_the_shared_setup_from_common_sh():
+    """The carried-wheel install and the native build are spelled once, in scripts/gpu/common.sh
+    (copies of them drift: setup.sh's pip flags once differed from the others'); a script that uses
+    its functions sources it."""
+    common = SCRIPTS / "gpu" / "common.sh"
+    functions = {ln.split("(")[0] for ln in common.read_text().splitlines() if ln.endswith("() {")}
+    assert "install_carried_wheels" in functions and "build_native_if_stale" in functions
+    for p in sorted((SCRIPTS / "gpu").glob("*.sh")):
+        if p == common:
+            continue
+        text = p.read_text()
+        assert "pip install" not in text and "openjet_plugin.build_native" not in text, p.name
+        if any(f in text for f in functions):
+            assert "\n. scripts/gpu/common.sh\n" in text, f"{p.name} calls common.sh's functions without sourcing it"
 
 
 def test_the_gpu_check_runs_every_gpu_test_file():

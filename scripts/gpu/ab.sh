@@ -11,21 +11,14 @@
 # (setting <i> in $OUT/settings.txt); the summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-ab-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
 CACHE=$OPENJET_CACHE_DIR/bench
 mkdir -p "$CACHE"
-if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { tail -5 "$OUT/pip.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
-python3 -c "from openjet_plugin import _native; _native.load()" >"$OUT/native-load.log" 2>&1 \
-    || OPENJET_CUDA_ARCHS=90 python3 -m openjet_plugin.build_native >>"$OUT/native-load.log" 2>&1 \
-    || { tail -20 "$OUT/native-load.log"; exit 1; }
+install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
+load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; exit 1; }
 M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
 [ -f "$M" ] || { echo "ab: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
 : >"$OUT/settings.txt"

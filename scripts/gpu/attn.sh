@@ -6,13 +6,13 @@
 #   bash scripts/gpu.sh attn --quick    # the correctness cases + one deep timing case
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-attn-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Inative native/tools/attn_prefill_bench.cu \
-    native/attention_prefill.cu native/attention.cu -o "$OUT/attn_bench" >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Inative native/tools/attn_prefill_bench.cu \
+    native/attention_prefill.cu native/attention.cu -o "$OUT/attn_bench" || exit 1
 # registers / spills / shared memory of the prefill kernels: head_dim / q8_0 (b1) or f16 (b0)
 awk '/Compiling entry function/ { k = ""; if (match($0, /attention_prefill_kernelILi[0-9]+ELb[01]/)) {
          k = substr($0, RSTART + 27, RLENGTH - 27); sub(/ELb/, "/", k) } }

@@ -16,6 +16,7 @@
 # warm, everything built and measured so far is reused from build/cache/).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 start=$(date +%s)
 BUDGET=${BENCH_BUDGET:-560}
 OUT=${OUT:-/tmp/openjet-bench-out}
@@ -30,15 +31,13 @@ CACHE=$OPENJET_CACHE_DIR/bench
 RUN=$CACHE/run-$(printf '%s\n' "${BENCH_MODEL:-generated}" "$@" | sha1sum | cut -c1-12)
 mkdir -p "$CACHE"
 
-# 1. packages the GPU machine lacks travel as wheels (skipped where they are already installed)
-if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || { tail -20 "$LOG"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # keep wheels a caller already put there
-fi
-ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i 0 2>>"$LOG" | head -1 | tr -d '. ')
+# 1. packages the GPU machine lacks travel as wheels (skipped where they import already; then a
+# caller's PYTHONPATH, which may be what holds them, stays after the repository). $LOG is still
+# empty: the install may replace it.
+caller_pythonpath=${PYTHONPATH:-}
+install_carried_wheels_if_missing "$LOG" || { tail -20 "$LOG"; exit 1; }
+[ "$PYTHONPATH" = "$PWD" ] && export PYTHONPATH=$PWD${caller_pythonpath:+:$caller_pythonpath}
+ARCH=$(detected_cuda_arch 2>>"$LOG")
 if [ -z "$ARCH" ]; then
     echo "gpu_bench: no GPU (nvidia-smi failed; see $LOG)"; exit 1
 fi
@@ -55,8 +54,7 @@ else
 fi
 
 # 3. the native engine for this GPU
-OPENJET_CUDA_ARCHS=$ARCH python3 -m openjet_plugin.build_native --if-stale >>"$LOG" 2>&1 \
-    || echo "gpu_bench: native build failed; see logs.txt" | tee -a "$LOG"
+build_native_if_stale "$ARCH" >>"$LOG" 2>&1 || echo "gpu_bench: native build failed; see logs.txt" | tee -a "$LOG"
 
 # 4. the benchmark (a resume folder carried from an earlier machine seeds the run folder)
 if [ -d .carry/bench-resume ] && [ ! -s "$RUN/records.jsonl" ]; then

@@ -7,23 +7,18 @@
 #   OPENJET_GPU_POSITIONS=256 PYTEST_ARGS="-k tiny" bash scripts/gpu.sh check
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2
 start=$(date +%s)
 
 # 1. packages the GPU machine lacks (cffi, pycparser, gguf) travel as wheels in .whl/
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+install_carried_wheels "$OUT/pip.log" || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,compute_cap,memory.total,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 
 # 2. the library, for this GPU only (sm_90 on the H200)
-OPENJET_CUDA_ARCHS=${OPENJET_CUDA_ARCHS:-90} python3 -m openjet_plugin.build_native --if-stale 2>&1 | tail -3 | tee "$OUT/build.log"
+build_native_if_stale 2>&1 | tail -3 | tee "$OUT/build.log"
 python3 - <<'PY' 2>&1 | tee -a "$OUT/build.log"
 from openjet_plugin import _native
 nl = _native.load()

@@ -20,6 +20,7 @@
 #                                               (docs/CLUSTER.md lists how they were chosen)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 MODE=${1:-}
 shift || true
 OUT=${OUT:-/tmp/openjet-cluster-out}
@@ -28,19 +29,17 @@ export PYTHONUNBUFFERED=1 LITELLM_LOCAL_MODEL_COST_MAP=True
 export OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
 SITE=$PWD/build/site
 export PYTHONPATH=$SITE:$PWD
-PIP=(python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE")
 
 case "$MODE" in
 setup)
     start=$(date +%s)
     mkdir -p "$SITE"
-    [ -d .whl ] && { "${PIP[@]}" .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }; }
+    [ -d .whl ] && { pip_install_carried "$SITE" .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }; }
     ls .carry/cluster-a/litellm-*-slim.zip >/dev/null 2>&1 || { echo "gpu_cluster: carry .carry/cluster-a"; exit 1; }
     python3 -m zipfile -e .carry/cluster-a/litellm-*-slim.zip "$SITE" || exit 1
     nvidia-smi --query-gpu=index,name,memory.total,memory.used --format=csv | tee "$OUT/gpus.txt"
-    ARCH=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader -i 0 | head -1 | tr -d '. ')
-    OPENJET_CUDA_ARCHS=${OPENJET_CUDA_ARCHS:-$ARCH} python3 -m openjet_plugin.build_native --if-stale 2>&1 \
-        | tail -3 | tee "$OUT/build.log"
+    ARCH=$(detected_cuda_arch)
+    build_native_if_stale "${OPENJET_CUDA_ARCHS:-$ARCH}" 2>&1 | tail -3 | tee "$OUT/build.log"
     python3 -c "
 from pathlib import Path
 from openjet_plugin.bench.runner import default_model
@@ -50,7 +49,7 @@ print('model', default_model(Path('$OPENJET_CACHE_DIR/bench'), print))" 2>&1 | t
 run)
     [ -d "$SITE/litellm" ] || { echo "gpu_cluster: $SITE/litellm is missing: the machine was not kept warm" \
                                      "since 'setup' (run setup again, then run at once)"; exit 2; }
-    "${PIP[@]}" .carry/cluster-b/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
+    pip_install_carried "$SITE" .carry/cluster-b/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
     python3 -c "import litellm.proxy.proxy_server, openai, openjet_plugin.cluster; print('litellm proxy imports')" \
         2>&1 | tail -5 || exit 1
     MODEL=$(ls "$OPENJET_CACHE_DIR"/bench/q27b-Q4_K_M-seed0.gguf 2>/dev/null || echo q27b)

@@ -9,13 +9,13 @@
 #   bash scripts/gpu.sh deltanet        # < 1 minute on an H200
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-deltanet-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Inative \
-    native/tools/deltanet_chunked_bench.cu -o "$OUT/deltanet_bench" >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Inative \
+    native/tools/deltanet_chunked_bench.cu -o "$OUT/deltanet_bench" || exit 1
 # registers / spills per kernel (prep and scan per d_state; the sequential copy)
 awk '/Compiling entry function/ { k = $0; sub(/.*function .?/, "", k); sub(/.? for .*/, "", k) }
      /spill/ { sp = $0; sub(/.*info *: */, "", sp); sub(/^ */, "", sp) }

@@ -12,16 +12,15 @@
 #                                                      # 8,2; 4,2; 2,2; Q8_0 also 1,2)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-gemm-f16-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
-nvcc -std=c++17 -O2 -Inative native/tools/gemm_f16_unit.cu -o "$OUT/gemm_f16_unit" >"$OUT/build_unit.log" 2>&1 \
-    || { tail -30 "$OUT/build_unit.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+compile_harness "$OUT/build_unit.log" -std=c++17 -O2 -Inative native/tools/gemm_f16_unit.cu -o "$OUT/gemm_f16_unit" || exit 1
 "$OUT/gemm_f16_unit" || exit 1
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/gemm_f16_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_f16_bench" -lgomp >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
+    native/tools/gemm_f16_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_f16_bench" -lgomp || exit 1
 # registers / spills: the fp16 kernels (type id / warps along M / stages: 12 Q4_K, 13 Q5_K, 14 Q6_K,
 # 8 Q8_0), the X preparation, the int8 Q4_K kernels
 awk '/Compiling entry function/ { k = "";

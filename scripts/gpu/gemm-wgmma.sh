@@ -17,12 +17,12 @@
 #                                                         # (2,128,2 | 2,64,4 | 3,64,3)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-gemm-wgmma-out}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
-nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/gemm_wgmma_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_wgmma_bench" -lgomp >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+compile_harness "$OUT/build.log" -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
+    native/tools/gemm_wgmma_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_wgmma_bench" -lgomp || exit 1
 # ptxas warnings that matter here: wgmma serialised (C7510 family) or setmaxnreg ignored (C7508)
 grep -iE "warning|serializ|C75" "$OUT/build.log" | head -10
 # registers / spills of the wgmma kernels (consumer warpgroups / positions / stages; the count is the

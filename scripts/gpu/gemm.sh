@@ -11,13 +11,13 @@
 #   OJ_GEMM_CFG=4,2 bash scripts/gpu.sh gemm --quick   # force 128 rows x 2 stages (4,3 / 4,2 / 2,2)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-gemm-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/gemm_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_bench" -lgomp >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
+    native/tools/gemm_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/gemm_bench" -lgomp || exit 1
 # registers / spills of the GEMM kernels: type id (8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K) / warps along M / stages
 awk '/Compiling entry function/ { k = ""; if (match($0, /gemm_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+/)) {
          k = substr($0, RSTART + 14, RLENGTH - 14); gsub(/ELi/, "/", k) } }

@@ -6,11 +6,11 @@
 # $OUT (or /tmp/openjet-launch-out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-launch-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -Inative native/tools/launch_chain_bench.cu -o "$OUT/lcb" >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -Inative native/tools/launch_chain_bench.cu -o "$OUT/lcb" || exit 1
 timeout "${LCB_TIMEOUT:-120}" "$OUT/lcb" >"$OUT/run.log" 2>&1
 rc=$?
 cat "$OUT/run.log"

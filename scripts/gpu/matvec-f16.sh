@@ -5,13 +5,13 @@
 # $OUT (or /tmp/openjet-mvf16-out). Exit status: the harness's (1 on any failed check).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-mvf16-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvidia-smi --query-gpu=name,compute_cap,memory.used,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/gpu.txt"
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/matvec_f16_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/mvf16_bench" -lgomp >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
+    native/tools/matvec_f16_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/mvf16_bench" -lgomp || exit 1
 # registers / spills: f16 kernels (type 12 Q4_K, 14 Q6_K / warps / stages), bf16-split, int8
 awk '/Compiling entry function/ { k = ""
          if (match($0, /mvf16[0-9]+matvec_kernelILi[0-9]+ELi[0-9]+ELi[0-9]+/)) { k = "f16  " substr($0, RSTART, RLENGTH); sub(/.*kernelILi/, "f16  type ", k); gsub(/ELi/, "/", k) }

@@ -7,12 +7,12 @@
 # ffn) under Nsight Compute instead (stall reasons, occupancy, memory throughput; < 1 minute).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-mvgroup-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
-    native/tools/matvec_group_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/mvgroup_bench" -lgomp >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Xcompiler -fopenmp -Inative \
+    native/tools/matvec_group_bench.cu native/matvec.cu native/elementwise.cu native/deltanet.cu -o "$OUT/mvgroup_bench" -lgomp || exit 1
 grep -A1 "mvf16.*matvec_kernel" "$OUT/build.log" | grep -E "registers|spill" | sort | uniq -c | head -8
 if [ "${1:-}" = "--ncu-source" ]; then
     # per-SASS-instruction warp stall samples of one group's kernel: where a warp's step time goes

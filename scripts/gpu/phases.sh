@@ -16,6 +16,7 @@
 # phases.json and the logs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-phases-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2 MKL_NUM_THREADS=2
@@ -29,13 +30,7 @@ PROMPT=512
 METRICS=gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,launch__grid_size,launch__block_size
 
 # 1. packages the GPU machine lacks (cffi, pycparser, gguf) travel as wheels in .whl/
-if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+install_carried_wheels "$OUT/pip.log" || { cat "$OUT/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,compute_cap,memory.total,memory.used,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
 if [ -z "$NCU" ]; then
@@ -44,8 +39,7 @@ fi
 "$NCU" --version | tail -1 | tee "$OUT/ncu_version.txt"
 
 # 2. the library, for this GPU only (sm_90 on the H200)
-OPENJET_CUDA_ARCHS=${OPENJET_CUDA_ARCHS:-90} python3 -m openjet_plugin.build_native --if-stale >"$OUT/build.log" 2>&1 \
-    || { tail -20 "$OUT/build.log"; echo "gpu_phases: native build failed"; exit 1; }
+build_native_if_stale >"$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; echo "gpu_phases: native build failed"; exit 1; }
 
 # 3. the model
 MODEL=${PHASES_MODEL:-$(python3 scripts/phase_probe.py --print-model 2>"$OUT/model.log" | tail -1)}

@@ -15,6 +15,7 @@
 # $OUT gets sanitize.md (the table, also printed last), sanitize.json, build.log and one log per tool.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 start=$(date +%s)
 BUDGET=${SANITIZE_BUDGET:-330}
 TOOLS=$(echo ${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck})   # words, single spaces
@@ -26,18 +27,12 @@ unset OPENJET_GPU_REPORT
 K=${SANITIZE_K:-"(teacher_forced and (tiny-F32 or tiny-Q4_K_M or w256-Q4_K_M)) or (multi_position and tiny-Q4_K_M) or draft_chain or greedy_decode or status_and_memory"}
 
 # 1. packages the GPU machine lacks (cffi, pycparser, gguf) travel as wheels in .whl/
-SITE=
-if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >"$OUT/build.log" 2>&1 || { cat "$OUT/build.log"; exit 1; }
-    SITE=/tmp/site:
-fi
-export PYTHONPATH=$SITE$PWD:$PWD/scripts    # scripts/: the sanitize_deadline pytest plugin
+install_carried_wheels_if_missing "$OUT/build.log" || { cat "$OUT/build.log"; exit 1; }
+export PYTHONPATH=$PYTHONPATH:$PWD/scripts    # scripts/: the sanitize_deadline pytest plugin
 
 # 2. the library, for this GPU only (sm_90 on the H200); -lineinfo is in its flags, so reports name lines
 nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader >>"$OUT/build.log" 2>&1
-OPENJET_CUDA_ARCHS=${OPENJET_CUDA_ARCHS:-90} python3 -m openjet_plugin.build_native --if-stale >>"$OUT/build.log" 2>&1 \
-    || { echo "gpu_sanitize: native build failed:"; tail -30 "$OUT/build.log"; exit 1; }
+build_native_if_stale >>"$OUT/build.log" 2>&1 || { echo "gpu_sanitize: native build failed:"; tail -30 "$OUT/build.log"; exit 1; }
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if ! "$SAN" --version >>"$OUT/build.log" 2>&1; then
     echo "gpu_sanitize: compute-sanitizer not found ($SAN)"; exit 1

@@ -15,6 +15,7 @@
 # is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 start=$(date +%s)
 BUDGET=${SESSION_S:-560}
 OUT=${OUT:-/tmp/openjet-session-out}
@@ -25,13 +26,7 @@ CACHE=$OPENJET_CACHE_DIR/bench
 mkdir -p "$CACHE"
 left() { echo $(( BUDGET - ($(date +%s) - start) )); }
 
-if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl >"$W/pip.log" 2>&1 || { tail -5 "$W/pip.log"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
-else
-    export PYTHONPATH=$PWD
-fi
+install_carried_wheels_if_missing "$W/pip.log" || { tail -5 "$W/pip.log"; exit 1; }
 nvidia-smi --query-gpu=name,compute_cap,memory.total,clocks.sm,clocks.mem --format=csv >"$W/gpu.txt" 2>&1
 
 # 1. llama-bench in the background (nice: the measurements keep their cores)
@@ -41,8 +36,7 @@ if [ -n "$SDIST" ]; then
         --jobs "$(( $(nproc) - 2 ))" >"$W/peer-build.log" 2>&1 &
 fi
 # 2. the native library: the carried one when it loads, else built here
-python3 -c "from openjet_plugin import _native; _native.load()" >"$W/native-load.log" 2>&1 \
-    || OPENJET_CUDA_ARCHS=90 python3 -m openjet_plugin.build_native >>"$W/native-load.log" 2>&1
+load_or_build_native "$W/native-load.log"
 # 3. the q27b (once per machine), in the background while the suite runs
 # (the one the bench will read: with --mtp-accuracy / --mtp-runner-up among the arguments, the
 # generated model of that head, which the bench then finds made)

@@ -13,11 +13,11 @@
 # Python-package shims, which an isolated build environment cannot run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 export PYTHONUNBUFFERED=1
 unset LLAMA_CPP_LIB_PATH
 [ -d .carry/pip ] || { echo "gpu setup: no .carry/pip (bash scripts/device_carry.sh --setup)"; exit 2; }
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl .carry/pip/*.whl \
-    || exit 1
+pip_install_carried /tmp/site .whl/*.whl .carry/pip/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 echo "=== setup"
 t0=$(date +%s)

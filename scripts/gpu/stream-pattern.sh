@@ -4,11 +4,11 @@
 # read; < 1 minute on an H200). Logs to $OUT (or /tmp/openjet-stream-out).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
 OUT=${OUT:-/tmp/openjet-stream-out}
 mkdir -p "$OUT"
 ARCH=${OPENJET_CUDA_ARCHS:-90}
-nvcc -std=c++17 -O3 -arch=sm_${ARCH} -Inative native/tools/stream_pattern_bench.cu -o "$OUT/spb" >"$OUT/build.log" 2>&1 \
-    || { tail -30 "$OUT/build.log"; exit 1; }
+compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -Inative native/tools/stream_pattern_bench.cu -o "$OUT/spb" || exit 1
 timeout "${SPB_TIMEOUT:-120}" "$OUT/spb" >"$OUT/run.log" 2>&1
 rc=$?
 cat "$OUT/run.log"
