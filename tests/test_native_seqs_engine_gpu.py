@@ -78,7 +78,7 @@ def test_decode_steps_of_several_sequences_are_each_ones_own(native, workdir, na
     n_seq, steps = 6, 24
     mf = open_model(_model(name, workdir))
     one = NativeBackend(mf, n_ctx=512, draft_depth=0)
-    multi = NativeBackend(mf, n_ctx=512, n_seq=n_seq)
+    multi = NativeBackend(mf, n_ctx=512, n_seq=n_seq, draft_depth=0)   # no MTP rows: every step in oj_eval_seqs
     try:
         prompts = _prompts(one.n_vocab, n_seq)
         want_tokens, want_rows = [], []

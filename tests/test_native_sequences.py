@@ -147,6 +147,7 @@ class SeqFakeLib(FakeLib):
         rc = super().oj_prefill(h, buf, n)
         if rc == 0:
             self._own_window()
+            self.seq_prefills = getattr(self, "seq_prefills", []) + [(self.selected, n)]
         return rc
 
     def oj_checkpoint_restore(self, h, slot, out):
@@ -612,6 +613,47 @@ def test_a_request_served_alone_speculates_and_concurrent_ones_share_passes(fake
         cached = eng.generate(TEXTS[1], max_tokens=24, temperature=0)
         assert cached.tokens == alone[TEXTS[1]] and cached.stats.prefix_cache_tokens > 0
         assert lib.overlaps == []
+
+
+def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_chunks(fake_seqs):
+    """A prompt arriving while others decode is cut by the pass budget; its pieces go through
+    oj_prefill as the whole prompt would alone, each but the last a whole number of DeltaNet
+    chunks, so its positions meet the same kernels at the same chunk boundaries."""
+    with _load(1, draft_depth=0, n_ctx=1024) as one:
+        long_prompt = [(37 * i + 11) % 3000 + 5 for i in range(10 * 64 + 6)]   # a work of 645: 5 past the chunks
+        want_long = one.generate(long_prompt, max_tokens=8, temperature=0).tokens
+        want = {p: one.generate(p, max_tokens=120, temperature=0).tokens for p in TEXTS[:2]}
+    with _load(3, draft_depth=0, n_ctx=1024) as eng:
+        lib = fake_seqs[-1]
+
+        def late_long():
+            time.sleep(0.02)                   # the two streams are decoding by then
+            return eng.generate(long_prompt, max_tokens=8, temperature=0).tokens
+
+        got = run_threads([lambda: _stream(eng, TEXTS[0], n=120), lambda: _stream(eng, TEXTS[1], n=120), late_long])
+        assert got == [want[TEXTS[0]], want[TEXTS[1]], want_long]
+        seq = next(s.backend.seq for s in eng._slots if s.tokens[:len(long_prompt)] == long_prompt)
+        pieces = [n for q, n in getattr(lib, "seq_prefills", []) if q == seq]
+        assert sum(pieces) == len(long_prompt) - 1 and len(pieces) > 1, pieces   # cut, all through oj_prefill
+        assert all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1]), pieces
+        assert lib.overlaps == []
+
+
+def test_prompt_pieces_are_whole_deltanet_chunks_through_prefill(fake_seqs):
+    be = _backend(2)
+    try:
+        passes, (a, b) = be._shared.passes, be.sequences()
+        C = native.DELTANET_CHUNK
+        long, short = native.Work(1, list(range(5, 650)), 0, 0), native.Work(1, [5, 6, 7], 0, 1)
+        assert [passes._prompt_tokens(long, n) for n in (1, 30, C, 100, 200, 645)] == [C, C, C, C, 3 * C, 645]
+        assert passes._prompt_tokens(short, 2) == 2               # oj_eval takes any split alike
+        lib = fake_seqs[-1]
+        b.eval_argmax([9] * 20)
+        b._eval_chunks([1, 2, 3, 4, 5], prefill_all=True)           # a tail of a long prompt: oj_prefill
+        b._eval_chunks([6, 7])                                      # a short prompt: oj_eval
+        assert [n for q, n in lib.seq_prefills if q == 1] == [20, 5]
+    finally:
+        be.close()
 
 
 def test_a_bad_request_among_native_slots_fails_alone(fake_seqs):

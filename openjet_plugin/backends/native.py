@@ -536,11 +536,12 @@ class NativeBackend:
             self._mtp_call(chunk, start, "main")
             self._mtp_upto = start + len(chunk)
 
-    def _eval_chunks(self, tokens: list[int]) -> None:
+    def _eval_chunks(self, tokens: list[int], prefill_all: bool = False) -> None:
         """Append `tokens`: spans longer than PREFILL_MIN_SPAN through oj_prefill (when the engine
-        has it), the rest 8 positions per oj_eval. With checkpoint_interval N a span ends at every
-        multiple of N, where a checkpoint is saved (not after the last token: the engine saves
-        its own before the prompt's last one)."""
+        has it), the rest 8 positions per oj_eval; prefill_all: every span through oj_prefill (a
+        piece of a longer prompt, which alone would have gone through it whole: NativePasses).
+        With checkpoint_interval N a span ends at every multiple of N, where a checkpoint is saved
+        (not after the last token: the engine saves its own before the prompt's last one)."""
         every = self.checkpoint_interval
         toks = [int(t) for t in tokens]
         self._chunks(toks)            # validation: ids, context
@@ -549,7 +550,7 @@ class NativeBackend:
             n = len(toks) - i
             if every:                 # spans end on the interval's multiples
                 n = min(n, every - self.n_past % every)
-            if self.batched_prefill and n > PREFILL_MIN_SPAN:
+            if self.batched_prefill and (n > PREFILL_MIN_SPAN or prefill_all):
                 self._prefill_span(toks[i:i + n])
             else:
                 n = min(n, MAX_POSITIONS)
@@ -1207,7 +1208,7 @@ class NativePasses(PassScheduler):
                     continue
                 view = self._shared.views[w.seq]
                 try:
-                    view._eval_chunks(w.tokens[w.done:w.done + n])
+                    view._eval_chunks(w.tokens[w.done:w.done + n], prefill_all=self._prefills_whole(w))
                     if n == w.left:
                         if w.want_logits:
                             w.logits = view.logits(view._last_n - 1)
@@ -1217,6 +1218,19 @@ class NativePasses(PassScheduler):
                     errors[i] = exc
             seconds = time.perf_counter() - t0
         return errors, seconds
+
+    def _prefills_whole(self, w: Work) -> bool:
+        """The work's prompt alone would go through oj_prefill whole (more than PREFILL_MIN_SPAN
+        tokens, batched prefill on): its pieces here go through it too, each piece but the last a
+        whole number of DeltaNet chunks (_prompt_tokens), so the positions meet the same kernels
+        and the same chunk boundaries as alone, and the sequence's state and output are those of
+        the request run alone."""
+        return self._shared.views[w.seq].batched_prefill and len(w.tokens) > PREFILL_MIN_SPAN
+
+    def _prompt_tokens(self, w: Work, n: int) -> int:
+        if not self._prefills_whole(w) or n >= w.left:
+            return n
+        return min(w.left, max(DELTANET_CHUNK, n - n % DELTANET_CHUNK))
 
     def _decode_steps(self, chosen: list[tuple[Work, int]], idx: list[int], errors: list) -> None:
         """oj_eval_seqs of the works chosen[i] for i in idx (distinct sequences, one token each);

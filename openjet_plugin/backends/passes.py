@@ -89,6 +89,11 @@ class PassScheduler:
         backend, not waiting for it)."""
         raise NotImplementedError
 
+    def _prompt_tokens(self, w: Work, n: int) -> int:
+        """The prompt tokens of w this pass takes, given the n the budget allows (1..w.left): a
+        backend whose kernels split a prompt only at some boundaries rounds here."""
+        return n
+
     # --- the request threads' side --------------------------------------------------------------
     def submit(self, seq: int, tokens: list[int], n_past: int = 0, want_logits: bool = True) -> Work:
         """Hand in tokens of sequence seq to evaluate at n_past..; its event is set when they
@@ -200,8 +205,9 @@ class PassScheduler:
             n = min(w.left, room)
             if n == 0:
                 break
+            n = self._prompt_tokens(w, n)
             chosen.append((w, n))
-            room -= n
+            room = max(room - n, 0)
         # In the pass by sequence id: with a KV stream per sequence llama.cpp splits a batch into
         # ubatches (one graph, one read of the weights each) of sequences whose ids follow one
         # another in the order they first appear (llama_batch_allocr::split_equal, sequential), so
