@@ -642,7 +642,7 @@ def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_ch
 def test_prompt_pieces_are_whole_deltanet_chunks_through_prefill(fake_seqs):
     be = _backend(2)
     try:
-        passes, (a, b) = be._shared.passes, be.sequences()
+        passes, b = be._shared.passes, be.sequences()[1]
         C = native.DELTANET_CHUNK
         long, short = native.Work(1, list(range(5, 650)), 0, 0), native.Work(1, [5, 6, 7], 0, 1)
         assert [passes._prompt_tokens(long, n) for n in (1, 30, C, 100, 200, 645)] == [C, C, C, C, 3 * C, 645]
