@@ -539,6 +539,7 @@ def test_ours_on_the_native_sequences_serves_the_streams_together(tmp_path, monk
         assert d["backend"] == "native" and d["sequences"] == S and d["streams_differing_from_alone"] == 0
         if S > 1:
             assert d["max_sequences_in_a_pass"] >= 3 and d["shared_passes"] > 0, d
+            assert max(map(int, d["decode_pass_ms"])) >= 2, d
         else:
             assert "max_sequences_in_a_pass" not in d           # one sequence: no scheduler
     for L in (0, 128):

@@ -287,7 +287,7 @@ class LlamaCppBackend:
         if not isinstance(sc, PassScheduler):
             return {}
         return {"passes": sc.passes, "shared_passes": sc.shared_passes,
-                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass}
+                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass, "decode_pass_ms": sc.decode_pass_ms()}
 
     # --- tokens <-> text ------------------------------------------------------------------------
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:

@@ -427,7 +427,7 @@ class NativeBackend:
         if sc is None:
             return {}
         return {"passes": sc.passes, "shared_passes": sc.shared_passes,
-                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass}
+                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass, "decode_pass_ms": sc.decode_pass_ms()}
 
     # --- creation ------------------------------------------------------------------------------
     def _create(self, model_file, kv_type: str, device: int):

@@ -21,6 +21,7 @@ backend can tell which one it was.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -30,6 +31,7 @@ import numpy as np
 from .pass_budget import PassBudget
 
 GATHER_MAX_SECONDS = 0.05      # the longest a pass waits for a sequence of the previous pass
+PASS_TIMES_KEPT = 512           # decode-only pass times kept per number of decode steps
 
 
 class Work:
@@ -81,6 +83,9 @@ class PassScheduler:
         self.passes = 0
         self.shared_passes = 0
         self.max_sequences_in_a_pass = 0
+        # decode-only passes' seconds by their decode steps, the last PASS_TIMES_KEPT of each: what
+        # a pass of k sequences costs as the scheduler runs it (openjet bench's concurrent details)
+        self.decode_pass_seconds: dict[int, collections.deque] = {}
 
     def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
         """Put each chosen work's next n tokens into its sequence; set the result (logits or
@@ -88,6 +93,10 @@ class PassScheduler:
         in or the exception that failed it, and the pass's seconds (timed where it held the
         backend, not waiting for it)."""
         raise NotImplementedError
+
+    def decode_pass_ms(self) -> dict[int, float]:
+        """The median decode-only pass in ms, by its decode steps (sequences)."""
+        return {k: round(1e3 * float(np.median(v)), 3) for k, v in sorted(self.decode_pass_seconds.items()) if v}
 
     def _prompt_tokens(self, w: Work, n: int) -> int:
         """The prompt tokens of w this pass takes, given the n the budget allows (1..w.left): a
@@ -172,6 +181,9 @@ class PassScheduler:
                 if not any(errors):
                     self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
                     self._last_pass_seconds = seconds
+                    if n_decode and n_decode == sum(n for _, n in chosen):
+                        self.decode_pass_seconds.setdefault(
+                            n_decode, collections.deque(maxlen=PASS_TIMES_KEPT)).append(seconds)
                 self._expected = {w.seq for w, _ in chosen}
                 self._decoders_of_last_pass = n_decode
                 self.passes += 1

@@ -44,8 +44,10 @@ What the engine does now is what is measured: every row's details name the backe
 sequences it served at once (`sequences`, its slots: an engine of fewer than the streams runs them
 partly one after another), and where the backend counts its shared passes (llama.cpp's and the
 native engine's multi-sequence schedulers, backends/passes.py) the most sequences one pass served
-(`max_sequences_in_a_pass`) and the passes that served several (`shared_passes`), over the
-engine's life (the requests alone included); the latency rows need streams + 1 sequences and are
+(`max_sequences_in_a_pass`), the passes that served several (`shared_passes`) and the median
+decode-only pass by its sequences (`decode_pass_ms`: what a pass of k sequences costs as the
+scheduler runs it, beside verify_ms at k positions), over the engine's life (the requests alone
+included); the latency rows need streams + 1 sequences and are
 not measured with fewer. The native engine holds up to 8 sequences and speculates only for a
 request served alone (no verify pass over several sequences' drafts): its speculative row says so
 instead of a number.
@@ -492,6 +494,8 @@ def _engine_facts(engine, asked: int) -> dict:
     if counts:
         facts.update(max_sequences_in_a_pass=counts["max_sequences_in_a_pass"],
                      shared_passes=counts["shared_passes"], passes=counts["passes"])
+        if counts.get("decode_pass_ms"):   # a decode-only pass by its sequences, median ms (native)
+            facts["decode_pass_ms"] = {str(k): v for k, v in counts["decode_pass_ms"].items()}
     return facts
 
 
