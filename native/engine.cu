@@ -613,6 +613,40 @@ void commit_rows(Engine &e, int n_accept) {
 }
 
 
+// The main model over the n positions whose tokens are in s.tokens, onto the stream: embedding,
+// every layer, the output norm into `h` ([n][E]), head and argmax into s.logits / s.argmax; profiled
+// from t0 when oj_profile is on. pos0 and tree place a verify's positions (oj_verify, oj_verify_tree),
+// seqs oj_eval_seqs' (pos0 and tree unused then).
+void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, float *h,
+               std::chrono::steady_clock::time_point t0) {
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    Scratch &s = e.s;
+    e.prof.active = e.prof.on;
+    e.prof.used = 0;   // a pass that failed half-way left its events behind
+    stamp(e, PH_EMBED);
+    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
+    for (int il = 0; il < d.hp.n_layer; ++il) {
+        Layer &L = e.layers[il];
+        if (L.recurrent) deltanet_layer(e, L, n, seqs);
+        else attention_layer(e, L, n, pos0, tree, seqs);
+        ffn(e, L, n);
+    }
+    stamp(e, PH_NORM);
+    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
+    const Matrix &head = e.output.present() ? e.output : e.tok_embd;
+    stamp(e, PH_HEAD, weight_bytes(head));
+    matvec(head, h, s.logits, n, false, e.stream);
+    stamp(e, PH_ARGMAX);
+    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    stamp(e, -1);
+    e.prof.active = false;
+    if (e.prof.host) {
+        e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        ++e.prof.host_passes;
+    }
+}
+
 // parent: a checked parent array (oj_verify_tree) or nullptr (a chain).
 void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -634,30 +668,7 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     else if (e.prev_row != 0)
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
-    e.prof.active = e.prof.on;
-    e.prof.used = 0;   // a pass that failed half-way left its events behind
-    stamp(e, PH_EMBED);
-    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
-    for (int il = 0; il < d.hp.n_layer; ++il) {
-        Layer &L = e.layers[il];
-        if (L.recurrent) deltanet_layer(e, L, n);
-        else attention_layer(e, L, n, e.n_past, tree);
-        ffn(e, L, n);
-    }
-    float *h = s.hidden + E;
-    stamp(e, PH_NORM);
-    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
-    const Matrix &head = e.output.present() ? e.output : e.tok_embd;
-    stamp(e, PH_HEAD, weight_bytes(head));
-    matvec(head, h, s.logits, n, false, e.stream);
-    stamp(e, PH_ARGMAX);
-    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
-    stamp(e, -1);
-    e.prof.active = false;
-    if (e.prof.host) {
-        e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        ++e.prof.host_passes;
-    }
+    main_pass(e, n, e.n_past, tree, nullptr, s.hidden + E, t0);
     finish(e, "eval");
     collect(e);
     // the replay is in the state now; this evaluation's positions wait in e.slot for oj_commit
@@ -859,31 +870,9 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
     // the DeltaNet projections go to the last one's free ring slot (nothing pending there now);
     // the pass is profiled as a verify's is (oj_profile)
     const auto t0 = std::chrono::steady_clock::now();
-    e.prof.active = e.prof.on;
-    e.prof.used = 0;
     check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
-    stamp(e, PH_EMBED);
-    embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
-    for (int il = 0; il < d.hp.n_layer; ++il) {
-        Layer &L = e.layers[il];
-        if (L.recurrent) deltanet_layer(e, L, n, &b);
-        else attention_layer(e, L, n, 0, 0, &b);
-        ffn(e, L, n);
-    }
     float *h = s.h_in;   // the pass's hidden rows (the MTP block's input buffer, free here)
-    stamp(e, PH_NORM);
-    rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
-    const Matrix &head = e.output.present() ? e.output : e.tok_embd;
-    stamp(e, PH_HEAD, weight_bytes(head));
-    matvec(head, h, s.logits, n, false, e.stream);
-    stamp(e, PH_ARGMAX);
-    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
-    stamp(e, -1);
-    e.prof.active = false;
-    if (e.prof.host) {
-        e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        ++e.prof.host_passes;
-    }
+    main_pass(e, n, 0, 0, &b, h, t0);
     // each sequence's hidden window as after its own one-token oj_eval: row 0 = h of the position
     // before (zeros at position 0), row 1 = the new one's
     for (int t = 0; t < n; ++t) {
