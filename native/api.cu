@@ -47,6 +47,16 @@ int32_t guarded(oj_engine *h, F &&body) {
     }
 }
 
+// guarded, for a call that reads or changes the selected sequence: refused while a state copy of
+// it is not waited for (oj_state_copy_wait).
+template <typename F>
+int32_t on_sequence(oj_engine *h, const char *what, F &&body) {
+    return guarded(h, [&] {
+        oj::check_not_copying(h->e, h->e.cur_seq, what);
+        body();
+    });
+}
+
 void check_index(const oj::Engine &e, int32_t index, int32_t have, const char *what) {
     if (index < 0 || index >= have)
         oj::fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + " index " + std::to_string(index) + " is outside [0, " +
@@ -70,6 +80,31 @@ const oj::Layer &layer_at(const oj::Engine &e, int32_t layer) {
     if (layer < 0 || layer >= e.dims.hp.n_layer)
         oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " does not exist");
     return e.layers[layer];
+}
+
+}  // namespace
+
+// A copy object the caller frees by waiting for it: the engine's StateCopy of the copy.
+struct oj_state_copy {
+    oj::StateCopy c;
+};
+
+namespace {
+
+template <typename F>
+int32_t start_copy(oj_engine *engine, oj_state_copy **copy, const char *what, F &&start) {
+    if (!engine || !copy) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": engine or copy is NULL");
+    *copy = nullptr;
+    oj_state_copy *c = new (std::nothrow) oj_state_copy();
+    if (!c) return set_error(engine, OJ_ERR_OUT_OF_MEMORY, "host memory exhausted");
+    const int32_t rc = on_sequence(engine, what, [&] { start(c->c); });
+    if (rc != OJ_OK) {
+        oj::state_copy_release(c->c);
+        delete c;
+        return rc;
+    }
+    *copy = c;
+    return OJ_OK;
 }
 
 }  // namespace
@@ -155,7 +190,7 @@ int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int3
 
 int32_t oj_reset(oj_engine *engine) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_reset(engine->e); });
+    return on_sequence(engine, "oj_reset", [&] { oj::engine_reset(engine->e); });
 }
 
 int32_t oj_n_past(const oj_engine *engine, int32_t *out) {
@@ -182,64 +217,80 @@ int32_t oj_eval_seqs(oj_engine *engine, const int32_t *seqs, const int32_t *toke
 
 int32_t oj_seq_state_size(oj_engine *engine, uint64_t *out) {
     if (!engine || !out) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine or out is NULL");
-    return guarded(engine, [&] { *out = oj::engine_seq_state_size(engine->e); });
+    return on_sequence(engine, "oj_seq_state_size", [&] { *out = oj::engine_seq_state_size(engine->e); });
 }
 
-int32_t oj_seq_state_save(oj_engine *engine, void *out, uint64_t size) {
-    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_seq_state_save(engine->e, out, size); });
+int32_t oj_seq_state_save(oj_engine *engine, void *out, uint64_t size, oj_state_copy **copy) {
+    return start_copy(engine, copy, "oj_seq_state_save", [&](oj::StateCopy &c) { oj::engine_seq_state_save(engine->e, out, size, c); });
 }
 
-int32_t oj_seq_state_load(oj_engine *engine, const void *data, uint64_t size) {
-    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_seq_state_load(engine->e, data, size); });
+int32_t oj_seq_state_load(oj_engine *engine, const void *data, uint64_t size, oj_state_copy **copy) {
+    return start_copy(engine, copy, "oj_seq_state_load", [&](oj::StateCopy &c) { oj::engine_seq_state_load(engine->e, data, size, c); });
+}
+
+int32_t oj_state_copy_wait(oj_state_copy *copy) {
+    if (!copy) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "oj_state_copy_wait: copy is NULL");
+    oj::Engine *e = copy->c.e;
+    int32_t rc = OJ_OK;
+    if (e && e->failed) {
+        rc = set_error(nullptr, OJ_ERR_FAILED_STATE, "oj_state_copy_wait: an earlier CUDA fault poisoned the engine's context");
+    } else {
+        rc = guarded(nullptr, [&] { oj::state_copy_run(copy->c); });
+        if (rc == OJ_ERR_CUDA && e) {   // sticky: the engine's later calls fail fast (guarded's rule)
+            const cudaError_t err = cudaStreamSynchronize(e->copy_stream);
+            if (err != cudaSuccess && err != cudaErrorMemoryAllocation) e->failed = true;
+        }
+    }
+    oj::state_copy_release(copy->c);
+    delete copy;
+    return rc;
 }
 
 int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_eval(engine->e, tokens, n_tokens); });
+    return on_sequence(engine, "oj_eval", [&] { oj::engine_eval(engine->e, tokens, n_tokens); });
 }
 
 int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_prefill(engine->e, tokens, n_tokens); });
+    return on_sequence(engine, "oj_prefill", [&] { oj::engine_prefill(engine->e, tokens, n_tokens); });
 }
 
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_verify(engine->e, tokens, n_tokens); });
+    return on_sequence(engine, "oj_verify", [&] { oj::engine_verify(engine->e, tokens, n_tokens); });
 }
 
 int32_t oj_commit(oj_engine *engine, int32_t n_accept) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_commit(engine->e, n_accept); });
+    return on_sequence(engine, "oj_commit", [&] { oj::engine_commit(engine->e, n_accept); });
 }
 
 int32_t oj_verify_tree(oj_engine *engine, const int32_t *tokens, const int32_t *parent, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_verify_tree(engine->e, tokens, parent, n_tokens); });
+    return on_sequence(engine, "oj_verify_tree", [&] { oj::engine_verify_tree(engine->e, tokens, parent, n_tokens); });
 }
 
 int32_t oj_commit_path(oj_engine *engine, const int32_t *path, int32_t n_path) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_commit_path(engine->e, path, n_path); });
+    return on_sequence(engine, "oj_commit_path", [&] { oj::engine_commit_path(engine->e, path, n_path); });
 }
 
 int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
                  int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     if (!n_accepted) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "n_accepted is NULL");
-    return guarded(engine, [&] { *n_accepted = oj::engine_cycle(engine->e, tokens, n_tokens, n_draft, out_tokens, out_drafts); });
+    return on_sequence(engine, "oj_cycle", [&] { *n_accepted = oj::engine_cycle(engine->e, tokens, n_tokens, n_draft, out_tokens, out_drafts); });
 }
 
 int32_t oj_checkpoint_save(oj_engine *engine, int32_t slot) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_checkpoint_save(engine->e, slot); });
+    return on_sequence(engine, "oj_checkpoint_save", [&] { oj::engine_checkpoint_save(engine->e, slot); });
 }
 
 int32_t oj_checkpoint_restore(oj_engine *engine, int32_t slot, int32_t *n_past_out) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] {
+    return on_sequence(engine, "oj_checkpoint_restore", [&] {
         const int n = oj::engine_checkpoint_restore(engine->e, slot);
         if (n_past_out) *n_past_out = n;
     });
@@ -279,7 +330,7 @@ int32_t oj_get_logits(oj_engine *engine, int32_t index, float *out, int32_t n_vo
 
 int32_t oj_get_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_embd) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] {
+    return on_sequence(engine, "oj_get_hidden", [&] {
         oj::Engine &e = engine->e;
         check_index(e, index, e.last_n, "oj_get_hidden");
         check_out(out, n_embd, e.dims.hp.n_embd, "oj_get_hidden");
@@ -290,14 +341,14 @@ int32_t oj_get_hidden(oj_engine *engine, int32_t index, float *out, int32_t n_em
 int32_t oj_mtp_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t pos0,
                     int32_t h_source, const float *h_host) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] { oj::engine_mtp_eval(engine->e, tokens, n_tokens, pos0, h_source, h_host); });
+    return on_sequence(engine, "oj_mtp_eval", [&] { oj::engine_mtp_eval(engine->e, tokens, n_tokens, pos0, h_source, h_host); });
 }
 
 int32_t oj_draft_tree(oj_engine *engine, const oj_tree_request *request, int32_t *tokens, int32_t *parent,
                       double *prob, double *score, int32_t *n_nodes, int32_t *steps) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     if (!request || !n_nodes) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: request or n_nodes is NULL");
-    return guarded(engine, [&] {
+    return on_sequence(engine, "oj_draft_tree", [&] {
         int st = 0;
         *n_nodes = oj::engine_draft_tree(engine->e, *request, tokens, parent, prob, score, &st);
         if (steps) *steps = st;
@@ -343,7 +394,7 @@ int32_t oj_get_draft_hidden(oj_engine *engine, int32_t index, float *out, int32_
 
 int32_t oj_read_conv_state(oj_engine *engine, int32_t layer, float *out, uint64_t n) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] {
+    return on_sequence(engine, "oj_read_conv_state", [&] {
         oj::Engine &e = engine->e;
         const oj::Layer &L = layer_at(e, layer);
         if (!L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " is not a DeltaNet layer");
@@ -356,7 +407,7 @@ int32_t oj_read_conv_state(oj_engine *engine, int32_t layer, float *out, uint64_
 
 int32_t oj_read_ssm_state(oj_engine *engine, int32_t layer, float *out, uint64_t n) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] {
+    return on_sequence(engine, "oj_read_ssm_state", [&] {
         oj::Engine &e = engine->e;
         const oj::Layer &L = layer_at(e, layer);
         if (!L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " is not a DeltaNet layer");
@@ -370,7 +421,7 @@ int32_t oj_read_ssm_state(oj_engine *engine, int32_t layer, float *out, uint64_t
 
 int32_t oj_read_kv(oj_engine *engine, int32_t layer, int32_t which, int32_t pos0, int32_t n_pos, float *out, uint64_t n) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return guarded(engine, [&] {
+    return on_sequence(engine, "oj_read_kv", [&] {
         oj::Engine &e = engine->e;
         const oj::Layer &L = layer_at(e, layer);
         if (L.recurrent) oj::fail(OJ_ERR_INVALID_ARGUMENT, "layer " + std::to_string(layer) + " has no KV cache (DeltaNet)");

@@ -44,6 +44,14 @@ void Engine::release_all() {
     allocations.clear();
     if (stream) cudaStreamDestroy(stream);
     stream = nullptr;
+    if (copy_stream) cudaStreamDestroy(copy_stream);
+    copy_stream = nullptr;
+    for (cudaEvent_t &ev : staged) {
+        if (ev) cudaEventDestroy(ev);
+        ev = nullptr;
+    }
+    if (staging) cudaFreeHost(staging);
+    staging = nullptr;
 }
 
 namespace {
@@ -847,6 +855,7 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
             if (seqs[u] == seqs[t])
                 fail(OJ_ERR_INVALID_ARGUMENT, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " appears twice (entries " +
                                                   std::to_string(u) + " and " + std::to_string(t) + "); one token each");
+        check_not_copying(e, seqs[t], "oj_eval_seqs");
         const int n_past = seqs[t] == e.cur_seq ? e.n_past : e.seqs[seqs[t]].n_past;
         if (n_past + 1 > e.n_ctx)
             fail(OJ_ERR_CONTEXT_FULL, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " holds " + std::to_string(n_past) +
@@ -992,19 +1001,16 @@ uint64_t seq_state_bytes(const Engine &e, int n_past, int mtp_rows) {
     return n;
 }
 
-// K and V rows [0, rows) of layer L (the selected sequence's planes) to or from host memory at *p,
-// which advances past them.
-void copy_kv_rows(Engine &e, Layer &L, int rows, uint8_t *&p, bool save) {
+// K and V rows [0, rows) of layer L (the selected sequence's planes): one segment per plane and
+// KV head ([Hkv][n_ctx][row bytes] on the device, the rows of a head contiguous).
+void kv_segments(Engine &e, Layer &L, int rows, std::vector<StateCopy::Segment> &out) {
     if (rows == 0) return;
     const ModelDims &d = e.dims;
     const int Hkv = d.hp.n_head_kv, D = d.hp.head_dim;
     const size_t elem = e.kv_type == OJ_KV_F16 ? 2 : 1;
-    auto plane = [&](void *dev, size_t row_bytes) {   // [Hkv][n_ctx][row_bytes] on the device
-        const size_t width = (size_t)rows * row_bytes, pitch = (size_t)e.n_ctx * row_bytes;
-        check_cuda(save ? cudaMemcpy2DAsync(p, width, dev, pitch, width, Hkv, cudaMemcpyDeviceToHost, e.stream)
-                        : cudaMemcpy2DAsync(dev, pitch, p, width, width, Hkv, cudaMemcpyHostToDevice, e.stream),
-                   "sequence state KV");
-        p += width * Hkv;
+    auto plane = [&](void *dev, size_t row_bytes) {
+        for (int h = 0; h < Hkv; ++h)
+            out.push_back({static_cast<uint8_t *>(dev) + (size_t)h * e.n_ctx * row_bytes, (size_t)rows * row_bytes});
     };
     plane(L.k_cache, D * elem);
     if (e.kv_type == OJ_KV_Q8_0) plane(L.k_scale, D / QK8_0 * sizeof(__half));
@@ -1012,29 +1018,46 @@ void copy_kv_rows(Engine &e, Layer &L, int rows, uint8_t *&p, bool save) {
     if (e.kv_type == OJ_KV_Q8_0) plane(L.v_scale, D / QK8_0 * sizeof(__half));
 }
 
-// The recurrent state, h of n_past - 1 (hidden-window row `hidden_row`) and the KV rows of every
-// layer to or from host memory after the header.
-void copy_seq_state(Engine &e, uint8_t *p, int n_past, int mtp_rows, int hidden_row, bool save) {
+// The selected sequence's device memory in the copy's order (after the header): the recurrent
+// state, h of n_past - 1 (hidden-window row `hidden_row`), the KV rows of every layer.
+std::vector<StateCopy::Segment> seq_state_segments(Engine &e, int n_past, int mtp_rows, int hidden_row) {
     const ModelDims &d = e.dims;
     const size_t conv = (size_t)d.ssm_conv_dim() * (d.hp.ssm_conv_kernel - 1) * 4;
     const size_t ssm = (size_t)d.hp.ssm_dt_rank * d.hp.ssm_d_state * d.hp.ssm_d_state * 4;
-    const cudaMemcpyKind kind = save ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+    std::vector<StateCopy::Segment> out;
     for (Layer &L : e.layers) {
         if (!L.recurrent) continue;
-        check_cuda(save ? cudaMemcpyAsync(p, L.conv_state, conv, kind, e.stream) : cudaMemcpyAsync(L.conv_state, p, conv, kind, e.stream),
-                   "sequence state");
-        p += conv;
-        check_cuda(save ? cudaMemcpyAsync(p, L.ssm_state, ssm, kind, e.stream) : cudaMemcpyAsync(L.ssm_state, p, ssm, kind, e.stream),
-                   "sequence state");
-        p += ssm;
+        out.push_back({reinterpret_cast<uint8_t *>(L.conv_state), conv});
+        out.push_back({reinterpret_cast<uint8_t *>(L.ssm_state), ssm});
     }
-    const size_t E = (size_t)d.hp.n_embd * 4;
-    float *row = e.s.hidden + (size_t)hidden_row * d.hp.n_embd;
-    check_cuda(save ? cudaMemcpyAsync(p, row, E, kind, e.stream) : cudaMemcpyAsync(row, p, E, kind, e.stream), "sequence state");
-    p += E;
+    out.push_back({reinterpret_cast<uint8_t *>(e.s.hidden + (size_t)hidden_row * d.hp.n_embd), (size_t)d.hp.n_embd * 4});
     for (Layer &L : e.layers)
-        if (!L.recurrent) copy_kv_rows(e, L, n_past, p, save);
-    if (e.has_mtp) copy_kv_rows(e, e.mtp.block, mtp_rows, p, save);
+        if (!L.recurrent) kv_segments(e, L, n_past, out);
+    if (e.has_mtp) kv_segments(e, e.mtp.block, mtp_rows, out);
+    return out;
+}
+
+// Each staging buffer's bytes: a piece of a copy in flight while the host moves the other one.
+constexpr size_t STATE_STAGING_BYTES = 8u << 20;
+
+// The copy stream, staging buffers and their events, made at the first copy; the event that
+// orders the copy after the work already on the engine's stream; the sequence marked busy.
+void start_copy(Engine &e, StateCopy &c, bool save, uint8_t *host, std::vector<StateCopy::Segment> segments) {
+    if (!e.copy_stream) check_cuda(cudaStreamCreateWithFlags(&e.copy_stream, cudaStreamNonBlocking), "state copy stream");
+    if (!e.staging) {
+        void *p = nullptr;
+        check_cuda(cudaHostAlloc(&p, 2 * STATE_STAGING_BYTES, cudaHostAllocDefault), "state copy staging (pinned host memory)");
+        e.staging = static_cast<uint8_t *>(p);
+        for (cudaEvent_t &ev : e.staged) check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "state copy event");
+    }
+    check_cuda(cudaEventCreateWithFlags(&c.start, cudaEventDisableTiming), "state copy event");
+    check_cuda(cudaEventRecord(c.start, e.stream), "state copy event");
+    c.e = &e;
+    c.save = save;
+    c.seq = e.cur_seq;
+    c.host = host;
+    c.segments = std::move(segments);
+    e.copy_busy.fetch_or(1u << e.cur_seq);
 }
 
 }  // namespace
@@ -1043,7 +1066,13 @@ uint64_t engine_seq_state_size(const Engine &e) {
     return seq_state_bytes(e, e.n_past, std::min(e.mtp_n_past, e.n_past));
 }
 
-void engine_seq_state_save(Engine &e, void *out, uint64_t size) {
+void check_not_copying(const Engine &e, int seq, const char *what) {
+    if (e.copy_busy.load() & (1u << seq))
+        fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": sequence " + std::to_string(seq) +
+                                          " has a state copy in progress (oj_state_copy_wait first)");
+}
+
+void engine_seq_state_save(Engine &e, void *out, uint64_t size, StateCopy &c) {
     if (!out) fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_save: out is NULL");
     const uint64_t need = engine_seq_state_size(e);
     if (size < need)
@@ -1053,11 +1082,10 @@ void engine_seq_state_save(Engine &e, void *out, uint64_t size) {
     engine_flush(e);
     SeqStateHeader h{SEQ_STATE_MAGIC, SEQ_STATE_VERSION, model_fingerprint(e), e.n_past, std::min(e.mtp_n_past, e.n_past)};
     std::memcpy(out, &h, sizeof(h));
-    copy_seq_state(e, static_cast<uint8_t *>(out) + sizeof(h), h.n_past, h.mtp_rows, e.prev_row, true);
-    finish(e, "oj_seq_state_save");
+    start_copy(e, c, true, static_cast<uint8_t *>(out) + sizeof(h), seq_state_segments(e, h.n_past, h.mtp_rows, e.prev_row));
 }
 
-void engine_seq_state_load(Engine &e, const void *data, uint64_t size) {
+void engine_seq_state_load(Engine &e, const void *data, uint64_t size, StateCopy &c) {
     if (!data) fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: data is NULL");
     SeqStateHeader h{};
     if (size < sizeof(h)) fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: " + std::to_string(size) + " bytes is no sequence state");
@@ -1074,8 +1102,7 @@ void engine_seq_state_load(Engine &e, const void *data, uint64_t size) {
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_seq_state_load: " + std::to_string(size) + " bytes, but a state of " + std::to_string(h.n_past) +
                                           " positions is " + std::to_string(need));
     uint8_t *p = const_cast<uint8_t *>(static_cast<const uint8_t *>(data)) + sizeof(h);   // read only (save = false)
-    copy_seq_state(e, p, h.n_past, h.mtp_rows, 0, false);
-    finish(e, "oj_seq_state_load");
+    start_copy(e, c, false, p, seq_state_segments(e, h.n_past, h.mtp_rows, 0));
     e.n_past = h.n_past;
     e.replay_n = 0;
     e.uncommitted = 0;
@@ -1085,6 +1112,61 @@ void engine_seq_state_load(Engine &e, const void *data, uint64_t size) {
     e.last_n = 0;
     e.mtp_n_past = h.mtp_rows;
     e.last_mtp_n = 0;
+}
+
+// The copy in pieces of STATE_STAGING_BYTES, alternating between the two staging buffers: while
+// the copy engine moves piece k between the device and one buffer, the host moves piece k - 1
+// between the other and the caller's memory. The engine's stream is never waited on by it.
+void state_copy_run(StateCopy &c) {
+    Engine &e = *c.e;
+    std::lock_guard<std::mutex> lock(e.copy_mutex);
+    check_cuda(cudaSetDevice(e.device), "state copy: cudaSetDevice");
+    check_cuda(cudaStreamWaitEvent(e.copy_stream, c.start, 0), "state copy");
+    uint64_t total = 0;
+    for (const StateCopy::Segment &g : c.segments) total += g.bytes;
+    const cudaMemcpyKind kind = c.save ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+    uint8_t *host_at[2] = {}, *buf[2] = {e.staging, e.staging + STATE_STAGING_BYTES};
+    size_t len_at[2] = {};
+    auto drain = [&](int b) {   // piece in buffer b is through: a save's bytes go to the caller
+        check_cuda(cudaEventSynchronize(e.staged[b]), "state copy");
+        if (c.save && len_at[b]) std::memcpy(host_at[b], buf[b], len_at[b]);
+        len_at[b] = 0;
+    };
+    size_t seg = 0, seg_off = 0;
+    uint8_t *host = c.host;
+    for (int k = 0; total > 0; ++k) {
+        const int b = k & 1;
+        if (k >= 2) drain(b);
+        const size_t len = (size_t)std::min<uint64_t>(STATE_STAGING_BYTES, total);
+        if (!c.save) std::memcpy(buf[b], host, len);
+        for (size_t done = 0; done < len;) {
+            const StateCopy::Segment &g = c.segments[seg];
+            const size_t piece = std::min(g.bytes - seg_off, len - done);
+            uint8_t *dev = g.dev + seg_off;
+            check_cuda(c.save ? cudaMemcpyAsync(buf[b] + done, dev, piece, kind, e.copy_stream)
+                              : cudaMemcpyAsync(dev, buf[b] + done, piece, kind, e.copy_stream),
+                       "state copy");
+            done += piece;
+            seg_off += piece;
+            if (seg_off == g.bytes) ++seg, seg_off = 0;
+        }
+        check_cuda(cudaEventRecord(e.staged[b], e.copy_stream), "state copy");
+        host_at[b] = host;
+        len_at[b] = len;
+        host += len;
+        total -= len;
+        if (total == 0) {   // the other buffer's piece is older: it goes first
+            drain(b ^ 1);
+            drain(b);
+        }
+    }
+}
+
+void state_copy_release(StateCopy &c) {
+    if (c.start) cudaEventDestroy(c.start);
+    c.start = nullptr;
+    if (c.e) c.e->copy_busy.fetch_and(~(1u << c.seq));
+    c.e = nullptr;
 }
 
 void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {

@@ -6,10 +6,12 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -238,10 +240,19 @@ struct Engine : SeqState {
     std::vector<Checkpoint> checkpoints;
     Profile prof;
 
+    // oj_seq_state_save / load's copies (engine.cu, StateCopy): on copy_stream, beside the passes on
+    // stream, through two pinned staging buffers allocated at the first copy; copy_mutex runs them
+    // one at a time (oj_state_copy_wait may run on any thread).
+    cudaStream_t copy_stream = nullptr;
+    uint8_t *staging = nullptr;                  // [2][STATE_STAGING_BYTES] pinned host memory
+    cudaEvent_t staged[2] = {};
+    std::mutex copy_mutex;
+    std::atomic<uint32_t> copy_busy{0};          // bit i: sequence i has a copy not yet waited for
+
     std::vector<void *> allocations;
     oj_memory_report memory{};
     std::string error;
-    bool failed = false;
+    std::atomic<bool> failed{false};             // written by a wait on another thread too
 
     void *alloc(size_t bytes, uint64_t &counter);
     void release_all();
@@ -263,10 +274,28 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
 // oj_seq_select / oj_eval_seqs (openjet.h).
 void engine_seq_select(Engine &e, int seq);
 void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int n);
-// oj_seq_state_size / save / load (openjet.h): the selected sequence's whole state to and from host memory.
+// oj_seq_state_size / save / load / oj_state_copy_wait (openjet.h): the selected sequence's whole
+// state to and from host memory. save and load check, set up `c` and mark the sequence busy;
+// state_copy_run moves the bytes (any thread) and clears the mark.
+struct StateCopy {
+    struct Segment {
+        uint8_t *dev;
+        size_t bytes;
+    };
+    Engine *e = nullptr;
+    bool save = true;
+    int seq = 0;
+    uint8_t *host = nullptr;           // the copy's bytes after its header
+    std::vector<Segment> segments;     // device memory in the copy's byte order
+    cudaEvent_t start = nullptr;       // on stream: the work before the copy
+};
 uint64_t engine_seq_state_size(const Engine &e);
-void engine_seq_state_save(Engine &e, void *out, uint64_t size);
-void engine_seq_state_load(Engine &e, const void *data, uint64_t size);
+void engine_seq_state_save(Engine &e, void *out, uint64_t size, StateCopy &c);
+void engine_seq_state_load(Engine &e, const void *data, uint64_t size, StateCopy &c);
+void state_copy_run(StateCopy &c);
+void state_copy_release(StateCopy &c);   // the busy mark and the event (after run, or instead of it)
+// Refuses a call on sequence `seq` while a state copy of it is not waited for.
+void check_not_copying(const Engine &e, int seq, const char *what);
 void engine_checkpoint_save(Engine &e, int slot);
 int engine_checkpoint_restore(Engine &e, int slot);   // returns the restored n_past
 void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);

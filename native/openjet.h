@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 10, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
+enum { OJ_ABI_VERSION = 11, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -259,15 +259,25 @@ int32_t oj_eval_seqs(oj_engine *engine, const int32_t *seqs, const int32_t *toke
    evaluated once, reused by later conversations): every DeltaNet layer's conv and ssm state, the
    hidden of position n_past - 1, the K/V rows [0, n_past) of every attention layer and the MTP
    block's rows [0, min(oj_mtp_n_past, n_past)). oj_seq_state_size: the bytes of that copy now.
-   oj_seq_state_save writes it to host memory `out` (size bytes at least), after putting accepted
-   positions into the state (a pending verify counts as oj_commit(0)). oj_seq_state_load replaces
-   the selected sequence's state by a copy (its n_past and MTP rows become the copy's; a pending
-   verify is dropped; the hidden window then holds only h of n_past - 1, as after a checkpoint
-   restore). A buffer of another model or KV type, a size that is not the copy's, or more positions
-   than n_ctx is refused by name, the sequence as it was. */
+   oj_seq_state_save starts writing it to host memory `out` (size bytes at least), after putting
+   accepted positions into the state (a pending verify counts as oj_commit(0)). oj_seq_state_load
+   starts replacing the selected sequence's state by a copy (its n_past and MTP rows become the
+   copy's; a pending verify is dropped; the hidden window then holds only h of n_past - 1, as after
+   a checkpoint restore). A buffer of another model or KV type, a size that is not the copy's, or
+   more positions than n_ctx is refused by name, the sequence as it was.
+   Both hand back *copy; oj_state_copy_wait carries it out and frees it. The bytes move on the
+   engine's copy stream through pinned staging buffers (the host side in the calling thread), so
+   passes of other sequences go on meanwhile: oj_state_copy_wait is the one call that may run while
+   another thread calls into the same engine. Until it returns, the sequence is busy: calls that
+   read or change it (oj_eval_seqs naming it included) are refused with OJ_ERR_INVALID_ARGUMENT,
+   and `out` / `data` must stay allocated. Every copy must be waited for before oj_engine_free.
+   A failed wait after a load leaves the sequence's state undefined: oj_reset it. Errors of the
+   wait are oj_last_error(NULL)'s, of the calling thread. */
+typedef struct oj_state_copy oj_state_copy;
 int32_t oj_seq_state_size(oj_engine *engine, uint64_t *out);
-int32_t oj_seq_state_save(oj_engine *engine, void *out, uint64_t size);
-int32_t oj_seq_state_load(oj_engine *engine, const void *data, uint64_t size);
+int32_t oj_seq_state_save(oj_engine *engine, void *out, uint64_t size, oj_state_copy **copy);
+int32_t oj_seq_state_load(oj_engine *engine, const void *data, uint64_t size, oj_state_copy **copy);
+int32_t oj_state_copy_wait(oj_state_copy *copy);
 
 /* Results of the last oj_eval: argmax per position, one position's logits or final hidden
    state (after output_norm). */

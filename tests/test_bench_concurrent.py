@@ -39,6 +39,21 @@ def test_token_gaps_share_a_gap_among_the_tokens_of_one_event():
     assert concurrent.token_gaps([(1.0, 3)]) == ([], 0)        # the first event's tokens have no gap
 
 
+def test_slow_gaps_are_split_into_the_passes_they_waited_for():
+    """A stream's slow gap: 10 ms of a decode pass, a pass that waited 30 ms for the backend (a
+    state copy holding it) then ran 20 ms with prompt tokens, and 5 ms between passes."""
+    rec = concurrent.StreamRecord(0.0)
+    for t, n in ((0.000, 1), (0.010, 2), (0.020, 3), (0.085, 4), (0.095, 5)):
+        rec.add(t, n)
+    trace = [(0.000, 0.010, 0.010, 3, 0), (0.010, 0.020, 0.010, 3, 0),
+             (0.020, 0.030, 0.010, 3, 0), (0.035, 0.085, 0.020, 3, 64), (0.085, 0.095, 0.010, 3, 0)]
+    b = concurrent.slow_gap_breakdown([rec], trace, median_ms=10.0)
+    assert b == {"slow_gaps": 1, "ms": 65.0, "decode_pass_ms": 10.0, "mixed_pass_ms": 20.0,
+                 "waiting_for_backend_ms": 30.0, "between_passes_ms": 5.0, "longest_mixed_pass_ms": 20.0,
+                 "longest_wait_ms": 30.0}
+    assert concurrent.slow_gap_breakdown([rec], trace, median_ms=40.0)["slow_gaps"] == 0
+
+
 def test_percentile_is_nearest_rank():
     xs = list(range(1, 101))
     assert concurrent.percentile(xs, 99) == 99 and concurrent.percentile(xs, 50) == 50
@@ -545,6 +560,10 @@ def test_ours_on_the_native_sequences_serves_the_streams_together(tmp_path, monk
     for L in (0, 128):
         d = details[report.row_key("concurrent_itl_p99_ms", "openjet", {"streams": 3, "prompt_tokens": L})]
         assert d["sequences"] == 4 and d["max_sequences_in_a_pass"] >= 3
+        for run in d["runs"]:   # the slow gaps' time, accounted for in full by the pass trace
+            b = run["slow_gaps"]
+            parts = b["decode_pass_ms"] + b["mixed_pass_ms"] + b["waiting_for_backend_ms"] + b["between_passes_ms"]
+            assert b["slow_gaps"] >= 0 and abs(parts - b["ms"]) < 0.01 * max(b["ms"], 1), b
     # the engines loaded (native_status's own library loads made none): rows 1, 4, the latency rows, the speculative
     assert [lib.created[-1]["n_seq"] for lib in libs if lib.created] == [1, 4, 4, 4]
     skips = [r for r in recs if "skip" in r]

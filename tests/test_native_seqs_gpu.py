@@ -21,6 +21,7 @@ Run on the device: python -m pytest -q -m gpu tests/test_native_seqs_gpu.py
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,7 @@ from test_native_gpu import native_at_least, report  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-SEQS_ABI = 10   # oj_eval_seqs came at 9, oj_seq_state_* at 10
+SEQS_ABI = 11   # oj_eval_seqs came at 9, oj_seq_state_* at 10, as copies beside passes at 11
 PASSES = 24
 
 
@@ -77,6 +78,23 @@ class Raw:
         s = self.ffi.new("int32_t[]", seqs)
         t = self.ffi.new("int32_t[]", tokens)
         return int(self.lib.oj_eval_seqs(self.h, s, t, len(seqs)))
+
+    def start_copy(self, save: bool, data: np.ndarray, n: int | None = None):
+        """oj_seq_state_save / load of the selected sequence: (status, the copy to wait for)."""
+        copy = self.ffi.new("oj_state_copy **")
+        fn = self.lib.oj_seq_state_save if save else self.lib.oj_seq_state_load
+        return int(fn(self.h, self.ffi.from_buffer("char[]", data), data.size if n is None else n, copy)), copy
+
+    def wait_copy(self, copy) -> None:
+        from openjet_plugin import _native
+
+        rc = int(self.lib.oj_state_copy_wait(copy[0]))
+        assert rc == 0, f"oj_state_copy_wait: {_native.last_error(self.nl)}"
+
+    def copy_state(self, save: bool, data: np.ndarray) -> None:
+        rc, copy = self.start_copy(save, data)
+        self.ok(rc, "state save" if save else "state load")
+        self.wait_copy(copy)
 
     def n_past(self) -> int:
         out = self.ffi.new("int32_t *")
@@ -307,15 +325,28 @@ def test_a_sequence_state_copy_continues_bit_for_bit_in_any_sequence(native, wor
         size = r.ffi.new("uint64_t *")
         r.ok(r.lib.oj_seq_state_size(r.h, size), "state size")
         data = np.full(int(size[0]), 0xAB, dtype=np.uint8)
-        small = r.lib.oj_seq_state_save(r.h, r.ffi.from_buffer("char[]", data), data.size - 1)
+        small, _ = r.start_copy(True, data, data.size - 1)
         assert small != 0 and "needs" in r.ffi.string(r.lib.oj_last_error(r.h)).decode()
-        r.ok(r.lib.oj_seq_state_save(r.h, r.ffi.from_buffer("char[]", data), data.size), "state save")
+        # the save waited for on another thread while sequence 1 is served beside it (the one
+        # call that runs beside others); sequence 0 is refused until the wait returns
+        rc, copy = r.start_copy(True, data)
+        r.ok(rc, "state save")
+        refused = r.lib.oj_eval(r.h, r.ffi.new("int32_t[]", [1]), 1)
+        assert refused != 0 and "state copy in progress" in r.ffi.string(r.lib.oj_last_error(r.h)).decode()
+        assert r.eval_seqs([1, 0], [2, 3]) != 0                # naming it in a pass is refused too
+        waiter = threading.Thread(target=r.wait_copy, args=(copy,))
+        waiter.start()
+        r.select(1)
+        for _ in range(4):
+            r.eval(rng.integers(0, V, 8).tolist())
+        waiter.join()
+        r.select(0)
         saved_n = r.n_past()
         original = r.state()
         r.select(2)
         r.eval(rng.integers(0, V, 6).tolist())               # sequence 2 held something else
-        r.ok(r.lib.oj_seq_state_load(r.h, r.ffi.from_buffer("char[]", data), data.size), "state load")
-        o.ok(o.lib.oj_seq_state_load(o.h, o.ffi.from_buffer("char[]", data), data.size), "state load, another engine")
+        r.copy_state(False, data)
+        o.copy_state(False, data)
         assert r.n_past() == o.n_past() == saved_n
         bad = []
         for who, raw in (("sequence 2", r), ("another engine", o)):
@@ -337,7 +368,7 @@ def test_a_sequence_state_copy_continues_bit_for_bit_in_any_sequence(native, wor
                                       "damaged": (r, np.zeros_like(data), data.size)}.items():
             raw.select(1 if raw is r else 0)
             before = raw.n_past()
-            rc = raw.lib.oj_seq_state_load(raw.h, raw.ffi.from_buffer("char[]", blob), n)
+            rc, _ = raw.start_copy(False, blob, n)
             msg = raw.ffi.string(raw.lib.oj_last_error(raw.h)).decode()
             assert rc != 0 and "oj_seq_state_load" in msg, (label, msg)
             assert raw.n_past() == before, label

@@ -39,6 +39,14 @@ REFUSED = V - 7           # a token id oj_eval_seqs / oj_eval of SeqFakeLib refu
 PASS_SECONDS = 0.0005     # each evaluating call takes this long, so that threads interleave
 
 
+# entry points the overlap and busy checks leave alone: oj_state_copy_wait runs without the lock
+# by design; the others read nothing of the selected sequence
+COPY_WAIT_AND_ENGINE_WIDE = ("oj_state_copy_wait", "oj_last_error", "oj_abi_version")
+NOT_ON_THE_SELECTED = ("oj_seq_select", "oj_seq_selected", "oj_eval_seqs", "oj_get_argmax", "oj_get_logits",
+                       "oj_engine_free", "oj_memory", "oj_n_past", "oj_mtp_n_past", "oj_device_info",
+                       "oj_profile", "oj_profile_read", "oj_set_draft_vocab", "oj_draft_vocab_size")
+
+
 class SeqFakeLib(FakeLib):
     """FakeLib with sequences (openjet.h ABI 9; see the module docstring)."""
 
@@ -58,6 +66,10 @@ class SeqFakeLib(FakeLib):
         self.slot_saves: list[tuple[int, int]] = []    # (sequence, slot) of every oj_checkpoint_save
         self.overlaps: list[str] = []                  # entry points entered while another thread was inside
         self._inside: int | None = None
+        self.busy: set[int] = set()                    # sequences with a state copy not yet waited for
+        self.refused_busy: list[str] = []              # calls made on a busy sequence (a bug of the caller)
+        self.copy_seconds = 0.0                        # how long oj_state_copy_wait takes
+        self.copy_waits: list[tuple[int, int]] = []    # (sequence, oj_eval_seqs calls made while it waited)
         self._meta = threading.Lock()
         super().__init__(ffi)
 
@@ -67,7 +79,13 @@ class SeqFakeLib(FakeLib):
             return attr
         get = object.__getattribute__
 
+        if name in COPY_WAIT_AND_ENGINE_WIDE:
+            return attr                        # the wait runs without the lock: no overlap to record
+
         def entry(*args):
+            if name not in NOT_ON_THE_SELECTED and get(self, "selected") in get(self, "busy"):
+                get(self, "refused_busy").append(name)
+                return get(self, "_fail")(f"{name}: sequence {get(self, 'selected')} has a state copy in progress")
             me = threading.get_ident()
             with get(self, "_meta"):
                 outer = get(self, "_inside")
@@ -167,6 +185,9 @@ class SeqFakeLib(FakeLib):
         for s, t in zip(seqs, toks):                # checked before anything runs
             if not 0 <= s < self.n_seq or seqs.count(s) > 1:
                 return self._fail(f"sequence {s}: out of range or twice in one oj_eval_seqs")
+            if s in self.busy:
+                self.refused_busy.append("oj_eval_seqs")
+                return self._fail(f"oj_eval_seqs: sequence {s} has a state copy in progress")
             if not 0 <= t < V or t == REFUSED:
                 return self._fail(f"sequence {s}: token {t} refused")
             if len(self.saved[s]["hist"]) + 1 > self.n_ctx:
@@ -215,20 +236,20 @@ class SeqFakeLib(FakeLib):
         out[0] = self._state_bytes()
         return 0
 
-    def oj_seq_state_save(self, h, buf, size):
+    def oj_seq_state_save(self, h, buf, size, copy):
         if size < self._state_bytes():
             return self._fail(f"oj_seq_state_save: out holds {size} bytes, {self._state_bytes()} needed")
         n = len(self.hist)
         self.uncommitted, self.verify_toks = 0, []
-        copy = {"hist": list(self.hist), "hashes": list(self.hashes),
-                "mtp_rows": {p: r for p, r in self.mtp_rows.items() if p < n}, "mtp_n_past": min(self.mtp_n_past, n)}
+        copy_ = {"hist": list(self.hist), "hashes": list(self.hashes),
+                 "mtp_rows": {p: r for p, r in self.mtp_rows.items() if p < n}, "mtp_n_past": min(self.mtp_n_past, n)}
         self.copies = getattr(self, "copies", [])
-        self.copies.append(copy)
+        self.copies.append(copy_)
         self.ffi.memmove(buf, len(self.copies).to_bytes(8, "little") + b"\0" * 8, 16)
         self.state_saves = getattr(self, "state_saves", []) + [(self.selected, n)]
-        return 0
+        return self._start_copy(copy)
 
-    def oj_seq_state_load(self, h, buf, size):
+    def oj_seq_state_load(self, h, buf, size, copy):
         ident = int.from_bytes(bytes(self.ffi.buffer(buf, 8)), "little")
         copies = getattr(self, "copies", [])
         if not 1 <= ident <= len(copies) or size != 16 + 8 * len(copies[ident - 1]["hist"]):
@@ -239,6 +260,21 @@ class SeqFakeLib(FakeLib):
         self.uncommitted, self.verify_toks, self.prev_row, self.last_mtp_n = 0, [], 0, 0
         self.last_start, self.hwin, self.hlast_n = len(self.hist), [self.hashes[-1]], 0
         self.state_loads = getattr(self, "state_loads", []) + [(self.selected, len(self.hist))]
+        return self._start_copy(copy)
+
+    def _start_copy(self, copy) -> int:
+        """The bytes are this fake's at the start; the copy object names the sequence, busy until
+        its wait (which takes copy_seconds, as a real copy of a long prompt's state does)."""
+        self.busy.add(self.selected)
+        copy[0] = self.ffi.cast("oj_state_copy *", self.selected + 1)
+        return 0
+
+    def oj_state_copy_wait(self, copy):
+        seq = int(self.ffi.cast("uintptr_t", copy)) - 1
+        before = len(self.eval_seqs_calls)
+        time.sleep(self.copy_seconds)
+        self.copy_waits.append((seq, len(self.eval_seqs_calls) - before))
+        self.busy.discard(seq)
         return 0
 
     def history(self, seq: int) -> list[int]:
@@ -578,6 +614,60 @@ def test_native_slots_reuse_a_prompt_prefix_another_slot_evaluated(fake_seqs):
         assert all(r.stats.prefix_cache_tokens > 0 for r in got), [r.stats.prefix_cache_tokens for r in got]
         assert eng.prefix_cache_stats["hits"] >= 2
         assert getattr(lib, "state_loads", []) and lib.overlaps == []
+
+
+def test_state_copies_run_beside_the_other_sequences_passes(fake_seqs):
+    """A prompt's prefix-cache copies (each as long as a long prompt's, 80 ms here) move after the
+    engine's lock is let go: the other streams' passes go on meanwhile, nothing runs on the copying
+    sequence until its wait returns, and every stream's tokens are its tokens alone."""
+    long_prompt = [(11 * i + 3) % 900 + 3 for i in range(300)]
+    with _load(1, draft_depth=0) as one:
+        alone = {p: one.generate(p, max_tokens=40, temperature=0).tokens for p in TEXTS[:3]}
+        long_alone = one.generate(long_prompt, max_tokens=4, temperature=0).tokens
+    with _load(4, draft_depth=0) as eng:
+        lib = fake_seqs[-1]
+        lib.copy_seconds = 0.08
+        started = threading.Event()
+
+        def stream(p):
+            out = []
+            for c in eng.generate(p, max_tokens=40, temperature=0, stream=True):
+                out += c.tokens
+                if len(out) >= 4:
+                    started.set()
+            return out
+
+        def arrive():
+            started.wait(30)
+            return eng.generate(long_prompt, max_tokens=4, temperature=0).tokens
+
+        got = run_threads([lambda p=p: stream(p) for p in TEXTS[:3]] + [arrive])
+        assert got == [alone[p] for p in TEXTS[:3]] + [long_alone]
+        assert lib.copy_waits and lib.refused_busy == [] and lib.overlaps == [] and not lib.busy
+        # the streams' shared passes went on while the copies moved
+        assert max(passes for _, passes in lib.copy_waits) >= 3, lib.copy_waits
+        for s in eng._slots:
+            assert lib.history(s.backend.seq) == s.tokens
+
+
+def test_a_sequence_is_refused_while_its_state_copy_is_in_flight(fake_seqs):
+    be = _backend(2)
+    try:
+        a, b = be.sequences()
+        a.eval_argmax([5, 6, 7])
+        ffi, lib = be._nl.ffi, be._nl.lib
+        copy = ffi.new("oj_state_copy **")
+        data = np.empty(1 << 12, dtype=np.uint8)
+        with be._shared.lock:
+            assert lib.oj_seq_state_save(a._handle(), ffi.from_buffer("char[]", data), data.size, copy) == 0
+            be._shared.copies += 1
+        with pytest.raises(NativeEngineError, match="state copy in progress"):
+            a.eval_argmax([8])
+        assert greedy(b, [1, 2], 3)                       # another sequence is served meanwhile
+        a._wait_copy(copy, "test copy")
+        assert a.eval_argmax([8]) is not None and a.n_past == 4
+    finally:
+        be.close()
 
 
 def test_a_request_served_alone_speculates_and_concurrent_ones_share_passes(fake_seqs):

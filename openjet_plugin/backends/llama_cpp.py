@@ -284,10 +284,13 @@ class LlamaCppBackend:
     def pass_counts(self) -> dict[str, int]:
         """Shared-pass counters of the multi-sequence scheduler (empty with one sequence)."""
         sc = self._passes
-        if not isinstance(sc, PassScheduler):
-            return {}
-        return {"passes": sc.passes, "shared_passes": sc.shared_passes,
-                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass, "decode_pass_ms": sc.decode_pass_ms()}
+        return {} if not isinstance(sc, PassScheduler) else sc.counts()
+
+    def pass_trace(self, since: float) -> list[tuple[float, float, float, int, int]]:
+        """The scheduler's passes that ended after perf_counter time `since` (PassScheduler.trace;
+        empty with one sequence)."""
+        sc = self._passes
+        return [] if not isinstance(sc, PassScheduler) else sc.trace_since(since)
 
     # --- tokens <-> text ------------------------------------------------------------------------
     def tokenize(self, text: bytes, add_special: bool, parse_special: bool) -> list[int]:

@@ -280,6 +280,10 @@ class _SharedEngine:
         self.tokenizer = None
         self.tokenizer_lock = threading.Lock()
         self.draft_vocab_len = 0                # oj_set_draft_vocab's: the engine's, not a sequence's
+        # state copies started and not yet waited for (NativeBackend._state_copy): they run without
+        # the lock, beside other sequences' passes; the engine is not freed before they end
+        self.copies = 0
+        self.copies_done = threading.Condition(self.lock)
 
 
 def _on_engine(method):
@@ -424,10 +428,13 @@ class NativeBackend:
     def pass_counts(self) -> dict[str, int]:
         """Shared-pass counters of the multi-sequence scheduler (empty with one sequence)."""
         sc = self._shared.passes
-        if sc is None:
-            return {}
-        return {"passes": sc.passes, "shared_passes": sc.shared_passes,
-                "max_sequences_in_a_pass": sc.max_sequences_in_a_pass, "decode_pass_ms": sc.decode_pass_ms()}
+        return {} if sc is None else sc.counts()
+
+    def pass_trace(self, since: float) -> list[tuple[float, float, float, int, int]]:
+        """The scheduler's passes that ended after perf_counter time `since` (PassScheduler.trace;
+        empty with one sequence)."""
+        sc = self._shared.passes
+        return [] if sc is None else sc.trace_since(since)
 
     # --- creation ------------------------------------------------------------------------------
     def _create(self, model_file, kv_type: str, device: int):
@@ -749,13 +756,14 @@ class NativeBackend:
         state, h of n_past - 1, the K/V rows [0, n_past) and the MTP rows), loadable into any
         sequence of this engine; None when n_past is 0, when it would take more than max_bytes, or
         when a speculating backend's MTP rows do not reach n_past (a copy without them would draft
-        from a cache with a gap)."""
+        from a cache with a gap). The bytes move after the engine's lock is let go, while other
+        sequences' passes run (_wait_copy)."""
+        ffi, lib = self._nl.ffi, self._nl.lib
         with self._shared.lock:
             self._flush_mtp()                   # rows still owed, while their hiddens are in the window
             n = self.n_past
             if n == 0:
                 return None
-            ffi, lib = self._nl.ffi, self._nl.lib
             size = ffi.new("uint64_t *")
             self._check(lib.oj_seq_state_size(self._handle(), size), "sequence state size")
             if int(size[0]) > max_bytes:
@@ -763,25 +771,39 @@ class NativeBackend:
             if self.supports_speculative and self._mtp_n_past() < n:
                 return None
             data = np.empty(int(size[0]), dtype=np.uint8)
-            self._check(lib.oj_seq_state_save(self._handle(), ffi.from_buffer("char[]", data, require_writable=True),
-                                              data.size), "sequence state save")
-            return SequenceState(n, int(data.size), data, self._shared)
+            buf = ffi.from_buffer("char[]", data, require_writable=True)
+            copy = ffi.new("oj_state_copy **")
+            self._check(lib.oj_seq_state_save(self._handle(), buf, data.size, copy), "sequence state save")
+            self._shared.copies += 1
+        self._wait_copy(copy, "sequence state save")
+        return SequenceState(n, int(data.size), data, self._shared)
 
     def load_state(self, state: SequenceState) -> bool:
         """Replace this sequence's state by `state` (saved by any sequence of this engine). False,
-        with the sequence empty, if the engine refused it."""
+        with the sequence empty, if the engine refused it. The bytes move after the engine's lock
+        is let go, while other sequences' passes run (_wait_copy)."""
         if state.origin is not self._shared:
             raise ValueError("load_state: the state was saved by another backend")
         if state.n_past > self.n_ctx:
             raise ContextOverflowError(state.n_past, self.n_ctx)
         if self._shared.passes is not None:
             self._shared.passes.cancel(self.seq)        # no pass touches the sequence after this
+        ffi, lib = self._nl.ffi, self._nl.lib
         with self._shared.lock:
-            ffi, lib = self._nl.ffi, self._nl.lib
-            rc = lib.oj_seq_state_load(self._handle(), ffi.from_buffer("char[]", state.data), state.nbytes)
-            if rc != 0:
+            buf = ffi.from_buffer("char[]", state.data)
+            copy = ffi.new("oj_state_copy **")
+            if lib.oj_seq_state_load(self._handle(), buf, state.nbytes, copy) != 0:
+                log.warning("the native engine refused a state copy: %s", _native.last_error(self._nl, self._shared.handle))
                 self._reset()
                 return False
+            self._shared.copies += 1
+        try:
+            self._wait_copy(copy, "sequence state load")
+        except NativeEngineError:
+            with self._shared.lock:
+                self._reset()                           # what the copy left is undefined
+            raise
+        with self._shared.lock:
             # the sequence's own checkpoints and pending work were of the state it held before; its
             # MTP cache follows the main model again where the copy's rows reach its n_past (a
             # speculating sequence's copies do: save_state's rule)
@@ -792,6 +814,21 @@ class NativeBackend:
             self._mtp_upto = min(self._mtp_n_past(), state.n_past)
             self._mtp_left = self._speculates and self._mtp_upto < state.n_past
             return True
+
+    def _wait_copy(self, copy, what: str) -> None:
+        """Carry out a started state copy (oj_state_copy_wait). Called after the engine's lock is
+        let go (unless an outer caller holds it), so other sequences' passes run while the bytes
+        move; this sequence is busy meanwhile (its request's thread is here, and the engine refuses
+        calls on it)."""
+        sh = self._shared
+        try:
+            rc = int(self._nl.lib.oj_state_copy_wait(copy[0]))
+        finally:
+            with sh.lock:
+                sh.copies -= 1
+                sh.copies_done.notify_all()
+        if rc != 0:
+            _native.check(self._nl, rc, None, what)   # the wait's message is its thread's
 
     # --- speculative cycles (used by speculative_native.NativeSpeculator) ----------------------
     @_on_engine
@@ -1009,6 +1046,7 @@ class NativeBackend:
         if sh.passes is not None:
             sh.passes.close()                    # the scheduler's thread ends before the engine goes
         with sh.lock:
+            sh.copies_done.wait_for(lambda: sh.copies == 0)   # a state copy in flight ends first
             if sh.handle is not None:
                 self._nl.ffi.release(sh.handle)  # runs oj_engine_free now
                 sh.handle = None

@@ -32,6 +32,7 @@ from .pass_budget import PassBudget
 
 GATHER_MAX_SECONDS = 0.05      # the longest a pass waits for a sequence of the previous pass
 PASS_TIMES_KEPT = 512           # decode-only pass times kept per number of decode steps
+PASS_TRACE_KEPT = 8192          # the last passes' times kept for `trace` (openjet bench's latency rows)
 
 
 class Work:
@@ -86,6 +87,10 @@ class PassScheduler:
         # decode-only passes' seconds by their decode steps, the last PASS_TIMES_KEPT of each: what
         # a pass of k sequences costs as the scheduler runs it (openjet bench's concurrent details)
         self.decode_pass_seconds: dict[int, collections.deque] = {}
+        # the last PASS_TRACE_KEPT passes: (perf_counter when the scheduler began it, when it
+        # ended, the seconds it ran holding the backend, decode steps, prompt tokens); the time
+        # before those seconds is the pass waiting for the backend (another thread holding it)
+        self.trace: collections.deque = collections.deque(maxlen=PASS_TRACE_KEPT)
 
     def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
         """Put each chosen work's next n tokens into its sequence; set the result (logits or
@@ -93,6 +98,16 @@ class PassScheduler:
         in or the exception that failed it, and the pass's seconds (timed where it held the
         backend, not waiting for it)."""
         raise NotImplementedError
+
+    def counts(self) -> dict:
+        """The counters a backend's `pass_counts` reports (openjet bench's concurrent details)."""
+        return {"passes": self.passes, "shared_passes": self.shared_passes,
+                "max_sequences_in_a_pass": self.max_sequences_in_a_pass, "decode_pass_ms": self.decode_pass_ms()}
+
+    def trace_since(self, t: float) -> list[tuple[float, float, float, int, int]]:
+        """The kept passes that ended after perf_counter time t (`trace`'s entries)."""
+        with self._cv:
+            return [e for e in self.trace if e[1] > t]
 
     def decode_pass_ms(self) -> dict[int, float]:
         """The median decode-only pass in ms, by its decode steps (sequences)."""
@@ -172,12 +187,15 @@ class PassScheduler:
                     return
                 chosen, n_decode = self._compose()
                 self._in_pass = {w.seq for w, _ in chosen}
+            began = time.perf_counter()
             try:
                 errors, seconds = self._run_pass(chosen)
             except Exception as exc:  # noqa: BLE001 - the callers get it; the thread serves on
                 failure = RuntimeError(f"a pass of {self.serves} failed: {type(exc).__name__}: {exc}")
                 errors, seconds = [failure] * len(chosen), 0.0
+            ended = time.perf_counter()
             with self._cv:
+                self.trace.append((began, ended, seconds, n_decode, sum(n for _, n in chosen) - n_decode))
                 if not any(errors):
                     self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
                     self._last_pass_seconds = seconds

@@ -183,6 +183,45 @@ def token_gaps(events: list[tuple[float, int]]) -> tuple[list[float], int]:
     return gaps, shared
 
 
+SLOW_GAP = 2.0                # a gap this times the round's median is slow (slow_gap_breakdown)
+
+
+def slow_gap_breakdown(recs: list, trace: list[tuple[float, float, float, int, int]], median_ms: float) -> dict:
+    """Where the slow inter-token gaps (over SLOW_GAP x the median) of the streams went, from the
+    scheduler's pass trace (PassScheduler.trace: began, ended, seconds holding the backend,
+    decode steps, prompt tokens): ms inside decode-only passes, inside passes with prompt tokens,
+    passes waiting for the backend (another thread holding it: a state copy, a speculative
+    cycle), and between passes (the scheduler gathering, the threads' own work). Summed over the
+    slow gaps, each gap once (not per token of an event that brought several)."""
+    limit = SLOW_GAP * median_ms / 1e3
+    spans = []
+    for rec in recs:
+        for (t0, n0), (t1, n1) in zip(rec.events, rec.events[1:]):
+            if (t1 - t0) / (n1 - n0) > limit:
+                spans.append((t0, t1))
+    out = {"slow_gaps": len(spans), "ms": 0.0, "decode_pass_ms": 0.0, "mixed_pass_ms": 0.0,
+           "waiting_for_backend_ms": 0.0, "between_passes_ms": 0.0, "longest_mixed_pass_ms": 0.0,
+           "longest_wait_ms": 0.0}
+    for t0, t1 in spans:
+        covered = 0.0
+        for began, ended, seconds, n_decode, n_prompt in trace:
+            run_from = max(began, ended - seconds)
+            wait = max(0.0, min(t1, run_from) - max(t0, began))
+            run = max(0.0, min(t1, ended) - max(t0, run_from))
+            if wait + run == 0:
+                continue
+            out["waiting_for_backend_ms"] += 1e3 * wait
+            out["mixed_pass_ms" if n_prompt else "decode_pass_ms"] += 1e3 * run
+            covered += wait + run
+            if run and n_prompt:
+                out["longest_mixed_pass_ms"] = max(out["longest_mixed_pass_ms"], 1e3 * seconds)
+            if wait:
+                out["longest_wait_ms"] = max(out["longest_wait_ms"], 1e3 * (run_from - began))
+        out["ms"] += 1e3 * (t1 - t0)
+        out["between_passes_ms"] += 1e3 * max(0.0, t1 - t0 - covered)
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
+
+
 def tokens_by(events: list[tuple[float, int]], t: float) -> int:
     """Tokens received at or before time t."""
     return max((n for u, n in events if u <= t), default=0)
@@ -228,6 +267,11 @@ class EngineClient:
         self.engine = engine
         self.bias = {int(t): -math.inf for t in engine.eog_tokens} if ban_eog else {}
 
+    def pass_trace(self, since: float) -> list:
+        """The engine's shared passes since perf_counter time `since` (slow_gap_breakdown)."""
+        trace = getattr(self.engine._backend, "pass_trace", None)
+        return trace(since) if trace is not None else []
+
     def run(self, prompt: list[int], n_tokens: int, rec: StreamRecord, stream: bool = False) -> None:
         """One request of n_tokens; its tokens' times into rec (always streamed here)."""
         it = self.engine.generate(list(prompt), max_tokens=n_tokens, temperature=0.0, top_k=0, top_p=1.0,
@@ -249,6 +293,11 @@ class ServerClient:
     server sends no event for a token that ends inside a UTF-8 character). No request is cut
     short: closing several streams at once left the pinned server unable to stop (two cancelled
     tasks never released their slots, SIGTERM then hung; CPU build, default.gguf)."""
+
+    @staticmethod
+    def pass_trace(since: float) -> list:
+        """llama-server's passes are not seen from here."""
+        return []
 
     def __init__(self, server, timeout: Callable[[], float], drafts: bool = False):
         self.server, self.timeout, self.drafts = server, timeout, drafts
@@ -417,6 +466,9 @@ def latency_round(client, prompts: list[list[int]], n_tokens: int, long: list[in
     run = {"p99_ms": round(percentile(gaps, ITL_PERCENTILE), 3), "median_ms": round(percentile(gaps, 50), 3),
            "tokens": n_tokens, "gaps": len(gaps), "tokens_sharing_a_gap": shared,
            "seconds": round(max(rec.t_last for rec in recs) - t0, 3)}
+    trace = client.pass_trace(t0)
+    if trace:
+        run["slow_gaps"] = slow_gap_breakdown(recs, trace, percentile(gaps, 50))
     if long is not None:
         sent, done = state["sent"], state["done"]
         run.update(prompt_sent_s=round(sent - t0, 3), prompt_returned_s=round(done - t0, 3),
