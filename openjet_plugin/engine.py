@@ -755,6 +755,12 @@ class Engine:
         finish: str | None = None
         paused = 0.0          # time the caller spent between stream chunks is not decode time
         chosen = top if argmax_only else None     # the next token when it is known without sampling
+        # Greedy steps on a backend of shared passes: the token goes to the scheduler as soon as it
+        # is chosen, and its pass runs while the text is assembled and the chunk goes out (the
+        # caller's time with the chunk included); `early` waits for it. A token the text then ends
+        # on (a stop string) is in the state anyway, and in slot.tokens with it.
+        submit = getattr(b, "submit_argmax", None) if argmax_only and spec is None else None
+        early = None
         if spec is not None:
             queue = self._cycle(slot, spec, top, history, params, rng, params.max_tokens, stats, grammar,
                                 rows if want_rows else None)
@@ -783,6 +789,8 @@ class Engine:
                 unreported.append(tok)
                 if want_rows:
                     unreported_lp.append(self._token_logprob(row, tok, n_top))
+                if submit is not None and len(generated) < params.max_tokens and len(slot.tokens) + 1 <= self.n_ctx:
+                    early = submit([tok])
                 hit = text.feed(b.detokenize([tok]))
                 if hit:
                     finish = "stop"
@@ -806,13 +814,24 @@ class Engine:
                                             rows if want_rows else None)
                     chosen = queue.pop(0)
                 elif argmax_only:
-                    chosen = b.eval_argmax([tok])
+                    if early is not None:
+                        wait, early = early, None
+                        chosen = wait()
+                    else:
+                        chosen = b.eval_argmax([tok])
                     slot.tokens.append(tok)
                 else:
                     logits = b.eval([tok])
                     slot.tokens.append(tok)
                     slot.logits = logits
         finally:
+            if early is not None:               # the text ended (or the caller left) on a token in its pass
+                try:
+                    early()
+                    slot.tokens.append(tok)
+                    slot.logits = None
+                except Exception:  # noqa: BLE001 - the token did not go in; the request is over anyway
+                    log.debug("the pass of the last token failed", exc_info=True)
             stats.decode_seconds = time.perf_counter() - t1 - paused
             stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
                                        if stats.decode_seconds > 0 else 0.0)

@@ -569,6 +569,41 @@ def test_concurrent_requests_on_four_native_slots_equal_each_alone(fake_seqs):
             assert lib.history(s.backend.seq) == s.tokens
 
 
+def test_greedy_steps_reach_the_scheduler_before_their_text_goes_out(fake_seqs):
+    """On shared passes a greedy token is handed to the scheduler before its text is assembled and
+    streamed (Engine._generate_locked's `early`): the chunks are those of plain decoding, a stop
+    string that ends the text on a token already in its pass leaves that token in the state and
+    in the slot's tokens alike, and the next request on the slot is what it is alone."""
+    with _load(1, draft_depth=0) as one:
+        full = one.generate(TEXTS[0], max_tokens=24, temperature=0)
+        stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+        cut = one.generate(TEXTS[0], max_tokens=24, temperature=0, stop=[stop])
+        after = one.generate(TEXTS[1], max_tokens=12, temperature=0).tokens
+    assert cut.finish_reason == "stop" and len(cut.tokens) < len(full.tokens)
+    with _load(2, draft_depth=0) as eng:
+        lib = fake_seqs[-1]
+        submitted = []
+        real = native.NativeBackend.submit_argmax
+
+        def spy(self, tokens):
+            submitted.append(list(tokens))
+            return real(self, tokens)
+
+        native.NativeBackend.submit_argmax = spy
+        try:
+            chunks = list(eng.generate(TEXTS[0], max_tokens=24, temperature=0, stop=[stop], stream=True))
+            got = run_threads([lambda: eng.generate(TEXTS[1], max_tokens=12, temperature=0).tokens,
+                               lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0).tokens])
+        finally:
+            native.NativeBackend.submit_argmax = real
+        assert "".join(c.text for c in chunks) == cut.text and chunks[-1].finish_reason == "stop"
+        assert [t for c in chunks for t in c.tokens] == cut.tokens
+        assert got == [after, full.tokens] and len(submitted) >= 20
+        for s in eng._slots:                    # the stop's token went in: state and tokens agree
+            assert lib.history(s.backend.seq) == s.tokens
+        assert lib.refused_busy == [] and lib.overlaps == []
+
+
 def test_a_state_copied_into_another_sequence_continues_as_the_original(fake_seqs):
     be = _backend(3)
     try:

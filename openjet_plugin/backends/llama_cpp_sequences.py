@@ -230,12 +230,26 @@ class LlamaCppSequence:
         return self._n_past
 
     def eval(self, tokens: list[int]) -> np.ndarray:
+        return self._wait(self._submit(tokens))
+
+    def eval_argmax(self, tokens: list[int]) -> int:
+        return int(np.argmax(self.eval(tokens)))
+
+    def submit_argmax(self, tokens: list[int]):
+        """eval_argmax in two halves: the tokens go to the scheduler now, the function returned
+        waits for their pass and gives the argmax (the caller's own work runs meanwhile)."""
+        work = self._submit(tokens)
+        return lambda: int(np.argmax(self._wait(work)))
+
+    def _submit(self, tokens: list[int]) -> Work:
         if not tokens:
             raise ValueError("eval needs at least one token")
         if self._n_past + len(tokens) > self.n_ctx:
             # refused here, before the batch: another sequence's pass never sees it
             raise ContextOverflowError(self._n_past + len(tokens), self.n_ctx)
-        work = self._passes.submit(self.seq, list(tokens), self._n_past)
+        return self._passes.submit(self.seq, list(tokens), self._n_past)
+
+    def _wait(self, work: Work) -> np.ndarray:
         try:
             self._passes.wait(work)
         finally:
@@ -246,9 +260,6 @@ class LlamaCppSequence:
             raise work.error
         assert work.logits is not None
         return work.logits
-
-    def eval_argmax(self, tokens: list[int]) -> int:
-        return int(np.argmax(self.eval(tokens)))
 
     def rollback(self, n_keep: int) -> bool:
         if not 0 <= n_keep <= self._n_past:

@@ -629,16 +629,34 @@ class NativeBackend:
             self._eval_chunks(tokens)
             return self.argmax()[-1]
 
+    def submit_argmax(self, tokens: list[int]):
+        """eval_argmax in two halves: the tokens go to the pass scheduler now, and the function
+        returned waits for their pass and gives the argmax. Between them the caller does its own
+        work while the pass runs (the engine assembles and streams the text of the token being
+        evaluated). Without a scheduler (one sequence) the eval runs here."""
+        if self._shared.passes is None:
+            top = self.eval_argmax(tokens)
+            return lambda: top
+        work = self._submit_work(tokens, want_logits=False)
+        return lambda: self._wait_work(work).argmax
+
     def _eval_in_passes(self, tokens: list[int], want_logits: bool) -> Work:
         """An eval of a multi-sequence engine: handed to the pass scheduler, which runs it with the
-        other sequences' (NativePasses). The token ids and the sequence's room are checked here,
-        so that no pass sees a request that cannot run; with want_logits False no logits row is
-        copied off the device (only the argmax)."""
+        other sequences' (NativePasses)."""
+        return self._wait_work(self._submit_work(tokens, want_logits))
+
+    def _submit_work(self, tokens: list[int], want_logits: bool) -> Work:
+        """Hand the tokens to the pass scheduler. The token ids and the sequence's room are checked
+        here, so that no pass sees a request that cannot run; with want_logits False no logits
+        row is copied off the device (only the argmax)."""
         toks = [int(t) for t in tokens]
         with self._shared.lock:
             self._chunks(toks)                  # ids and context: refused here, alone
+        return self._shared.passes.submit(self.seq, toks, want_logits=want_logits)
+
+    def _wait_work(self, work: Work) -> Work:
+        """Until the scheduler ran the work (_submit_work's); its error raised."""
         passes = self._shared.passes
-        work = passes.submit(self.seq, toks, want_logits=want_logits)
         try:
             passes.wait(work)
         finally:
