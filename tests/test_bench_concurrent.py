@@ -54,6 +54,14 @@ def test_slow_gaps_are_split_into_the_passes_they_waited_for():
     assert concurrent.slow_gap_breakdown([rec], trace, median_ms=40.0)["slow_gaps"] == 0
 
 
+def test_pass_occupancy_counts_the_rounds_passes_and_their_share():
+    trace = [(0.9, 1.0, 0.1, 2, 0), (1.0, 1.1, 0.1, 2, 0), (1.2, 1.5, 0.2, 2, 64), (1.5, 1.6, 0.1, 2, 0),
+             (2.5, 2.6, 0.1, 2, 0)]
+    o = concurrent.pass_occupancy(trace, 1.0, 2.0)
+    assert o == {"passes": 3, "busy_share": 0.4, "gap_ms_median": 100.0, "decode_pass_ms_median": 100.0}
+    assert concurrent.pass_occupancy([], 1.0, 2.0) == {}
+
+
 def test_percentile_is_nearest_rank():
     xs = list(range(1, 101))
     assert concurrent.percentile(xs, 99) == 99 and concurrent.percentile(xs, 50) == 50
@@ -554,6 +562,8 @@ def test_ours_on_the_native_sequences_serves_the_streams_together(tmp_path, monk
         assert d["backend"] == "native" and d["sequences"] == S and d["streams_differing_from_alone"] == 0
         if S > 1:
             assert d["max_sequences_in_a_pass"] >= 3 and d["shared_passes"] > 0, d
+            occ = d["pass_occupancy"]           # every timed round's passes, accounted
+            assert len(occ) == 2 and all(o["passes"] >= 8 and 0 < o["busy_share"] <= 1 for o in occ), occ
             assert max(map(int, d["decode_pass_ms"])) >= 2, d
         else:
             assert "max_sequences_in_a_pass" not in d           # one sequence: no scheduler

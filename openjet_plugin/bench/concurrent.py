@@ -186,6 +186,21 @@ def token_gaps(events: list[tuple[float, int]]) -> tuple[list[float], int]:
 SLOW_GAP = 2.0                # a gap this times the round's median is slow (slow_gap_breakdown)
 
 
+def pass_occupancy(trace: list[tuple[float, float, float, int, int]], t0: float, t1: float) -> dict:
+    """A round's passes (PassScheduler.trace, those inside [t0, t1]): how many, the share of the
+    wall time the backend ran them (the rest: the scheduler waiting for the request threads'
+    next tokens, the threads' own work, passes waiting for the backend), the median gap from one
+    pass's end to the next one's start, and the median decode-only pass. {} without a trace."""
+    inside = [e for e in trace if e[0] >= t0 and e[1] <= t1]
+    if not inside or t1 <= t0:
+        return {}
+    gaps = sorted(b[0] - a[1] for a, b in zip(inside, inside[1:]))
+    decode = sorted(e[2] for e in inside if not e[4])
+    return {"passes": len(inside), "busy_share": round(sum(e[2] for e in inside) / (t1 - t0), 4),
+            "gap_ms_median": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None,
+            "decode_pass_ms_median": round(1e3 * decode[len(decode) // 2], 3) if decode else None}
+
+
 def slow_gap_breakdown(recs: list, trace: list[tuple[float, float, float, int, int]], median_ms: float) -> dict:
     """Where the slow inter-token gaps (over SLOW_GAP x the median) of the streams went, from the
     scheduler's pass trace (PassScheduler.trace: began, ended, seconds holding the backend,
@@ -405,6 +420,7 @@ def measure_tps(client, prompts: list[list[int]], n_tokens: int, reps: int,
             continue
         samples.append(aggregate_tps(recs, t0))
         rounds.append(round_details(recs))
+        rounds[-1]["pass_occupancy"] = pass_occupancy(_trace(client, t0), t0, max(rec.t_last for rec in recs))
     streams = len(prompts)
     return samples, {
         "streams": streams, "tokens": n_tokens, "prompt_tokens": len(prompts[0]), "reps": reps,
@@ -414,7 +430,16 @@ def measure_tps(client, prompts: list[list[int]], n_tokens: int, reps: int,
         "itl_ms_median": [x["itl_ms_median"] for x in rounds], "itl_ms_p99": [x["itl_ms_p99"] for x in rounds],
         "itl_ms_reported_mean": [x["itl_ms_reported_mean"] for x in rounds],
         "first_token_s_max": [max(t for t in x["first_token_s"] if t is not None) for x in rounds],
-        "tokens_sharing_a_gap": sum(x["tokens_sharing_a_gap"] for x in rounds)}
+        "tokens_sharing_a_gap": sum(x["tokens_sharing_a_gap"] for x in rounds),
+        # where a round's wall time went (the engine's scheduler: pass_occupancy), per round
+        "pass_occupancy": [x["pass_occupancy"] for x in rounds if x["pass_occupancy"]]}
+
+
+def _trace(client, since: float) -> list:
+    """The client's engine's passes since `since` (EngineClient.pass_trace); [] for a client
+    that sees none."""
+    trace = getattr(client, "pass_trace", None)
+    return trace(since) if trace is not None else []
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -466,7 +491,7 @@ def latency_round(client, prompts: list[list[int]], n_tokens: int, long: list[in
     run = {"p99_ms": round(percentile(gaps, ITL_PERCENTILE), 3), "median_ms": round(percentile(gaps, 50), 3),
            "tokens": n_tokens, "gaps": len(gaps), "tokens_sharing_a_gap": shared,
            "seconds": round(max(rec.t_last for rec in recs) - t0, 3)}
-    trace = client.pass_trace(t0)
+    trace = _trace(client, t0)
     if trace:
         run["slow_gaps"] = slow_gap_breakdown(recs, trace, percentile(gaps, 50))
     if long is not None:
