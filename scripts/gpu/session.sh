@@ -6,6 +6,8 @@
 #
 #   OPENJET_COMMIT=<sha> bash scripts/gpu.sh session [openjet bench arguments, e.g. --quick]
 #   AB="OPENJET_PREFILL_GEMM=f16" SESSION_S=550 bash scripts/gpu.sh session --quick
+#   SESSION_AB=0 PYTEST_FILES=tests/test_native_seqs_gpu.py SESSION_S=380 bash scripts/gpu.sh session --quick
+#       (a short call: only those GPU tests, no A/B)
 #   bash scripts/gpu.sh session --quick --mtp-accuracy 0.75 --only 'card,openjet=,llama.cpp spec'
 #       (the model of that MTP head is generated while the suite runs, and the A/B and bench use it)
 #
@@ -64,6 +66,7 @@ i=0
 IFS=';' read -ra SETTINGS <<<"default;${AB:-}"
 for s in "${SETTINGS[@]}"; do
     [ -z "$s" ] && continue
+    [ "${SESSION_AB:-1}" = 0 ] && break   # SESSION_AB=0: no A/B (a short call keeps its minutes for the bench)
     [ "$(left)" -lt 200 ] && { echo "session: no time left for A/B '$s'" >>"$W/ab/log.txt"; break; }
     env_args=(OJ_AB=1)
     [ "$s" != default ] && read -ra env_args <<<"$s"
