@@ -102,9 +102,12 @@ def test_gpu_plan_within_10_percent_of_device_growth(model_dir, backend, slots):
             pytest.skip("this llama-cpp-python build has no GPU support (openjet_plugin.setup_llama builds one)")
     from openjet_plugin.testing.synth import synth_model
 
-    path = model_dir / "memplan-Q8_0.gguf"
+    # the native case writes its Q4_K_M blocks itself: the GPU machine has no llama.cpp quantiser
+    # unless the llama.cpp case runs there (then it has, and quantises Q8_0)
+    quant = "Q4_K_M" if backend == "native" else "Q8_0"
+    path = model_dir / f"memplan-{quant}.gguf"
     if not path.exists():
-        synth_model(path, config=MEMPLAN, quant="Q8_0", force=True)
+        synth_model(path, config=MEMPLAN, quant=quant, force=True, direct=backend == "native")
     n_ctx = int(os.environ.get("OPENJET_MEMPLAN_CTX", "8192"))
     m = measure(path, backend=backend, n_ctx=n_ctx, slots=slots)
     assert m.device_bytes is not None and m.backend == backend
