@@ -759,7 +759,7 @@ class Engine:
         # is chosen, and its pass runs while the text is assembled and the chunk goes out (the
         # caller's time with the chunk included); `early` waits for it. A token the text then ends
         # on (a stop string) is in the state anyway, and in slot.tokens with it.
-        submit = getattr(b, "submit_argmax", None) if argmax_only and spec is None else None
+        submit = getattr(b, "submit_argmax", None) if argmax_only and spec is None and len(self._slots) > 1 else None
         early = None
         if spec is not None:
             queue = self._cycle(slot, spec, top, history, params, rng, params.max_tokens, stats, grammar,

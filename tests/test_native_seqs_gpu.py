@@ -327,6 +327,11 @@ def test_a_sequence_state_copy_continues_bit_for_bit_in_any_sequence(native, wor
         data = np.full(int(size[0]), 0xAB, dtype=np.uint8)
         small, _ = r.start_copy(True, data, data.size - 1)
         assert small != 0 and "needs" in r.ffi.string(r.lib.oj_last_error(r.h)).decode()
+        # no copy object to hand back, no copy to wait for: refused by name
+        assert r.lib.oj_seq_state_save(r.h, r.ffi.from_buffer("char[]", data), data.size, r.ffi.NULL) != 0
+        assert "copy is NULL" in r.ffi.string(r.lib.oj_last_error(r.ffi.NULL)).decode()
+        assert r.lib.oj_state_copy_wait(r.ffi.NULL) != 0
+        assert "copy is NULL" in r.ffi.string(r.lib.oj_last_error(r.ffi.NULL)).decode()
         # the save waited for on another thread while sequence 1 is served beside it (the one
         # call that runs beside others); sequence 0 is refused until the wait returns
         rc, copy = r.start_copy(True, data)

@@ -280,7 +280,7 @@ class _SharedEngine:
         self.tokenizer = None
         self.tokenizer_lock = threading.Lock()
         self.draft_vocab_len = 0                # oj_set_draft_vocab's: the engine's, not a sequence's
-        # state copies started and not yet waited for (NativeBackend._state_copy): they run without
+        # state copies started and not yet waited for (NativeBackend._wait_copy): they run without
         # the lock, beside other sequences' passes; the engine is not freed before they end
         self.copies = 0
         self.copies_done = threading.Condition(self.lock)
@@ -633,10 +633,9 @@ class NativeBackend:
         """eval_argmax in two halves: the tokens go to the pass scheduler now, and the function
         returned waits for their pass and gives the argmax. Between them the caller does its own
         work while the pass runs (the engine assembles and streams the text of the token being
-        evaluated). Without a scheduler (one sequence) the eval runs here."""
+        evaluated). Without a scheduler (one sequence) the eval runs in that function."""
         if self._shared.passes is None:
-            top = self.eval_argmax(tokens)
-            return lambda: top
+            return lambda: self.eval_argmax(tokens)
         work = self._submit_work(tokens, want_logits=False)
         return lambda: self._wait_work(work).argmax
 

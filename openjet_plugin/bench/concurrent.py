@@ -309,11 +309,6 @@ class ServerClient:
     short: closing several streams at once left the pinned server unable to stop (two cancelled
     tasks never released their slots, SIGTERM then hung; CPU build, default.gguf)."""
 
-    @staticmethod
-    def pass_trace(since: float) -> list:
-        """llama-server's passes are not seen from here."""
-        return []
-
     def __init__(self, server, timeout: Callable[[], float], drafts: bool = False):
         self.server, self.timeout, self.drafts = server, timeout, drafts
 
