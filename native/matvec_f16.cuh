@@ -1227,58 +1227,35 @@ inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, 
         for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
     }
     const int64_t blocks = tiles * a.split;
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(32 * WARPS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = pdl && d.pdl && waits ? 1 : 0;
-    ++g_launches;
-    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
-                          : tma                 ? cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES, true>, b)
-                                                : cudaLaunchKernelEx(&cfg, matvec_kernel<TYPE, WARPS, STAGES, false>, b);
+    const bool with_pdl = pdl && d.pdl && waits;
+    const cudaError_t e =
+        blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
+        : tma ? launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, true>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b)
+              : launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, false>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b);
     if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
         check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
                        std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
                        std::to_string(a.n_vec) + " vectors, grid " + std::to_string(blocks) + ", " + std::to_string(smem) +
-                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(cfg.numAttrs) +
+                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(with_pdl) +
                        ", copy engine " + std::to_string(tma) + ")")
                           .c_str());
 }
 
-// Resident blocks per SM of one configuration at n_vec vectors (the occupancy calculator:
-// registers, shared memory, its per-block reserve), cached per (device, configuration, n_vec); of
-// the copy-engine instance where the type streams there (calls gathering rows take the other).
-template <int TYPE, int WARPS, int STAGES>
-inline int resident_cfg(const Device &d, int n_vec) {
+// Resident blocks per SM of a kernel at `threads` threads and `smem` bytes of shared memory (the
+// occupancy calculator: registers, shared memory, its per-block reserve), cached per (kernel,
+// device, bytes).
+inline int occupancy(const void *kernel, const Device &d, int threads, size_t smem) {
     static std::mutex mu;
-    static std::map<std::pair<int, int>, int> cache;
-    const bool tma = d.pdl && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
-    if (!tma) setup<TYPE, WARPS, STAGES, false>(d);
+    static std::map<std::tuple<const void *, int, size_t>, int> cache;
     std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find({d.id, n_vec});
+    const auto key = std::make_tuple(kernel, d.id, smem);
+    auto it = cache.find(key);
     if (it == cache.end()) {
         int n = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                       &n, tma ? matvec_kernel<TYPE, WARPS, STAGES, true> : matvec_kernel<TYPE, WARPS, STAGES, false>,
-                       32 * WARPS, smem_bytes<TYPE, WARPS, STAGES>(n_vec)),
-                   "matvec_f16: occupancy");
-        it = cache.emplace(std::make_pair(d.id, n_vec), std::max(n, 1)).first;
+        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem), "matvec_f16: occupancy");
+        it = cache.emplace(key, std::max(n, 1)).first;
     }
     return it->second;
-}
-template <int TYPE>
-inline int resident_type(const Device &d, int warps, int stages, int n_vec) {
-    if (warps == 8) return stages == 3 ? resident_cfg<TYPE, 8, 3>(d, n_vec) : resident_cfg<TYPE, 8, 2>(d, n_vec);
-    return stages == 3 ? resident_cfg<TYPE, 4, 3>(d, n_vec) : resident_cfg<TYPE, 4, 2>(d, n_vec);
-}
-inline int resident(const Device &d, int type, int warps, int stages, int n_vec) {
-    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K>(d, warps, stages, n_vec)
-                             : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
 }
 
 // The items kernel, once per (kernel, device): its shared-memory attribute, and whether the loaded
@@ -1300,31 +1277,33 @@ inline bool setup_items(const Device &d) {
     return it->second;
 }
 
-// Resident blocks per SM of the items kernel at n_vec vectors (cached per device, configuration, n_vec).
-template <int TYPE, int WARPS, int STAGES>
-inline int resident_items_cfg(const Device &d, int n_vec) {
-    static std::mutex mu;
-    static std::map<std::pair<int, int>, int> cache;
-    setup_items<TYPE, WARPS, STAGES>(d);
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = cache.find({d.id, n_vec});
-    if (it == cache.end()) {
-        int n = 0;
-        check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, matvec_items_kernel<TYPE, WARPS, STAGES>, 32 * WARPS,
-                                                                 smem_bytes<TYPE, WARPS, STAGES>(n_vec)),
-                   "matvec_f16: occupancy (items)");
-        it = cache.emplace(std::make_pair(d.id, n_vec), std::max(n, 1)).first;
+// Resident blocks per SM of one configuration at n_vec vectors: of the items kernel (ITEMS), else of
+// the block kernel's copy-engine instance where the type streams there (calls gathering rows take
+// the other).
+template <int TYPE, int WARPS, int STAGES, bool ITEMS>
+inline int resident_cfg(const Device &d, int n_vec) {
+    const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(n_vec);
+    if constexpr (ITEMS) {
+        setup_items<TYPE, WARPS, STAGES>(d);
+        return occupancy(reinterpret_cast<const void *>(matvec_items_kernel<TYPE, WARPS, STAGES>), d, 32 * WARPS, smem);
     }
-    return it->second;
+    const bool tma = d.pdl && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
+    if (!tma) setup<TYPE, WARPS, STAGES, false>(d);
+    return occupancy(tma ? reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, true>)
+                         : reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, false>),
+                     d, 32 * WARPS, smem);
 }
-template <int TYPE>
-inline int resident_items_type(const Device &d, int warps, int stages, int n_vec) {
-    if (warps == 8) return stages == 3 ? resident_items_cfg<TYPE, 8, 3>(d, n_vec) : resident_items_cfg<TYPE, 8, 2>(d, n_vec);
-    return stages == 3 ? resident_items_cfg<TYPE, 4, 3>(d, n_vec) : resident_items_cfg<TYPE, 4, 2>(d, n_vec);
+template <int TYPE, bool ITEMS>
+inline int resident_type(const Device &d, int warps, int stages, int n_vec) {
+    if (warps == 8) return stages == 3 ? resident_cfg<TYPE, 8, 3, ITEMS>(d, n_vec) : resident_cfg<TYPE, 8, 2, ITEMS>(d, n_vec);
+    return stages == 3 ? resident_cfg<TYPE, 4, 3, ITEMS>(d, n_vec) : resident_cfg<TYPE, 4, 2, ITEMS>(d, n_vec);
 }
-inline int resident_items(const Device &d, int type, int warps, int stages, int n_vec) {
-    return type == TYPE_Q4_K ? resident_items_type<TYPE_Q4_K>(d, warps, stages, n_vec)
-                             : resident_items_type<TYPE_Q6_K>(d, warps, stages, n_vec);
+inline int resident(const Device &d, int type, int warps, int stages, int n_vec, bool items = false) {
+    if (items)
+        return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K, true>(d, warps, stages, n_vec)
+                                 : resident_type<TYPE_Q6_K, true>(d, warps, stages, n_vec);
+    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K, false>(d, warps, stages, n_vec)
+                             : resident_type<TYPE_Q6_K, false>(d, warps, stages, n_vec);
 }
 inline bool items_loop(const Device &d, int type, int warps, int stages) {
     if (type == TYPE_Q4_K)
@@ -1450,8 +1429,8 @@ inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_
             c.split_items = forced.split;
         } else {
             const int st8 = stages_for(d, type, c.warps, sb8, forced.stages), st1 = stages_for(d, type, c.warps, sb1, forced.stages);
-            const int64_t w8 = (int64_t)d.n_sm * resident_items(d, type, c.warps, st8, 8) * c.warps;
-            const int64_t w1 = (int64_t)d.n_sm * resident_items(d, type, c.warps, st1, 1) * c.warps;
+            const int64_t w8 = (int64_t)d.n_sm * resident(d, type, c.warps, st8, 8, true) * c.warps;
+            const int64_t w1 = (int64_t)d.n_sm * resident(d, type, c.warps, st1, 1, true) * c.warps;
             c.split_items = items_split(tiles, nb, w8, w1);
         }
         c.split_items = (int)std::min<int64_t>(c.split_items, nb);
@@ -1497,20 +1476,10 @@ inline void launch_items_cfg(const Args &a, int64_t tiles, const Device &d, bool
     b.items = tiles * a.split;
     maps_for(a.w, &b.map[0], &b.map_sc[0]);
     for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
-    const int64_t res = (int64_t)d.n_sm * resident_items_cfg<TYPE, WARPS, STAGES>(d, a.n_vec);
+    const int64_t res = (int64_t)d.n_sm * resident_cfg<TYPE, WARPS, STAGES, true>(d, a.n_vec);
     const int64_t blocks = std::min<int64_t>(res, (b.items + WARPS - 1) / WARPS);
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(32 * WARPS);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = st;
-    cudaLaunchAttribute at[1];
-    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    at[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = at;
-    cfg.numAttrs = pdl ? 1 : 0;
-    ++g_launches;
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, matvec_items_kernel<TYPE, WARPS, STAGES>, b);
+    const cudaError_t e = launch_pdl_if(pdl, matvec_items_kernel<TYPE, WARPS, STAGES>, dim3((unsigned)blocks), dim3(32 * WARPS),
+                                        smem, st, b);
     if (e != cudaSuccess)
         check_cuda(e, ("matvec_f16: items launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
                        std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
@@ -1519,25 +1488,19 @@ inline void launch_items_cfg(const Args &a, int64_t tiles, const Device &d, bool
                        std::to_string(d.optin) + ")")
                           .c_str());
 }
-template <int TYPE>
-inline void launch_items_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
-    if (c.warps == 8) {
-        if (c.stages == 3) launch_items_cfg<TYPE, 8, 3>(a, tiles, d, pdl, st);
-        else launch_items_cfg<TYPE, 8, 2>(a, tiles, d, pdl, st);
-    } else {
-        if (c.stages == 3) launch_items_cfg<TYPE, 4, 3>(a, tiles, d, pdl, st);
-        else launch_items_cfg<TYPE, 4, 2>(a, tiles, d, pdl, st);
-    }
+template <int TYPE, int WARPS, int STAGES, bool ITEMS>
+inline void launch_kind(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
+    if constexpr (ITEMS) launch_items_cfg<TYPE, WARPS, STAGES>(a, tiles, d, pdl, st);
+    else launch_cfg<TYPE, WARPS, STAGES>(a, tiles, d, pdl, st);
 }
-
-template <int TYPE>
+template <int TYPE, bool ITEMS>
 inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
     if (c.warps == 8) {
-        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, tiles, d, pdl, st);
-        else launch_cfg<TYPE, 8, 2>(a, tiles, d, pdl, st);
+        if (c.stages == 3) launch_kind<TYPE, 8, 3, ITEMS>(a, tiles, d, pdl, st);
+        else launch_kind<TYPE, 8, 2, ITEMS>(a, tiles, d, pdl, st);
     } else {
-        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, tiles, d, pdl, st);
-        else launch_cfg<TYPE, 4, 2>(a, tiles, d, pdl, st);
+        if (c.stages == 3) launch_kind<TYPE, 4, 3, ITEMS>(a, tiles, d, pdl, st);
+        else launch_kind<TYPE, 4, 2, ITEMS>(a, tiles, d, pdl, st);
     }
 }
 
@@ -1570,15 +1533,10 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
     const Device d = device();
     const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);
     const int64_t tiles = (rows + ROWS - 1) / ROWS;
-    if (c.items && !a.rows) {   // rows in order: the items kernel
-        a.split = c.split_items;
-        if (a.w.type == TYPE_Q4_K) launch_items_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
-        else launch_items_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
-        return;
-    }
-    a.split = c.split;
-    if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
-    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
+    const bool items = c.items && !a.rows;   // rows in order: the items kernel
+    a.split = items ? c.split_items : c.split;
+    if (a.w.type == TYPE_Q4_K) items ? launch_type<TYPE_Q4_K, true>(a, tiles, c, d, pdl, st) : launch_type<TYPE_Q4_K, false>(a, tiles, c, d, pdl, st);
+    else items ? launch_type<TYPE_Q6_K, true>(a, tiles, c, d, pdl, st) : launch_type<TYPE_Q6_K, false>(a, tiles, c, d, pdl, st);
 }
 
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's

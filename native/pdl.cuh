@@ -51,10 +51,11 @@ inline bool pdl_device() {
     return ok;
 }
 
-// kernel<<<grid, block, smem, st>>>(args...) with the PDL attribute where the device has it; the
-// kernel must follow the rule above. Returns the launch's error (callers check_launch).
+// kernel<<<grid, block, smem, st>>>(args...), with the PDL attribute when `pdl` is set (the caller
+// has checked the device and the kernel's code). Returns the launch's error.
 template <typename... Params, typename... Args>
-inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args &&...args) {
+inline cudaError_t launch_pdl_if(bool pdl, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st,
+                                 Args &&...args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
@@ -64,9 +65,16 @@ inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size
     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     at[0].val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = at;
-    cfg.numAttrs = pdl_device() ? 1 : 0;
+    cfg.numAttrs = pdl ? 1 : 0;
     ++g_launches;
     return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// kernel<<<grid, block, smem, st>>>(args...) with the PDL attribute where the device has it; the
+// kernel must follow the rule above. Returns the launch's error (callers check_launch).
+template <typename... Params, typename... Args>
+inline cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t st, Args &&...args) {
+    return launch_pdl_if(pdl_device(), kernel, grid, block, smem, st, std::forward<Args>(args)...);
 }
 
 }  // namespace oj
