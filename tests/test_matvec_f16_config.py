@@ -7,10 +7,6 @@ bytes and a launch's shared memory. The rules checked:
 - a type on the copy engine takes 2 stages unless forced (a fourth block per SM); otherwise 3 when
   three fit a block and two such blocks fit an SM, else 2; a forced count is kept when it fits;
   never more shared memory than a block may have, and no copy-engine stages on a cc < 9.0 device;
-- the items kernel's split S minimises the busiest warp's work, ceil(T S / W) items x (ceil(nb / S)
-  steps + 0.25 to write one out + 0.5 for a split slot), relative to its optimum at both warp counts
-  (8 vectors' and 1 vector's occupancy), ties to the smaller S; 1 <= S <= min(nb, 64), and T S
-  partial slots fit the workspace when S > 1;
 - stages are whole multiples of 128 bytes (the tensor copies' destination alignment) holding the
   weights and the vectors' x; a launch's shared memory is the rings plus one 8-byte mbarrier per
   stage and warp.
@@ -72,27 +68,3 @@ def test_stage_bytes_and_shared_memory(exe):
         assert sb % 128 == 0 and need <= sb < need + 128, r
         rings = r["warps"] * r["stages"] * sb
         assert r["smem"] == max(rings, r["warps"] * 8 * 32 * 4) + r["warps"] * r["stages"] * 8, r
-
-
-def _items_cost(tiles: int, nb: int, s: int, warps: int) -> float:
-    per = -(-tiles * s // warps)
-    return per * (-(-nb // s) + 0.25 + (0.5 if s > 1 else 0.0))
-
-
-def test_items_split_minimises_the_busiest_warp(exe):
-    rows = [r for r in _run(exe) if r["what"] == "items_split"]
-    assert len(rows) == 10 * 4
-    for r in rows:
-        t, nb, lo, hi, s = r["tiles"], r["nb"], r["w_lo"], r["w_hi"], r["split"]
-        smax = max(1, min(nb, r["max_slots"] // t, 64))
-        assert 1 <= s <= smax, r
-        assert s == 1 or t * s <= r["max_slots"], r
-        best_lo = min(_items_cost(t, nb, k, lo) for k in range(1, smax + 1))
-        best_hi = min(_items_cost(t, nb, k, hi) for k in range(1, smax + 1))
-        score = {k: _items_cost(t, nb, k, lo) / best_lo + _items_cost(t, nb, k, hi) / best_hi for k in range(1, smax + 1)}
-        want = min(score, key=lambda k: (round(score[k], 9), k))
-        assert s == want, (r, score)
-    # the FFN gate + up group at an H100's occupancy: three splits keep every warp at 14 steps at
-    # most where one split leaves 1,024 of 2,112 warps idle
-    ffn = next(r for r in rows if (r["tiles"], r["nb"], r["w_lo"], r["w_hi"]) == (1088, 20, 1584, 2112))
-    assert ffn["split"] == 3

@@ -1,7 +1,7 @@
 // matvec_f16_config_check.cu: matvec_f16.cuh's host-side configuration on the CPU (no GPU needed):
 // which types stream on the copy engine, the stage count stages_for picks for
 // each type, vector count and device, the stages' 128-byte rounding and the shared-memory size with
-// its barriers, the items kernel's split. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
+// its barriers. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
 // checks the rules.
 //
 //   nvcc -std=c++17 -arch=sm_90 -Inative native/tools/matvec_f16_config_check.cu -o mvcfg
@@ -39,19 +39,6 @@ int main() {
                                     name, type, warps, n_vec, forced, sb,
                                     mvf16::stages_for(d, type, warps, sb, forced), d.optin, d.smem_sm);
                     }
-    // the items kernel's split (items_split) over the 27B's projection shapes and edge shapes, at
-    // warp counts of an H200 / H100 (132 SMs x 3..5 blocks x 4 warps) and of a small card
-    const int64_t shapes[][2] = {{34816, 5120}, {5120, 17408}, {5120, 6144}, {16480, 5120}, {14336, 5120},
-                                 {248320, 5120}, {77, 256}, {1001, 4608}, {64, 17408}, {32, 256}};
-    const int64_t warps[][2] = {{1584, 2112}, {1584, 2640}, {2112, 2112}, {336, 672}};
-    for (const auto &sh : shapes)
-        for (const auto &w : warps) {
-            const int64_t tiles = (sh[0] + mvf16::ROWS - 1) / mvf16::ROWS, nb = sh[1] / QK_K;
-            std::printf("{\"what\": \"items_split\", \"tiles\": %lld, \"nb\": %lld, \"w_lo\": %lld, \"w_hi\": %lld, "
-                        "\"split\": %d, \"max_slots\": %d}\n",
-                        (long long)tiles, (long long)nb, (long long)w[0], (long long)w[1],
-                        mvf16::items_split(tiles, nb, w[0], w[1]), mvf16::MAX_SLOTS);
-        }
     for (int n_vec = 1; n_vec <= 8; ++n_vec) {
         smem_line<TYPE_Q4_K, 4, 2>(n_vec);
         smem_line<TYPE_Q4_K, 4, 3>(n_vec);
