@@ -311,7 +311,6 @@ struct Args {
     bool accumulate;
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
     bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
-    int64_t items;               // matvec_items_kernel: row tiles x split
     More more;
 };
 
@@ -691,229 +690,6 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
     // every phase armed has completed (the loop waited on each)
     if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
 }
-
-// The work-item loop (stream_items, sm_90, rows in order): item i = (row tile i / S, split i % S,
-// the split's super-blocks [s nb / S, (s + 1) nb / S) of the tile's 32 rows), computed whole by one
-// warp. Warp gw of the launch's W takes items gw, gw + W, ...; its ring runs through their
-// super-blocks without stopping at an item's end: the copies of the next item's first steps are in
-// flight while the warp writes the finished one out. The grid is at most the resident blocks, so
-// every warp streams from its start to its last item (no waves of short blocks, each paying its
-// ramp and its tail). Each item's sum runs over its super-blocks in order and the S partials meet
-// in split order (the split-K slots and counters of matvec_block), so the result depends on S (the
-// shape and device) only, never on n_vec or the grid.
-struct Item {
-    int64_t i = 0;        // the item
-    int64_t tile = 0;     // the launch's row tile (counters, slots)
-    int64_t m0 = 0;       // its first row within its member
-    int64_t u = 0, u1 = 0;   // the next super-block and the split's end
-    int member = 0;
-};
-
-__device__ __forceinline__ bool item_at(const Args &a, int64_t i, Item &it) {
-    if (i >= a.items) return false;
-    const int64_t nb = a.w.K / QK_K;
-    it.i = i;
-    it.tile = i / a.split;
-    const int64_t s = i - it.tile * a.split;
-    it.u = s * nb / a.split;
-    it.u1 = (s + 1) * nb / a.split;
-    int64_t mt = it.tile;
-    it.member = 0;
-    for (int q = 0; q < a.n_more; ++q)
-        if (it.tile >= a.more.tile0[q]) {
-            it.member = q + 1;
-            mt = it.tile - a.more.tile0[q];
-        }
-    it.m0 = mt * ROWS;
-    return true;
-}
-
-// The member's matrix, output and rows.
-__device__ __forceinline__ const Matrix &member_w(const Args &a, int m) { return m == 0 ? a.w : a.more.w[m - 1]; }
-__device__ __forceinline__ float *member_y(const Args &a, int m) { return m == 0 ? a.y : a.more.y[m - 1]; }
-__device__ __forceinline__ int64_t member_rows(const Args &a, int m) { return m == 0 ? a.n_out : a.more.n_out[m - 1]; }
-
-// Item `it`'s sums out of the warp's accumulators: written to y (S = 1), or to the item's split
-// slot, the tile's last split to arrive summing the S slots in split order into y.
-__device__ __forceinline__ void item_out(const Args &a, const Item &it, float (&acc)[2][4], int g, int t, int lane) {
-    const int S = a.split;
-    float *y = member_y(a, it.member);
-    const int64_t n_out = member_rows(a, it.member);
-    if (S == 1) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int64_t o = it.m0 + 16 * i + g + 8 * (e >> 1);
-                const int vec = 2 * t + (e & 1);
-                if (vec < a.n_vec && o < n_out) {
-                    float *dst = y + (int64_t)vec * n_out + o;
-                    *dst = a.accumulate ? *dst + acc[i][e] : acc[i][e];
-                }
-            }
-        return;
-    }
-    float *slot = a.part + (size_t)it.i * SLOT_FLOATS;
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int vec = 2 * t + (e & 1);
-            if (vec < a.n_vec) __stcg(slot + vec * ROWS + 16 * i + g + 8 * (e >> 1), acc[i][e]);
-        }
-    // release: every lane fences its slot stores, then one atomic; acquire: lane 0 fences after the
-    // atomic that saw the other S - 1 arrivals, the shuffle orders the lanes' L2 loads after it
-    __threadfence();
-    __syncwarp();
-    unsigned last = 0;
-    if (lane == 0) {
-        last = atomicAdd(a.count + it.tile, 1u) == (uint32_t)(S - 1) ? 1u : 0u;
-        if (last) a.count[it.tile] = 0u;   // every arrival of this call is in; the next call starts from 0
-        __threadfence();
-    }
-    if (!__shfl_sync(0xffffffffu, last, 0)) return;
-    const float *slots = a.part + (size_t)it.tile * S * SLOT_FLOATS;
-    for (int idx = lane; idx < 8 * ROWS; idx += 32) {
-        const int vec = idx >> 5, r = idx & 31;
-        const int64_t o = it.m0 + r;
-        if (vec < a.n_vec && o < n_out) {
-            float v = 0.0f;
-            for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);
-            float *dst = y + (int64_t)vec * n_out + o;
-            *dst = a.accumulate ? *dst + v : v;
-        }
-    }
-}
-
-template <int TYPE, int WARPS, int STAGES>
-__device__ __forceinline__ void stream_items(const Args &a, uint8_t *smem) {
-    constexpr bool Q6 = TYPE == TYPE_Q6_K;
-    constexpr int W = w_bytes(TYPE);
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int64_t n_warps = (int64_t)gridDim.x * WARPS, gw = (int64_t)blockIdx.x * WARPS + warp;
-    const int64_t nb = a.w.K / QK_K;
-    const int SB = stage_bytes(TYPE, a.n_vec);
-    uint8_t *ring = smem + (size_t)warp * STAGES * SB;
-    uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
-    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
-    Item cw, fill;   // the item computed, the item whose steps are issued next
-    bool more_c = item_at(a, gw, cw), more_f = more_c;
-    if (!more_c) return;
-    fill = cw;
-    if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    __syncwarp();
-    // the weights of step (fill, fill.u) into stage st; then fill moves on (to its next item at its end)
-    auto issue_w = [&](uint8_t *st, uint64_t *bar) {
-        const CUtensorMap *map = &a.map[fill.member];
-        if (lane == 0) {
-            bar_expect_tx(bar, tx);
-            tensor_2d(st, map, (int)(fill.u * (Q6 ? 192 : 144)), (int)fill.m0, bar);
-            if constexpr (Q6) tensor_2d(st + ROWS * 192, &a.map_sc[fill.member], (int)(fill.u * 16), (int)fill.m0, bar);
-        }
-        if constexpr (Q6) {   // lane l: row 16 (l & 1) + l / 2 of the tile, its d word
-            const Matrix &w = member_w(a, fill.member);
-            const int64_t rows = member_rows(a, fill.member);
-            const int half = lane & 1, row = 16 * half + (lane >> 1);
-            int64_t o = fill.m0 + row;
-            if (o >= rows) o = rows - 1;   // rows past the end compute a copy, never written
-            const Q6Planes p = q6_K_planes(w.M, w.K);
-            const int64_t bi = o * nb + fill.u, nblk = w.M * nb;
-            uint8_t *dd = st + ROWS * 208 + row * 4;
-            if ((bi | 1) < nblk) cp4(dd, w.data + p.d + (bi & ~int64_t(1)) * 2);
-            else   // the plane's last entry at an even index: its word would reach past the plane
-                *reinterpret_cast<uint32_t *>(dd) = __ldg(reinterpret_cast<const unsigned short *>(w.data + p.d + bi * 2));
-            bar_cp_async_arrive(bar);
-        }
-    };
-    auto issue_x = [&](uint8_t *st, uint64_t *bar, int64_t u) {
-        if (lane == 0) {
-            const uint8_t *rec = a.xp + u * REC;
-            bulk(st + W, rec, xb, bar);
-            bulk(st + W + xb, rec + INV_OFF, 32, bar);
-        }
-    };
-    auto advance_fill = [&](int64_t &k) {
-        if (++fill.u == fill.u1) {
-            k += n_warps;
-            more_f = item_at(a, k, fill);
-        }
-    };
-    int64_t kf = gw, kc = gw;   // the items of fill and cw
-    int64_t pre_u[STAGES - 1];
-    int n_pre = 0;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-        if (more_f) {
-            pre_u[s] = fill.u;
-            issue_w(ring + s * SB, bars + s);
-            advance_fill(kf);
-            n_pre = s + 1;
-        }
-    pdl_wait();   // the prep grid's x
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
-        if (s < n_pre) issue_x(ring + s * SB, bars + s, pre_u[s]);
-    // Q6_K: which half of each compute row's d word is its d (the parity of row * nb), per item
-    uint32_t par[2][2] = {{0u, 0u}, {0u, 0u}};
-    auto item_parity = [&]() {
-        if constexpr (Q6) {
-            const int64_t rows = member_rows(a, cw.member);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    int64_t o = cw.m0 + 16 * i + g + 8 * r;
-                    if (o >= rows) o = rows - 1;
-                    par[i][r] = (uint32_t)((o * nb) & 1);
-                }
-        }
-    };
-    item_parity();
-    float acc[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-    uint32_t ph = 0;               // bit s: the parity stage s's barrier completes next
-    int rd = 0, wr = STAGES - 1;   // ring stages of the step computed and of the next refill
-    while (more_c) {
-        bar_wait(bars + rd, (ph >> rd) & 1u);
-        ph ^= 1u << rd;
-        if (more_f) {   // refill the stage the previous step read (every lane past it: the last __syncwarp)
-            uint8_t *st = ring + wr * SB;
-            if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
-            const int64_t u = fill.u;
-            issue_w(st, bars + wr);
-            issue_x(st, bars + wr, u);
-            advance_fill(kf);
-        }
-        const uint8_t *st = ring + rd * SB;
-        if constexpr (Q6) {
-            uint32_t pr[2][2];
-            q6_parity(par, cw.u, pr);
-            step_q6(st, st + W, a.n_vec, g, t, pr, acc);
-        } else {
-            step_q4(st, st + W, a.n_vec, g, t, acc);
-        }
-        rd = rd == STAGES - 1 ? 0 : rd + 1;
-        wr = wr == STAGES - 1 ? 0 : wr + 1;
-        __syncwarp();
-        if (++cw.u == cw.u1) {   // the item's last step: out, then the next item
-            item_out(a, cw, acc, g, t, lane);
-#pragma unroll
-            for (int i = 0; i < 2; ++i)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-            kc += n_warps;
-            more_c = item_at(a, kc, cw);
-            if (more_c) item_parity();
-        }
-    }
-    // every phase armed has completed (each issued step was computed, its barrier waited on)
-    __syncwarp();
-    if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
-}
 #endif
 
 // TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
@@ -1073,16 +849,6 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
     pdl_launch_dependents();   // the next kernel waits (pdl_wait) for this whole grid
     extern __shared__ __align__(128) uint8_t smem[];
     matvec_block<TYPE, WARPS, STAGES, TMA>(args, blockIdx.x, smem);
-}
-
-// The work-item loop (stream_items): launched on sm_90+ only, at most the resident blocks.
-template <int TYPE, int WARPS, int STAGES>
-__global__ void __launch_bounds__(32 * WARPS) matvec_items_kernel(const __grid_constant__ Args args) {
-    pdl_launch_dependents();
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) uint8_t smem[];
-    stream_items<TYPE, WARPS, STAGES>(args, smem);
-#endif
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1258,67 +1024,24 @@ inline int occupancy(const void *kernel, const Device &d, int threads, size_t sm
     return it->second;
 }
 
-// The items kernel, once per (kernel, device): its shared-memory attribute, and whether the loaded
-// code holds its loop (sm_90 code: compute_90+; without it the kernel is empty and the block kernel runs).
+// Resident blocks per SM of one configuration at n_vec vectors: of the copy-engine instance where
+// the type streams there (calls gathering rows take the other).
 template <int TYPE, int WARPS, int STAGES>
-inline bool setup_items(const Device &d) {
-    static std::mutex mu;
-    static std::map<int, bool> has_loop;
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = has_loop.find(d.id);
-    if (it == has_loop.end()) {
-        check_cuda(cudaFuncSetAttribute(matvec_items_kernel<TYPE, WARPS, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        d.optin),
-                   "matvec_f16: shared-memory attribute (items)");
-        cudaFuncAttributes fa;
-        check_cuda(cudaFuncGetAttributes(&fa, matvec_items_kernel<TYPE, WARPS, STAGES>), "matvec_f16: kernel attributes (items)");
-        it = has_loop.emplace(d.id, fa.ptxVersion >= 90 && fa.binaryVersion >= 90).first;
-    }
-    return it->second;
-}
-
-// Resident blocks per SM of one configuration at n_vec vectors: of the items kernel (ITEMS), else of
-// the block kernel's copy-engine instance where the type streams there (calls gathering rows take
-// the other).
-template <int TYPE, int WARPS, int STAGES, bool ITEMS>
 inline int resident_cfg(const Device &d, int n_vec) {
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(n_vec);
-    if constexpr (ITEMS) {
-        setup_items<TYPE, WARPS, STAGES>(d);
-        return occupancy(reinterpret_cast<const void *>(matvec_items_kernel<TYPE, WARPS, STAGES>), d, 32 * WARPS, smem);
-    }
     const bool tma = d.pdl && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
     if (!tma) setup<TYPE, WARPS, STAGES, false>(d);
     return occupancy(tma ? reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, true>)
                          : reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, false>),
                      d, 32 * WARPS, smem);
 }
-template <int TYPE, bool ITEMS>
+template <int TYPE>
 inline int resident_type(const Device &d, int warps, int stages, int n_vec) {
-    if (warps == 8) return stages == 3 ? resident_cfg<TYPE, 8, 3, ITEMS>(d, n_vec) : resident_cfg<TYPE, 8, 2, ITEMS>(d, n_vec);
-    return stages == 3 ? resident_cfg<TYPE, 4, 3, ITEMS>(d, n_vec) : resident_cfg<TYPE, 4, 2, ITEMS>(d, n_vec);
+    if (warps == 8) return stages == 3 ? resident_cfg<TYPE, 8, 3>(d, n_vec) : resident_cfg<TYPE, 8, 2>(d, n_vec);
+    return stages == 3 ? resident_cfg<TYPE, 4, 3>(d, n_vec) : resident_cfg<TYPE, 4, 2>(d, n_vec);
 }
-inline int resident(const Device &d, int type, int warps, int stages, int n_vec, bool items = false) {
-    if (items)
-        return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K, true>(d, warps, stages, n_vec)
-                                 : resident_type<TYPE_Q6_K, true>(d, warps, stages, n_vec);
-    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K, false>(d, warps, stages, n_vec)
-                             : resident_type<TYPE_Q6_K, false>(d, warps, stages, n_vec);
-}
-inline bool items_loop(const Device &d, int type, int warps, int stages) {
-    if (type == TYPE_Q4_K)
-        return warps == 8 ? (stages == 3 ? setup_items<TYPE_Q4_K, 8, 3>(d) : setup_items<TYPE_Q4_K, 8, 2>(d))
-                          : (stages == 3 ? setup_items<TYPE_Q4_K, 4, 3>(d) : setup_items<TYPE_Q4_K, 4, 2>(d));
-    return warps == 8 ? (stages == 3 ? setup_items<TYPE_Q6_K, 8, 3>(d) : setup_items<TYPE_Q6_K, 8, 2>(d))
-                      : (stages == 3 ? setup_items<TYPE_Q6_K, 4, 3>(d) : setup_items<TYPE_Q6_K, 4, 2>(d));
-}
-
-// OJ_MVF16_ITEMS=1: the items kernel where the block kernel (matvec_kernel's copy-engine loop) runs
-// now. It exists for the device A/B of the two (issue 25): the winner becomes the one path and the
-// switch leaves with the loser.
-inline bool items_enabled() {
-    static const bool on = env_is("OJ_MVF16_ITEMS", "1");
-    return on;
+inline int resident(const Device &d, int type, int warps, int stages, int n_vec) {
+    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K>(d, warps, stages, n_vec) : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
 }
 
 // Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair (kept for
@@ -1331,11 +1054,7 @@ inline bool items_enabled() {
 // The warp count and S set the summation order, so they depend on the shape and device only, never
 // on n_vec (decided on 8 vectors' stages and occupancy where it matters): 1..8 vectors stay
 // bit-identical on every device. The stage count may follow n_vec (it does not change the order).
-struct Config {
-    int warps, stages, split;
-    bool items = false;    // the items kernel where rows are in order (sm_90+, OJ_MVF16_ITEMS=1)
-    int split_items = 0;   // its S (items_split)
-};
+struct Config { int warps, stages, split; };
 
 // A type on the copy engine (stream_tma): 2 stages, for a fourth block per SM (the group harness
 // at 8984bbb, every group faster forced to 4 warps x 2 stages: DeltaNet 26.4 vs 31.0 us, attention
@@ -1380,31 +1099,6 @@ inline int auto_split(int64_t tiles, int64_t nb, int warps, int n_sm, int res_lo
     return pick_s;
 }
 
-// The items model: the busiest warp's items (of W warps in all) times an item's steps, the largest
-// split's super-blocks, plus ITEM_OUT a step for writing the item out and SPLIT_MEET for its slot
-// and counter; the ramp is once per warp whatever S. S minimises the sum relative to the optima at
-// 8 vectors' and at 1 vector's occupancy (the order must not depend on n_vec).
-constexpr double ITEM_OUT = 0.25;
-inline double items_cost(int64_t tiles, int64_t nb, int S, int64_t n_warps) {
-    const int64_t per = (tiles * S + n_warps - 1) / n_warps;
-    return (double)per * ((double)((nb + S - 1) / S) + ITEM_OUT + (S > 1 ? SPLIT_MEET : 0.0));
-}
-inline int items_split(int64_t tiles, int64_t nb, int64_t warps_lo, int64_t warps_hi) {
-    const int smax = (int)std::max<int64_t>(1, std::min<int64_t>({nb, MAX_SLOTS / tiles, 64}));
-    double best_lo = 1e300, best_hi = 1e300;
-    for (int S = 1; S <= smax; ++S) {
-        best_lo = std::min(best_lo, items_cost(tiles, nb, S, warps_lo));
-        best_hi = std::min(best_hi, items_cost(tiles, nb, S, warps_hi));
-    }
-    int pick_s = 1;
-    double pick_c = 1e300;
-    for (int S = 1; S <= smax; ++S) {
-        const double c = items_cost(tiles, nb, S, warps_lo) / best_lo + items_cost(tiles, nb, S, warps_hi) / best_hi;
-        if (c < pick_c - 1e-9) pick_c = c, pick_s = S;   // ties: the smaller S
-    }
-    return pick_s;
-}
-
 inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_vec, const Config &forced) {
     const int64_t tiles = (n_out + ROWS - 1) / ROWS, nb = K / QK_K;
     const size_t sb = (size_t)stage_bytes(type, n_vec), sb1 = (size_t)stage_bytes(type, 1), sb8 = (size_t)stage_bytes(type, 8);
@@ -1423,20 +1117,6 @@ inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_
     }
     c.split = (int)std::min<int64_t>(c.split, nb);                                  // no empty split
     if (c.split > 1 && tiles * c.split > MAX_SLOTS) c.split = (int)std::max<int64_t>(1, MAX_SLOTS / tiles);
-    c.items = d.pdl && tma_for(type) && items_enabled() && items_loop(d, type, c.warps, c.stages);
-    if (c.items) {
-        if (forced.split) {
-            c.split_items = forced.split;
-        } else {
-            const int st8 = stages_for(d, type, c.warps, sb8, forced.stages), st1 = stages_for(d, type, c.warps, sb1, forced.stages);
-            const int64_t w8 = (int64_t)d.n_sm * resident(d, type, c.warps, st8, 8, true) * c.warps;
-            const int64_t w1 = (int64_t)d.n_sm * resident(d, type, c.warps, st1, 1, true) * c.warps;
-            c.split_items = items_split(tiles, nb, w8, w1);
-        }
-        c.split_items = (int)std::min<int64_t>(c.split_items, nb);
-        if (c.split_items > 1 && tiles * c.split_items > MAX_SLOTS)
-            c.split_items = (int)std::max<int64_t>(1, MAX_SLOTS / tiles);
-    }
     return c;
 }
 
@@ -1467,40 +1147,15 @@ inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_ve
     return decided.emplace(key, c).first->second;
 }
 
-// The items kernel over a.split's items: at most the resident blocks, every warp one item at least.
-template <int TYPE, int WARPS, int STAGES>
-inline void launch_items_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
-    const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
-    Args b = a;
-    b.tma = true;
-    b.items = tiles * a.split;
-    maps_for(a.w, &b.map[0], &b.map_sc[0]);
-    for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
-    const int64_t res = (int64_t)d.n_sm * resident_cfg<TYPE, WARPS, STAGES, true>(d, a.n_vec);
-    const int64_t blocks = std::min<int64_t>(res, (b.items + WARPS - 1) / WARPS);
-    const cudaError_t e = launch_pdl_if(pdl, matvec_items_kernel<TYPE, WARPS, STAGES>, dim3((unsigned)blocks), dim3(32 * WARPS),
-                                        smem, st, b);
-    if (e != cudaSuccess)
-        check_cuda(e, ("matvec_f16: items launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
-                       std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
-                       std::to_string(a.n_vec) + " vectors, " + std::to_string(b.items) + " items, grid " +
-                       std::to_string(blocks) + ", " + std::to_string(smem) + " bytes of shared memory of " +
-                       std::to_string(d.optin) + ")")
-                          .c_str());
-}
-template <int TYPE, int WARPS, int STAGES, bool ITEMS>
-inline void launch_kind(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
-    if constexpr (ITEMS) launch_items_cfg<TYPE, WARPS, STAGES>(a, tiles, d, pdl, st);
-    else launch_cfg<TYPE, WARPS, STAGES>(a, tiles, d, pdl, st);
-}
-template <int TYPE, bool ITEMS>
+// The launch at c's warps and stages.
+template <int TYPE>
 inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
     if (c.warps == 8) {
-        if (c.stages == 3) launch_kind<TYPE, 8, 3, ITEMS>(a, tiles, d, pdl, st);
-        else launch_kind<TYPE, 8, 2, ITEMS>(a, tiles, d, pdl, st);
+        if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, tiles, d, pdl, st);
+        else launch_cfg<TYPE, 8, 2>(a, tiles, d, pdl, st);
     } else {
-        if (c.stages == 3) launch_kind<TYPE, 4, 3, ITEMS>(a, tiles, d, pdl, st);
-        else launch_kind<TYPE, 4, 2, ITEMS>(a, tiles, d, pdl, st);
+        if (c.stages == 3) launch_cfg<TYPE, 4, 3>(a, tiles, d, pdl, st);
+        else launch_cfg<TYPE, 4, 2>(a, tiles, d, pdl, st);
     }
 }
 
@@ -1523,7 +1178,6 @@ inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, i
     a.accumulate = accumulate;
     a.n_more = 0;
     a.tma = false;   // launch_cfg decides
-    a.items = 0;     // launch_items_cfg sets it
     return a;
 }
 
@@ -1533,10 +1187,9 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
     const Device d = device();
     const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);
     const int64_t tiles = (rows + ROWS - 1) / ROWS;
-    const bool items = c.items && !a.rows;   // rows in order: the items kernel
-    a.split = items ? c.split_items : c.split;
-    if (a.w.type == TYPE_Q4_K) items ? launch_type<TYPE_Q4_K, true>(a, tiles, c, d, pdl, st) : launch_type<TYPE_Q4_K, false>(a, tiles, c, d, pdl, st);
-    else items ? launch_type<TYPE_Q6_K, true>(a, tiles, c, d, pdl, st) : launch_type<TYPE_Q6_K, false>(a, tiles, c, d, pdl, st);
+    a.split = c.split;
+    if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
+    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
 }
 
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's

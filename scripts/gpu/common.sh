@@ -28,13 +28,15 @@ install_carried_wheels() {
 }
 
 # install_carried_wheels_if_missing LOG
-#   install_carried_wheels, skipped (PYTHONPATH=$PWD, LOG untouched) where cffi and gguf import
-#   already; the import is not tried where there is no .whl/.
+#   install_carried_wheels, skipped (LOG untouched) where cffi and gguf import already; the import
+#   is not tried where there is no .whl/. Skipped, PYTHONPATH becomes $PWD followed by what it held:
+#   a caller that installed the wheels itself (PYTHONPATH=/tmp/site:...) keeps them (dropping it
+#   once cost a device call its whole A/B: "No module named 'gguf'").
 install_carried_wheels_if_missing() {
     if [ -d .whl ] && ! python3 -c "import cffi, gguf" 2>/dev/null; then
         install_carried_wheels "$1"
     else
-        export PYTHONPATH=$PWD
+        export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     fi
 }
 
