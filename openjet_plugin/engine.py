@@ -757,8 +757,10 @@ class Engine:
         chosen = top if argmax_only else None     # the next token when it is known without sampling
         # Greedy steps on a backend of shared passes: the token goes to the scheduler as soon as it
         # is chosen, and its pass runs while the text is assembled and the chunk goes out (the
-        # caller's time with the chunk included); `early` waits for it. A token the text then ends
-        # on (a stop string) is in the state anyway, and in slot.tokens with it.
+        # caller's time with the chunk included); `early` waits for it. That work starts once the
+        # pass has begun (`launched`): before, it would hold the interpreter lock the scheduler
+        # needs to compose the pass (passes.Submitted). A token the text then ends on (a stop
+        # string) is in the state anyway, and in slot.tokens with it.
         submit = getattr(b, "submit_argmax", None) if argmax_only and spec is None and len(self._slots) > 1 else None
         early = None
         if spec is not None:
@@ -791,6 +793,7 @@ class Engine:
                     unreported_lp.append(self._token_logprob(row, tok, n_top))
                 if submit is not None and len(generated) < params.max_tokens and len(slot.tokens) + 1 <= self.n_ctx:
                     early = submit([tok])
+                    early.launched()
                 hit = text.feed(b.detokenize([tok]))
                 if hit:
                     finish = "stop"

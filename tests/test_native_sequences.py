@@ -32,6 +32,7 @@ from test_native_bookkeeping import V, FakeLib, _mix, install_fake  # noqa: E402
 
 import openjet_plugin  # noqa: E402
 from openjet_plugin.backends import native  # noqa: E402
+from openjet_plugin.backends.passes import Submitted  # noqa: E402
 from openjet_plugin.errors import BackendUnavailableError, ContextOverflowError, NativeEngineError  # noqa: E402
 
 DEFAULT_GGUF = Path(__file__).resolve().parent.parent / "openjet_plugin" / "data" / "default.gguf"
@@ -582,12 +583,17 @@ def test_greedy_steps_reach_the_scheduler_before_their_text_goes_out(fake_seqs):
     assert cut.finish_reason == "stop" and len(cut.tokens) < len(full.tokens)
     with _load(2, draft_depth=0) as eng:
         lib = fake_seqs[-1]
-        submitted = []
+        submitted, launched = [], []
         real = native.NativeBackend.submit_argmax
 
         def spy(self, tokens):
             submitted.append(list(tokens))
-            return real(self, tokens)
+            step = real(self, tokens)
+
+            def on_launch():            # the engine's own work waits for the step's pass to begin
+                step.launched()
+                launched.append(list(tokens))
+            return Submitted(step, on_launch)
 
         native.NativeBackend.submit_argmax = spy
         try:
@@ -598,7 +604,7 @@ def test_greedy_steps_reach_the_scheduler_before_their_text_goes_out(fake_seqs):
             native.NativeBackend.submit_argmax = real
         assert "".join(c.text for c in chunks) == cut.text and chunks[-1].finish_reason == "stop"
         assert [t for c in chunks for t in c.tokens] == cut.tokens
-        assert got == [after, full.tokens] and len(submitted) >= 20
+        assert got == [after, full.tokens] and len(submitted) >= 20 and sorted(launched) == sorted(submitted)
         for s in eng._slots:                    # the stop's token went in: state and tokens agree
             assert lib.history(s.backend.seq) == s.tokens
         assert lib.refused_busy == [] and lib.overlaps == []

@@ -49,7 +49,7 @@ import numpy as np
 from ..errors import ContextOverflowError
 from .base import SequenceState
 from .passes import PassScheduler as SharedPasses
-from .passes import Work
+from .passes import Submitted, Work
 
 MAX_CHECKPOINTS = 3
 
@@ -158,7 +158,10 @@ class OneSequencePasses(_Passes):
             work.done += n
             if not work.left:
                 work.logits = row
-        work.event.set()
+        work.finish()
+
+    def wait_launched(self, work: Work) -> None:
+        """Nothing runs before the wait: its passes run in it."""
 
     def cancel(self, seq: int) -> None:
         """Nothing runs on its own: an interrupted wait has already stopped."""
@@ -236,10 +239,11 @@ class LlamaCppSequence:
         return int(np.argmax(self.eval(tokens)))
 
     def submit_argmax(self, tokens: list[int]):
-        """eval_argmax in two halves: the tokens go to the scheduler now, the function returned
-        waits for their pass and gives the argmax (the caller's own work runs meanwhile)."""
+        """eval_argmax in two halves: the tokens go to the scheduler now, the Submitted returned
+        waits for their pass and gives the argmax (the caller's own work runs meanwhile, after its
+        `launched()`)."""
         work = self._submit(tokens)
-        return lambda: int(np.argmax(self._wait(work)))
+        return Submitted(lambda: int(np.argmax(self._wait(work))), lambda: self._passes.wait_launched(work))
 
     def _submit(self, tokens: list[int]) -> Work:
         if not tokens:

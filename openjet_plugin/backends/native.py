@@ -58,7 +58,7 @@ from .. import _native, gpus
 from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
 from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
 from .base import SequenceState
-from .passes import PassScheduler, Work
+from .passes import PassScheduler, Submitted, Work
 
 log = logging.getLogger("openjet_plugin")
 
@@ -630,14 +630,15 @@ class NativeBackend:
             return self.argmax()[-1]
 
     def submit_argmax(self, tokens: list[int]):
-        """eval_argmax in two halves: the tokens go to the pass scheduler now, and the function
+        """eval_argmax in two halves: the tokens go to the pass scheduler now, and the Submitted
         returned waits for their pass and gives the argmax. Between them the caller does its own
         work while the pass runs (the engine assembles and streams the text of the token being
-        evaluated). Without a scheduler (one sequence) the eval runs in that function."""
+        evaluated), after its `launched()`. Without a scheduler (one sequence) the eval runs in
+        the call."""
         if self._shared.passes is None:
-            return lambda: self.eval_argmax(tokens)
+            return Submitted(lambda: self.eval_argmax(tokens))
         work = self._submit_work(tokens, want_logits=False)
-        return lambda: self._wait_work(work).argmax
+        return Submitted(lambda: self._wait_work(work).argmax, lambda: self._shared.passes.wait_launched(work))
 
     def _eval_in_passes(self, tokens: list[int], want_logits: bool) -> Work:
         """An eval of a multi-sequence engine: handed to the pass scheduler, which runs it with the
