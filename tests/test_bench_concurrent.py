@@ -62,6 +62,16 @@ def test_pass_occupancy_counts_the_rounds_passes_and_their_share():
     assert concurrent.pass_occupancy([], 1.0, 2.0) == {}
 
 
+def test_mixed_passes_give_a_prompt_pieces_cost_beside_the_decode_only_pass():
+    trace = [(0.0, 0.01, 0.010, 7, 0), (0.01, 0.02, 0.012, 7, 0), (0.02, 0.08, 0.060, 7, 64),
+             (0.08, 0.09, 0.014, 7, 0), (0.09, 0.16, 0.070, 7, 64), (0.16, 0.20, 0.040, 0, 512),
+             (0.20, 0.24, 0.030, 6, 128)]
+    m = concurrent.mixed_passes(trace)
+    assert m == {"passes": 3, "prompt_tokens_median": 64, "ms_median": 60.0, "ms_max": 70.0,
+                 "decode_steps_median": 7, "decode_only_ms_median": 12.0}
+    assert concurrent.mixed_passes([(0.0, 0.01, 0.01, 7, 0), (0.01, 0.05, 0.04, 0, 512)]) == {}
+
+
 def test_percentile_is_nearest_rank():
     xs = list(range(1, 101))
     assert concurrent.percentile(xs, 99) == 99 and concurrent.percentile(xs, 50) == 50
@@ -475,6 +485,23 @@ def test_markdown_concurrent_section_has_ratios_sequences_and_reasons():
     assert lines[6] == "| 7 | 12288 | not measured (2) |  |  |  | 45.00 [45.00, 45.00] | 4.50× | 1 of 2 | 2.5× |"
     assert "(1) the engine refuses speculation with 8 slots: boom" in md
     assert "(2) the engine serves 1 sequence(s) at once on the native backend" in md
+
+
+def test_markdown_says_what_a_prompt_piece_costs_the_decoders():
+    params = {"streams": 7, "prompt_tokens": 12288}
+    rows = [report.result("concurrent_itl_p99_ms", "openjet", {"streams": 7, "prompt_tokens": 0}, [22.0] * 3),
+            report.result("concurrent_itl_p99_ms", "openjet", params, [78.0] * 3)]
+    mixed = [{"passes": n, "prompt_tokens_median": 64, "ms_median": ms, "ms_max": ms + 9, "decode_steps_median": 7,
+              "decode_only_ms_median": 14.2} for n, ms in ((190, 66.0), (191, 65.5), (189, 67.0))]
+    details = {report.row_key("concurrent_itl_p99_ms", "openjet", params): {
+        "runs": [{"streams_outlasted_prompt": True, "prompt_sent_s": 0.5, "prompt_returned_s": 13.5, "mixed_passes": m}
+                 for m in mixed], "prompt_alone_s": 2.2}}
+    rep = {"manifest": {"info": {report.DETAILS_KEY: details}, "not_measured": []}, "results": rows}
+    report.validate_report(rep)
+    md = report.markdown(rep)
+    assert ("openjet, 7 streams and a 12,288-token prompt: 191 passes with prompt tokens in a run, a median 64 "
+            "tokens next to 7 decode steps in 65.5 ms (at most 74.5), where the decode-only pass of as many steps "
+            "takes 14.2 ms.") in md
 
 
 # --- the real llama-server, where a build exists -------------------------------------------------------------

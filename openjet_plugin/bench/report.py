@@ -720,6 +720,17 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
                 slower = f"{statistics.median(took) / alone:.1f}×" if took and alone else ""
                 cells += [_cell(r) if r else status.get(key, "—"), ratio, inside, slower]
             out.append(f"| {params['streams']} | {params['prompt_tokens']} | " + " | ".join(cells) + " |")
+        for k in itl:      # where a prompt's gaps go: its pieces' passes against the decode-only one
+            params = side[k]
+            _, _, d = get("concurrent_itl_p99_ms", "openjet", params)
+            mixed = [x["mixed_passes"] for x in d.get("runs", []) if x.get("mixed_passes")]
+            if mixed:
+                m = mixed[len(mixed) // 2]
+                out.append(f"\nopenjet, {params['streams']} streams and a {params['prompt_tokens']:,}-token prompt: "
+                           f"{m['passes']} passes with prompt tokens in a run, a median {m['prompt_tokens_median']} "
+                           f"tokens next to {m['decode_steps_median']} decode steps in {m['ms_median']:.1f} ms "
+                           f"(at most {m['ms_max']:.1f}), where the decode-only pass of as many steps takes "
+                           f"{m['decode_only_ms_median'] if m['decode_only_ms_median'] is not None else '?'} ms.")
     return out
 
 
