@@ -1122,7 +1122,7 @@ def test_plan_measures_speculative_rows_and_groups_cover_the_plan(tmp_path):
     assert pending == []                                                # batched prefill is measured now
     pre = [r for r in planned if r[0] == "prefill_tps"]
     assert sorted((r[1], r[2]["new_tokens"], r[2]["depth"]) for r in pre) == \
-        sorted((e, n, d) for e in ("openjet", "llama.cpp") for n, d in ((2700, 1800), (12000, 29500)))
+        sorted((e, n, d) for e in ("openjet", "llama.cpp") for n, d in ((2700, 1800), (12000, 29500), (64, 4096)))
     run = runner.Run(settings=s, store=Store(tmp_path / "r", {"x": 1}), model=tmp_path / "m.gguf", cache=tmp_path,
                      deadline=None, session="t", arch="90")
     covered = {report.row_key(*r) for _, _, rows, _ in runner.groups(run) for r in rows}

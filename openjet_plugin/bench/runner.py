@@ -62,7 +62,9 @@ class Settings:
     decode_tokens: int = 128
     verify_positions: tuple[int, ...] = (1, 2, 3, 4, 5, 8)   # 8: issue 25's 8 / 1 ratio, and the pass oj_eval_seqs takes for 8 sequences
     verify_depth: int = 1024
-    prefill: tuple[tuple[int, int], ...] = ((2700, 1800), (12000, 29500))
+    # 64:4096: an appended turn (an agent's tool result) and a prompt piece beside decoding streams
+    # (the latency row's mixed passes take 64 tokens each): what one small oj_prefill costs
+    prefill: tuple[tuple[int, int], ...] = ((2700, 1800), (12000, 29500), (64, 4096))
     spec_depth: int = 8192
     acceptances: tuple[float, ...] = (0.5, 0.7, 0.8, 0.9)
     drafts: tuple[int, ...] = (1, 2, 3, 4)
@@ -101,7 +103,7 @@ class Settings:
 
     @classmethod
     def quick_run(cls, **kw) -> "Settings":
-        base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800),),
+        base = dict(reps=3, quick=True, depths=(0, 8192), decode_tokens=32, prefill=((2700, 1800), (64, 4096)),
                     read_mib=2048, copy_mib=1024, concurrent_streams=(1, 8), concurrent_tokens=32,
                     latency_prompt_tokens=4096, latency_tokens=64,
                     memory=(("native", 1, 8192), ("native", 4, 4096), ("llama.cpp", 4, 4096)))
@@ -972,7 +974,7 @@ def parser() -> argparse.ArgumentParser:
                          "llama.cpp prefill'; "
                          "an item ending in '=' selects that exact name ('openjet=': not acceptance or prefill)")
     ap.add_argument("--prefill", type=_prefill_list,
-                    help="prefill scenarios as NEW_TOKENS:DEPTH items (default 2700:1800,12000:29500; --quick 2700:1800)")
+                    help="prefill scenarios as NEW_TOKENS:DEPTH items (default 2700:1800,12000:29500,64:4096; --quick 2700:1800,64:4096)")
     ap.add_argument("--no-ours", action="store_true", help="do not run our engine")
     ap.add_argument("--mtp-accuracy", type=float, metavar="R",
                     help="generate the bench model with an MTP head right after a share R of the tokens "
