@@ -25,8 +25,8 @@
 // A kernel still running after 20 s is reported as a hang (exit 3).
 // Timing: median of RUNS (10; GB_RUNS) after 3 warm-ups, L2 flushed (256 MB memset) before each;
 // both GEMMs from the same prepared X (prep_x timed once); TFLOP/s = 2 M K P / GEMM time; then
-// every wgmma configuration at P = 2048; per type the 27B map's uses of the cases summed. Exit
-// status 1 on any failed check.
+// every wgmma configuration at P = 64 and 2048 (GB/s of the weights too: a small prefill is bound by
+// them); per type the 27B map's uses of the cases summed. Exit status 1 on any failed check.
 //
 // FFN cases (run first; with --only Q4_K too, alone with --only FFN): gate + up + SwiGLU in one
 // kernel (gemm_wgmma_q4k_swiglu) on K 5120 -> M 17408 (the 27B's ffn_gate / ffn_up), 512 -> 200,
@@ -104,6 +104,9 @@ static std::string cfg_name(const gemmwg6::Config &c) {
 }
 
 // The wgmma kernel of each type: its configurations (ci = -1: the default) and its run.
+// A matrix's bytes as stored (what a weight-bandwidth-bound GEMM must read once).
+static size_t w_bytes_of(const Matrix &w) { return file_bytes(w.type, w.K, w.M); }
+
 static int n_configs(int type) { return type == TYPE_Q6_K ? gemmwg6::N_CONFIGS : gemmwg::N_CONFIGS; }
 static std::string cfg_label(int type, int ci) {
     return type == TYPE_Q6_K ? cfg_name(gemmwg6::CONFIGS[ci]) : cfg_name(gemmwg::CONFIGS[ci]);
@@ -276,13 +279,16 @@ static Result run_case(const Shape &s, uint64_t seed) {
                          res.f_ms[pi], fl / (res.f_ms[pi] * 1e-3) / 1e12, res.prep[pi], res.f_ms[pi] / res.w_ms[pi]);
         std::fflush(stdout);
     }
-    {   // every configuration at P = 2048
-        const int P = PS[3];
+    // every configuration at P = 64 (a small oj_prefill: an appended turn, a prompt piece beside
+    // decoding streams; weight-bandwidth bound, so GB/s of the matrix too) and at P = 2048 (res.cfg_ms)
+    for (const int P : {PS[0], PS[3]}) {
         gemmf16::prep_x(dx, K, P, ws, 0);
         for (int ci = 0; ci < n_configs(type); ++ci) {
-            res.cfg_ms[ci] = median_ms([&] { wg_run(type, w, ws, P, dy, false, ci); });
-            std::printf("%s %-9s P=%-5d wgmma config %s %s: %8.4f ms %6.1f TFLOP/s\n", tn, s.name, P, cfg_label(type, ci).c_str(),
-                        cfg_shape(type, ci).c_str(), res.cfg_ms[ci], 2.0 * M * K * P / (res.cfg_ms[ci] * 1e-3) / 1e12);
+            const double ms = median_ms([&] { wg_run(type, w, ws, P, dy, false, ci); });
+            if (P == PS[3]) res.cfg_ms[ci] = ms;
+            std::printf("%s %-9s P=%-5d wgmma config %s %s: %8.4f ms %6.1f TFLOP/s %7.0f GB/s of weights\n", tn, s.name, P,
+                        cfg_label(type, ci).c_str(), cfg_shape(type, ci).c_str(), ms, 2.0 * M * K * P / (ms * 1e-3) / 1e12,
+                        (double)w_bytes_of(w) / (ms * 1e-3) / 1e9);
         }
     }
     CK(cudaFree(w.data));
@@ -477,14 +483,15 @@ static FfnResult run_ffn_case(const FfnShape &s, uint64_t seed) {
                          res.unfused_ms[pi], res.gemms_ms[pi], res.swiglu_ms[pi], save, 100.0 * save / res.unfused_ms[pi]);
         std::fflush(stdout);
     }
-    {   // every fused configuration at P = 2048
-        const int P = PS[3];
+    for (const int P : {PS[0], PS[3]}) {   // every fused configuration at P = 64 and 2048 (res.cfg_ms)
         gemmf16::prep_x(dx, K, P, ws, 0);
         for (int ci = 0; ci < gemmwg::N_SWIGLU_CONFIGS; ++ci) {
             const gemmwg::Config c = gemmwg::SWIGLU_CONFIGS[ci];
-            res.cfg_ms[ci] = median_ms([&] { gemmwg::run_swiglu(wg, wu, ws, P, dy, 0, c); });
-            std::printf("FFN %-9s P=%-5d fused config %s (64 output rows x %d positions x %d stages): %8.4f ms %6.1f TFLOP/s\n", s.name,
-                        P, cfg_name(c).c_str(), c.bn, c.stages, res.cfg_ms[ci], 2.0 * 2 * M * K * P / (res.cfg_ms[ci] * 1e-3) / 1e12);
+            const double ms = median_ms([&] { gemmwg::run_swiglu(wg, wu, ws, P, dy, 0, c); });
+            if (P == PS[3]) res.cfg_ms[ci] = ms;
+            std::printf("FFN %-9s P=%-5d fused config %s (64 output rows x %d positions x %d stages): %8.4f ms %6.1f TFLOP/s "
+                        "%7.0f GB/s of weights\n", s.name, P, cfg_name(c).c_str(), c.bn, c.stages, ms,
+                        2.0 * 2 * M * K * P / (ms * 1e-3) / 1e12, (double)(w_bytes_of(wg) + w_bytes_of(wu)) / (ms * 1e-3) / 1e9);
         }
     }
     CK(cudaFree(wg.data));
