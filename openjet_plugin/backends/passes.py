@@ -8,7 +8,9 @@ sequences decode, the prompt tokens of a pass are capped by a `PassBudget` (pass
 long prompt arriving does not stall the others' next tokens. Before a pass it waits (at most one
 pass's duration, GATHER_MAX_SECONDS at most) for the sequences of the previous pass to come back
 with their next token: they are sampling, and a pass that waits for them serves them together
-instead of one pass each.
+instead of one pass each. A work's `launched` event is set when a pass takes it: a request thread
+that handed in its next step early (`Submitted`) does its own per-token work after that, beside the
+pass, not while the scheduler (needing the same interpreter lock) composes it.
 
 What differs between backends is only how the chosen works run: `_run_pass(chosen)`, given
 (work, tokens it puts in this pass) pairs, puts those tokens into each work's sequence, sets the
