@@ -5,6 +5,7 @@
 # its switches once). Settings are separated by ';', a setting's variables by spaces:
 #
 #   AB="OJ_MVF16_CFG=4,3;OJ_MVF16_CFG=8,2" bash scripts/gpu.sh ab
+#   AB="OJ_GEMMWG_SPLIT=1" AB_ARGS="--prefill 64:4096" bash scripts/gpu.sh ab   (AB_ARGS: more bench/ours.py rows)
 #
 # Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12) and the native library built here
 # (openjet_plugin/native: loaded as is when it loads, else rebuilt). $OUT/ab<i>.jsonl per setting
@@ -30,7 +31,7 @@ for s in "${SETTINGS[@]}"; do
     [ "$s" != default ] && read -ra env_args <<<"$s"
     echo "$i $s" >>"$OUT/settings.txt"
     timeout "${AB_TIMEOUT:-120}" env "${env_args[@]}" python3 -m openjet_plugin.bench.ours --model "$M" --out "$OUT/ab$i.jsonl" \
-        --verify 1,5 --decode-depths 0 --decode-tokens 64 --reps 5 >>"$OUT/log.txt" 2>&1
+        --verify 1,5 --decode-depths 0 --decode-tokens 64 --reps 5 ${AB_ARGS:-} >>"$OUT/log.txt" 2>&1
     echo "ab: setting $i ($s) exit $?" >>"$OUT/log.txt"
     i=$((i + 1))
 done
