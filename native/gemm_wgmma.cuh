@@ -48,7 +48,11 @@
 // 40 blocks for 132 SMs (one block per SM fits); so has a 48-row one at any P. Block z of S takes the super-blocks [z nb / S, (z + 1) nb / S) and
 // writes its partial tile (scaled as the whole one) to slice z of a partial area in the caller's
 // workspace past the prepared X; split_sum_kernel then adds the S slices in order, z = 0 first, into
-// y (+)=. The result depends on S, and S on the shape, P and the device only.
+// y (+)=. The result depends on S, and S on the shape, P and the device only. So with the switch on,
+// a prompt split into pieces beside decoding streams (P = 64 each) no longer equals the same prompt
+// prefilled whole (P = 2,048, unsplit) bit for bit, as it does without it (every output's sum runs
+// over K in one order whatever P); should split-K win its A/B, the unsplit kernel would sum in the
+// same groups (the split for the shape, not for P) before it becomes the default.
 //
 // Limits: Q4_K only, K % 256 == 0, M >= 1, P >= 1; sm_90a only (for any other target the kernel
 // body is a trap and wgmma_available() says false; run() refuses with a clear error).
