@@ -633,8 +633,8 @@ class NativeBackend:
         """eval_argmax in two halves: the tokens go to the pass scheduler now, and the Submitted
         returned waits for their pass and gives the argmax. Between them the caller does its own
         work while the pass runs (the engine assembles and streams the text of the token being
-        evaluated), after its `launched()`. Without a scheduler (one sequence) the eval runs in
-        the call."""
+        evaluated), after its `launched()`. Without a scheduler (one sequence) the eval runs when
+        the Submitted is called."""
         if self._shared.passes is None:
             return Submitted(lambda: self.eval_argmax(tokens))
         work = self._submit_work(tokens, want_logits=False)
