@@ -624,19 +624,17 @@ inline int split_for(int64_t blocks, int64_t nb, int n_sm, int stages) {
     return (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)n_sm / blocks, nb / (2 * stages), (int64_t)MAX_SPLIT}));
 }
 
+// The unsplit grid's blocks for M rows and P positions at configuration c.
+inline int64_t grid_blocks(int64_t M, int64_t P, const Config &c) {
+    return ((P + c.bn - 1) / c.bn) * ((M + 64 * c.nwg - 1) / (64 * c.nwg));
+}
+
+// The current device's SM count (read only where the switch is on).
 inline int sm_count() {
-    static std::mutex mu;
-    static std::map<int, int> sms;
-    int dev = 0;
+    int dev = 0, n = 0;
     check_cuda(cudaGetDevice(&dev), "gemm_wgmma: cudaGetDevice");
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = sms.find(dev);
-    if (it == sms.end()) {
-        int n = 0;
-        check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "gemm_wgmma: SM count");
-        it = sms.emplace(dev, n).first;
-    }
-    return it->second;
+    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "gemm_wgmma: SM count");
+    return n;
 }
 
 // Where split-K's partial slices go in a workspace of `capacity` bytes prepared for (K, P): past the
@@ -645,6 +643,30 @@ inline size_t part_offset(int64_t K, int64_t P) { return (gemmf16::ws_layout(K, 
 inline int64_t parts_that_fit(int64_t K, int64_t P, int64_t M, size_t capacity) {
     const size_t off = part_offset(K, P), slice = (size_t)P * M * 4;
     return capacity > off ? (int64_t)((capacity - off) / slice) : 0;
+}
+
+// run()'s `split` checked before the device is touched: 0 (the switch and the shape decide) and 1
+// (none) as given; S >= 2 at most the super-blocks, refused where its slices do not fit the
+// workspace past the prepared X.
+inline int checked_split(const Matrix &w, int64_t P, size_t capacity, int split) {
+    if (split < 0 || split > MAX_SPLIT)
+        fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: split " + std::to_string(split) + " is outside 0.." + std::to_string(MAX_SPLIT));
+    if (split < 2) return split;
+    const int S = (int)std::min<int64_t>(split, w.K / QK_K);
+    const int64_t fit = parts_that_fit(w.K, P, w.M, capacity);
+    if (S > 1 && S > fit)
+        fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: split " + std::to_string(S) + " needs " + std::to_string(S) + " slices of " +
+                                          std::to_string(P * w.M * 4) + " bytes past the prepared X; the workspace of " +
+                                          std::to_string(capacity) + " bytes holds " + std::to_string(fit));
+    return S;
+}
+
+// The split the switch and the shape give a call at configuration c: split_for where it is on,
+// bounded by the slices that fit; 1 where it is off.
+inline int auto_split(const Matrix &w, int64_t P, const Config &c, size_t capacity) {
+    if (!split_enabled()) return 1;
+    const int S = split_for(grid_blocks(w.M, P, c), w.K / QK_K, sm_count(), c.stages);
+    return (int)std::max<int64_t>(1, std::min<int64_t>(S, parts_that_fit(w.K, P, w.M, capacity)));
 }
 
 // The fused gate + up + SwiGLU kernel (NWG = 2, 64 output rows per block; see the header).
@@ -734,6 +756,7 @@ inline void check_shape(const Matrix &w, int64_t P) {
 inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, bool accumulate, cudaStream_t st,
                 Config c = Config{0, 0, 0}, size_t capacity = 0, int split = 0) {
     check_shape(w, P);
+    int S = checked_split(w, P, capacity, split);
     if (!wgmma_available())
         fail(OJ_ERR_UNSUPPORTED, "gemm_wgmma: needs a Hopper GPU (cc 9.0) and a build with -gencode arch=compute_90a,code=sm_90a");
     if (!c.nwg) c = pick_config();
@@ -741,20 +764,7 @@ inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, boo
     // aligned (the workspace offsets are multiples of 16; the base is the caller's)
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: workspace not 16-byte aligned");
     const uint8_t *ws = static_cast<const uint8_t *>(workspace);
-    if (split < 0 || split > MAX_SPLIT) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: split " + std::to_string(split) + " (0..8)");
-    int S = split;
-    if (S == 0) {
-        const int64_t blocks = ((P + c.bn - 1) / c.bn) * ((w.M + 64 * c.nwg - 1) / (64 * c.nwg));
-        S = split_enabled() ? split_for(blocks, w.K / QK_K, sm_count(), c.stages) : 1;
-    }
-    S = (int)std::min<int64_t>(S, w.K / QK_K);
-    const int64_t fit = parts_that_fit(w.K, P, w.M, capacity);
-    if (split >= 2 && S > fit)
-        fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: split " + std::to_string(S) + " needs " + std::to_string(S) + " slices of " +
-                                          std::to_string(P * w.M * 4) + " bytes past the prepared X; the workspace of " +
-                                          std::to_string(capacity) + " bytes holds " + std::to_string(fit));
-    if (S > 1) S = (int)std::min<int64_t>(S, fit);
-    if (S < 1) S = 1;
+    if (S == 0) S = auto_split(w, P, c, capacity);
     float *part = S > 1 ? reinterpret_cast<float *>(const_cast<uint8_t *>(ws) + part_offset(w.K, P)) : nullptr;
     switch (config_index(c)) {
         case 0: launch_cfg<2, 128, 2>(w, ws, P, y, accumulate, st, S, part); break;

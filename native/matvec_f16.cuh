@@ -1041,7 +1041,8 @@ inline int resident_type(const Device &d, int warps, int stages, int n_vec) {
     return stages == 3 ? resident_cfg<TYPE, 4, 3>(d, n_vec) : resident_cfg<TYPE, 4, 2>(d, n_vec);
 }
 inline int resident(const Device &d, int type, int warps, int stages, int n_vec) {
-    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K>(d, warps, stages, n_vec) : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
+    return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K>(d, warps, stages, n_vec)
+                             : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
 }
 
 // Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair (kept for
@@ -1186,8 +1187,8 @@ inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, i
 inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
     const Device d = device();
     const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);
-    const int64_t tiles = (rows + ROWS - 1) / ROWS;
     a.split = c.split;
+    const int64_t tiles = (rows + ROWS - 1) / ROWS;
     if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
     else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
 }

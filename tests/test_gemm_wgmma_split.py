@@ -25,12 +25,26 @@ N_SM = 132
 
 
 @pytest.fixture(scope="module")
-def rows(tmp_path_factory) -> list[dict]:
-    exe = build_host_tool(tmp_path_factory.mktemp("gwsplit") / "gwsplit", ["native/tools/gemm_wgmma_split_check.cu"],
-                          "the split-K check")
+def exe(tmp_path_factory) -> Path:
+    return build_host_tool(tmp_path_factory.mktemp("gwsplit") / "gwsplit", ["native/tools/gemm_wgmma_split_check.cu"],
+                           "the split-K check")
+
+
+@pytest.fixture(scope="module")
+def rows(exe) -> list[dict]:
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in r.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("range", "gemm_wgmma: split 9 is outside 0..8"),
+    ("room", "gemm_wgmma: split 3 needs 3 slices of 1310720 bytes past the prepared X; the workspace of "),
+])
+def test_a_bad_split_is_refused_with_its_reason_before_the_device(exe, case, needle):
+    r = subprocess.run([str(exe), case], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "not refused" not in r.stdout, (r.stdout, r.stderr)
+    assert needle in r.stderr and "cudaGetDevice" not in r.stderr, r.stderr
 
 
 def test_the_split_fills_idle_sms_once_and_keeps_each_split_deep(rows):

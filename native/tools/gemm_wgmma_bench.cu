@@ -302,8 +302,8 @@ static Result run_case(const Shape &s, uint64_t seed) {
     if (type == TYPE_Q4_K) {   // split-K at P = 64: the split the switch would pick, against none
         const int P = PS[0];
         const gemmwg::Config c = gemmwg::CONFIGS[0];
-        const int64_t blocks = ((P + c.bn - 1) / c.bn) * ((M + 64 * c.nwg - 1) / (64 * c.nwg));
-        const int S = (int)std::min<int64_t>(gemmwg::split_for(blocks, K / QK_K, gemmwg::sm_count(), c.stages), K / QK_K);
+        const int64_t blocks = gemmwg::grid_blocks(M, P, c);
+        const int S = gemmwg::split_for(blocks, K / QK_K, gemmwg::sm_count(), c.stages);
         gemmf16::prep_x(dx, K, P, ws, 0);
         const double one = median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0, c, ws_bytes, 1); });
         const double split = S > 1 ? median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0, c, ws_bytes, S); }) : one;

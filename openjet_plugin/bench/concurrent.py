@@ -239,22 +239,18 @@ def slow_gap_breakdown(recs: list, trace: list[tuple[float, float, float, int, i
 
 def mixed_passes(trace: list[tuple[float, float, float, int, int]]) -> dict:
     """The passes that carried prompt tokens next to decode steps (PassScheduler.trace): how
-    many, and the median prompt tokens, ms and decode steps of one, with the median decode-only
+    many, and the median (nearest rank) prompt tokens, ms and decode steps of one, with the median decode-only
     pass of as many steps beside them: what a prompt piece adds to the decoders' gap (the
     budget's target: at most MIXED_PASS_SLOWDOWN times that pass). {} without such a pass."""
     mixed = [e for e in trace if e[3] and e[4]]
     if not mixed:
         return {}
-    steps = sorted(e[3] for e in mixed)[len(mixed) // 2]
-    alone = sorted(e[2] for e in trace if e[3] == steps and not e[4])
-
-    def median(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2]
-    return {"passes": len(mixed), "prompt_tokens_median": median(e[4] for e in mixed),
-            "ms_median": round(1e3 * median(e[2] for e in mixed), 3), "ms_max": round(1e3 * max(e[2] for e in mixed), 3),
-            "decode_steps_median": steps,
-            "decode_only_ms_median": round(1e3 * alone[len(alone) // 2], 3) if alone else None}
+    steps = percentile([e[3] for e in mixed], 50)
+    alone = [e[2] for e in trace if e[3] == steps and not e[4]]
+    return {"passes": len(mixed), "prompt_tokens_median": percentile([e[4] for e in mixed], 50),
+            "ms_median": round(1e3 * percentile([e[2] for e in mixed], 50), 3),
+            "ms_max": round(1e3 * max(e[2] for e in mixed), 3), "decode_steps_median": steps,
+            "decode_only_ms_median": round(1e3 * percentile(alone, 50), 3) if alone else None}
 
 
 def tokens_by(events: list[tuple[float, int]], t: float) -> int:
