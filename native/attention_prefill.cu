@@ -35,8 +35,17 @@
 //     read: a masked key has P = 0, and 0 * (garbage NaN) would still poison O.
 //   - shared-memory rows padded by 16 bytes (stride D + 8 halves) so that ldmatrix's 8 row
 //     addresses fall in 8 different 16-byte bank groups.
-//   - epilogue: O / l * sigmoid(gate), fp32 to out. Blocks of the latest query tiles (the most
+//   - keys in segments of PREFILL_SEGMENT (512): each segment's (O, m, l) starts from a fresh
+//     online softmax and the segments are merged in order, z = 0 first (O = O a + o b, L = L a +
+//     l b, a and b the two parts' weights at the new max), O kept unnormalised in `out` between
+//     segments by the thread that owns those elements.
+//   - epilogue: O / L * sigmoid(gate), fp32 to out. Blocks of the latest query tiles (the most
 //     keys) are launched first.
+//   - split blocks, where a few blocks would run many keys each (a prefill piece of 64 positions
+//     at depth 12K has 16 blocks of 384 key tiles for 132 SMs): grid z = segments, block z runs
+//     segment z alone and writes its (O, m, l) to the caller's partial buffer; combine_kernel
+//     merges each row's segments in the same order with the same operations. The same bits as the
+//     whole kernel: which one runs is a speed decision only.
 // Numerics: Q and P rounded to fp16 (K/V are fp16 or dequantised to fp16 anyway), fp32
 // accumulation and softmax: ~1e-4..1e-3 of max |out| from the fp32 decode path
 // (tools/attn_prefill_bench.cu measures it).
@@ -73,6 +82,13 @@ constexpr int prefill_smem_bytes() {
     return (S::MAXW * 16 + 2 * S::BK) * stride * 2 + (Q8 ? S::BK * D + S::BK * (D / 32) * 2 : 0);
 }
 
+// Keys per segment: the unit a query row's keys are summed in (online softmax from a fresh state),
+// the segments then merged in order, z = 0 first. The whole kernel and the split blocks +
+// combine_kernel run the same float operations per segment and per merge, so the result does not
+// depend on which runs (on P, the depth or the device): a prompt prefilled in pieces equals the
+// same prompt prefilled whole, bit for bit. A multiple of every BK.
+constexpr int PREFILL_SEGMENT = 512;
+
 struct PrefillArgs {
     const float *q_rot;   // [n][n_head][D]
     const float *qg;      // [n][n_head][2][D]
@@ -85,7 +101,10 @@ struct PrefillArgs {
     int chunks;           // group / HB
     int pos_tiles;        // NP: 16-position tiles per block
     int n_qtiles;         // blocks along x
+    int seg_tiles;        // key tiles per segment (SEG / BK)
     float q_scale;        // log2(e) / sqrt(D)
+    float *part;          // split blocks: [segments][n][n_head][D] segment outputs, then [segments][n][n_head] (m, l)
+    int n_segments;       // segments of the deepest position: (pos0 + n - 1) / SEG + 1
 };
 
 // ---- PTX wrappers (sm_80+: every architecture the library targets) --------------------------
@@ -245,8 +264,22 @@ __device__ __forceinline__ int warp_head(const PrefillArgs &a) {
 }
 __device__ __forceinline__ int kv_row0(const PrefillArgs &a) { return block_y() / a.chunks * a.n_ctx; }
 
-// grid (n_qtiles, n_head_kv * chunks), block 32 * HB * NP, dynamic smem prefill_smem_bytes.
-template <int D, bool Q8>
+// A segment's (m, l, O) merged into the running (M, L, O): the one sequence of float operations both
+// the whole kernel (in the key loop) and combine_kernel (over the split blocks' segments) run, so
+// that the two give the same bits. a = the running part's weight, b = the segment's.
+__device__ __forceinline__ void merge_weights(float &M, float &L, float m, float l, float &a, float &b) {
+    const float mn = fmaxf(M, m);
+    a = exp2f(M - mn);
+    b = exp2f(m - mn);
+    L = __fmaf_rn(L, a, __fmul_rn(l, b));
+    M = mn;
+}
+__device__ __forceinline__ float merged(float O, float a, float o, float b) { return __fmaf_rn(O, a, __fmul_rn(o, b)); }
+
+// grid (n_qtiles, n_head_kv * chunks, 1 | segments), block 32 * HB * NP, dynamic smem
+// prefill_smem_bytes. SPLIT: block z runs segment z alone and writes its (O, m, l) to a.part
+// (combine_kernel finishes); else the block runs every segment and merges them into out.
+template <int D, bool Q8, bool SPLIT>
 __global__ void __launch_bounds__(32 * PrefillShape<D>::MAXW, PrefillShape<D>::MINB)
 attention_prefill_kernel(const PrefillArgs a) {
     using S = PrefillShape<D>;
@@ -276,10 +309,19 @@ attention_prefill_kernel(const PrefillArgs a) {
     // as row n - 1 (their results are never written). Kept as two values to spare registers.
     const int qpos = a.pos0 + i_first;
     const int last = a.pos0 + a.n - 1;
+    // the tiles this block runs: all, or (SPLIT) segment z's. A segment no row of the block reaches
+    // is left out by the combine too (it reads segments up to the row's own).
+    int j_begin = 0, j_end = n_tiles;
+    if constexpr (SPLIT) {
+        j_begin = (int)blockIdx.z * a.seg_tiles;
+        if (j_begin >= n_tiles) return;
+        j_end = min(n_tiles, j_begin + a.seg_tiles);
+    }
 
     // first K tile in flight while Q is converted
-    if constexpr (Q8) load_kv_tile<D, BK, true>(a.k_cache, a.k_scale, kv_row0(a), 0, a.pos0 + a.n, nullptr, stage, stage_s);
-    else load_kv_tile<D, BK, false>(a.k_cache, nullptr, kv_row0(a), 0, a.pos0 + a.n, ks, nullptr, nullptr);
+    if constexpr (Q8)
+        load_kv_tile<D, BK, true>(a.k_cache, a.k_scale, kv_row0(a), j_begin * BK, a.pos0 + a.n, nullptr, stage, stage_s);
+    else load_kv_tile<D, BK, false>(a.k_cache, nullptr, kv_row0(a), j_begin * BK, a.pos0 + a.n, ks, nullptr, nullptr);
 
     // Q rows of this warp -> fp16 * log2(e) / sqrt(D); rows past n are zeros
     __half *qw = qs + warp * 16 * STRIDE;
@@ -308,13 +350,19 @@ attention_prefill_kernel(const PrefillArgs a) {
         for (int kd = 0; kd < KD; ++kd) ldmatrix_x4(qf[kd], q_lane + kd * 32);
     }
 
+    const int i0 = qpos - a.pos0 + g, i1 = i0 + 8;   // this thread's rows
     float o[OT][4];
-#pragma unroll
-    for (int ot = 0; ot < OT; ++ot) o[ot][0] = o[ot][1] = o[ot][2] = o[ot][3] = 0.0f;
-    float m0 = -INFINITY, m1 = -INFINITY;   // running max (base-2 units) of rows g, g + 8
-    float l0 = 0.0f, l1 = 0.0f;             // this thread's share of the row sums
+    float m0 = -INFINITY, m1 = -INFINITY;   // running max (base-2 units) of rows g, g + 8 in the segment
+    float l0 = 0.0f, l1 = 0.0f;             // this thread's share of the row sums in the segment
+    float M0 = -INFINITY, M1 = -INFINITY, L0 = 0.0f, L1 = 0.0f;   // merged segments (not SPLIT)
 
-    for (int j = 0; j < n_tiles; ++j) {
+    for (int j = j_begin; j < j_end; ++j) {
+        if (j % a.seg_tiles == 0) {   // a segment's first tile (j_begin is one)
+#pragma unroll
+            for (int ot = 0; ot < OT; ++ot) o[ot][0] = o[ot][1] = o[ot][2] = o[ot][3] = 0.0f;
+            m0 = m1 = -INFINITY;
+            l0 = l1 = 0.0f;
+        }
         const int key0 = j * BK;
         cp_async_wait_all();
         __syncthreads();   // K_j landed (for everyone); every warp is done with V_{j-1}
@@ -411,10 +459,10 @@ attention_prefill_kernel(const PrefillArgs a) {
         if constexpr (Q8) {
             dequant_tile<D, BK>(stage, stage_s, vs);
             __syncthreads();   // vs written, stage free
-            if (j + 1 < n_tiles)
+            if (j + 1 < j_end)
                 load_kv_tile<D, BK, true>(a.k_cache, a.k_scale, kv_row0(a), key0 + BK, a.pos0 + a.n, nullptr, stage, stage_s);
         } else {
-            if (j + 1 < n_tiles)
+            if (j + 1 < j_end)
                 load_kv_tile<D, BK, false>(a.k_cache, nullptr, kv_row0(a), key0 + BK, a.pos0 + a.n, ks, nullptr, nullptr);
         }
 
@@ -431,37 +479,112 @@ attention_prefill_kernel(const PrefillArgs a) {
                 }
             }
         }
+
+        // the segment's end: its row sums whole, then its (O, m, l) to a.part (SPLIT) or merged
+        // into the running result kept in out (unnormalised until the last segment)
+        if ((j + 1) % a.seg_tiles != 0 && j + 1 != j_end) continue;
+        if (qpos > last) continue;   // all 16 rows past n
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+        l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+        l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+        const int hw = warp_head(a);
+        if constexpr (SPLIT) {
+            const int64_t plane = (int64_t)a.n * a.n_head;   // rows of one segment
+            float *po = a.part + (int64_t)blockIdx.z * plane * D;
+            float *pml = a.part + (int64_t)a.n_segments * plane * D + (int64_t)blockIdx.z * plane * 2;
+            if (t == 0) {
+                if (i0 < a.n) *reinterpret_cast<float2 *>(pml + ((int64_t)i0 * a.n_head + hw) * 2) = make_float2(m0, l0);
+                if (i1 < a.n) *reinterpret_cast<float2 *>(pml + ((int64_t)i1 * a.n_head + hw) * 2) = make_float2(m1, l1);
+            }
+#pragma unroll
+            for (int ot = 0; ot < OT; ++ot) {
+                const int col = ot * 8 + 2 * t;
+                if (i0 < a.n) *reinterpret_cast<float2 *>(po + ((int64_t)i0 * a.n_head + hw) * D + col) = make_float2(o[ot][0], o[ot][1]);
+                if (i1 < a.n) *reinterpret_cast<float2 *>(po + ((int64_t)i1 * a.n_head + hw) * D + col) = make_float2(o[ot][2], o[ot][3]);
+            }
+        } else {
+            // a row whose keys all lie past the segment's start saw none of it (m = -inf): skipped
+            const bool first = j < a.seg_tiles;   // segment 0: the running result is the segment
+            float a0 = 0.0f, b0 = 0.0f, a1 = 0.0f, b1 = 0.0f;
+            const bool use0 = i0 < a.n && m0 != -INFINITY, use1 = i1 < a.n && m1 != -INFINITY;
+            if (first) {
+                M0 = m0; L0 = l0; M1 = m1; L1 = l1;
+            } else {
+                if (use0) merge_weights(M0, L0, m0, l0, a0, b0);
+                if (use1) merge_weights(M1, L1, m1, l1, a1, b1);
+            }
+#pragma unroll
+            for (int ot = 0; ot < OT; ++ot) {
+                const int col = ot * 8 + 2 * t;
+                if (use0) {
+                    float2 *p = reinterpret_cast<float2 *>(a.out + ((int64_t)i0 * a.n_head + hw) * D + col);
+                    if (first) *p = make_float2(o[ot][0], o[ot][1]);
+                    else { const float2 r = *p; *p = make_float2(merged(r.x, a0, o[ot][0], b0), merged(r.y, a0, o[ot][1], b0)); }
+                }
+                if (use1) {
+                    float2 *p = reinterpret_cast<float2 *>(a.out + ((int64_t)i1 * a.n_head + hw) * D + col);
+                    if (first) *p = make_float2(o[ot][2], o[ot][3]);
+                    else { const float2 r = *p; *p = make_float2(merged(r.x, a1, o[ot][2], b1), merged(r.y, a1, o[ot][3], b1)); }
+                }
+            }
+        }
     }
 
-    if (qpos > last) return;   // all 16 rows past n
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    const float inv0 = 1.0f / l0, inv1 = 1.0f / l1;
-    const int i0 = qpos - a.pos0 + g, i1 = i0 + 8;
-    const int hw = warp_head(a);
+    if constexpr (!SPLIT) {
+        if (qpos > last) return;
+        // out = O / L * sigmoid(gate), each thread over the elements it wrote (combine_kernel's
+        // expression)
+        const float inv0 = 1.0f / L0, inv1 = 1.0f / L1;
+        const int hw = warp_head(a);
 #pragma unroll
-    for (int ot = 0; ot < OT; ++ot) {
-        const int col = ot * 8 + 2 * t;
-        if (i0 < a.n) {
-            const int64_t row = (int64_t)i0 * a.n_head + hw;
-            const float2 gate = *reinterpret_cast<const float2 *>(a.qg + (row * 2 + 1) * D + col);
-            *reinterpret_cast<float2 *>(a.out + row * D + col) =
-                make_float2(o[ot][0] * inv0 * sigmoid(gate.x), o[ot][1] * inv0 * sigmoid(gate.y));
+        for (int ot = 0; ot < OT; ++ot) {
+            const int col = ot * 8 + 2 * t;
+            if (i0 < a.n) {
+                const int64_t row = (int64_t)i0 * a.n_head + hw;
+                const float2 gate = *reinterpret_cast<const float2 *>(a.qg + (row * 2 + 1) * D + col);
+                float2 *p = reinterpret_cast<float2 *>(a.out + row * D + col);
+                const float2 r = *p;
+                *p = make_float2(r.x * inv0 * sigmoid(gate.x), r.y * inv0 * sigmoid(gate.y));
+            }
+            if (i1 < a.n) {
+                const int64_t row = (int64_t)i1 * a.n_head + hw;
+                const float2 gate = *reinterpret_cast<const float2 *>(a.qg + (row * 2 + 1) * D + col);
+                float2 *p = reinterpret_cast<float2 *>(a.out + row * D + col);
+                const float2 r = *p;
+                *p = make_float2(r.x * inv1 * sigmoid(gate.x), r.y * inv1 * sigmoid(gate.y));
+            }
         }
-        if (i1 < a.n) {
-            const int64_t row = (int64_t)i1 * a.n_head + hw;
-            const float2 gate = *reinterpret_cast<const float2 *>(a.qg + (row * 2 + 1) * D + col);
-            *reinterpret_cast<float2 *>(a.out + row * D + col) =
-                make_float2(o[ot][2] * inv1 * sigmoid(gate.x), o[ot][3] * inv1 * sigmoid(gate.y));
+    }
+}
+
+// The split blocks' segments of row i (grid x), every head: merged in order, z = 0 first, up to
+// the row's own segment (the ones before all hold its keys), then out = O / L * sigmoid(gate).
+template <int D>
+__global__ void combine_kernel(const PrefillArgs a, int seg) {
+    const int i = blockIdx.x;
+    const int nz = (a.pos0 + i) / seg + 1;
+    const int64_t plane = (int64_t)a.n * a.n_head;
+    const float *pml = a.part + (int64_t)a.n_segments * plane * D;
+    for (int c = threadIdx.x; c < a.n_head * D; c += blockDim.x) {
+        const int h = c / D, col = c - h * D;
+        const int64_t row = (int64_t)i * a.n_head + h;
+        float M = pml[row * 2], L = pml[row * 2 + 1], O = a.part[row * D + col];
+        for (int z = 1; z < nz; ++z) {
+            const float m = pml[z * plane * 2 + row * 2], l = pml[z * plane * 2 + row * 2 + 1];
+            if (m == -INFINITY) continue;
+            float wa, wb;
+            merge_weights(M, L, m, l, wa, wb);
+            O = merged(O, wa, a.part[(z * plane + row) * D + col], wb);
         }
+        const float inv = 1.0f / L;
+        a.out[row * D + col] = O * inv * sigmoid(a.qg[(row * 2 + 1) * D + col]);
     }
 }
 
 template <int D, bool Q8>
 void launch_prefill(const ModelDims &d, const Layer &L, const float *q_rot, const float *qg, float *out, int n,
-                    int pos0, int n_ctx, cudaStream_t st) {
+                    int pos0, int n_ctx, cudaStream_t st, float *part, size_t part_bytes, int split) {
     using S = PrefillShape<D>;
     const int H = d.hp.n_head, Hkv = d.hp.n_head_kv, G = H / Hkv;
     int hb = 1;   // the largest divisor of the group that fits the block
@@ -484,27 +607,51 @@ void launch_prefill(const ModelDims &d, const Layer &L, const float *q_rot, cons
     a.chunks = G / hb;
     a.pos_tiles = S::MAXW / hb;
     a.n_qtiles = (n + 16 * a.pos_tiles - 1) / (16 * a.pos_tiles);
+    a.seg_tiles = PREFILL_SEGMENT / S::BK;
     a.q_scale = 1.4426950408889634f / sqrtf((float)D);
-    constexpr int SMEM = prefill_smem_bytes<D, Q8>();
-    static bool attr_set = false;   // per instance; the engine and the harness use one device
-    if (!attr_set) {
-        check_cuda(cudaFuncSetAttribute(attention_prefill_kernel<D, Q8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        SMEM),
-                   "attention_prefill: shared memory attribute");
-        attr_set = true;
+    a.n_segments = (pos0 + n - 1) / PREFILL_SEGMENT + 1;
+    a.part = nullptr;
+    const int blocks = a.n_qtiles * Hkv * a.chunks;
+    const size_t need = (size_t)a.n_segments * n * H * (D + 2) * sizeof(float);
+    if (split == 1 && (a.n_segments < 2 || !part || need > part_bytes))
+        fail(OJ_ERR_INVALID_ARGUMENT, "attention_prefill: split blocks need 2 or more segments (there are " +
+                                          std::to_string(a.n_segments) + ") and " + std::to_string(need) +
+                                          " bytes of partials (given " + std::to_string(part ? part_bytes : 0) + ")");
+    if (split < 0 && a.n_segments >= 2 && part && need <= part_bytes) {
+        int dev = 0, sms = 0;
+        check_cuda(cudaGetDevice(&dev), "attention_prefill: device");
+        check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attention_prefill: SM count");
+        if (blocks < sms) split = 1;
     }
-    const dim3 grid(a.n_qtiles, Hkv * a.chunks);
-    attention_prefill_kernel<D, Q8><<<grid, 32 * hb * a.pos_tiles, SMEM, st>>>(a);
-    check_launch("attention_prefill");
+    constexpr int SMEM = prefill_smem_bytes<D, Q8>();
+    static bool attr_set[2] = {false, false};   // per instance; the engine and the harness use one device
+    const bool sp = split == 1;
+    if (!attr_set[sp]) {
+        check_cuda(cudaFuncSetAttribute(sp ? attention_prefill_kernel<D, Q8, true> : attention_prefill_kernel<D, Q8, false>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
+                   "attention_prefill: shared memory attribute");
+        attr_set[sp] = true;
+    }
+    const int threads = 32 * hb * a.pos_tiles;
+    if (sp) {
+        a.part = part;
+        attention_prefill_kernel<D, Q8, true><<<dim3(a.n_qtiles, Hkv * a.chunks, a.n_segments), threads, SMEM, st>>>(a);
+        check_launch("attention_prefill (split)");
+        combine_kernel<D><<<n, 256, 0, st>>>(a, PREFILL_SEGMENT);
+        check_launch("attention_prefill combine");
+    } else {
+        attention_prefill_kernel<D, Q8, false><<<dim3(a.n_qtiles, Hkv * a.chunks), threads, SMEM, st>>>(a);
+        check_launch("attention_prefill");
+    }
 }
 
 template <bool Q8>
 void prefill_kv(const ModelDims &d, const Layer &L, const float *q_rot, const float *qg, float *out, int n, int pos0,
-                int n_ctx, cudaStream_t st) {
+                int n_ctx, cudaStream_t st, float *part, size_t part_bytes, int split) {
     switch (d.hp.head_dim) {
-        case 64: launch_prefill<64, Q8>(d, L, q_rot, qg, out, n, pos0, n_ctx, st); break;
-        case 128: launch_prefill<128, Q8>(d, L, q_rot, qg, out, n, pos0, n_ctx, st); break;
-        case 256: launch_prefill<256, Q8>(d, L, q_rot, qg, out, n, pos0, n_ctx, st); break;
+        case 64: launch_prefill<64, Q8>(d, L, q_rot, qg, out, n, pos0, n_ctx, st, part, part_bytes, split); break;
+        case 128: launch_prefill<128, Q8>(d, L, q_rot, qg, out, n, pos0, n_ctx, st, part, part_bytes, split); break;
+        case 256: launch_prefill<256, Q8>(d, L, q_rot, qg, out, n, pos0, n_ctx, st, part, part_bytes, split); break;
         default:
             fail(OJ_ERR_UNSUPPORTED, "attention_prefill: attention.key_length (head_dim) must be 64, 128 or 256, not " +
                                          std::to_string(d.hp.head_dim));
@@ -514,7 +661,7 @@ void prefill_kv(const ModelDims &d, const Layer &L, const float *q_rot, const fl
 }  // namespace
 
 void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, const float *qg, float *out, int n,
-                       int pos0, int n_ctx, cudaStream_t st) {
+                       int pos0, int n_ctx, cudaStream_t st, float *part, size_t part_bytes, int split) {
     if (n < 1 || pos0 < 0)
         fail(OJ_ERR_INVALID_ARGUMENT, "attention_prefill: n = " + std::to_string(n) + ", pos0 = " +
                                           std::to_string(pos0) + " (need n >= 1, pos0 >= 0)");
@@ -525,8 +672,8 @@ void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, c
         fail(OJ_ERR_UNSUPPORTED, "attention_prefill: attention.head_count " + std::to_string(d.hp.n_head) +
                                      " is not a multiple of attention.head_count_kv " + std::to_string(d.hp.n_head_kv));
     switch (L.kv_type) {
-        case OJ_KV_F16: prefill_kv<false>(d, L, q_rot, qg, out, n, pos0, n_ctx, st); break;
-        case OJ_KV_Q8_0: prefill_kv<true>(d, L, q_rot, qg, out, n, pos0, n_ctx, st); break;
+        case OJ_KV_F16: prefill_kv<false>(d, L, q_rot, qg, out, n, pos0, n_ctx, st, part, part_bytes, split); break;
+        case OJ_KV_Q8_0: prefill_kv<true>(d, L, q_rot, qg, out, n, pos0, n_ctx, st, part, part_bytes, split); break;
         default:
             fail(OJ_ERR_UNSUPPORTED,
                  "attention_prefill: KV cache type " + std::to_string(L.kv_type) + " has no prefill kernel");

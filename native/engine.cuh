@@ -154,7 +154,10 @@ struct PrefillScratch {
     int chunk = 0;
     int32_t *tokens = nullptr;                         // [chunk]
     float *x = nullptr, *xn = nullptr;                 // [chunk][E]
-    float *ffn_gate = nullptr, *ffn_up = nullptr;      // [chunk][n_ff]
+    float *ffn_gate = nullptr, *ffn_up = nullptr;      // [chunk][n_ff], ffn_up right after ffn_gate
+    // attention_prefill's segment partials: the FFN buffers, free while an attention pass runs
+    float *attn_part = nullptr;                        // = ffn_gate
+    size_t attn_part_bytes = 0;                        // both FFN buffers
     float *z = nullptr, *dn_out = nullptr;             // [chunk][value_dim]
     float *qkv = nullptr, *conv = nullptr;             // [chunk][conv_dim]: raw conv inputs, conv output
     float *beta = nullptr, *alpha = nullptr;           // [chunk][n_v_heads]
@@ -400,9 +403,13 @@ void attention_prepare(const ModelDims &d, Layer &L, const float *qg, const floa
 void attention_by_decode(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg,
                          float *out, int n, int pos0, int n_ctx, cudaStream_t st);
 // attention_prefill.cu: causal flash attention for n positions pos0.. whose K/V are in the cache,
-// on the tensor cores: out[i][h] = softmax(q k^T / sqrt(D)) v * sigmoid(gate).
+// on the tensor cores: out[i][h] = softmax(q k^T / sqrt(D)) v * sigmoid(gate). part / part_bytes:
+// room for the split blocks' segment partials (a few blocks for many keys: a small prefill piece
+// deep in the context), used when it fits and the blocks leave SMs idle; the result is the same
+// bits either way. split: -1 decide so, 0 never, 1 always (fails where it cannot: the harness).
 void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, const float *qg, float *out,
-                       int n, int pos0, int n_ctx, cudaStream_t st);
+                       int n, int pos0, int n_ctx, cudaStream_t st, float *part = nullptr, size_t part_bytes = 0,
+                       int split = -1);
 // attention.cu: split-K blocks needed per (head, position) at a context of n_ctx positions.
 int attention_splits_for(int n_ctx);
 

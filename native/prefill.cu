@@ -133,7 +133,8 @@ void attention_pass(Engine &e, Layer &L, int P, int pos0) {
     if (attention_by_decode_kernels())
         attention_by_decode(d, L, e.s, pf.q_rot, pf.qg, pf.attn_out, P, pos0, e.n_ctx, e.stream);
     else
-        attention_prefill(d, L, pf.q_rot, pf.qg, pf.attn_out, P, pos0, e.n_ctx, e.stream);
+        attention_prefill(d, L, pf.q_rot, pf.qg, pf.attn_out, P, pos0, e.n_ctx, e.stream, pf.attn_part,
+                          pf.attn_part_bytes);
     project(e, L.wo, pf.attn_out, pf.x, P, true);
 }
 
@@ -213,8 +214,10 @@ void alloc_prefill(Engine &e, int chunk) {
     pf.tokens = static_cast<int32_t *>(e.alloc(P * sizeof(int32_t), c));
     pf.x = f(P * E);
     pf.xn = f(P * E);
-    pf.ffn_gate = f(P * d.hp.n_ff);
-    pf.ffn_up = f(P * d.hp.n_ff);
+    pf.ffn_gate = f(2 * P * d.hp.n_ff);
+    pf.ffn_up = pf.ffn_gate + P * d.hp.n_ff;
+    pf.attn_part = pf.ffn_gate;
+    pf.attn_part_bytes = (size_t)2 * P * d.hp.n_ff * sizeof(float);
     pf.z = f(P * d.ssm_value_dim());
     pf.dn_out = f(P * d.ssm_value_dim());
     pf.qkv = f(P * d.ssm_conv_dim());

@@ -18,6 +18,8 @@
 //   Always: the cache rows past pos0 + n poisoned with NaN (a read of them shows), `out` poisoned
 //   with NaN and one guard row past n that must stay NaN, every output finite. The reference
 //   against the decode path is itself checked (<= 1e-4: both fp32).
+//   (c) the same bits from the whole kernel, the split blocks (2 or more key segments) and the
+//     positions in pieces of 64: memcmp of every output.
 // Timing: CUDA events, median of 10 after 2 warm-ups; TFLOP/s = 4 n avg_kv D n_head / time with
 // avg_kv = pos0 + (n + 1) / 2 (the causal average); for engine cases also the decode path
 // (attention_mix on the same n positions, which re-appends the same K/V) and the speed-up.
@@ -155,8 +157,8 @@ static void run_case(const Case &c, uint64_t seed, bool print_header) {
     char name[128];
     std::snprintf(name, sizeof name, "D=%d H=%d/%d %s n=%d pos0=%d", D, H, Hkv, q8 ? "q8_0" : "f16", n, pos0);
     if (print_header)
-        std::printf("%-40s %9s %8s %10s %8s %11s %11s %11s  %s\n", "case", "ms", "TFLOP/s", "decode ms", "speedup",
-                    "err/decode", "err/ref", "ref/decode", "status");
+        std::printf("%-40s %9s %8s %10s %8s %11s %11s %11s %9s  %s\n", "case", "ms", "TFLOP/s", "decode ms", "speedup",
+                    "err/decode", "err/ref", "ref/decode", "split ms", "status");
 
     ModelDims md{};
     md.hp.head_dim = D;
@@ -301,8 +303,45 @@ static void run_case(const Case &c, uint64_t seed, bool print_header) {
         }
     }
 
-    // timing
+    // (c) the same bits from the whole kernel (split 0), the split blocks (split 1, where there are
+    // 2 or more segments) and the positions in pieces of 64 (each piece decides for itself), every
+    // output compared bit for bit; each run's output poisoned with NaN first
+    const int n_seg = (pos0 + n - 1) / 512 + 1;   // attention_prefill.cu's PREFILL_SEGMENT
+    const size_t part_bytes = (size_t)n_seg * n * H * (D + 2) * 4;
+    float *part, *out2;
+    CK(cudaMalloc(&part, part_bytes));
+    CK(cudaMalloc(&out2, n_out * 4));
+    auto run_bits = [&](const char *what, auto &&launch) {
+        CK(cudaMemset(out2, 0xFF, n_out * 4));
+        launch();
+        CK(cudaDeviceSynchronize());
+        std::vector<float> z(n_out);
+        CK(cudaMemcpy(z.data(), out2, n_out * 4, cudaMemcpyDeviceToHost));
+        if (std::memcmp(z.data(), y.data(), n_out * 4) != 0) {
+            size_t diff = 0;
+            for (size_t i = 0; i < n_out; ++i) diff += std::memcmp(&z[i], &y[i], 4) != 0;
+            ok = false;
+            why += std::string(" ") + what + ": " + std::to_string(diff) + " outputs differ from the whole kernel's bits;";
+        }
+    };
+    run_bits("auto", [&] { attention_prefill(md, L, q_new, qg_new, out2, n, pos0, n_ctx, 0, part, part_bytes, -1); });
+    if (n_seg >= 2)
+        run_bits("split", [&] { attention_prefill(md, L, q_new, qg_new, out2, n, pos0, n_ctx, 0, part, part_bytes, 1); });
+    run_bits("pieces of 64", [&] {
+        for (int i = 0; i < n; i += 64) {
+            const int len = std::min(64, n - i);
+            attention_prefill(md, L, q_new + (size_t)i * H * D, qg_new + (size_t)i * H * 2 * D, out2 + (size_t)i * H * D,
+                              len, pos0 + i, n_ctx, 0, part, part_bytes, -1);
+        }
+    });
+
+    // timing (the whole kernel; the split blocks beside it where there are 2 or more segments)
     const double ms = median_ms([&] { attention_prefill(md, L, q_new, qg_new, out, n, pos0, n_ctx, 0); });
+    const double split_ms = n_seg < 2 ? -1 : median_ms([&] {
+        attention_prefill(md, L, q_new, qg_new, out2, n, pos0, n_ctx, 0, part, part_bytes, 1);
+    });
+    CK(cudaFree(part));
+    CK(cudaFree(out2));
     const double avg_kv = pos0 + (n + 1) / 2.0;
     const double tflops = 4.0 * n * avg_kv * D * H / (ms * 1e-3) / 1e12;
     double dec_ms = -1;
@@ -324,8 +363,10 @@ static void run_case(const Case &c, uint64_t seed, bool print_header) {
         std::snprintf(edbuf, sizeof edbuf, "%.2e", err_dec);
         std::snprintf(rdbuf, sizeof rdbuf, "%.2e", err_ref_dec);
     }
-    std::printf("%-40s %9.3f %8.1f %10s %8s %11s %11.2e %11s  %s\n", name, ms, tflops, dbuf, sbuf, edbuf, err_ref,
-                rdbuf, ok ? "ok" : "FAIL");
+    char spbuf[32] = "-";
+    if (split_ms > 0) std::snprintf(spbuf, sizeof spbuf, "%.3f", split_ms);
+    std::printf("%-40s %9.3f %8.1f %10s %8s %11s %11.2e %11s %9s  %s\n", name, ms, tflops, dbuf, sbuf, edbuf, err_ref,
+                rdbuf, spbuf, ok ? "ok" : "FAIL");
     if (!ok) {
         std::printf("FAIL %s:%s\n", name, why.c_str());
         ++g_failures;
@@ -376,8 +417,15 @@ int main(int argc, char **argv) {
         {256, 16, 2, F16, 100, 64, true},
         {128, 12, 2, Q8, 130, 63, true},
         {64, 8, 1, F16, 200, 17, true},
+        // split blocks at the 27B's shape: a piece of 64 beside decoding streams, across a segment
+        // boundary, and q8_0
+        {256, 24, 4, F16, 64, 4096, false},
+        {256, 24, 4, F16, 100, 1000, true},
+        {256, 24, 4, Q8, 64, 2000, true},
+        {128, 8, 2, Q8, 70, 1100, true},
         // deep timing cases (direct fill, fp32 reference on sampled positions)
         {256, 24, 4, F16, 2048, 8000, false},
+        {256, 24, 4, F16, 64, 12224, false},
     };
     if (!quick) {
         cases.push_back({256, 24, 4, F16, 4096, 0, true});

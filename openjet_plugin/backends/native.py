@@ -126,7 +126,8 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
 
         4 * P                      token ids (int32)
       + 4 * P * (2E                x, xn
-                 + 2F              ffn_gate, ffn_up
+                 + 2F              ffn_gate, ffn_up (one buffer: attention_prefill's segment
+                                   partials while an attention pass runs)
                  + 2Vd             z, dn_out
                  + 2C              qkv, conv
                  + 2Hv             beta, alpha

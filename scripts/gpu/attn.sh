@@ -14,10 +14,10 @@ record_gpu "$OUT/gpu.txt"
 compile_harness "$OUT/build.log" -std=c++17 -O3 -arch=sm_${ARCH} -lineinfo -Xptxas -v -Inative native/tools/attn_prefill_bench.cu \
     native/attention_prefill.cu native/attention.cu -o "$OUT/attn_bench" || exit 1
 # registers / spills / shared memory of the prefill kernels: head_dim / q8_0 (b1) or f16 (b0)
-awk '/Compiling entry function/ { k = ""; if (match($0, /attention_prefill_kernelILi[0-9]+ELb[01]/)) {
-         k = substr($0, RSTART + 27, RLENGTH - 27); sub(/ELb/, "/", k) } }
+awk '/Compiling entry function/ { k = ""; if (match($0, /attention_prefill_kernelILi[0-9]+ELb[01]ELb[01]/)) {
+         k = substr($0, RSTART + 27, RLENGTH - 27); gsub(/ELb/, "/", k) } }
      k != "" && /spill/ { sp = $0; sub(/.*info *: */, "", sp); sub(/^ */, "", sp) }
-     k != "" && /Used [0-9]+ registers/ { r = $0; sub(/.*Used /, "", r); printf "prefill D/q8 %-6s %s | %s\n", k, r, sp; k = "" }' \
+     k != "" && /Used [0-9]+ registers/ { r = $0; sub(/.*Used /, "", r); printf "prefill D/q8/split %-8s %s | %s\n", k, r, sp; k = "" }' \
     "$OUT/build.log"
 cuobjdump -sass "$OUT/attn_bench" 2>/dev/null | awk '/Function : .*attention_prefill_kernel/ {f = 1} /Function : / && !/attention_prefill_kernel/ {f = 0} f' \
     >"$OUT/sass_prefill.txt" || true
