@@ -149,7 +149,8 @@ static Result run_case(const Shape &s, uint64_t seed) {
     std::vector<float> x = position_inputs(g, K, P_MAX);
     float *dx, *dy, *dref;
     void *ws;
-    const size_t ws_bytes = gemm_f16_workspace_bytes(K, P_MAX);
+    // the prepared X and room for 5 split-K slices of P_MAX x M (the most the checks below force)
+    const size_t ws_bytes = std::max(gemm_f16_workspace_bytes(K, P_MAX), gemmwg::part_offset(K, P_MAX) + (size_t)5 * P_MAX * M * 4);
     CK(cudaMalloc(&dx, x.size() * 4));
     CK(cudaMalloc(&dy, ((size_t)P_MAX + 1) * M * 4));
     CK(cudaMalloc(&dref, (size_t)P_MAX * M * 4));
@@ -248,9 +249,13 @@ static Result run_case(const Shape &s, uint64_t seed) {
         fetch(P, who.c_str());
         res.err_w = std::max(res.err_w, check(who, P, &prev));
     };
-    // every wgmma configuration (the default first) on every P, plus the accumulate run; gemm_f16 beside
+    // every wgmma configuration (the default first) on every P, plus the accumulate run; gemm_f16
+    // beside. Q4_K: every configuration's outputs bit for bit those of the first (the engine picks
+    // the configuration by P, and a prompt in pieces must equal the prompt whole)
+    std::vector<std::vector<float>> first_y;
     for (int ci = 0; ci < n_configs(type); ++ci) {
         const std::string who = "wgmma " + cfg_label(type, ci);
+        int pi = 0;
         for (int P : {P_ODD, PS[0], PS[1], PS[2], PS[3]}) {
             gemmf16::prep_x(dx, K, P, ws, 0);
             CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
@@ -258,6 +263,21 @@ static Result run_case(const Shape &s, uint64_t seed) {
             fetch(P, who.c_str());
             const double es = check(who, P, nullptr);
             res.err_w = std::max(res.err_w, es);
+            if (type == TYPE_Q4_K) {
+                const size_t n = (size_t)P * M;
+                if (ci == 0) first_y.emplace_back(y.begin(), y.begin() + n);
+                else {
+                    int64_t differ = 0;
+                    for (size_t i = 0; i < n; ++i) differ += std::memcmp(&y[i], &first_y[pi][i], 4) != 0;
+                    if (differ) {
+                        char buf[160];
+                        std::snprintf(buf, sizeof buf, "%lld of %lld outputs not bit-identical to configuration %s's", (long long)differ,
+                                      (long long)n, cfg_label(type, 0).c_str());
+                        fail_msg(who, "bits", P, buf);
+                    }
+                }
+            }
+            ++pi;
         }
         check_accumulate(who, [&](int P) { wg_run(type, w, ws, P, dy, true, ci); });
     }
