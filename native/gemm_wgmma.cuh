@@ -41,18 +41,7 @@
 // rows x BN positions. Consumer loop per super-block: wait full; read the 2 rows' headers; mins
 // wgmma into tmpm; 16 x (dequant A of step ks, wgmma.wait_group 1 (frees the A registers of step
 // ks - 2), wgmma.fence, wgmma into tmp, commit); wait_group 0; each warp arrives on `empty`; acc +=
-// d tmp + dm tmpm. Grid x = position tiles (fastest), y = row tiles, z = splits of K.
-//
-// Split-K where the blocks leave SMs idle (OJ_GEMMWG_SPLIT=1, off until its device A/B; plain
-// kernel only): a small call is bound by the weights, and a 5,120-row matrix at 64 positions has
-// 40 blocks for 132 SMs (one block per SM fits); so has a 48-row one at any P. Block z of S takes the super-blocks [z nb / S, (z + 1) nb / S) and
-// writes its partial tile (scaled as the whole one) to slice z of a partial area in the caller's
-// workspace past the prepared X; split_sum_kernel then adds the S slices in order, z = 0 first, into
-// y (+)=. The result depends on S, and S on the shape, P and the device only. So with the switch on,
-// a prompt split into pieces beside decoding streams (P = 64 each) no longer equals the same prompt
-// prefilled whole (P = 2,048, unsplit) bit for bit, as it does without it (every output's sum runs
-// over K in one order whatever P); should split-K win its A/B, the unsplit kernel would sum in the
-// same groups (the split for the shape, not for P) before it becomes the default.
+// d tmp + dm tmpm. Grid x = position tiles (fastest), y = row tiles.
 //
 // Limits: Q4_K only, K % 256 == 0, M >= 1, P >= 1; sm_90a only (for any other target the kernel
 // body is a trap and wgmma_available() says false; run() refuses with a clear error).
@@ -84,7 +73,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstdio>
@@ -245,11 +233,10 @@ __device__ __forceinline__ void store_tile(const ARGS &a, const float (&acc)[BN 
 
 struct Args {
     const float *inv;   // [P_pad] 2^-e_p
-    float *y;           // [P][M]; split (gridDim.z > 1): the partial area, slice z at y + z part_stride
+    float *y;           // [P][M]
     int64_t M, P;
-    int64_t part_stride = 0;   // floats between two splits' slices (P M)
     int nsteps;         // K / 256
-    bool accumulate;    // false when split (each slice is written whole)
+    bool accumulate;
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -277,9 +264,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     uint8_t *const sbase = smem_raw + (base - smem_u32(smem_raw));
     const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
     const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM_OUT;
-    // this block's super-blocks [u0, u1): all of them, or split z of gridDim.z (step i = u - u0
-    // sets the stage and the barrier phase)
-    const int u0 = (int)((int64_t)blockIdx.z * a.nsteps / gridDim.z), u1 = (int)((int64_t)(blockIdx.z + 1) * a.nsteps / gridDim.z);
+    const int nsteps = a.nsteps;
 
     if (threadIdx.x == 0) {
 #pragma unroll
@@ -299,9 +284,9 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_xs)) : "memory");
             asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_w)) : "memory");
             if constexpr (SWIGLU) asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&tm_w2)) : "memory");
-            for (int u = u0; u < u1; ++u) {
-                const int i = u - u0, s = i % STAGES;
-                if (i >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), (uint32_t)((i / STAGES) - 1) & 1u);
+            for (int u = 0; u < nsteps; ++u) {
+                const int s = u % STAGES;
+                if (u >= STAGES) mbar_wait(smem_u32(&empty_bar[s]), (uint32_t)((u / STAGES) - 1) & 1u);
                 const uint32_t fb = smem_u32(&full_bar[s]);
                 mbar_expect_tx(fb, TX);
                 const uint32_t st = base + (uint32_t)s * SB;
@@ -326,9 +311,9 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         const __half2 c1024 = __float2half2_rn(1024.0f), cm1024 = __float2half2_rn(-1024.0f);
         const __half2 c16th = __float2half2_rn(0.0625f), cm64 = __float2half2_rn(-64.0f);
 
-        for (int u = u0; u < u1; ++u) {
-            const int s = (u - u0) % STAGES;
-            mbar_wait(smem_u32(&full_bar[s]), (uint32_t)((u - u0) / STAGES) & 1u);
+        for (int u = 0; u < nsteps; ++u) {
+            const int s = u % STAGES;
+            mbar_wait(smem_u32(&full_bar[s]), (uint32_t)(u / STAGES) & 1u);
             const uint32_t st = base + (uint32_t)s * SB;
             const uint8_t *ws = sbase + (size_t)s * SB + W_OFF;
             // the two rows' headers: d, dmin, 6-bit scales and mins (as gemm_f16's step_q45)
@@ -447,10 +432,6 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 #pragma unroll
                 for (int jn = BN / 16; jn < BN / 8; ++jn) finish(jn);
             }
-        } else if (gridDim.z > 1) {   // split: this block's slice of the partial area
-            Args b = a;
-            b.y = a.y + (int64_t)blockIdx.z * a.part_stride;
-            store_tile<BN>(b, acc, m0, n0, rl0, t);
         } else {
             store_tile<BN>(a, acc, m0, n0, rl0, t);
         }
@@ -458,16 +439,6 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 #else
     __trap();   // built for a target without wgmma (needs -gencode arch=compute_90a,code=sm_90a)
 #endif
-}
-
-// Split-K's sum: y[i] (+)= part[0][i] + part[1][i] + ... + part[S - 1][i], in that order, for the
-// n = P M outputs (any target: plain loads and stores).
-__global__ void split_sum_kernel(const float *__restrict__ part, int S, int64_t n, float *__restrict__ y, bool accumulate) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        float v = part[i];
-        for (int z = 1; z < S; ++z) v += part[(int64_t)z * n + i];
-        y[i] = accumulate ? y[i] + v : v;
-    }
 }
 
 // Writes 1 when this translation unit's device code was built for sm_90a (wgmma present).
@@ -563,10 +534,8 @@ inline void encode_w_map(CUtensorMap *tw, const Matrix &w, int rows, const char 
     encode(tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, what);
 }
 
-// S splits of K (1: none; else `part` holds S slices of P x M floats, then split_sum_kernel).
 template <int NWG, int BN, int STAGES>
-inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, bool accumulate, cudaStream_t st, int S = 1,
-                       float *part = nullptr) {
+inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, bool accumulate, cudaStream_t st) {
     constexpr int SMEM = smem_bytes(NWG, BN, STAGES);
     {   // once per device (cudaFuncSetAttribute acts on the current device only)
         static std::mutex mu;
@@ -593,80 +562,9 @@ inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, 
     a.P = P;
     a.nsteps = (int)nb;
     a.accumulate = accumulate;
-    if (S > 1) {
-        a.y = part;
-        a.accumulate = false;
-        a.part_stride = P * M;
-    }
-    const dim3 grid((unsigned)((P + BN - 1) / BN), (unsigned)((M + 64 * NWG - 1) / (64 * NWG)), (unsigned)S);
+    const dim3 grid((unsigned)((P + BN - 1) / BN), (unsigned)((M + 64 * NWG - 1) / (64 * NWG)));
     gemm_wgmma_kernel<NWG, BN, STAGES><<<grid, 128 * (NWG + 1), SMEM, st>>>(tx, txs, tw, tw, a);
     check_launch("gemm_wgmma: kernel");
-    if (S > 1) {
-        const int64_t n = P * M;
-        split_sum_kernel<<<(unsigned)std::min<int64_t>((n + 255) / 256, 4096), 256, 0, st>>>(part, S, n, y, accumulate);
-        check_launch("gemm_wgmma: split sum");
-    }
-}
-
-// OJ_GEMMWG_SPLIT=1: split-K at few positions (see the header). It exists for its device A/B
-// against the unsplit kernel (a 64-token prefill, issue 29's latency row); it leaves with the loser.
-inline bool split_enabled() {
-    static const bool on = env_is("OJ_GEMMWG_SPLIT", "1");
-    return on;
-}
-
-// S for a grid of `blocks` blocks (one per SM fits) over nb super-blocks: as many as fill the SMs
-// once, each split at least two stages of super-blocks deep, at most MAX_SPLIT; 1 where the blocks
-// fill the SMs already.
-constexpr int MAX_SPLIT = 8;
-inline int split_for(int64_t blocks, int64_t nb, int n_sm, int stages) {
-    if (blocks >= n_sm) return 1;
-    return (int)std::max<int64_t>(1, std::min<int64_t>({(int64_t)n_sm / blocks, nb / (2 * stages), (int64_t)MAX_SPLIT}));
-}
-
-// The unsplit grid's blocks for M rows and P positions at configuration c.
-inline int64_t grid_blocks(int64_t M, int64_t P, const Config &c) {
-    return ((P + c.bn - 1) / c.bn) * ((M + 64 * c.nwg - 1) / (64 * c.nwg));
-}
-
-// The current device's SM count (read only where the switch is on).
-inline int sm_count() {
-    int dev = 0, n = 0;
-    check_cuda(cudaGetDevice(&dev), "gemm_wgmma: cudaGetDevice");
-    check_cuda(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "gemm_wgmma: SM count");
-    return n;
-}
-
-// Where split-K's partial slices go in a workspace of `capacity` bytes prepared for (K, P): past the
-// prepared X, 256-byte aligned; and how many slices of P x M floats fit there (0: none).
-inline size_t part_offset(int64_t K, int64_t P) { return (gemmf16::ws_layout(K, P).total + 255) / 256 * 256; }
-inline int64_t parts_that_fit(int64_t K, int64_t P, int64_t M, size_t capacity) {
-    const size_t off = part_offset(K, P), slice = (size_t)P * M * 4;
-    return capacity > off ? (int64_t)((capacity - off) / slice) : 0;
-}
-
-// run()'s `split` checked before the device is touched: 0 (the switch and the shape decide) and 1
-// (none) as given; S >= 2 at most the super-blocks, refused where its slices do not fit the
-// workspace past the prepared X.
-inline int checked_split(const Matrix &w, int64_t P, size_t capacity, int split) {
-    if (split < 0 || split > MAX_SPLIT)
-        fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: split " + std::to_string(split) + " is outside 0.." + std::to_string(MAX_SPLIT));
-    if (split < 2) return split;
-    const int S = (int)std::min<int64_t>(split, w.K / QK_K);
-    const int64_t fit = parts_that_fit(w.K, P, w.M, capacity);
-    if (S > 1 && S > fit)
-        fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: split " + std::to_string(S) + " needs " + std::to_string(S) + " slices of " +
-                                          std::to_string(P * w.M * 4) + " bytes past the prepared X; the workspace of " +
-                                          std::to_string(capacity) + " bytes holds " + std::to_string(fit));
-    return S;
-}
-
-// The split the switch and the shape give a call at configuration c: split_for where it is on,
-// bounded by the slices that fit; 1 where it is off.
-inline int auto_split(const Matrix &w, int64_t P, const Config &c, size_t capacity) {
-    if (!split_enabled()) return 1;
-    const int S = split_for(grid_blocks(w.M, P, c), w.K / QK_K, sm_count(), c.stages);
-    return (int)std::max<int64_t>(1, std::min<int64_t>(S, parts_that_fit(w.K, P, w.M, capacity)));
 }
 
 // The fused gate + up + SwiGLU kernel (NWG = 2, 64 output rows per block; see the header).
@@ -757,12 +655,9 @@ inline void check_shape(const Matrix &w, int64_t P) {
 }
 
 // y (+)= W x from a workspace prepared by gemmf16::prep_x (same K and P): Q4_K on wgmma.
-// capacity: the workspace's bytes (0: only what the prepared X takes), room for split-K's partial
-// slices; split: 0 the switch and the shape decide (split_for), 1 none, S >= 2 forced (the harness).
 inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, bool accumulate, cudaStream_t st,
-                Config c = Config{0, 0, 0}, size_t capacity = 0, int split = 0) {
+                Config c = Config{0, 0, 0}) {
     check_shape(w, P);
-    int S = checked_split(w, P, capacity, split);
     if (!wgmma_available())
         fail(OJ_ERR_UNSUPPORTED, "gemm_wgmma: needs a Hopper GPU (cc 9.0) and a build with -gencode arch=compute_90a,code=sm_90a");
     if (!c.nwg) c = pick_config(P);
@@ -770,12 +665,10 @@ inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, boo
     // aligned (the workspace offsets are multiples of 16; the base is the caller's)
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: workspace not 16-byte aligned");
     const uint8_t *ws = static_cast<const uint8_t *>(workspace);
-    if (S == 0) S = auto_split(w, P, c, capacity);
-    float *part = S > 1 ? reinterpret_cast<float *>(const_cast<uint8_t *>(ws) + part_offset(w.K, P)) : nullptr;
     switch (config_index(c)) {
-        case 0: launch_cfg<2, 128, 2>(w, ws, P, y, accumulate, st, S, part); break;
-        case 1: launch_cfg<2, 64, 4>(w, ws, P, y, accumulate, st, S, part); break;
-        case 2: launch_cfg<3, 64, 3>(w, ws, P, y, accumulate, st, S, part); break;
+        case 0: launch_cfg<2, 128, 2>(w, ws, P, y, accumulate, st); break;
+        case 1: launch_cfg<2, 64, 4>(w, ws, P, y, accumulate, st); break;
+        case 2: launch_cfg<3, 64, 3>(w, ws, P, y, accumulate, st); break;
         default: fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma: unknown configuration");
     }
 }

@@ -95,7 +95,7 @@ void project(Engine &e, const Matrix &w, Input &in, float *y, bool accumulate) {
             if (w.type == TYPE_Q6_K)
                 gemm_wgmma_q6k_run(w, pf.workspace, in.P, y, accumulate, e.stream);
             else
-                gemmwg::run(w, pf.workspace, in.P, y, accumulate, e.stream, gemmwg::Config{0, 0, 0}, pf.workspace_bytes);
+                gemmwg::run(w, pf.workspace, in.P, y, accumulate, e.stream);
         } else
             gemmf16::run(w, pf.workspace, in.P, y, accumulate, e.stream);
         return;

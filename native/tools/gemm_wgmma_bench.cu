@@ -28,10 +28,6 @@
 // every wgmma configuration at P = 64 and 2048 (GB/s of the weights too: a small prefill is bound by
 // them); per type the 27B map's uses of the cases summed. Exit status 1 on any failed check.
 //
-// Split-K (Q4_K, OJ_GEMMWG_SPLIT's path): 2, 3 and 5 splits forced on the default configuration,
-// checked as above at P = 77 and 64 and in an accumulate run; at P = 64 the split the switch would
-// pick timed against none.
-//
 // FFN cases (run first; with --only Q4_K too, alone with --only FFN): gate + up + SwiGLU in one
 // kernel (gemm_wgmma_q4k_swiglu) on K 5120 -> M 17408 (the 27B's ffn_gate / ffn_up), 512 -> 200,
 // 256 -> 72, P in {77, 64, 256, 512, 2048}, against gemm_f16's gate and up through float64
@@ -149,8 +145,7 @@ static Result run_case(const Shape &s, uint64_t seed) {
     std::vector<float> x = position_inputs(g, K, P_MAX);
     float *dx, *dy, *dref;
     void *ws;
-    // the prepared X and room for 5 split-K slices of P_MAX x M (the most the checks below force)
-    const size_t ws_bytes = std::max(gemm_f16_workspace_bytes(K, P_MAX), gemmwg::part_offset(K, P_MAX) + (size_t)5 * P_MAX * M * 4);
+    const size_t ws_bytes = gemm_f16_workspace_bytes(K, P_MAX);
     CK(cudaMalloc(&dx, x.size() * 4));
     CK(cudaMalloc(&dy, ((size_t)P_MAX + 1) * M * 4));
     CK(cudaMalloc(&dref, (size_t)P_MAX * M * 4));
@@ -237,18 +232,6 @@ static Result run_case(const Shape &s, uint64_t seed) {
         return es;
     };
 
-    // the accumulate run at P_ODD: y starts from random values (a NaN guard row past P), run_at(P) adds W x
-    auto check_accumulate = [&](const std::string &who, auto run_at) {
-        const int P = P_ODD;
-        std::vector<float> prev((size_t)(P + 1) * M);
-        for (auto &v : prev) v = g.normalish();
-        for (int64_t m = 0; m < M; ++m) prev[(size_t)P * M + m] = NAN;
-        gemmf16::prep_x(dx, K, P, ws, 0);
-        CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
-        run_at(P);
-        fetch(P, who.c_str());
-        res.err_w = std::max(res.err_w, check(who, P, &prev));
-    };
     // every wgmma configuration (the default first) on every P, plus the accumulate run; gemm_f16
     // beside. Q4_K: every configuration's outputs bit for bit those of the first (the engine picks
     // the configuration by P, and a prompt in pieces must equal the prompt whole)
@@ -279,22 +262,18 @@ static Result run_case(const Shape &s, uint64_t seed) {
             }
             ++pi;
         }
-        check_accumulate(who, [&](int P) { wg_run(type, w, ws, P, dy, true, ci); });
-    }
-    if (type == TYPE_Q4_K)   // split-K (OJ_GEMMWG_SPLIT's path), forced: the default configuration, P = 77 and 64, and accumulate
-        for (const int S : {2, 3, 5}) {
-            if (S > K / QK_K) continue;
-            const std::string who = "wgmma split " + std::to_string(S);
-            for (int P : {P_ODD, PS[0]}) {
-                gemmf16::prep_x(dx, K, P, ws, 0);
-                CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
-                gemmwg::run(w, ws, P, dy, false, 0, gemmwg::Config{0, 0, 0}, ws_bytes, S);
-                fetch(P, who.c_str());
-                res.err_w = std::max(res.err_w, check(who, P, nullptr));
-            }
-            check_accumulate(who + " accumulate",
-                             [&](int P) { gemmwg::run(w, ws, P, dy, true, 0, gemmwg::Config{0, 0, 0}, ws_bytes, S); });
+        {
+            const int P = P_ODD;
+            std::vector<float> prev((size_t)(P + 1) * M);
+            for (auto &v : prev) v = g.normalish();
+            for (int64_t m = 0; m < M; ++m) prev[(size_t)P * M + m] = NAN;
+            gemmf16::prep_x(dx, K, P, ws, 0);
+            CK(cudaMemcpy(dy, prev.data(), prev.size() * 4, cudaMemcpyHostToDevice));
+            wg_run(type, w, ws, P, dy, true, ci);
+            fetch(P, who.c_str());
+            res.err_w = std::max(res.err_w, check(who, P, &prev));
         }
+    }
     for (int P : {P_ODD, PS[3]}) {   // gemm_f16 on the same data, for its error beside ours
         gemmf16::prep_x(dx, K, P, ws, 0);
         CK(cudaMemset(dy, 0xFF, ((size_t)P + 1) * M * 4));
@@ -318,18 +297,6 @@ static Result run_case(const Shape &s, uint64_t seed) {
             std::fprintf(g_table, fmt, tn, s.name, (long long)K, (long long)M, P, res.w_ms[pi], fl / (res.w_ms[pi] * 1e-3) / 1e12,
                          res.f_ms[pi], fl / (res.f_ms[pi] * 1e-3) / 1e12, res.prep[pi], res.f_ms[pi] / res.w_ms[pi]);
         std::fflush(stdout);
-    }
-    if (type == TYPE_Q4_K) {   // split-K at P = 64: the split the switch would pick, against none
-        const int P = PS[0];
-        const gemmwg::Config c = gemmwg::CONFIGS[0];
-        const int64_t blocks = gemmwg::grid_blocks(M, P, c);
-        const int S = gemmwg::split_for(blocks, K / QK_K, gemmwg::sm_count(), c.stages);
-        gemmf16::prep_x(dx, K, P, ws, 0);
-        const double one = median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0, c, ws_bytes, 1); });
-        const double split = S > 1 ? median_ms([&] { gemmwg::run(w, ws, P, dy, false, 0, c, ws_bytes, S); }) : one;
-        std::printf("%s %-9s P=%-5d split-K: %d blocks, split %d: %8.4f ms (%6.0f GB/s of weights) against %8.4f unsplit (%6.0f)\n", tn,
-                    s.name, P, (int)blocks, S, split, (double)w_bytes_of(w) / (split * 1e-3) / 1e9, one,
-                    (double)w_bytes_of(w) / (one * 1e-3) / 1e9);
     }
     // every configuration at P = 64 (a small oj_prefill: an appended turn, a prompt piece beside
     // decoding streams; weight-bandwidth bound, so GB/s of the matrix too) and at P = 2048 (res.cfg_ms)

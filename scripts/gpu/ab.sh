@@ -5,7 +5,7 @@
 # its switches once). Settings are separated by ';', a setting's variables by spaces:
 #
 #   AB="OJ_MVF16_CFG=4,3;OJ_MVF16_CFG=8,2" bash scripts/gpu.sh ab
-#   AB="OJ_GEMMWG_SPLIT=1" AB_ARGS="--prefill 64:4096" bash scripts/gpu.sh ab   (AB_ARGS: more bench/ours.py rows)
+#   AB="OJ_GEMMWG_CFG=2,64,4" AB_ARGS="--prefill 64:4096" bash scripts/gpu.sh ab   (AB_ARGS: more bench/ours.py rows)
 #
 # Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12) and the native library built here
 # (openjet_plugin/native: loaded as is when it loads, else rebuilt). $OUT/ab<i>.jsonl per setting
