@@ -558,28 +558,26 @@ attention_prefill_kernel(const PrefillArgs a) {
     }
 }
 
-// The split blocks' segments of row i (grid x), every head: merged in order, z = 0 first, up to
-// the row's own segment (the ones before all hold its keys), then out = O / L * sigmoid(gate).
+// The split blocks' segments of row i (grid x) and head h (grid y), thread = column: merged in
+// order, z = 0 first, up to the row's own segment (the ones before all hold its keys), then
+// out = O / L * sigmoid(gate).
 template <int D>
-__global__ void combine_kernel(const PrefillArgs a, int seg) {
-    const int i = blockIdx.x;
+__global__ void __launch_bounds__(D) combine_kernel(const PrefillArgs a, int seg) {
+    const int i = blockIdx.x, col = threadIdx.x;
     const int nz = (a.pos0 + i) / seg + 1;
     const int64_t plane = (int64_t)a.n * a.n_head;
+    const int64_t row = (int64_t)i * a.n_head + blockIdx.y;
     const float *pml = a.part + (int64_t)a.n_segments * plane * D;
-    for (int c = threadIdx.x; c < a.n_head * D; c += blockDim.x) {
-        const int h = c / D, col = c - h * D;
-        const int64_t row = (int64_t)i * a.n_head + h;
-        float M = pml[row * 2], L = pml[row * 2 + 1], O = a.part[row * D + col];
-        for (int z = 1; z < nz; ++z) {
-            const float m = pml[z * plane * 2 + row * 2], l = pml[z * plane * 2 + row * 2 + 1];
-            if (m == -INFINITY) continue;
-            float wa, wb;
-            merge_weights(M, L, m, l, wa, wb);
-            O = merged(O, wa, a.part[(z * plane + row) * D + col], wb);
-        }
-        const float inv = 1.0f / L;
-        a.out[row * D + col] = O * inv * sigmoid(a.qg[(row * 2 + 1) * D + col]);
+    float M = pml[row * 2], L = pml[row * 2 + 1], O = a.part[row * D + col];
+    for (int z = 1; z < nz; ++z) {
+        const float m = pml[(z * plane + row) * 2], l = pml[(z * plane + row) * 2 + 1];
+        if (m == -INFINITY) continue;
+        float wa, wb;
+        merge_weights(M, L, m, l, wa, wb);
+        O = merged(O, wa, a.part[(z * plane + row) * D + col], wb);
     }
+    const float inv = 1.0f / L;
+    a.out[row * D + col] = O * inv * sigmoid(a.qg[(row * 2 + 1) * D + col]);
 }
 
 template <int D, bool Q8>
@@ -637,7 +635,7 @@ void launch_prefill(const ModelDims &d, const Layer &L, const float *q_rot, cons
         a.part = part;
         attention_prefill_kernel<D, Q8, true><<<dim3(a.n_qtiles, Hkv * a.chunks, a.n_segments), threads, SMEM, st>>>(a);
         check_launch("attention_prefill (split)");
-        combine_kernel<D><<<n, 256, 0, st>>>(a, PREFILL_SEGMENT);
+        combine_kernel<D><<<dim3(n, H), D, 0, st>>>(a, PREFILL_SEGMENT);
         check_launch("attention_prefill combine");
     } else {
         attention_prefill_kernel<D, Q8, false><<<dim3(a.n_qtiles, Hkv * a.chunks), threads, SMEM, st>>>(a);

@@ -13,6 +13,7 @@
 #   agreement      teacher-forced agreement with llama.cpp on the q27b
 #   sanitize       compute-sanitizer over a slice of the GPU suite
 #   phases         the per-phase Nsight Compute breakdown of one decode pass
+#   prefill-kernels  the per-kernel Nsight Compute times of one prefill piece (64 positions at depth 4,096)
 #   cluster        the multi-GPU serving check
 #   train          the default model's training run
 #   attn | deltanet | gemm | gemm-f16 | gemm-wgmma | matvec-f16 | matvec-group | stream-pattern
@@ -22,7 +23,7 @@ set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-commands="check bench session ab setup agreement sanitize phases cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern launch-chain"
+commands="check bench session ab setup agreement sanitize phases prefill-kernels cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern launch-chain"
 case "$cmd" in
     "" | -h | --help)
         sed -n '2,20p' "$0"

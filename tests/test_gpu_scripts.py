@@ -393,3 +393,29 @@ def test_the_gpu_check_runs_every_gpu_test_file():
               if re.search(r"pytestmark = pytest\.mark\.gpu|@pytest\.mark\.gpu", p.read_text())}
     assert marked, "no GPU test file found: the pattern is stale"
     assert listed == marked, f"check.sh runs {sorted(listed - marked)} extra, misses {sorted(marked - listed)}"
+
+
+def test_prefill_piece_summary_totals_an_ncu_log_and_names_a_bad_one(tmp_path):
+    """scripts/prefill_piece.py --summary: per-kernel totals of `ncu --csv` rows (other metrics and
+    repeated headers skipped, units converted), largest first; a file without ncu rows is refused
+    with its name."""
+    mod = _load_script("prefill_piece")
+    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Section Name","Metric Name","Metric Unit","Metric Value"'
+    row = lambda i, k, m, u, v: f'"{i}","1","python3","h","{k}","1","7","Command line profiler metrics","{m}","{u}","{v}"'
+    log = "\n".join(["==PROF== Connected to process 1", head,
+                     row(0, "void gemm<2, 64>(Args)", "gpu__time_duration.sum", "nsecond", "1,500,000"),
+                     row(1, "rms_norm_kernel(float const*)", "gpu__time_duration.sum", "usecond", "17.5"),
+                     row(1, "rms_norm_kernel(float const*)", "dram__bytes_read.sum", "byte", "999"),
+                     head,
+                     row(2, "void gemm<2, 64>(Args)", "gpu__time_duration.sum", "nsecond", "500000")])
+    p = tmp_path / "ncu.csv"
+    p.write_text(log)
+    kernels, total = mod.kernel_totals(p)
+    assert kernels[0] == ("void gemm<2, 64>", 2, pytest.approx(2.0))
+    assert kernels[1] == ("rms_norm_kernel", 1, pytest.approx(0.0175))
+    assert total == pytest.approx(2.0175)
+    bad = tmp_path / "empty.csv"
+    bad.write_text("==PROF== nothing profiled\n")
+    with pytest.raises(ValueError, match="empty.csv"):
+        mod.kernel_totals(bad)
+    assert mod.main(["--summary", str(bad)]) == 1

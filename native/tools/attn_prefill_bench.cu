@@ -7,9 +7,11 @@
 //
 // Per case (head_dim D, n_head, n_head_kv, KV type, n new positions at pos0):
 //   "engine" cases: random qg / k / v (fp32) for positions [0, pos0 + n), q_norm / k_norm random
-//     in [0.6, 1.6]; ONE attention_mix call over all pos0 + n positions (attention.cu: norms, RoPE,
-//     the KV append as fp16 or q8_0, split-K decode, gate) writes the cache, q_rot and the decode
-//     outputs; then attention_prefill on q_rot / qg of positions [pos0, pos0 + n) is compared with
+//     in [0.6, 1.6]; attention_prepare over all pos0 + n positions (attention.cu: norms, RoPE, the
+//     KV append as fp16 or q8_0) writes the cache and q_rot, then attention_by_decode (the decode
+//     kernels, OJ_MAX_POSITIONS positions a call: split-K, gate) the decode outputs (one
+//     attention_mix call over all positions did both until the decode kernels took at most
+//     OJ_MAX_POSITIONS); then attention_prefill on q_rot / qg of positions [pos0, pos0 + n) is compared with
 //     (a) the decode outputs of those positions, every output: max |prefill - decode| / max |decode|
 //         <= 2e-3 (Q and P rounded to fp16 vs the decode path's fp32);
 //     (b) the fp32 reference kernel below on sampled positions (all heads): the same bar.
@@ -22,7 +24,7 @@
 //     positions in pieces of 64: memcmp of every output.
 // Timing: CUDA events, median of 10 after 2 warm-ups; TFLOP/s = 4 n avg_kv D n_head / time with
 // avg_kv = pos0 + (n + 1) / 2 (the causal average); for engine cases also the decode path
-// (attention_mix on the same n positions, which re-appends the same K/V) and the speed-up.
+// (attention_by_decode on the same n positions) and the speed-up.
 // Exit status 1 on any failed check.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -110,7 +112,7 @@ reference_kernel(const float *__restrict__ q_rot, const float *__restrict__ qg, 
 // ---- one case -------------------------------------------------------------------------------
 struct Case {
     int D, H, Hkv, kv, n, pos0;
-    bool engine;   // fill through attention_mix and compare with the decode outputs
+    bool engine;   // fill through attention_prepare and compare with the decode outputs
 };
 
 template <class F>
@@ -208,7 +210,8 @@ static void run_case(const Case &c, uint64_t seed, bool print_header) {
         s.qg = qg;
         s.q_rot = q_rot;
         s.attn_out = dec_out;
-        attention_mix(md, L, s, P, 0, n_ctx, 0);   // cache rows [0, P), q_rot and decode outputs
+        attention_prepare(md, L, qg, s.k, s.v, q_rot, P, 0, n_ctx, 0);        // cache rows [0, P), q_rot
+        attention_by_decode(md, L, s, q_rot, qg, dec_out, P, 0, n_ctx, 0);   // the decode outputs
     } else {
         launch_fill(qg, (int64_t)P * H * 2 * D, seed * 11 + 3, 1.0f);
         launch_fill(q_rot, (int64_t)P * H * D, seed * 11 + 6, 1.5f);
@@ -346,13 +349,8 @@ static void run_case(const Case &c, uint64_t seed, bool print_header) {
     const double tflops = 4.0 * n * avg_kv * D * H / (ms * 1e-3) / 1e12;
     double dec_ms = -1;
     if (c.engine) {
-        Scratch s2 = s;   // the same n positions through the decode path (re-appends the same K/V)
-        s2.qg = qg + (size_t)pos0 * H * 2 * D;
-        s2.k = s.k + (size_t)pos0 * Hkv * D;
-        s2.v = s.v + (size_t)pos0 * Hkv * D;
-        s2.q_rot = q_rot + (size_t)pos0 * H * D;
-        s2.attn_out = dec_out + (size_t)pos0 * H * D;
-        dec_ms = median_ms([&] { attention_mix(md, L, s2, n, pos0, n_ctx, 0); });
+        // the same n positions through the decode kernels
+        dec_ms = median_ms([&] { attention_by_decode(md, L, s, q_new, qg_new, dec_out + (size_t)pos0 * H * D, n, pos0, n_ctx, 0); });
     }
     CK(cudaDeviceSynchronize());
 

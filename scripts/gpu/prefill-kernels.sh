@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Per-kernel times of one prefill piece on the q27b (scripts/prefill_piece.py) under Nsight Compute:
+# the state filled to the depth, three pieces timed without the profiler, one inside its range; the
+# table of kernel totals is printed last.
+#
+#   bash scripts/gpu.sh prefill-kernels                  # 64 positions at depth 4,096
+#   PIECE_POSITIONS=64 PIECE_DEPTH=12224 bash scripts/gpu.sh prefill-kernels
+#
+# Carry: .whl/ and the native library built here (openjet_plugin/native). Output under $OUT (or
+# /tmp/openjet-prefill-kernels-out): ncu.csv, run.log, kernels.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
+OUT=${OUT:-/tmp/openjet-prefill-kernels-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
+CACHE=$OPENJET_CACHE_DIR/bench
+mkdir -p "$CACHE"
+install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
+record_gpu "$OUT/gpu.txt"
+load_or_build_native "$OUT/native.log" || { tail -20 "$OUT/native.log"; exit 1; }
+M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
+[ -f "$M" ] || { echo "prefill-kernels: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
+timeout "${PIECE_TIMEOUT:-300}" ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --log-file "$OUT/ncu.csv" \
+    python3 scripts/prefill_piece.py "$M" --positions "${PIECE_POSITIONS:-64}" --depth "${PIECE_DEPTH:-4096}" >"$OUT/run.log" 2>&1
+rc=$?
+cat "$OUT/run.log"
+python3 scripts/prefill_piece.py --summary "$OUT/ncu.csv" | tee "$OUT/kernels.txt"
+exit $rc
