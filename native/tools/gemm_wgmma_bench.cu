@@ -233,8 +233,9 @@ static Result run_case(const Shape &s, uint64_t seed) {
     };
 
     // every wgmma configuration (the default first) on every P, plus the accumulate run; gemm_f16
-    // beside. Q4_K: every configuration's outputs bit for bit those of the first (the engine picks
-    // the configuration by P, and a prompt in pieces must equal the prompt whole)
+    // beside. Every configuration's outputs bit for bit those of the first (Q4_K: the engine picks
+    // the configuration by P, and a prompt in pieces must equal the prompt whole; Q6_K: its
+    // per-group ones, the evidence a pick by P would need)
     std::vector<std::vector<float>> first_y;
     for (int ci = 0; ci < n_configs(type); ++ci) {
         const std::string who = "wgmma " + cfg_label(type, ci);
@@ -246,7 +247,9 @@ static Result run_case(const Shape &s, uint64_t seed) {
             fetch(P, who.c_str());
             const double es = check(who, P, nullptr);
             res.err_w = std::max(res.err_w, es);
-            if (type == TYPE_Q4_K) {
+            // Q6_K: the per-group configurations among themselves (the split-sc form rounds differently)
+            const bool same_form = type == TYPE_Q4_K || gemmwg6::CONFIGS[ci].split == gemmwg6::CONFIGS[0].split;
+            if (same_form) {
                 const size_t n = (size_t)P * M;
                 if (ci == 0) first_y.emplace_back(y.begin(), y.begin() + n);
                 else {
