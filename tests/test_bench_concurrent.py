@@ -60,6 +60,12 @@ def test_pass_occupancy_counts_the_rounds_passes_and_their_share():
     o = concurrent.pass_occupancy(trace, 1.0, 2.0)
     assert o == {"passes": 3, "busy_share": 0.4, "gap_ms_median": 100.0, "decode_pass_ms_median": 100.0}
     assert concurrent.pass_occupancy([], 1.0, 2.0) == {}
+    # with each pass's steps_in (the scheduler's trace today): the gap split at the last step's hand-in
+    timed = [(1.0, 1.1, 0.1, 2, 0, 0.95), (1.2, 1.3, 0.1, 2, 0, 1.17), (1.35, 1.45, 0.1, 2, 0, 1.34),
+             (1.5, 1.6, 0.1, 0, 64, 0.0)]
+    o = concurrent.pass_occupancy(timed, 1.0, 2.0)
+    # gaps (70 + 30) and (40 + 10) ms, nearest-rank medians; the prompt-only pass has no steps_in
+    assert o["steps_in_ms_median"] == 40.0 and o["composing_ms_median"] == 10.0
 
 
 def test_mixed_passes_give_a_prompt_pieces_cost_beside_the_decode_only_pass():
@@ -502,6 +508,28 @@ def test_markdown_says_what_a_prompt_piece_costs_the_decoders():
     assert ("openjet, 7 streams and a 12,288-token prompt: 191 passes with prompt tokens in a run, a median 64 "
             "tokens next to 7 decode steps in 65.5 ms (at most 74.5), where the decode-only pass of as many steps "
             "takes 14.2 ms.") in md
+
+
+def test_markdown_splits_the_gap_between_the_most_streams_passes():
+    """The plain row of the most streams: the round of median gap, and where the trace has it, the
+    gap's part until the last step was handed in and the part after (the scheduler); none without a
+    trace."""
+    params = {"streams": 8, "drafts": 0}
+    rows = [report.result("concurrent_tps", "openjet", {"streams": 1, "drafts": 0}, [95.0] * 3),
+            report.result("concurrent_tps", "openjet", params, [458.0] * 3)]
+    occ = [{"passes": 128, "busy_share": 0.8371, "gap_ms_median": g, "decode_pass_ms_median": 14.4,
+            "steps_in_ms_median": round(g - 0.3, 3), "composing_ms_median": 0.3} for g in (2.9, 2.64, 2.5)]
+    details = {report.row_key("concurrent_tps", "openjet", params): {"pass_occupancy": occ}}
+    rep = {"manifest": {"info": {report.DETAILS_KEY: details}, "not_measured": []}, "results": rows}
+    report.validate_report(rep)
+    assert ("openjet, 8 streams: the backend busy 84% of a round, a decode pass of 14.4 ms and 2.64 ms between "
+            "passes (medians; of the gap, 2.34 ms until the last step was handed in and 0.3 ms from then to the "
+            "pass's start).") in report.markdown(rep)
+    for o in occ:                            # an older trace: the gap whole
+        del o["steps_in_ms_median"], o["composing_ms_median"]
+    assert "2.64 ms between passes (medians)." in report.markdown(rep)
+    details.clear()
+    assert "streams: the backend busy" not in report.markdown(rep)
 
 
 # --- the real llama-server, where a build exists -------------------------------------------------------------

@@ -143,3 +143,25 @@ def test_submitted_waits_for_its_result_and_passes_launched_on():
     plain = Submitted(lambda: 3)             # one sequence: the eval runs in the call
     plain.launched()
     assert plain() == 3
+
+
+def test_the_trace_says_when_each_pass_s_last_step_was_handed_in():
+    """PassScheduler.trace's sixth field: the last decode step's hand-in time of each pass, between
+    the previous pass's end and the pass's start when the scheduler waited for it (0.0 for a pass
+    without decode steps)."""
+    sched = SleepPasses(pass_s=0.005)
+    try:
+        first = sched.submit(0, [1], 0, want_logits=False)
+        sched.wait(first)
+        time.sleep(0.02)                     # the thread's own work before its next step
+        second = sched.submit(0, [1], 0, want_logits=False)
+        sched.wait(second)
+        prompt = sched.submit(1, [1, 2, 3], 0, want_logits=False)
+        sched.wait(prompt)
+        trace = list(sched.trace)
+    finally:
+        sched.close()
+    assert len(trace) >= 3 and all(len(e) == 6 for e in trace)
+    (_, end0, *_), (began1, _, _, _, _, in1) = trace[:2]
+    assert end0 + 0.015 < in1 <= began1
+    assert sum(e[4] for e in trace[2:]) == 3 and all(e[5] == 0.0 for e in trace[2:])   # the prompt's passes

@@ -431,7 +431,7 @@ class NativeBackend:
         sc = self._shared.passes
         return {} if sc is None else sc.counts()
 
-    def pass_trace(self, since: float) -> list[tuple[float, float, float, int, int]]:
+    def pass_trace(self, since: float) -> list[tuple]:
         """The scheduler's passes that ended after perf_counter time `since` (PassScheduler.trace;
         empty with one sequence)."""
         sc = self._shared.passes

@@ -43,7 +43,7 @@ class Work:
     off the device for it."""
 
     __slots__ = ("seq", "tokens", "n_past", "order", "done", "want_logits", "logits", "argmax", "error",
-                 "cancelled", "event", "launched")
+                 "cancelled", "event", "launched", "submitted")
 
     def __init__(self, seq: int, tokens: list[int], n_past: int, order: int, want_logits: bool = True):
         self.seq, self.tokens, self.n_past, self.order = seq, tokens, n_past, order
@@ -55,6 +55,7 @@ class Work:
         self.cancelled = False
         self.event = threading.Event()       # done or failed
         self.launched = threading.Event()    # a pass that takes its tokens has begun (or event is set)
+        self.submitted = time.perf_counter()  # when it was handed in (the trace's steps_in)
 
     @property
     def left(self) -> int:
@@ -118,8 +119,11 @@ class PassScheduler:
         # a pass of k sequences costs as the scheduler runs it (openjet bench's concurrent details)
         self.decode_pass_seconds: dict[int, collections.deque] = {}
         # the last PASS_TRACE_KEPT passes: (perf_counter when the scheduler began it, when it
-        # ended, the seconds it ran holding the backend, decode steps, prompt tokens); the time
-        # before those seconds is the pass waiting for the backend (another thread holding it)
+        # ended, the seconds it ran holding the backend, decode steps, prompt tokens, when its last
+        # decode step was handed in (0.0: none)); the time before those seconds is the pass waiting
+        # for the backend (another thread holding it). A gap between passes splits at steps_in:
+        # before it the request threads were still handing their steps in, after it the scheduler
+        # composed the pass (its wake-up included)
         self.trace: collections.deque = collections.deque(maxlen=PASS_TRACE_KEPT)
 
     def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
@@ -134,7 +138,7 @@ class PassScheduler:
         return {"passes": self.passes, "shared_passes": self.shared_passes,
                 "max_sequences_in_a_pass": self.max_sequences_in_a_pass, "decode_pass_ms": self.decode_pass_ms()}
 
-    def trace_since(self, t: float) -> list[tuple[float, float, float, int, int]]:
+    def trace_since(self, t: float) -> list[tuple[float, float, float, int, int, float]]:
         """The kept passes that ended after perf_counter time t (`trace`'s entries)."""
         with self._cv:
             return [e for e in self.trace if e[1] > t]
@@ -220,6 +224,7 @@ class PassScheduler:
                 if self._closed:
                     return
                 chosen, n_decode = self._compose()
+                steps_in = max((w.submitted for w, n in chosen if n == 1 == len(w.tokens)), default=0.0)
                 self._in_pass = {w.seq for w, _ in chosen}
                 for w, _ in chosen:
                     w.launched.set()
@@ -231,7 +236,7 @@ class PassScheduler:
                 errors, seconds = [failure] * len(chosen), 0.0
             ended = time.perf_counter()
             with self._cv:
-                self.trace.append((began, ended, seconds, n_decode, sum(n for _, n in chosen) - n_decode))
+                self.trace.append((began, ended, seconds, n_decode, sum(n for _, n in chosen) - n_decode, steps_in))
                 if not any(errors):
                     self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
                     self._last_pass_seconds = seconds

@@ -186,22 +186,31 @@ def token_gaps(events: list[tuple[float, int]]) -> tuple[list[float], int]:
 SLOW_GAP = 2.0                # a gap this times the round's median is slow (slow_gap_breakdown)
 
 
-def pass_occupancy(trace: list[tuple[float, float, float, int, int]], t0: float, t1: float) -> dict:
+def pass_occupancy(trace: list[tuple], t0: float, t1: float) -> dict:
     """A round's passes (PassScheduler.trace, those inside [t0, t1]): how many, the share of the
     wall time the backend ran them (the rest: the scheduler waiting for the request threads'
     next tokens, the threads' own work, passes waiting for the backend), the median gap from one
-    pass's end to the next one's start, and the median decode-only pass. {} without a trace."""
+    pass's end to the next one's start, and the median decode-only pass. Where the trace has each
+    pass's steps_in (when its last decode step was handed in), the gap's two parts: the median
+    time from a pass's end to the next one's last step handed in (the request threads), and from
+    then to the next pass's start (the scheduler composing it, its wake-up included). {} without
+    a trace."""
     inside = [e for e in trace if e[0] >= t0 and e[1] <= t1]
     if not inside or t1 <= t0:
         return {}
     gaps = sorted(b[0] - a[1] for a, b in zip(inside, inside[1:]))
     decode = sorted(e[2] for e in inside if not e[4])
-    return {"passes": len(inside), "busy_share": round(sum(e[2] for e in inside) / (t1 - t0), 4),
-            "gap_ms_median": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None,
-            "decode_pass_ms_median": round(1e3 * decode[len(decode) // 2], 3) if decode else None}
+    out = {"passes": len(inside), "busy_share": round(sum(e[2] for e in inside) / (t1 - t0), 4),
+           "gap_ms_median": round(1e3 * gaps[len(gaps) // 2], 3) if gaps else None,
+           "decode_pass_ms_median": round(1e3 * decode[len(decode) // 2], 3) if decode else None}
+    split = [(a, b) for a, b in zip(inside, inside[1:]) if len(b) > 5 and b[5]]
+    if split:
+        out["steps_in_ms_median"] = round(1e3 * percentile([max(0.0, b[5] - a[1]) for a, b in split], 50), 3)
+        out["composing_ms_median"] = round(1e3 * percentile([b[0] - max(a[1], b[5]) for a, b in split], 50), 3)
+    return out
 
 
-def slow_gap_breakdown(recs: list, trace: list[tuple[float, float, float, int, int]], median_ms: float) -> dict:
+def slow_gap_breakdown(recs: list, trace: list[tuple], median_ms: float) -> dict:
     """Where the slow inter-token gaps (over SLOW_GAP x the median) of the streams went, from the
     scheduler's pass trace (PassScheduler.trace: began, ended, seconds holding the backend,
     decode steps, prompt tokens): ms inside decode-only passes, inside passes with prompt tokens,
@@ -219,7 +228,8 @@ def slow_gap_breakdown(recs: list, trace: list[tuple[float, float, float, int, i
            "longest_wait_ms": 0.0}
     for t0, t1 in spans:
         covered = 0.0
-        for began, ended, seconds, n_decode, n_prompt in trace:
+        for e in trace:
+            began, ended, seconds, n_decode, n_prompt = e[:5]
             run_from = max(began, ended - seconds)
             wait = max(0.0, min(t1, run_from) - max(t0, began))
             run = max(0.0, min(t1, ended) - max(t0, run_from))
@@ -237,7 +247,7 @@ def slow_gap_breakdown(recs: list, trace: list[tuple[float, float, float, int, i
     return {k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def mixed_passes(trace: list[tuple[float, float, float, int, int]]) -> dict:
+def mixed_passes(trace: list[tuple]) -> dict:
     """The passes that carried prompt tokens next to decode steps (PassScheduler.trace): how
     many, and the median (nearest rank) prompt tokens, ms and decode steps of one, with the median decode-only
     pass of as many steps beside them: what a prompt piece adds to the decoders' gap (the

@@ -692,6 +692,19 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
         (o, o_x, o_seq, o_same), (q, q_x, _, q_same) = cells
         out.append(f"| {params['streams']} | {params['drafts']} | {o} | {o_x} | {o_seq} | {o_same} | {q} | {q_x} "
                    f"| {q_same} | {_ratio(*meds)} |")
+    # where the time between the most streams' passes goes (the scheduler's trace, median round)
+    plain = [k for k in tps if side[k]["drafts"] == 0]
+    if plain:
+        params = side[plain[-1]]
+        occ = [o for o in get("concurrent_tps", "openjet", params)[2].get("pass_occupancy", []) if o.get("passes")]
+        if occ:
+            o = sorted(occ, key=lambda x: x["gap_ms_median"] if x["gap_ms_median"] is not None else 0.0)[len(occ) // 2]
+            line = (f"\nopenjet, {params['streams']} streams: the backend busy {100 * o['busy_share']:.0f}% of a round, "
+                    f"a decode pass of {o['decode_pass_ms_median']} ms and {o['gap_ms_median']} ms between passes (medians")
+            if "steps_in_ms_median" in o:
+                line += (f"; of the gap, {o['steps_in_ms_median']} ms until the last step was handed in and "
+                         f"{o['composing_ms_median']} ms from then to the pass's start")
+            out.append(line + ").")
     if itl:
         out += ["", "concurrent_itl_p99_ms: `streams` requests decoding; with a prompt of `prompt tokens`, it "
                 "arrives (a request of one new token) once every stream has a quarter of its tokens, and the "
