@@ -5,8 +5,9 @@
         prefill_tps rows), times three pieces of POSITIONS tokens, then runs one more inside the
         CUDA profiler range (cudaProfilerStart / Stop), which `ncu --profile-from-start off` records.
     python scripts/prefill_piece.py --summary NCU_CSV
-        the per-kernel totals of an `ncu --csv --metrics gpu__time_duration.sum` log: milliseconds
-        and launches per kernel name, largest first, and the sum.
+        the per-kernel totals of an `ncu --csv --page raw --metrics gpu__time_duration.sum,
+        dram__bytes_read.sum,dram__bytes_write.sum` log (scripts/phase_breakdown.py reads it):
+        milliseconds and launches per kernel name, largest first, and the sum.
 
 A piece of 64 positions is what a prompt contributes to each pass beside decoding streams (the
 latency row of issue 29); the kernels are serialised under ncu, so the sum is above the wall time.
@@ -16,37 +17,28 @@ from __future__ import annotations
 
 import argparse
 import collections
-import csv
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-UNIT_TO_MS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3, "s": 1e3}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import phase_breakdown  # noqa: E402 - scripts/ is not a package: the ncu CSV reader beside it
 
 
 def kernel_totals(csv_path: Path) -> tuple[list[tuple[str, int, float]], float]:
-    """(kernel name without its arguments, launches, ms) largest first, and the total ms. Rows of
-    other metrics are ignored; a log without gpu__time_duration rows raises ValueError naming the file."""
-    rows = [r for r in csv.reader(csv_path.read_text(errors="replace").splitlines()) if len(r) > 5]
-    header = next((r for r in rows if "Kernel Name" in r and "Metric Value" in r), None)
-    if header is None:
-        raise ValueError(f"{csv_path}: no ncu CSV header (Kernel Name, Metric Name, Metric Value)")
-    ki, ni, vi = header.index("Kernel Name"), header.index("Metric Name"), header.index("Metric Value")
-    ui = header.index("Metric Unit") if "Metric Unit" in header else None
+    """(kernel name without its arguments, launches, ms) largest first, and the total ms, from an
+    `ncu --csv --page raw` log read by phase_breakdown.parse_ncu_csv (units, the header, the
+    program's own lines); a log it cannot read raises ValueError naming the file."""
+    kernels = phase_breakdown.parse_ncu_csv(csv_path.read_text(errors="replace"), str(csv_path))
+    if not kernels:
+        raise ValueError(f"{csv_path}: no kernel rows")
     agg: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-    for r in rows:
-        if r is header or r[ki] == "Kernel Name" or r[ni] != "gpu__time_duration.sum":
-            continue
-        unit = r[ui] if ui is not None else "nsecond"
-        if unit not in UNIT_TO_MS:
-            raise ValueError(f"{csv_path}: unknown time unit {unit!r}")
-        name = r[ki].split("(")[0].strip()
+    for k in kernels:
+        name = k.name.split("(")[0].strip()
         agg[name][0] += 1
-        agg[name][1] += float(r[vi].replace(",", "")) * UNIT_TO_MS[unit]
-    if not agg:
-        raise ValueError(f"{csv_path}: no gpu__time_duration.sum rows")
+        agg[name][1] += 1e3 * k.time_s
     out = sorted(((k, n, ms) for k, (n, ms) in agg.items()), key=lambda x: -x[2])
     return out, sum(ms for _, _, ms in out)
 
@@ -58,8 +50,6 @@ def profile_piece(model: str, positions: int, depth: int) -> None:
     from openjet_plugin.bench.spec import main_model_only
     from openjet_plugin.model_file import open_model
 
-    if depth < MAX_POSITIONS:
-        raise SystemExit(f"prefill_piece: --depth {depth}: the first {MAX_POSITIONS} positions go through oj_eval")
     be = NativeBackend(open_model(model), depth + 5 * positions + 16, draft_depth=0, kv_type="f16", seed=0)
     rng = np.random.default_rng(0)
     with main_model_only(be):
@@ -97,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("MODEL is needed (or --summary NCU_CSV)")
     if a.positions < 1:
         ap.error(f"--positions must be >= 1, got {a.positions}")
+    from openjet_plugin.backends.native import MAX_POSITIONS
+
+    if a.depth < MAX_POSITIONS:   # the state starts with one oj_eval of that many (the main model alone)
+        ap.error(f"--depth {a.depth}: the first {MAX_POSITIONS} positions go through oj_eval")
     profile_piece(a.model, a.positions, a.depth)
     return 0
 

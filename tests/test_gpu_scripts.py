@@ -395,19 +395,18 @@ def test_the_gpu_check_runs_every_gpu_test_file():
     assert listed == marked, f"check.sh runs {sorted(listed - marked)} extra, misses {sorted(marked - listed)}"
 
 
-def test_prefill_piece_summary_totals_an_ncu_log_and_names_a_bad_one(tmp_path):
-    """scripts/prefill_piece.py --summary: per-kernel totals of `ncu --csv` rows (other metrics and
-    repeated headers skipped, units converted), largest first; a file without ncu rows is refused
-    with its name."""
+def test_prefill_piece_summary_totals_an_ncu_log_and_names_a_bad_one(tmp_path, capsys):
+    """scripts/prefill_piece.py --summary: per-kernel totals of an `ncu --csv --page raw` log (read by
+    phase_breakdown: the units row converted, the program's lines skipped), largest first; a file
+    without ncu rows is refused with its name; a piece of no positions or a depth inside the first
+    oj_eval is refused before any GPU work."""
     mod = _load_script("prefill_piece")
-    head = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Section Name","Metric Name","Metric Unit","Metric Value"'
-    row = lambda i, k, m, u, v: f'"{i}","1","python3","h","{k}","1","7","Command line profiler metrics","{m}","{u}","{v}"'
-    log = "\n".join(["==PROF== Connected to process 1", head,
-                     row(0, "void gemm<2, 64>(Args)", "gpu__time_duration.sum", "nsecond", "1,500,000"),
-                     row(1, "rms_norm_kernel(float const*)", "gpu__time_duration.sum", "usecond", "17.5"),
-                     row(1, "rms_norm_kernel(float const*)", "dram__bytes_read.sum", "byte", "999"),
-                     head,
-                     row(2, "void gemm<2, 64>(Args)", "gpu__time_duration.sum", "nsecond", "500000")])
+    cols = '"ID","Kernel Name","gpu__time_duration.sum","dram__bytes_read.sum","dram__bytes_write.sum"'
+    log = "\n".join(["==PROF== Connected to process 1", "piece of 64 at depth ~4096: 47.00 ms", cols,
+                     '"","","usecond","byte","byte"',
+                     '"0","void gemm<2, 64>(Args)","1,500","100","0"',
+                     '"1","rms_norm_kernel(float const*)","17.5","10","10"',
+                     '"2","void gemm<2, 64>(Args)","500","100","0"'])
     p = tmp_path / "ncu.csv"
     p.write_text(log)
     kernels, total = mod.kernel_totals(p)
@@ -419,3 +418,8 @@ def test_prefill_piece_summary_totals_an_ncu_log_and_names_a_bad_one(tmp_path):
     with pytest.raises(ValueError, match="empty.csv"):
         mod.kernel_totals(bad)
     assert mod.main(["--summary", str(bad)]) == 1
+    for args, why in ((["m.gguf", "--positions", "0"], "--positions must be >= 1"),
+                      (["m.gguf", "--depth", "4"], "--depth 4: the first 8 positions")):
+        with pytest.raises(SystemExit):
+            mod.main(args)
+        assert why in capsys.readouterr().err
