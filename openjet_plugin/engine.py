@@ -763,6 +763,11 @@ class Engine:
         # string) is in the state anyway, and in slot.tokens with it.
         submit = getattr(b, "submit_argmax", None) if argmax_only and spec is None and len(self._slots) > 1 else None
         early = None
+        # Better still, a chain (passes.submit_chain): the scheduler hands in each next step itself,
+        # so no pass waits for this thread to wake; the loop below reads the same argmaxes in order,
+        # and the tokens the chain evaluated past where the text ends go into slot.tokens at the end
+        start_chain = getattr(b, "submit_chain", None) if submit is not None else None
+        chain, chain_k, chain_base = None, 0, 0
         if spec is not None:
             queue = self._cycle(slot, spec, top, history, params, rng, params.max_tokens, stats, grammar,
                                 rows if want_rows else None)
@@ -792,8 +797,21 @@ class Engine:
                 if want_rows:
                     unreported_lp.append(self._token_logprob(row, tok, n_top))
                 if submit is not None and len(generated) < params.max_tokens and len(slot.tokens) + 1 <= self.n_ctx:
-                    early = submit([tok])
-                    early.launched()
+                    if chain is None and start_chain is not None:
+                        # as many evaluations as this loop would hand in without a stop or an end token
+                        chain_base = len(slot.tokens)
+                        chain = start_chain(tok, min(params.max_tokens - len(generated), self.n_ctx - chain_base),
+                                            self.eog_tokens)
+                        start_chain = None
+                    if chain is not None:
+                        if chain.token(chain_k) != tok:
+                            raise RuntimeError(f"the chain's step {chain_k} is token {chain.token(chain_k)}, "
+                                               f"the request's {tok}")
+                        early = chain.step(chain_k)
+                        chain_k += 1
+                    else:
+                        early = submit([tok])
+                        early.launched()
                 hit = text.feed(b.detokenize([tok]))
                 if hit:
                     finish = "stop"
@@ -835,6 +853,10 @@ class Engine:
                     slot.logits = None
                 except Exception:  # noqa: BLE001 - the token did not go in; the request is over anyway
                     log.debug("the pass of the last token failed", exc_info=True)
+            if chain is not None:               # stopped; what it evaluated beyond the text is in the state
+                evaluated = chain.cancel()
+                slot.tokens.extend(evaluated[len(slot.tokens) - chain_base:])
+                slot.logits = None
             stats.decode_seconds = time.perf_counter() - t1 - paused
             stats.tokens_per_second = (stats.generated_tokens / stats.decode_seconds
                                        if stats.decode_seconds > 0 else 0.0)

@@ -641,6 +641,18 @@ class NativeBackend:
         work = self._submit_work(tokens, want_logits=False)
         return Submitted(lambda: self._wait_work(work).argmax, lambda: self._shared.passes.wait_launched(work))
 
+    def submit_chain(self, token: int, evaluations: int, eog):
+        """A greedy chain on the shared passes (PassScheduler.submit_chain): `token` evaluated, then
+        each argmax as the next step, `evaluations` at most, stopping at an id in `eog`; the
+        scheduler hands each next step in itself, so no pass waits for this request's thread. None
+        without a scheduler (one sequence: the caller steps as before)."""
+        if self._shared.passes is None:
+            return None
+        tok = int(token)
+        with self._shared.lock:
+            self._chunks([tok] * evaluations)   # the id, and room for every evaluation: refused here
+        return self._shared.passes.submit_chain(self.seq, tok, evaluations, eog)
+
     def _eval_in_passes(self, tokens: list[int], want_logits: bool) -> Work:
         """An eval of a multi-sequence engine: handed to the pass scheduler, which runs it with the
         other sequences' (NativePasses)."""
