@@ -570,11 +570,11 @@ def test_concurrent_requests_on_four_native_slots_equal_each_alone(fake_seqs):
             assert lib.history(s.backend.seq) == s.tokens
 
 
-def test_greedy_steps_reach_the_scheduler_before_their_text_goes_out(fake_seqs):
-    """On shared passes a greedy token is handed to the scheduler before its text is assembled and
-    streamed (Engine._generate_locked's `early`): the chunks are those of plain decoding, a stop
-    string that ends the text on a token already in its pass leaves that token in the state and
-    in the slot's tokens alike, and the next request on the slot is what it is alone."""
+def test_greedy_requests_decode_as_chains_and_a_stop_leaves_state_and_tokens_alike(fake_seqs):
+    """On shared passes a greedy request hands the scheduler a chain (passes.submit_chain) and no
+    single steps: the chunks are those of plain decoding; a stop string that ends the text while
+    the chain has evaluated further leaves those tokens in the state and in the slot's tokens
+    alike, and the next request on the slot is what it is alone."""
     with _load(1, draft_depth=0) as one:
         full = one.generate(TEXTS[0], max_tokens=24, temperature=0)
         stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
@@ -583,29 +583,30 @@ def test_greedy_steps_reach_the_scheduler_before_their_text_goes_out(fake_seqs):
     assert cut.finish_reason == "stop" and len(cut.tokens) < len(full.tokens)
     with _load(2, draft_depth=0) as eng:
         lib = fake_seqs[-1]
-        submitted, launched = [], []
-        real = native.NativeBackend.submit_argmax
+        chains, steps = [], []
+        real_chain, real_step = native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax
 
-        def spy(self, tokens):
-            submitted.append(list(tokens))
-            step = real(self, tokens)
+        def spy_chain(self, token, evaluations, eog):
+            chains.append((token, evaluations))
+            return real_chain(self, token, evaluations, eog)
 
-            def on_launch():            # the engine's own work waits for the step's pass to begin
-                step.launched()
-                launched.append(list(tokens))
-            return Submitted(step, on_launch)
+        def spy_step(self, tokens):
+            steps.append(list(tokens))
+            return real_step(self, tokens)
 
-        native.NativeBackend.submit_argmax = spy
+        native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = spy_chain, spy_step
         try:
             chunks = list(eng.generate(TEXTS[0], max_tokens=24, temperature=0, stop=[stop], stream=True))
             got = run_threads([lambda: eng.generate(TEXTS[1], max_tokens=12, temperature=0).tokens,
                                lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0).tokens])
         finally:
-            native.NativeBackend.submit_argmax = real
+            native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = real_chain, real_step
         assert "".join(c.text for c in chunks) == cut.text and chunks[-1].finish_reason == "stop"
         assert [t for c in chunks for t in c.tokens] == cut.tokens
-        assert got == [after, full.tokens] and len(submitted) >= 20 and sorted(launched) == sorted(submitted)
-        for s in eng._slots:                    # the stop's token went in: state and tokens agree
+        assert got == [after, full.tokens]
+        assert len(chains) == 3 and steps == []                 # one chain a request, no single steps
+        assert sorted(n for _, n in chains) == [11, 23, 23]     # the evaluations each request allows
+        for s in eng._slots:                    # what the chains evaluated went in: state and tokens agree
             assert lib.history(s.backend.seq) == s.tokens
         assert lib.refused_busy == [] and lib.overlaps == []
 
