@@ -32,7 +32,6 @@ from test_native_bookkeeping import V, FakeLib, _mix, install_fake  # noqa: E402
 
 import openjet_plugin  # noqa: E402
 from openjet_plugin.backends import native  # noqa: E402
-from openjet_plugin.backends.passes import Submitted  # noqa: E402
 from openjet_plugin.errors import BackendUnavailableError, ContextOverflowError, NativeEngineError  # noqa: E402
 
 DEFAULT_GGUF = Path(__file__).resolve().parent.parent / "openjet_plugin" / "data" / "default.gguf"
