@@ -324,16 +324,22 @@ inline int config_index(const Config &c) {
     return -1;
 }
 
-// The default configuration, or OJ_GEMMWG6_CFG="nwg,bn,stages,split" (one of CONFIGS): kept because
-// scripts/gpu.sh gemm-wgmma times each configuration through it; users never set it.
-inline Config pick_config() {
+// The configuration for P positions, or OJ_GEMMWG6_CFG="nwg,bn,stages,split" (one of CONFIGS): kept
+// because scripts/gpu.sh gemm-wgmma times each configuration through it; users never set it.
+// P <= 64 (a prefill piece beside decoding streams) takes 192 x 64 x 3: one position tile either
+// way, and 3 stages in flight for calls bound by the weights (ffn_down at 64 positions: 0.169
+// against 0.198 ms, attn_qkv 0.058 against 0.065, H100); from 128 positions on 128 x 128 x 2 wins
+// (ffn_down at 2048: 0.98 against 1.17 ms). The per-group configurations give the same bits (the
+// harness compares them), so the pick by P keeps a prompt in pieces equal to the prompt whole.
+constexpr int64_t SMALL_P = 64;
+inline Config pick_config(int64_t P) {
     if (const char *e = std::getenv("OJ_GEMMWG6_CFG")) {
         Config c = {0, 0, 0, 0};
         if (std::sscanf(e, "%d,%d,%d,%d", &c.nwg, &c.bn, &c.stages, &c.split) == 4 && config_index(c) >= 0) return c;
         fail(OJ_ERR_INVALID_ARGUMENT,
              std::string("gemm_wgmma_q6k: OJ_GEMMWG6_CFG=") + e + " is not one of the instantiated configurations");
     }
-    return CONFIGS[0];
+    return P <= SMALL_P ? CONFIGS[1] : CONFIGS[0];
 }
 
 inline void check_shape(const Matrix &w, int64_t P) {
@@ -355,7 +361,7 @@ inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, boo
     if (!gemmwg::wgmma_available())
         fail(OJ_ERR_UNSUPPORTED,
              "gemm_wgmma_q6k: needs a Hopper GPU (cc 9.0) and a build with -gencode arch=compute_90a,code=sm_90a");
-    if (!c.nwg) c = pick_config();
+    if (!c.nwg) c = pick_config(P);
     // TMA reads X and the q / scale planes through tensor maps whose global addresses must be
     // 16-byte aligned (the workspace and plane offsets are multiples of 16; the bases are the caller's)
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q6k: workspace not 16-byte aligned");

@@ -760,11 +760,23 @@ def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_ch
     with _load(3, draft_depth=0, n_ctx=1024) as eng:
         lib = fake_seqs[-1]
 
+        decoding = threading.Event()
+
+        def first_stream():
+            out = []
+            for c in eng.generate(TEXTS[0], max_tokens=120, temperature=0, stream=True):
+                out.extend(c.tokens)
+                if len(out) >= 8:
+                    decoding.set()
+            return out
+
         def late_long():
-            time.sleep(0.02)                   # the two streams are decoding by then
+            # once the streams decode (a fixed sleep raced the greedy chains, which decode their 120
+            # tokens without waiting for the request threads)
+            assert decoding.wait(30)
             return eng.generate(long_prompt, max_tokens=8, temperature=0).tokens
 
-        got = run_threads([lambda: _stream(eng, TEXTS[0], n=120), lambda: _stream(eng, TEXTS[1], n=120), late_long])
+        got = run_threads([first_stream, lambda: _stream(eng, TEXTS[1], n=120), late_long])
         assert got == [want[TEXTS[0]], want[TEXTS[1]], want_long]
         seq = next(s.backend.seq for s in eng._slots if s.tokens[:len(long_prompt)] == long_prompt)
         pieces = [n for q, n in getattr(lib, "seq_prefills", []) if q == seq]
