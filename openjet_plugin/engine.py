@@ -711,6 +711,13 @@ class Engine:
         # device (not when a mask or the logprobs need the row)
         argmax_only = (params.greedy and not params.has_penalties and not params.logit_bias
                        and grammar is None and not want_rows)
+        # greedy with negative biases only (bans, such as -inf on the end tokens): a bias only lowers
+        # a logit, so the argmax stands unless it is a biased id; on shared passes such a request
+        # chains as well, and a step whose argmax is biased ends the chain with its row kept
+        # (passes.Chain.row), to which the biases apply; a new chain goes on from the token chosen
+        bans = (frozenset(params.logit_bias) if params.greedy and not params.has_penalties and params.logit_bias
+                and grammar is None and not want_rows and all(v <= 0 for v in params.logit_bias.values())
+                else frozenset())
 
         spec = self._speculator_for(slot)
         queue: list[int] = []       # tokens a speculative cycle emitted, still to hand out
@@ -761,12 +768,17 @@ class Engine:
         # pass has begun (`launched`): before, it would hold the interpreter lock the scheduler
         # needs to compose the pass (passes.Submitted). A token the text then ends on (a stop
         # string) is in the state anyway, and in slot.tokens with it.
-        submit = getattr(b, "submit_argmax", None) if argmax_only and spec is None and len(self._slots) > 1 else None
+        shared = spec is None and len(self._slots) > 1
+        submit = getattr(b, "submit_argmax", None) if argmax_only and shared else None
         early = None
         # Better still, a chain (passes.submit_chain): the scheduler hands in each next step itself,
         # so no pass waits for this thread to wake; the loop below reads the same argmaxes in order,
         # and the tokens the chain evaluated past where the text ends go into slot.tokens at the end
-        start_chain = getattr(b, "submit_chain", None) if submit is not None else None
+        new_chain = getattr(b, "submit_chain", None) if shared and (argmax_only or bans) else None
+        # without chains a request with bans takes each step's argmax, and its row only where the
+        # argmax is biased (a backend's eval_argmax_rows)
+        eval_rows = getattr(b, "eval_argmax_rows", None) if bans and spec is None else None
+        start_chain = new_chain
         chain, chain_k, chain_base = None, 0, 0
         if spec is not None:
             queue = self._cycle(slot, spec, top, history, params, rng, params.max_tokens, stats, grammar,
@@ -796,12 +808,13 @@ class Engine:
                 unreported.append(tok)
                 if want_rows:
                     unreported_lp.append(self._token_logprob(row, tok, n_top))
-                if submit is not None and len(generated) < params.max_tokens and len(slot.tokens) + 1 <= self.n_ctx:
+                if ((submit is not None or start_chain is not None or chain is not None)
+                        and len(generated) < params.max_tokens and len(slot.tokens) + 1 <= self.n_ctx):
                     if chain is None and start_chain is not None:
                         # as many evaluations as this loop would hand in without a stop or an end token
-                        chain_base = len(slot.tokens)
+                        chain_base, chain_k = len(slot.tokens), 0
                         chain = start_chain(tok, min(params.max_tokens - len(generated), self.n_ctx - chain_base),
-                                            self.eog_tokens)
+                                            self.eog_tokens, rows_for=bans)
                         start_chain = None
                     if chain is not None:
                         if chain.token(chain_k) != tok:
@@ -809,7 +822,7 @@ class Engine:
                                                f"the request's {tok}")
                         early = chain.step(chain_k)
                         chain_k += 1
-                    else:
+                    elif submit is not None:
                         early = submit([tok])
                         early.launched()
                 hit = text.feed(b.detokenize([tok]))
@@ -834,15 +847,27 @@ class Engine:
                                             params.max_tokens - len(generated), stats, grammar,
                                             rows if want_rows else None)
                     chosen = queue.pop(0)
-                elif argmax_only:
-                    if early is not None:
-                        wait, early = early, None
-                        chosen = wait()
-                    else:
-                        chosen = b.eval_argmax([tok])
+                elif early is not None:
+                    wait, early = early, None
+                    chosen = wait()
                     slot.tokens.append(tok)
+                    if chosen in bans:          # the chain ended there, its row kept: the biases choose
+                        logits, chosen = chain.row(), None
+                        if logits is None:
+                            raise RuntimeError(f"the chain ended at the biased token {wait()} without its "
+                                               "logits row")
+                        slot.logits = logits
+                        chain, start_chain = None, new_chain
+                elif argmax_only:
+                    chosen = b.eval_argmax([tok])
+                    slot.tokens.append(tok)
+                elif bans and eval_rows is not None:
+                    chosen, logits = eval_rows([tok], bans)
+                    slot.tokens.append(tok)
+                    if chosen in bans:          # the row came with it: the biases choose
+                        chosen, slot.logits = None, logits
                 else:
-                    logits = b.eval([tok])
+                    logits, chosen = b.eval([tok]), None
                     slot.tokens.append(tok)
                     slot.logits = logits
         finally:

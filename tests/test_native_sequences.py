@@ -18,6 +18,7 @@ The GPU runs the same through the real engine: tests/test_native_seqs_engine_gpu
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -585,9 +586,9 @@ def test_greedy_requests_decode_as_chains_and_a_stop_leaves_state_and_tokens_ali
         chains, steps = [], []
         real_chain, real_step = native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax
 
-        def spy_chain(self, token, evaluations, eog):
+        def spy_chain(self, token, evaluations, eog, rows_for=()):
             chains.append((token, evaluations))
-            return real_chain(self, token, evaluations, eog)
+            return real_chain(self, token, evaluations, eog, rows_for)
 
         def spy_step(self, tokens):
             steps.append(list(tokens))
@@ -606,6 +607,63 @@ def test_greedy_requests_decode_as_chains_and_a_stop_leaves_state_and_tokens_ali
         assert len(chains) == 3 and steps == []                 # one chain a request, no single steps
         assert sorted(n for _, n in chains) == [11, 23, 23]     # the evaluations each request allows
         for s in eng._slots:                    # what the chains evaluated went in: state and tokens agree
+            assert lib.history(s.backend.seq) == s.tokens
+        assert lib.refused_busy == [] and lib.overlaps == []
+
+
+def test_greedy_requests_with_negative_biases_chain_and_equal_the_request_alone(fake_seqs, monkeypatch):
+    """Negative logit biases (bans) keep a greedy request off the row-per-token path. On shared
+    passes it chains: a step whose argmax is a biased id ends the chain with its logits row kept,
+    the biases choose from it, and a new chain goes on from that token. On one slot each step
+    copies its row only where the argmax is biased (eval_argmax_rows). The tokens are those of
+    the row-per-token path, with state and tokens alike. A positive bias can lift another id over
+    the argmax: no chain."""
+    with _load(1, draft_depth=0) as one:
+        plain = one.generate(TEXTS[0], max_tokens=24, temperature=0).tokens
+        bans = {plain[3]: -math.inf, plain[9]: -50.0}
+        with monkeypatch.context() as m:        # the reference: a row every token, the biases applied
+            m.delattr(native.NativeBackend, "eval_argmax_rows")
+            lib = fake_seqs[-1]
+            reads = lib.logits_reads
+            want = one.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens
+            assert lib.logits_reads - reads >= 24
+            want1 = one.generate(TEXTS[1], max_tokens=16, temperature=0, logit_bias=bans).tokens
+        lifted = one.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias={plain[5]: 9.0}).tokens
+        reads = lib.logits_reads
+        assert one.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens == want
+        assert lib.logits_reads - reads < 24 // 2     # the prompt's and the biased steps' rows only
+    assert want != plain and lifted != plain      # the biases change what the argmax alone would give
+    with _load(2, draft_depth=0) as eng:
+        lib = fake_seqs[-1]
+        chains, steps = [], []
+        real_chain, real_step = native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax
+
+        def spy_chain(self, token, evaluations, eog, rows_for=()):
+            chains.append((token, set(rows_for)))
+            return real_chain(self, token, evaluations, eog, rows_for)
+
+        def spy_step(self, tokens):
+            steps.append(list(tokens))
+            return real_step(self, tokens)
+
+        native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = spy_chain, spy_step
+        try:
+            reads = lib.logits_reads
+            alone = eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens
+            alone_chains, alone_reads = len(chains), lib.logits_reads - reads
+            got = run_threads([lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens,
+                               lambda: eng.generate(TEXTS[1], max_tokens=16, temperature=0, logit_bias=bans).tokens])
+            n_chains = len(chains)
+            up = eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias={plain[5]: 9.0}).tokens
+        finally:
+            native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = real_chain, real_step
+        assert alone == want and got == [want, want1] and up == lifted
+        # a new chain after each step the bans decided; rows read only for the steps whose argmax is
+        # biased (at most one a chain) and the prompt's (two on the fake), not one a token
+        assert alone_chains >= 2 and all(r == set(bans) for _, r in chains) and steps == []
+        assert alone_reads <= alone_chains + 2 < 24 // 2
+        assert len(chains) == n_chains           # the positive bias: no chain
+        for s in eng._slots:
             assert lib.history(s.backend.seq) == s.tokens
         assert lib.refused_busy == [] and lib.overlaps == []
 

@@ -190,6 +190,9 @@ def test_a_chain_continues_from_each_argmax_until_its_end():
         short = sched.submit_chain(1, 20, 3, set())
         assert [short.step(k)() for k in range(3)] == [21, 22, 23] and short.cancel() == [20, 21, 22]
         assert isinstance(short, Chain) and short.token(0) == 20 and short.token(3) is None
+        biased = sched.submit_chain(4, 30, 50, {99}, rows_for={33})   # ends at a rows_for argmax too
+        assert [biased.step(k)() for k in range(3)] == [31, 32, 33] and biased.cancel() == [30, 31, 32]
+        assert biased.work.rows_for == {33} and biased.row() is None    # TokenPasses keeps no rows
 
         sched.gate.clear()                   # a long chain, cancelled while a pass holds it
         long = sched.submit_chain(2, 100, 1000, set())

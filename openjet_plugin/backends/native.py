@@ -630,6 +630,19 @@ class NativeBackend:
             self._eval_chunks(tokens)
             return self.argmax()[-1]
 
+    def eval_argmax_rows(self, tokens: list[int], rows_for) -> tuple[int, np.ndarray | None]:
+        """eval_argmax, and the logits row of the last token where its argmax is in `rows_for` (a
+        greedy request's negatively biased ids: only there can its biases change the choice), so
+        that the other steps copy no row off the device. With a scheduler, the row always (the
+        engine's requests there chain instead: submit_chain)."""
+        if self._shared.passes is not None:
+            row = self.eval(tokens)
+            return int(np.argmax(row)), row
+        with self._shared.lock:
+            self._eval_chunks(tokens)
+            top = self.argmax()[-1]
+            return top, (self.logits(self._last_n - 1) if top in rows_for else None)
+
     def submit_argmax(self, tokens: list[int]):
         """eval_argmax in two halves: the tokens go to the pass scheduler now, and the Submitted
         returned waits for their pass and gives the argmax. Between them the caller does its own
@@ -641,17 +654,18 @@ class NativeBackend:
         work = self._submit_work(tokens, want_logits=False)
         return Submitted(lambda: self._wait_work(work).argmax, lambda: self._shared.passes.wait_launched(work))
 
-    def submit_chain(self, token: int, evaluations: int, eog):
+    def submit_chain(self, token: int, evaluations: int, eog, rows_for=()):
         """A greedy chain on the shared passes (PassScheduler.submit_chain): `token` evaluated, then
-        each argmax as the next step, `evaluations` at most, stopping at an id in `eog`; the
-        scheduler hands each next step in itself, so no pass waits for this request's thread. None
-        without a scheduler (one sequence: the caller steps as before)."""
+        each argmax as the next step, `evaluations` at most, stopping at an id in `eog` or in
+        `rows_for` (whose logits row it keeps); the scheduler hands each next step in itself, so
+        no pass waits for this request's thread. None without a scheduler (one sequence: the
+        caller steps as before)."""
         if self._shared.passes is None:
             return None
         tok = int(token)
         with self._shared.lock:
             self._chunks([tok] * evaluations)   # the id, and room for every evaluation: refused here
-        return self._shared.passes.submit_chain(self.seq, tok, evaluations, eog)
+        return self._shared.passes.submit_chain(self.seq, tok, evaluations, eog, rows_for=rows_for)
 
     def _eval_in_passes(self, tokens: list[int], want_logits: bool) -> Work:
         """An eval of a multi-sequence engine: handed to the pass scheduler, which runs it with the
@@ -1283,6 +1297,8 @@ class NativePasses(PassScheduler):
                             w.logits = view.logits(view._last_n - 1)
                         else:
                             w.argmax = view.argmax()[-1]
+                            if w.argmax in w.rows_for:
+                                w.logits = view.logits(view._last_n - 1)
                 except Exception as exc:  # noqa: BLE001 - its own caller gets it; the pass goes on
                     errors[i] = exc
             seconds = time.perf_counter() - t0
@@ -1327,14 +1343,14 @@ class NativePasses(PassScheduler):
             out = ffi.new("int32_t[]", len(works))
             _native.check(sh.nl, lib.oj_get_argmax(sh.handle, out, len(works)), sh.handle, "argmax")
             for t, w in enumerate(works):
-                if w.want_logits:
+                if not w.want_logits:
+                    w.argmax = int(out[t])
+                if w.want_logits or w.argmax in w.rows_for:
                     row = np.empty(sh.views[w.seq].n_vocab, dtype=np.float32)
                     rc = lib.oj_get_logits(sh.handle, t, ffi.from_buffer("float[]", row, require_writable=True),
                                            row.size)
                     _native.check(sh.nl, rc, sh.handle, "logits")
                     w.logits = row
-                else:
-                    w.argmax = int(out[t])
         except Exception as exc:  # noqa: BLE001 - the works of this call get it
             for i in idx:
                 errors[i] = exc

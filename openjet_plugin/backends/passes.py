@@ -18,7 +18,10 @@ allows and never an end-of-generation token, so the next pass does not wait for 
 to wake and hand it in (8 such threads cost each pass ~2.6 ms on an H100, 14.5 ms passes, with or
 without `launched`). The request reads the argmaxes in order (`Chain.step`), and when its text ends
 early it cancels the chain: the tokens the chain evaluated past that point are in the state, and
-`done` counts them, as a step handed in early is today.
+`done` counts them, as a step handed in early is today. A greedy request with negative logit
+biases chains too: the argmax stands unless it is one of the biased ids (a bias only lowers a
+logit), so the chain also ends at those, and the backend keeps that evaluation's logits row
+(`Chain.row`) for the request to apply its biases to.
 
 What differs between backends is only how the chosen works run: `_run_pass(chosen)`, given
 (work, tokens it puts in this pass) pairs, puts those tokens into each work's sequence, sets the
@@ -51,7 +54,8 @@ class Work:
     off the device for it."""
 
     __slots__ = ("seq", "tokens", "n_past", "order", "done", "want_logits", "logits", "argmax", "error",
-                 "cancelled", "event", "launched", "submitted", "chain_left", "chain_eog", "chain_out")
+                 "cancelled", "event", "launched", "submitted", "chain_left", "chain_eog", "chain_out",
+                 "rows_for")
 
     def __init__(self, seq: int, tokens: list[int], n_past: int, order: int, want_logits: bool = True):
         self.seq, self.tokens, self.n_past, self.order = seq, tokens, n_past, order
@@ -69,6 +73,9 @@ class Work:
         self.chain_left = 0
         self.chain_eog: frozenset[int] = frozenset()
         self.chain_out: list[int] | None = None
+        # argmaxes for which the backend also keeps the logits row (in `logits`) of a work that
+        # asked for none: the ids a request's negative biases may take the argmax from
+        self.rows_for: frozenset[int] = frozenset()
 
     @property
     def left(self) -> int:
@@ -121,6 +128,11 @@ class Chain:
 
     def step(self, k: int) -> Submitted:
         return Submitted(lambda: self._result(k))
+
+    def row(self) -> np.ndarray | None:
+        """The logits row of the chain's last evaluation, kept when its argmax was one of the
+        submit_chain's `rows_for` ids (which end the chain); None otherwise."""
+        return self.work.logits
 
     def _result(self, k: int) -> int:
         w, cv = self.work, self._passes._cv
@@ -181,7 +193,8 @@ class PassScheduler:
 
     def _run_pass(self, chosen: list[tuple[Work, int]]) -> tuple[list[BaseException | None], float]:
         """Put each chosen work's next n tokens into its sequence; set the result (logits or
-        argmax) of each work they finish. Returns, per chosen work, None where its n tokens went
+        argmax) of each work they finish, and the logits row too where the argmax is in the
+        work's rows_for. Returns, per chosen work, None where its n tokens went
         in or the exception that failed it, and the pass's seconds (timed where it held the
         backend, not waiting for it)."""
         raise NotImplementedError
@@ -207,13 +220,15 @@ class PassScheduler:
 
     # --- the request threads' side --------------------------------------------------------------
     def submit(self, seq: int, tokens: list[int], n_past: int = 0, want_logits: bool = True,
-               chain: tuple[int, frozenset] | None = None) -> Work:
+               chain: tuple[int, frozenset, frozenset] | None = None) -> Work:
         """Hand in tokens of sequence seq to evaluate at n_past..; its event is set when they
         are done (logits or argmax: those of the last token) or failed (error). chain: (the
-        evaluations after this one, the end-of-generation ids) of a submit_chain."""
+        evaluations after this one, the end-of-generation ids, the rows_for ids) of a
+        submit_chain."""
         work = Work(seq, tokens, n_past, next(self._order), want_logits)
         if chain is not None:
-            work.chain_left, work.chain_eog, work.chain_out = chain[0], chain[1], []
+            work.chain_left, work.chain_out = chain[0], []
+            work.chain_eog, work.rows_for = chain[1] | chain[2], chain[2]
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"{self.serves} is closed")
@@ -226,13 +241,15 @@ class PassScheduler:
             self._cv.notify_all()
         return work
 
-    def submit_chain(self, seq: int, token: int, evaluations: int, eog, n_past: int = 0) -> Chain:
+    def submit_chain(self, seq: int, token: int, evaluations: int, eog, n_past: int = 0, rows_for=()) -> Chain:
         """A greedy chain of sequence seq from `token`: evaluated, then each step's argmax as the
-        next step, `evaluations` in all at most, ending at the first argmax in `eog` (not
-        evaluated). See the module docstring."""
+        next step, `evaluations` in all at most, ending at the first argmax in `eog` or in
+        `rows_for` (not evaluated); for an argmax in rows_for the backend keeps the logits row
+        (Chain.row). See the module docstring."""
         if isinstance(evaluations, bool) or not isinstance(evaluations, int) or evaluations < 1:
             raise ValueError(f"a chain needs evaluations >= 1, got {evaluations!r}")
-        work = self.submit(seq, [int(token)], n_past, want_logits=False, chain=(evaluations - 1, frozenset(eog)))
+        work = self.submit(seq, [int(token)], n_past, want_logits=False,
+                           chain=(evaluations - 1, frozenset(eog), frozenset(int(t) for t in rows_for)))
         return Chain(self, work)
 
     def wait(self, work: Work) -> None:

@@ -24,8 +24,9 @@ Prompts are token ids from the sequence both engines' speculative rows start fro
 L-token pieces after the streams' (a new one for every request of one, so no engine reuses a
 previous one). Greedy (temperature 0), so that every request runs its N tokens: llama-server with
 ignore_eos; ours with a logit bias of -inf on the end-of-generation tokens only where one of the
-first requests alone ends early (details: eog_banned), since a bias takes the engine off its
-greedy fast path (the argmax on the GPU, the fused speculative cycle).
+first requests alone ends early (details: eog_banned). Such a ban keeps the argmax on the GPU
+(a step's logits row is copied off only where its argmax is a banned id; on shared passes the
+greedy chains go on), not the fused speculative cycle.
 
 Identical output: before the timed rounds each prompt runs alone (one request at a time; these
 runs are the warm-up too), and every stream of every round must produce exactly those tokens; the
