@@ -150,6 +150,45 @@ def test_concurrent_greedy_requests_equal_each_alone(native, workdir, name, n_sl
     assert shared_calls >= N_TOKENS // 2
 
 
+def test_greedy_requests_with_negative_biases_equal_the_row_per_token_path(native, workdir, monkeypatch):
+    """Negative logit biases (bans on end tokens and on tokens the plain greedy output holds) keep
+    the argmax on the GPU: one slot copies a row only where the argmax is biased
+    (eval_argmax_rows), four slots chain and end a chain at such a step with its row kept. Both
+    give exactly the tokens of the row-per-token path, where every step's row is copied off and
+    biased on the host."""
+    import math
+
+    import openjet_plugin
+    from openjet_plugin.backends import native as native_backend
+
+    path, n = _model("tiny-Q4_K_M", workdir), 4
+    with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=1, draft_depth=0) as one:
+        prompts = _prompts(one.n_vocab, n)
+        plain = [one.generate(p, max_tokens=N_TOKENS, temperature=0).tokens for p in prompts]
+        bans = {int(t): -math.inf for t in one.eog_tokens}
+        bans.update({plain[i][k]: -30.0 for i in range(n) for k in (3, 10) if k < len(plain[i])})
+        with monkeypatch.context() as m:
+            m.delattr(native_backend.NativeBackend, "eval_argmax_rows")
+            want = [one.generate(p, max_tokens=N_TOKENS, temperature=0, logit_bias=bans).tokens for p in prompts]
+        alone = [one.generate(p, max_tokens=N_TOKENS, temperature=0, logit_bias=bans).tokens for p in prompts]
+    with openjet_plugin.load(path, backend="native", n_ctx=1024, n_slots=n, draft_depth=0) as eng:
+        def stream(p):
+            return [t for c in eng.generate(p, max_tokens=N_TOKENS, temperature=0, logit_bias=bans, stream=True)
+                    for t in c.tokens]
+
+        got = run_threads([lambda p=p: stream(p) for p in prompts], timeout=600)
+        counts = eng._backend.pass_counts
+    changed = sum(w != p for w, p in zip(want, plain))
+    report({"test": "seqs_engine_bans", "model": "tiny-Q4_K_M", "slots": n, "tokens": N_TOKENS,
+            "bans": len(bans), "requests_the_bans_changed": changed,
+            "one_slot_differing": [i for i in range(n) if alone[i] != want[i]],
+            "slots_differing": [i for i in range(n) if got[i] != want[i]], **counts})
+    assert changed >= n // 2, "the bans should change what plain greedy decoding gives"
+    assert alone == want
+    assert got == want
+    assert counts["shared_passes"] >= N_TOKENS // 2, counts
+
+
 def test_a_request_alone_speculates_and_concurrent_ones_share_passes(native, workdir):
     """With several slots and an MTP head: a request served alone speculates (cycles, drafts
     accepted) and gives plain greedy decoding's tokens; four at once give each its tokens alone,
