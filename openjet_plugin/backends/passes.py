@@ -15,8 +15,10 @@ pass, not while the scheduler (needing the same interpreter lock) composes it.
 A greedy request can hand in a chain instead (`submit_chain`): after each pass the scheduler takes
 the step's argmax as the sequence's next decode step itself, up to the evaluations the request
 allows and never an end-of-generation token, so the next pass does not wait for the request thread
-to wake and hand it in (8 such threads cost each pass ~2.6 ms on an H100, 14.5 ms passes, with or
-without `launched`). The request reads the argmaxes in order (`Chain.step`), and when its text ends
+to wake and hand it in (0.20-0.27 ms a pass for 8 threads on the 2-core CPU with `launched`,
+0.05 with chains; on an H100 the 8-stream rows' 2.6 ms gap turned out to be the bench's banned end
+tokens taking every step's row to the host, which chains under negative biases now avoid). The
+request reads the argmaxes in order (`Chain.step`), and when its text ends
 early it cancels the chain: the tokens the chain evaluated past that point are in the state, and
 `done` counts them, as a step handed in early is today. A greedy request with negative logit
 biases chains too: the argmax stands unless it is one of the biased ids (a bias only lowers a
