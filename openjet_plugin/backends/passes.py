@@ -94,9 +94,8 @@ class Submitted:
     for the step's pass and gives its result; `launched()` returns once that pass has begun (or the
     step ended), so that what the caller does in between runs beside the pass and not beside the
     scheduler composing it: all of them share one interpreter lock, and eight request threads
-    assembling their text while the scheduler waited for it held each pass back ~2.6 ms (an H100,
-    8 streams: a decode pass of 14.5 ms, 17.2 between tokens; tests/test_passes.py shows the effect
-    without a GPU)."""
+    assembling their text while the scheduler waits for it hold each pass back
+    (tests/test_passes.py shows the effect without a GPU)."""
 
     __slots__ = ("_result", "_launched")
 
