@@ -715,8 +715,11 @@ class Engine:
         # a logit, so the argmax stands unless it is a biased id; on shared passes such a request
         # chains as well, and a step whose argmax is biased ends the chain with its row kept
         # (passes.Chain.row), to which the biases apply; a new chain goes on from the token chosen
-        bans = (frozenset(params.logit_bias) if params.greedy and not params.has_penalties and params.logit_bias
-                and grammar is None and not want_rows and all(v <= 0 for v in params.logit_bias.values())
+        # (the ids of a bias of 0 cannot change the choice: only the negative ones end a chain; a
+        # row with NaN logits is left to the GPU's argmax, which skips NaN, as argmax-only requests do)
+        bans = (frozenset(k for k, v in params.logit_bias.items() if v < 0)
+                if params.greedy and not params.has_penalties and params.logit_bias and grammar is None
+                and not want_rows and all(v <= 0 for v in params.logit_bias.values())
                 else frozenset())
 
         spec = self._speculator_for(slot)

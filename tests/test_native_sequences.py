@@ -668,6 +668,33 @@ def test_greedy_requests_with_negative_biases_chain_and_equal_the_request_alone(
         assert lib.refused_busy == [] and lib.overlaps == []
 
 
+def test_a_biased_step_whose_row_fails_fails_only_its_own_chain(fake_seqs, monkeypatch):
+    """A chain step whose argmax is biased needs its logits row; where reading it fails, that
+    chain fails and the other sequences of the same pass go on."""
+    one = _backend(1)
+    try:
+        want_b = greedy(one, [8, 9, 12], 4)
+    finally:
+        one.close()
+    be = _backend(2)
+    try:
+        a, b = be.sequences()
+        lib = fake_seqs[-1]
+        a.eval_argmax([5, 6, 7])
+        b.eval_argmax([8, 9])
+        monkeypatch.setattr(lib, "oj_get_logits", lambda h, i, out, n: lib._fail("logits refused"))
+        passes = be._shared.passes
+        calls = len(lib.eval_seqs_calls)
+        cb = passes.submit_chain(b.seq, 12, 5, set())
+        ca = passes.submit_chain(a.seq, 11, 5, set(), rows_for=range(V))   # every argmax needs its row
+        with pytest.raises(NativeEngineError, match="logits refused"):
+            ca.step(0)()
+        assert [cb.step(k)() for k in range(4)] == want_b
+        assert any(sorted(c) == [a.seq, b.seq] for c in lib.eval_seqs_calls[calls:]), lib.eval_seqs_calls[calls:]
+    finally:
+        be.close()
+
+
 def test_a_state_copied_into_another_sequence_continues_as_the_original(fake_seqs):
     be = _backend(3)
     try:

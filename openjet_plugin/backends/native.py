@@ -1349,7 +1349,13 @@ class NativePasses(PassScheduler):
                     row = np.empty(sh.views[w.seq].n_vocab, dtype=np.float32)
                     rc = lib.oj_get_logits(sh.handle, t, ffi.from_buffer("float[]", row, require_writable=True),
                                            row.size)
-                    _native.check(sh.nl, rc, sh.handle, "logits")
+                    try:
+                        _native.check(sh.nl, rc, sh.handle, "logits")
+                    except NativeEngineError as exc:
+                        if w.want_logits:
+                            raise
+                        errors[idx[t]] = exc        # a biased step's row: that work's failure only
+                        continue
                     w.logits = row
         except Exception as exc:  # noqa: BLE001 - the works of this call get it
             for i in idx:
