@@ -570,7 +570,26 @@ def test_concurrent_requests_on_four_native_slots_equal_each_alone(fake_seqs):
             assert lib.history(s.backend.seq) == s.tokens
 
 
-def test_greedy_requests_decode_as_chains_and_a_stop_leaves_state_and_tokens_alike(fake_seqs):
+def _spy_submissions(monkeypatch) -> tuple[list[tuple[int, int, set]], list[list[int]]]:
+    """What the engine hands the native passes from here on: (token, evaluations, rows_for) of
+    every submit_chain and the tokens of every submit_argmax."""
+    chains, steps = [], []
+    real_chain, real_step = native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax
+
+    def spy_chain(self, token, evaluations, eog, rows_for=()):
+        chains.append((token, evaluations, set(rows_for)))
+        return real_chain(self, token, evaluations, eog, rows_for)
+
+    def spy_step(self, tokens):
+        steps.append(list(tokens))
+        return real_step(self, tokens)
+
+    monkeypatch.setattr(native.NativeBackend, "submit_chain", spy_chain)
+    monkeypatch.setattr(native.NativeBackend, "submit_argmax", spy_step)
+    return chains, steps
+
+
+def test_greedy_requests_decode_as_chains_and_a_stop_leaves_state_and_tokens_alike(fake_seqs, monkeypatch):
     """On shared passes a greedy request hands the scheduler a chain (passes.submit_chain) and no
     single steps: the chunks are those of plain decoding; a stop string that ends the text while
     the chain has evaluated further leaves those tokens in the state and in the slot's tokens
@@ -583,29 +602,15 @@ def test_greedy_requests_decode_as_chains_and_a_stop_leaves_state_and_tokens_ali
     assert cut.finish_reason == "stop" and len(cut.tokens) < len(full.tokens)
     with _load(2, draft_depth=0) as eng:
         lib = fake_seqs[-1]
-        chains, steps = [], []
-        real_chain, real_step = native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax
-
-        def spy_chain(self, token, evaluations, eog, rows_for=()):
-            chains.append((token, evaluations))
-            return real_chain(self, token, evaluations, eog, rows_for)
-
-        def spy_step(self, tokens):
-            steps.append(list(tokens))
-            return real_step(self, tokens)
-
-        native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = spy_chain, spy_step
-        try:
-            chunks = list(eng.generate(TEXTS[0], max_tokens=24, temperature=0, stop=[stop], stream=True))
-            got = run_threads([lambda: eng.generate(TEXTS[1], max_tokens=12, temperature=0).tokens,
-                               lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0).tokens])
-        finally:
-            native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = real_chain, real_step
+        chains, steps = _spy_submissions(monkeypatch)
+        chunks = list(eng.generate(TEXTS[0], max_tokens=24, temperature=0, stop=[stop], stream=True))
+        got = run_threads([lambda: eng.generate(TEXTS[1], max_tokens=12, temperature=0).tokens,
+                           lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0).tokens])
         assert "".join(c.text for c in chunks) == cut.text and chunks[-1].finish_reason == "stop"
         assert [t for c in chunks for t in c.tokens] == cut.tokens
         assert got == [after, full.tokens]
         assert len(chains) == 3 and steps == []                 # one chain a request, no single steps
-        assert sorted(n for _, n in chains) == [11, 23, 23]     # the evaluations each request allows
+        assert sorted(n for _, n, _ in chains) == [11, 23, 23]  # the evaluations each request allows
         for s in eng._slots:                    # what the chains evaluated went in: state and tokens agree
             assert lib.history(s.backend.seq) == s.tokens
         assert lib.refused_busy == [] and lib.overlaps == []
@@ -635,32 +640,18 @@ def test_greedy_requests_with_negative_biases_chain_and_equal_the_request_alone(
     assert want != plain and lifted != plain      # the biases change what the argmax alone would give
     with _load(2, draft_depth=0) as eng:
         lib = fake_seqs[-1]
-        chains, steps = [], []
-        real_chain, real_step = native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax
-
-        def spy_chain(self, token, evaluations, eog, rows_for=()):
-            chains.append((token, set(rows_for)))
-            return real_chain(self, token, evaluations, eog, rows_for)
-
-        def spy_step(self, tokens):
-            steps.append(list(tokens))
-            return real_step(self, tokens)
-
-        native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = spy_chain, spy_step
-        try:
-            reads = lib.logits_reads
-            alone = eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens
-            alone_chains, alone_reads = len(chains), lib.logits_reads - reads
-            got = run_threads([lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens,
-                               lambda: eng.generate(TEXTS[1], max_tokens=16, temperature=0, logit_bias=bans).tokens])
-            n_chains = len(chains)
-            up = eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias={plain[5]: 9.0}).tokens
-        finally:
-            native.NativeBackend.submit_chain, native.NativeBackend.submit_argmax = real_chain, real_step
+        chains, steps = _spy_submissions(monkeypatch)
+        reads = lib.logits_reads
+        alone = eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens
+        alone_chains, alone_reads = len(chains), lib.logits_reads - reads
+        got = run_threads([lambda: eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias=bans).tokens,
+                           lambda: eng.generate(TEXTS[1], max_tokens=16, temperature=0, logit_bias=bans).tokens])
+        n_chains = len(chains)
+        up = eng.generate(TEXTS[0], max_tokens=24, temperature=0, logit_bias={plain[5]: 9.0}).tokens
         assert alone == want and got == [want, want1] and up == lifted
         # a new chain after each step the bans decided; rows read only for the steps whose argmax is
         # biased (at most one a chain) and the prompt's (two on the fake), not one a token
-        assert alone_chains >= 2 and all(r == set(bans) for _, r in chains) and steps == []
+        assert alone_chains >= 2 and all(r == set(bans) for _, _, r in chains) and steps == []
         assert alone_reads <= alone_chains + 2 < 24 // 2
         assert len(chains) == n_chains           # the positive bias: no chain
         for s in eng._slots:

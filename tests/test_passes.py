@@ -4,8 +4,8 @@ steps the scheduler hands in itself.
 
 The scheduler and the request threads share one interpreter lock. A request thread that hands in
 its next greedy step and then assembles its text holds that lock while the scheduler wants it to
-compose the next pass; with eight such threads the pass starts only after all of their work (an
-H100, 8 streams: 2.6 ms between 14.5 ms passes). Waiting for the pass to begin first puts that work
+compose the next pass; with eight such threads the pass starts only after all of their work.
+Waiting for the pass to begin first puts that work
 beside the pass, where the GPU is busy anyway. No GPU here: the pass is a sleep (it releases the
 lock, as the native engine's cffi call does).
 """
@@ -72,6 +72,12 @@ def _gaps_between_passes(wait_launched: bool, work_s: float, steps: int = 40) ->
             work = nxt
         sched.wait(work)
 
+    return _full_pass_gaps(sched, client)
+
+
+def _full_pass_gaps(sched: PassScheduler, client) -> list[float]:
+    """client(seq) on STREAMS request threads; the seconds between one STREAMS-sequence pass's end
+    and the next one's start."""
     threads = [threading.Thread(target=client, args=(s,)) for s in range(STREAMS)]
     try:
         for t in threads:
@@ -222,18 +228,7 @@ def _chain_gaps(work_s: float, steps: int = 40) -> list[float]:
             _burn(work_s)
         chain.cancel()
 
-    threads = [threading.Thread(target=client, args=(s,)) for s in range(STREAMS)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert not any(t.is_alive() for t in threads), "a request thread never got its step"
-        trace = list(sched.trace)
-    finally:
-        sched.close()
-    full = [k for k, e in enumerate(trace) if e[3] == STREAMS]
-    return [trace[k + 1][0] - trace[k][1] for k in full if k + 1 < len(trace) and trace[k + 1][3] == STREAMS]
+    return _full_pass_gaps(sched, client)
 
 
 def test_chains_put_the_next_pass_right_after_the_last():
