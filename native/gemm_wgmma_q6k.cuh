@@ -15,22 +15,15 @@
 //
 // Exactness. A = q - 32 is exact in fp16 ((1024 + q6) from the 0x64 magic, minus 1056), but
 // (q - 32) * sc is NOT (|q - 32| <= 32, sc int8 -128..127: 31 * 127 = 3937 needs 12 significant
-// bits, fp16 has 11), so the per-16-value scale stays out of fp16. Two exact forms, both built
-// (the configuration's `split`):
-//   per-group (split = 0, gemm_f16's form): each k16 step (= one scale group) is one wgmma into a
-//     fresh temporary (scale-d 0), then acc += (d_row * sc_row,ks) * tmp (d * sc exact in fp32:
-//     11 x 8 bits; one FFMA per accumulator per group). Each group's wgmma is waited for
-//     (wait_group 0) before its FFMAs: the overlap of tensor and FP32 work comes from the other
-//     consumer warpgroups. (Two alternating temporaries, FFMAs of group n - 1 under group n's
-//     wgmma, made ptxas serialise every wgmma: C7513, "non wgmma instructions defining input
-//     registers of a wgmma between start and end of the pipeline stage".);
-//   split (split = 1): sc = e + b with e = sc & ~1 (even, -128..126) and b = sc & 1; A1 =
-//     (q - 32) e = 2 ((q - 32) e/2) with |(q - 32) e/2| <= 32 * 64 = 2048, an integer fp16 holds
-//     exactly (HMUL2 of exact operands with a representable result: no rounding); A2 = (q - 32) b
-//     = q - 32 or 0 (a mask). Two wgmma per group, all 32 into one per-super-block tmp (A1 + A2 =
-//     (q - 32) sc exactly), then acc += d_row * tmp as Q4_K. Twice the tensor work, 1/16 of the
-//     FFMAs: which is faster is the GPU's to say (the per-group form is ALU-bound near the
-//     tensor rate: one FFMA per 32 tensor flops is exactly Hopper's FP32 : fp16-MMA ratio).
+// bits, fp16 has 11), so the per-16-value scale stays out of fp16 (gemm_f16's form): each k16
+//   step (= one scale group) is one wgmma into a fresh temporary (scale-d 0), then acc +=
+//   (d_row * sc_row,ks) * tmp (d * sc exact in fp32: 11 x 8 bits; one FFMA per accumulator per
+//   group). Each group's wgmma is waited for (wait_group 0) before its FFMAs: the overlap of tensor
+//   and FP32 work comes from the other consumer warpgroups. (Two alternating temporaries, FFMAs of
+//   group n - 1 under group n's wgmma, made ptxas serialise every wgmma: C7513, "non wgmma
+//   instructions defining input registers of a wgmma between start and end of the pipeline
+//   stage". A form splitting sc into two exact wgmma per group, 1/16 of the FFMAs, was measured and
+//   deleted: no faster at 2,048 positions, slower at 64, and its rounding differs; H100, 7f2633d.)
 // fp16 rounding of x (prep_x) stays the only rounding before the fp32 accumulation, as in gemm_f16.
 //
 // Shared memory per stage (the stage base 1024-aligned):
@@ -45,7 +38,7 @@
 //   by each consumer thread for its two rows, one super-block ahead (__ldg, rows clamped to M - 1).
 //   Rows past M / positions past P_pad are zero-filled by TMA and count their full bytes.
 //   Bytes per stage: BN 512 + BM 208, rounded up to 1024: (nwg 2, BN 128): 92,160; (3, 64):
-//   72,704; (4, 64): 86,016.
+//   72,704.
 //
 // Roles and pipeline as gemm_wgmma.cuh (warpgroup 0 producer: one thread, TMA + full/empty
 // mbarriers; warpgroups 1..NWG consumers, 64 rows each x BN positions; each consumer warp arrives
@@ -54,9 +47,7 @@
 // ql plane and of the qh plane (lane t's run: words C = 0..3); 8 k16 steps, each: q6_bytes + 2
 // PRMT + 2 HSUB2 per row -> A (rows g, g + 8), the two rows' scale bytes (1-byte loads, a
 // broadcast per row), then per-group: fence, wgmma (scale-d 0), commit, wait 0, acc += d sc tmp
-// (the 16th step's wait releases the stage); split: wait 1, fence, wgmma A1; wait 1, fence, wgmma
-// A2 (into tmp, scale-d 0 only on the super-block's first), and after the 16th step wait 0,
-// release, acc += d tmp. Grid x = position tiles (fastest), y = row tiles, as gemm_wgmma.
+// (the 16th step's wait releases the stage). Grid x = position tiles (fastest), y = row tiles, as gemm_wgmma.
 //
 // Limits: Q6_K only, K % 256 == 0, M >= 1, P >= 1; sm_90a only (elsewhere the kernel body traps
 // and gemmwg::wgmma_available() says false; run() refuses with a clear error).
@@ -97,7 +88,7 @@ __device__ __forceinline__ float scale_f(uint32_t b) { return __uint_as_float(0x
 // ---------------------------------------------------------------------------------------------
 // the kernel
 
-template <int NWG, int BN, int STAGES, bool SPLIT>
+template <int NWG, int BN, int STAGES>
 __global__ void __launch_bounds__(128 * (NWG + 1), 1)
     gemm_wgmma_q6k_kernel(const __grid_constant__ CUtensorMap tm_x, const __grid_constant__ CUtensorMap tm_q,
                           const __grid_constant__ CUtensorMap tm_sc, const Args a) {
@@ -155,7 +146,7 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
         float acc[R], tmp[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) acc[i] = tmp[i] = 0.0f;
-        const __half2 c1056 = __float2half2_rn(1056.0f), c1152 = __float2half2_rn(1152.0f);
+        const __half2 c1056 = __float2half2_rn(1056.0f);
 
         // the super-block d of the lane's two rows, one step ahead (rows past M clamped: their
         // weights are TMA zeros, their outputs never written)
@@ -206,44 +197,19 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                         }
                         const uint64_t desc = gemmwg::make_desc(st + (ks >> 2) * BN * 128 + (ks & 3) * 32, 1024, 1);
                         const uint32_t sb0 = srow[ks], sb1 = srow[8 * SC_ROW + ks];   // scale bytes of rows g, g + 8
-                        if constexpr (!SPLIT) {
-                            gemmwg::wg_fence();
-                            gemmwg::wgmma_bn<BN>(tmp, A[0], A[1], A[2], A[3], desc, 0);
-                            gemmwg::wg_commit();
-                            const float dsc[2] = {d[0] * scale_f(sb0), d[1] * scale_f(sb1)};   // exact in fp32
-                            gemmwg::wg_wait<0>();
-                            gemmwg::fence_regs<R>(tmp);
-                            if (n == 15) {   // the super-block's last wgmma is done: release the stage
-                                __syncwarp();
-                                if (lane == 0) gemmwg::mbar_arrive(gemmwg::smem_u32(&empty_bar[s]));
-                            }
-#pragma unroll
-                            for (int i = 0; i < R; ++i) acc[i] = fmaf(dsc[(i >> 1) & 1], tmp[i], acc[i]);
-                        } else {
-                            // e = sc & ~1 as half2 (1024 + (e ^ 0x80) from the magic, minus 1152), b = sc & 1 as a mask
-                            const __half2 e0 = __hsub2(u2h(__byte_perm((sb0 ^ 0x80u) & 0xFEu, 0x64646464u, 0x4040u)), c1152);
-                            const __half2 e1 = __hsub2(u2h(__byte_perm((sb1 ^ 0x80u) & 0xFEu, 0x64646464u, 0x4040u)), c1152);
-                            const uint32_t b0 = 0u - (sb0 & 1u), b1 = 0u - (sb1 & 1u);
-                            const uint32_t E0 = h2u(__hmul2(u2h(A[0]), e0)), E1 = h2u(__hmul2(u2h(A[1]), e1));
-                            const uint32_t E2 = h2u(__hmul2(u2h(A[2]), e0)), E3 = h2u(__hmul2(u2h(A[3]), e1));
-                            gemmwg::wg_wait<1>();   // frees the A registers of the wgmma two back
-                            gemmwg::wg_fence();
-                            gemmwg::wgmma_bn<BN>(tmp, E0, E1, E2, E3, desc, n);
-                            gemmwg::wg_commit();
-                            gemmwg::wg_wait<1>();
-                            gemmwg::wg_fence();
-                            gemmwg::wgmma_bn<BN>(tmp, A[0] & b0, A[1] & b1, A[2] & b0, A[3] & b1, desc, 1);
-                            gemmwg::wg_commit();
+                        gemmwg::wg_fence();
+                        gemmwg::wgmma_bn<BN>(tmp, A[0], A[1], A[2], A[3], desc, 0);
+                        gemmwg::wg_commit();
+                        const float dsc[2] = {d[0] * scale_f(sb0), d[1] * scale_f(sb1)};   // exact in fp32
+                        gemmwg::wg_wait<0>();
+                        gemmwg::fence_regs<R>(tmp);
+                        if (n == 15) {   // the super-block's last wgmma is done: release the stage
+                            __syncwarp();
+                            if (lane == 0) gemmwg::mbar_arrive(gemmwg::smem_u32(&empty_bar[s]));
                         }
-                    }
-            }
-            if constexpr (SPLIT) {
-                gemmwg::wg_wait<0>();
-                gemmwg::fence_regs<R>(tmp);
-                __syncwarp();
-                if (lane == 0) gemmwg::mbar_arrive(gemmwg::smem_u32(&empty_bar[s]));
 #pragma unroll
-                for (int i = 0; i < R; ++i) acc[i] = fmaf(d[(i >> 1) & 1], tmp[i], acc[i]);
+                        for (int i = 0; i < R; ++i) acc[i] = fmaf(dsc[(i >> 1) & 1], tmp[i], acc[i]);
+                    }
             }
         }
         gemmwg::store_tile<BN>(a, acc, m0, n0, rl0, t);
@@ -258,16 +224,16 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
 
 struct Config {
     int nwg, bn, stages;   // consumer warpgroups (BM = 64 nwg rows), positions per block, pipeline depth
-    int split;             // 0: per-group temporaries + FFMA; 1: sc split into two exact wgmma per group
 };
 
-// The instantiated configurations, the default first (shared memory: see the header):
-// per-group 128 rows x 128 positions x 2 stages (181 KB), 192 x 64 x 3 (214 KB), 256 x 64 x 2
-// (169 KB); split 128 x 128 x 2 (181 KB). (Per-group 192 x 128 spills at 152 consumer registers.)
-constexpr int N_CONFIGS = 4;
-constexpr Config CONFIGS[N_CONFIGS] = {{2, 128, 2, 0}, {3, 64, 3, 0}, {4, 64, 2, 0}, {2, 128, 2, 1}};
+// The instantiated configurations, the default first (shared memory: see the header): 128 rows x
+// 128 positions x 2 stages (181 KB), 192 x 64 x 3 (214 KB). (192 x 128 spills at 152 consumer
+// registers; 256 x 64 x 2 lost at every size measured: ffn_down 0.220 ms at 64 positions, 1.09 at
+// 2,048, against 0.169 and 0.98; H100, 7f2633d.)
+constexpr int N_CONFIGS = 2;
+constexpr Config CONFIGS[N_CONFIGS] = {{2, 128, 2}, {3, 64, 3}};
 
-template <int NWG, int BN, int STAGES, bool SPLIT>
+template <int NWG, int BN, int STAGES>
 inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, bool accumulate, cudaStream_t st) {
     constexpr int SMEM = smem_bytes(NWG, BN, STAGES);
     {   // once per device (cudaFuncSetAttribute acts on the current device only)
@@ -277,7 +243,7 @@ inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, 
         check_cuda(cudaGetDevice(&dev), "gemm_wgmma_q6k: cudaGetDevice");
         std::lock_guard<std::mutex> lock(mu);
         if (!done.count(dev)) {
-            check_cuda(cudaFuncSetAttribute(gemm_wgmma_q6k_kernel<NWG, BN, STAGES, SPLIT>,
+            check_cuda(cudaFuncSetAttribute(gemm_wgmma_q6k_kernel<NWG, BN, STAGES>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM),
                        "gemm_wgmma_q6k: shared-memory attribute");
             done.insert(dev);
@@ -313,18 +279,18 @@ inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, 
     a.nsteps = (int)nb;
     a.accumulate = accumulate;
     const dim3 grid((unsigned)((P + BN - 1) / BN), (unsigned)((M + 64 * NWG - 1) / (64 * NWG)));
-    gemm_wgmma_q6k_kernel<NWG, BN, STAGES, SPLIT><<<grid, 128 * (NWG + 1), SMEM, st>>>(tx, tq, tsc, a);
+    gemm_wgmma_q6k_kernel<NWG, BN, STAGES><<<grid, 128 * (NWG + 1), SMEM, st>>>(tx, tq, tsc, a);
     check_launch("gemm_wgmma_q6k: kernel");
 }
 
 inline int config_index(const Config &c) {
     for (int i = 0; i < N_CONFIGS; ++i)
-        if (CONFIGS[i].nwg == c.nwg && CONFIGS[i].bn == c.bn && CONFIGS[i].stages == c.stages && CONFIGS[i].split == c.split)
+        if (CONFIGS[i].nwg == c.nwg && CONFIGS[i].bn == c.bn && CONFIGS[i].stages == c.stages)
             return i;
     return -1;
 }
 
-// The configuration for P positions, or OJ_GEMMWG6_CFG="nwg,bn,stages,split" (one of CONFIGS): kept
+// The configuration for P positions, or OJ_GEMMWG6_CFG="nwg,bn,stages" (one of CONFIGS): kept
 // because scripts/gpu.sh gemm-wgmma times each configuration through it; users never set it.
 // P <= 64 (a prefill piece beside decoding streams) takes 192 x 64 x 3: one position tile either
 // way, and 3 stages in flight for calls bound by the weights (ffn_down at 64 positions: 0.169
@@ -334,8 +300,8 @@ inline int config_index(const Config &c) {
 constexpr int64_t SMALL_P = 64;
 inline Config pick_config(int64_t P) {
     if (const char *e = std::getenv("OJ_GEMMWG6_CFG")) {
-        Config c = {0, 0, 0, 0};
-        if (std::sscanf(e, "%d,%d,%d,%d", &c.nwg, &c.bn, &c.stages, &c.split) == 4 && config_index(c) >= 0) return c;
+        Config c = {0, 0, 0};
+        if (std::sscanf(e, "%d,%d,%d", &c.nwg, &c.bn, &c.stages) == 3 && config_index(c) >= 0) return c;
         fail(OJ_ERR_INVALID_ARGUMENT,
              std::string("gemm_wgmma_q6k: OJ_GEMMWG6_CFG=") + e + " is not one of the instantiated configurations");
     }
@@ -356,7 +322,7 @@ inline void check_shape(const Matrix &w, int64_t P) {
 
 // y (+)= W x from a workspace prepared by gemmf16::prep_x (same K and P): Q6_K on wgmma.
 inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, bool accumulate, cudaStream_t st,
-                Config c = Config{0, 0, 0, 0}) {
+                Config c = Config{0, 0, 0}) {
     check_shape(w, P);
     if (!gemmwg::wgmma_available())
         fail(OJ_ERR_UNSUPPORTED,
@@ -367,10 +333,8 @@ inline void run(const Matrix &w, const void *workspace, int64_t P, float *y, boo
     if (reinterpret_cast<uintptr_t>(workspace) % 16 != 0) fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q6k: workspace not 16-byte aligned");
     const uint8_t *ws = static_cast<const uint8_t *>(workspace);
     switch (config_index(c)) {
-        case 0: launch_cfg<2, 128, 2, false>(w, ws, P, y, accumulate, st); break;
-        case 1: launch_cfg<3, 64, 3, false>(w, ws, P, y, accumulate, st); break;
-        case 2: launch_cfg<4, 64, 2, false>(w, ws, P, y, accumulate, st); break;
-        case 3: launch_cfg<2, 128, 2, true>(w, ws, P, y, accumulate, st); break;
+        case 0: launch_cfg<2, 128, 2>(w, ws, P, y, accumulate, st); break;
+        case 1: launch_cfg<3, 64, 3>(w, ws, P, y, accumulate, st); break;
         default: fail(OJ_ERR_INVALID_ARGUMENT, "gemm_wgmma_q6k: unknown configuration");
     }
 }

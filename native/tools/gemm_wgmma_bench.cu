@@ -96,11 +96,9 @@ struct Result {
     bool ok = true;
 };
 
-static std::string cfg_name(const gemmwg::Config &c) {
+template <typename Config>
+static std::string cfg_name(const Config &c) {
     return std::to_string(c.nwg) + "," + std::to_string(c.bn) + "," + std::to_string(c.stages);
-}
-static std::string cfg_name(const gemmwg6::Config &c) {
-    return std::to_string(c.nwg) + "," + std::to_string(c.bn) + "," + std::to_string(c.stages) + "," + std::to_string(c.split);
 }
 
 // The wgmma kernel of each type: its configurations (ci = -1: the default) and its run.
@@ -113,14 +111,10 @@ static std::string cfg_label(int type, int ci) {
 }
 static std::string cfg_shape(int type, int ci) {   // "(rows x positions x stages ...)"
     char buf[96];
-    if (type == TYPE_Q6_K) {
-        const gemmwg6::Config &c = gemmwg6::CONFIGS[ci];
-        std::snprintf(buf, sizeof buf, "(rows x positions x stages %d x %d x %d, %s)", 64 * c.nwg, c.bn, c.stages,
-                      c.split ? "split sc" : "per-group");
-    } else {
-        const gemmwg::Config &c = gemmwg::CONFIGS[ci];
-        std::snprintf(buf, sizeof buf, "(rows x positions x stages %d x %d x %d)", 64 * c.nwg, c.bn, c.stages);
-    }
+    const int nwg = type == TYPE_Q6_K ? gemmwg6::CONFIGS[ci].nwg : gemmwg::CONFIGS[ci].nwg;
+    const int bn = type == TYPE_Q6_K ? gemmwg6::CONFIGS[ci].bn : gemmwg::CONFIGS[ci].bn;
+    const int stages = type == TYPE_Q6_K ? gemmwg6::CONFIGS[ci].stages : gemmwg::CONFIGS[ci].stages;
+    std::snprintf(buf, sizeof buf, "(rows x positions x stages %d x %d x %d)", 64 * nwg, bn, stages);
     return buf;
 }
 static void wg_run(int type, const Matrix &w, const void *ws, int64_t P, float *y, bool accumulate, int ci) {
@@ -247,9 +241,8 @@ static Result run_case(const Shape &s, uint64_t seed) {
             fetch(P, who.c_str());
             const double es = check(who, P, nullptr);
             res.err_w = std::max(res.err_w, es);
-            // Q6_K: the per-group configurations among themselves (the split-sc form rounds differently)
-            const bool same_form = type == TYPE_Q4_K || gemmwg6::CONFIGS[ci].split == gemmwg6::CONFIGS[0].split;
-            if (same_form) {
+            // every configuration of a type against the first, bit for bit
+            {
                 const size_t n = (size_t)P * M;
                 if (ci == 0) first_y.emplace_back(y.begin(), y.begin() + n);
                 else {
