@@ -4,13 +4,13 @@ The kernel (Q6_K weights on Hopper's wgmma, A = dequantised weights from registe
 here, so this file emulates it: random Q6_K blocks in ggml's FILE layout -> the engine's device
 layout (dequant.cuh's q6_K_byte / to_device_layout) -> gemmf16::prep_x's k-permuted fp16 X -> the
 kernel's TMA tiles, each lane's A registers (q6_bytes, byte_perm, the 0x64 magic), the m64nNk16
-fragment layout, the B descriptor's k range, the per-group or split (sc = e + b) accumulation and
+fragment layout, the B descriptor's k range, the per-group accumulation and
 the D-fragment epilogue. Every A value times d * sc must equal gguf's own Q6_K dequantiser (the
 llama.cpp reference) at the ORIGINAL k that the X fragment carries, and Y must match float64.
 
 The emulation transcribes the kernel's index expressions; SOURCE_ANCHORS asserts that those
 exact lines are still in the sources, so a change to the kernel fails here until the emulation is
-updated with it. The fp16 claims of the header (A = q - 32, d * sc in fp32, the split form) are
+updated with it. The fp16 claims of the header (A = q - 32, d * sc in fp32) are
 brute-forced over every q6 in 0..63 and sc in -128..127.
 """
 
@@ -49,13 +49,6 @@ SOURCE_ANCHORS = [
     ("gemm_wgmma_q6k.cuh", "gemmwg::wgmma_bn<BN>(tmp, A[0], A[1], A[2], A[3], desc, 0);"),
     ("gemm_wgmma_q6k.cuh", "const float dsc[2] = {d[0] * scale_f(sb0), d[1] * scale_f(sb1)};"),
     ("gemm_wgmma_q6k.cuh", "for (int i = 0; i < R; ++i) acc[i] = fmaf(dsc[(i >> 1) & 1], tmp[i], acc[i]);"),
-    ("gemm_wgmma_q6k.cuh", "const __half2 e0 = __hsub2(u2h(__byte_perm((sb0 ^ 0x80u) & 0xFEu, 0x64646464u, 0x4040u)), c1152);"),
-    ("gemm_wgmma_q6k.cuh", "const uint32_t b0 = 0u - (sb0 & 1u), b1 = 0u - (sb1 & 1u);"),
-    ("gemm_wgmma_q6k.cuh", "const uint32_t E0 = h2u(__hmul2(u2h(A[0]), e0)), E1 = h2u(__hmul2(u2h(A[1]), e1));"),
-    ("gemm_wgmma_q6k.cuh", "const uint32_t E2 = h2u(__hmul2(u2h(A[2]), e0)), E3 = h2u(__hmul2(u2h(A[3]), e1));"),
-    ("gemm_wgmma_q6k.cuh", "gemmwg::wgmma_bn<BN>(tmp, E0, E1, E2, E3, desc, n);"),
-    ("gemm_wgmma_q6k.cuh", "gemmwg::wgmma_bn<BN>(tmp, A[0] & b0, A[1] & b1, A[2] & b0, A[3] & b1, desc, 1);"),
-    ("gemm_wgmma_q6k.cuh", "for (int i = 0; i < R; ++i) acc[i] = fmaf(d[(i >> 1) & 1], tmp[i], acc[i]);"),
     ("gemm_wgmma_q6k.cuh", "gemmwg::store_tile<BN>(a, acc, m0, n0, rl0, t);"),   # the shared epilogue:
     ("gemm_wgmma.cuh", "const int64_t pos = n0 + 8 * jn + 2 * t + e1;"),
     ("gemm_wgmma.cuh", "const int64_t row = (int64_t)m0 + rl0 + 8 * e2;"),
@@ -63,7 +56,7 @@ SOURCE_ANCHORS = [
     ("gemm_wgmma_q6k.cuh", "gemmwg::tma_2d(st + Q_OFF, &tm_q, u * Q_ROW, m0, fb);"),
     ("gemm_wgmma_q6k.cuh", "gemmwg::tma_2d(st + SC_OFF, &tm_sc, u * SC_ROW, m0, fb);"),
     ("gemm_wgmma_q6k.cuh", "return __uint_as_float(0x4B000000u | (b ^ 0x80u)) - 8388736.0f;"),
-    ("gemm_wgmma_q6k.cuh", "constexpr Config CONFIGS[N_CONFIGS] = {{2, 128, 2, 0}, {3, 64, 3, 0}, {4, 64, 2, 0}, {2, 128, 2, 1}};"),
+    ("gemm_wgmma_q6k.cuh", "constexpr Config CONFIGS[N_CONFIGS] = {{2, 128, 2}, {3, 64, 3}};"),
     ("gemm_f16.cuh", "const int h = l >> 4, t = (l >> 2) & 3, e = (l >> 1) & 1, up = l & 1;"),
     ("gemm_f16.cuh", "return 16 * h + 8 * up + 2 * t + e;"),
     ("gemm_f16.cuh", "const uint32_t lo = (A >> (4 * (QQ >> 1))) & 0x0F0F0F0Fu;"),
@@ -102,12 +95,6 @@ def _pack(lo, hi) -> int:
 def _hsub2_c(u: int, c: float) -> int:
     lo, hi = _half2(u)
     return _pack(np.float16(lo) - np.float16(c), np.float16(hi) - np.float16(c))
-
-
-def _hmul2(u: int, v: int) -> int:   # fp16 x fp16 is exact in fp32: one rounding, as HMUL2
-    a0, a1 = _half2(u)
-    b0, b1 = _half2(v)
-    return _pack(np.float32(a0) * np.float32(b0), np.float32(a1) * np.float32(b1))
 
 
 def _byte_perm(x: int, y: int, s: int) -> int:
@@ -196,7 +183,7 @@ def _lane_A(Qt: np.ndarray, rl0: int, t: int, K01: int, C: int, QQ: int) -> list
     return A
 
 
-def _emulate(qp, scp, dp, xh, inv, M, K, P, Pp, NWG, BN, SPLIT, deq=None):
+def _emulate(qp, scp, dp, xh, inv, M, K, P, Pp, NWG, BN, deq=None):
     """Y [P + 1][M] (row P a NaN guard) as the kernel computes it; with `deq`, every A fragment
     value x d x sc is also checked against the reference weight at the k its X fragment carries."""
     BM, nb, R = 64 * NWG, K // QK, BN // 2
@@ -221,14 +208,13 @@ def _emulate(qp, scp, dp, xh, inv, M, K, P, Pp, NWG, BN, SPLIT, deq=None):
                 nl = max(0, min(BN, Pp - n0))
                 Xt[:nl] = xh[n0:n0 + nl, u * QK:(u + 1) * QK]
                 for c in range(NWG):
-                    tmp_sb = {key: np.zeros(R) for key in lanes if key[0] == c}   # split: per super-block
                     seen = np.zeros((64, 16), int)
                     for K01 in range(2):
                         for C in range(4):
                             for nq in range(2):
                                 QQ = K01 + 2 * nq
                                 ks = 8 * (C >> 1) + 2 * QQ + (C & 1)
-                                At, Et, Mt = np.zeros((64, 16)), np.zeros((64, 16)), np.zeros((64, 16))
+                                At = np.zeros((64, 16))
                                 scale = {}
                                 for w in range(4):
                                     for lane in range(32):
@@ -239,19 +225,11 @@ def _emulate(qp, scp, dp, xh, inv, M, K, P, Pp, NWG, BN, SPLIT, deq=None):
                                         drow = [min(m0 + rl0 + 8 * r, M - 1) * nb + u for r in range(2)]
                                         d = [np.float32(_h(dp[drow[r]])) for r in range(2)]
                                         scale[(w, lane)] = (d, [d[r] * np.float32(_scale_f(sb[r])) for r in range(2)])
-                                        if SPLIT:
-                                            e = [_hsub2_c(_byte_perm((s ^ 0x80) & 0xFE, 0x64646464, 0x4040), 1152.0) for s in sb]
-                                            bm = [(0 - (s & 1)) & 0xFFFFFFFF for s in sb]
-                                            E = [_hmul2(A[0], e[0]), _hmul2(A[1], e[1]), _hmul2(A[2], e[0]), _hmul2(A[3], e[1])]
-                                            Mk = [A[0] & bm[0], A[1] & bm[1], A[2] & bm[0], A[3] & bm[1]]
                                         # m64nNk16 A fragment: register j holds row g + 8 (j & 1), k 2t + 8 (j >> 1) + {0, 1}
                                         for j in range(4):
                                             rr, kb = 16 * w + g + 8 * (j & 1), 2 * t + 8 * (j >> 1)
                                             At[rr, kb:kb + 2] = _half2(A[j])
                                             seen[rr, kb:kb + 2] += 1
-                                            if SPLIT:
-                                                Et[rr, kb:kb + 2] = _half2(E[j])
-                                                Mt[rr, kb:kb + 2] = _half2(Mk[j])
                                 # the descriptor: atom ks >> 2, + 32 (ks & 3) bytes = permuted k' 16 ks .. 16 ks + 15
                                 kstart = 64 * (ks >> 2) + 16 * (ks & 3)
                                 B = Xt[:, kstart:kstart + 16].T
@@ -264,10 +242,8 @@ def _emulate(qp, scp, dp, xh, inv, M, K, P, Pp, NWG, BN, SPLIT, deq=None):
                                         dd = float(_h(dp[row * nb + u]))
                                         korig = u * QK + inv_perm[kstart + np.arange(16)]
                                         assert np.array_equal(dd * sc * At[rr], deq[row, korig]), (row, u, ks)
-                                        if SPLIT:
-                                            assert np.array_equal(Et[rr] + Mt[rr], sc * At[rr]), (row, u, ks)
                                         n_checked += 16
-                                D = (Et @ B + Mt @ B) if SPLIT else At @ B
+                                D = At @ B
                                 i = np.arange(R)
                                 for w in range(4):
                                     for lane in range(32):
@@ -275,18 +251,8 @@ def _emulate(qp, scp, dp, xh, inv, M, K, P, Pp, NWG, BN, SPLIT, deq=None):
                                         # D value i: row g + 8 ((i >> 1) & 1), column 8 (i >> 2) + 2 t + (i & 1)
                                         tl = D[16 * w + g + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * t + (i & 1)]
                                         d, dsc = scale[(w, lane)]
-                                        if SPLIT:
-                                            tmp_sb[(c, w, lane)] += tl
-                                        else:
-                                            acc[(c, w, lane)] += np.array(dsc, np.float64)[(i >> 1) & 1] * tl
+                                        acc[(c, w, lane)] += np.array(dsc, np.float64)[(i >> 1) & 1] * tl
                     assert (seen == 16).all(), "each (row, k) of each k16 step must be filled exactly once"
-                    if SPLIT:
-                        i = np.arange(R)
-                        for (cc, w, lane), tl in tmp_sb.items():
-                            g = lane >> 2
-                            rl0 = 64 * cc + 16 * w + g
-                            d = [float(_h(dp[min(m0 + rl0 + 8 * r, M - 1) * nb + u])) for r in range(2)]
-                            acc[(cc, w, lane)] += np.array(d)[(i >> 1) & 1] * tl
             for (c, w, lane), a in acc.items():   # epilogue
                 g, t = lane >> 2, lane & 3
                 rl0 = 64 * c + 16 * w + g
@@ -326,26 +292,24 @@ def case():
     return dict(qp=qp, scp=scp, dp=dp, xh=xh, inv=inv, M=M, K=K, P=P, Pp=Pp, deq=deq, yref=yref, mag=mag)
 
 
-@pytest.mark.parametrize("nwg,bn,split,frag", [(2, 128, 0, True), (2, 128, 1, True), (3, 64, 0, False), (4, 64, 0, False)])
-def test_kernel_emulation_matches_reference(case, nwg, bn, split, frag):
+@pytest.mark.parametrize("nwg,bn,frag", [(2, 128, True), (3, 64, False)])
+def test_kernel_emulation_matches_reference(case, nwg, bn, frag):
     c = case
     y, n_checked = _emulate(c["qp"], c["scp"], c["dp"], c["xh"], c["inv"], c["M"], c["K"], c["P"], c["Pp"], nwg, bn,
-                            split, deq=c["deq"] if frag else None)
+                            deq=c["deq"] if frag else None)
     if frag:
         assert n_checked == c["M"] * c["K"]   # every weight of the matrix seen once as a fragment value
     assert not np.isnan(y[:c["P"]]).any(), "outputs left unwritten"
     assert np.isnan(y[c["P"]]).all(), "written past P"
     err = np.max(np.abs(y[:c["P"]] - c["yref"]) / c["mag"])
-    assert err < 1e-6, f"config ({nwg}, {bn}, split {split}): Y vs float64 {err:.2e} of sum|wx|"
+    assert err < 1e-6, f"config ({nwg}, {bn}): Y vs float64 {err:.2e} of sum|wx|"
 
 
 def test_fp16_exactness_claims():
     """The header's exactness: A = (1024 + q6) - 1056 = q - 32; (q - 32) sc is NOT exact in fp16
-    (why the per-16 scale stays out); scale_f(byte) = sc and d * sc exact in fp32; split: e =
-    sc & ~1 from the magic, A1 = HMUL2(q - 32, e) exact, A2 = (q - 32) & mask(sc & 1), A1 + A2 =
-    (q - 32) sc. All q6 0..63 x sc -128..127, every finite fp16 d."""
+    (why the per-16 scale stays out); scale_f(byte) = sc and d * sc exact in fp32. All q6 0..63 x
+    sc -128..127, every finite fp16 d."""
     Q, S = np.meshgrid(np.arange(64), np.arange(-128, 128), indexing="ij")
-    sb = (S & 0xFF).astype(np.uint32)
     A = (_h(0x6400 | Q) - np.float16(1056.0)).astype(np.float16)
     assert np.array_equal(A.astype(np.int64), Q - 32)
     assert np.any((A * S.astype(np.float16)).astype(np.int64) != (Q - 32) * S)
@@ -353,9 +317,3 @@ def test_fp16_exactness_claims():
     for s in range(-128, 128):
         assert _scale_f(s & 0xFF) == s
         assert np.array_equal((d_all * np.float32(s)).astype(np.float64), d_all.astype(np.float64) * s)
-    e = (_h(0x6400 | ((sb ^ 0x80) & 0xFE)) - np.float16(1152.0)).astype(np.float16)
-    assert np.array_equal(e.astype(np.int64), S & ~1)
-    A1 = (A.astype(np.float32) * e.astype(np.float32)).astype(np.float16)
-    assert np.array_equal(A1.astype(np.int64), (Q - 32) * (S & ~1))
-    A2 = _h((A.view(np.uint16).astype(np.uint32) & ((0 - (sb & 1)) & 0xFFFFFFFF)) & 0xFFFF).astype(np.int64)
-    assert np.array_equal(A1.astype(np.int64) + A2, (Q - 32) * S)
