@@ -48,11 +48,12 @@ int32_t guarded(oj_engine *h, F &&body) {
 }
 
 // guarded, for a call that reads or changes the selected sequence: refused while a state copy of
-// it is not waited for (oj_state_copy_wait).
+// it is not waited for (oj_state_copy_wait) or a prompt piece of it is in flight (oj_prefill_layers).
 template <typename F>
 int32_t on_sequence(oj_engine *h, const char *what, F &&body) {
     return guarded(h, [&] {
         oj::check_not_copying(h->e, h->e.cur_seq, what);
+        oj::check_no_piece(h->e, h->e.cur_seq, what);
         body();
     });
 }
@@ -190,7 +191,11 @@ int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int3
 
 int32_t oj_reset(oj_engine *engine) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
-    return on_sequence(engine, "oj_reset", [&] { oj::engine_reset(engine->e); });
+    return guarded(engine, [&] {
+        oj::check_not_copying(engine->e, engine->e.cur_seq, "oj_reset");
+        if (engine->e.pf.piece_seq == engine->e.cur_seq) engine->e.pf.piece_seq = -1;   // its piece goes too
+        oj::engine_reset(engine->e);
+    });
 }
 
 int32_t oj_n_past(const oj_engine *engine, int32_t *out) {
@@ -254,6 +259,16 @@ int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
 int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return on_sequence(engine, "oj_prefill", [&] { oj::engine_prefill(engine->e, tokens, n_tokens); });
+}
+
+int32_t oj_prefill_layers(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t layers, int32_t *done) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    if (!done) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "oj_prefill_layers: done is NULL");
+    *done = 0;
+    return guarded(engine, [&] {
+        oj::check_not_copying(engine->e, engine->e.cur_seq, "oj_prefill_layers");
+        oj::engine_prefill_layers(engine->e, tokens, n_tokens, layers, done);
+    });
 }
 
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens) {

@@ -856,6 +856,7 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
                 fail(OJ_ERR_INVALID_ARGUMENT, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " appears twice (entries " +
                                                   std::to_string(u) + " and " + std::to_string(t) + "); one token each");
         check_not_copying(e, seqs[t], "oj_eval_seqs");
+        check_no_piece(e, seqs[t], "oj_eval_seqs");
         const int n_past = seqs[t] == e.cur_seq ? e.n_past : e.seqs[seqs[t]].n_past;
         if (n_past + 1 > e.n_ctx)
             fail(OJ_ERR_CONTEXT_FULL, "oj_eval_seqs: sequence " + std::to_string(seqs[t]) + " holds " + std::to_string(n_past) +

@@ -170,6 +170,14 @@ struct PrefillScratch {
     size_t workspace_bytes = 0;
     void *dn_coef = nullptr;                           // per-chunk coefficients of deltanet_chunked.cuh
     size_t dn_coef_bytes = 0;
+    // A piece in layers (oj_prefill_layers): the sequence whose piece holds x, hidden and tokens
+    // between calls (-1: none), its tokens, the layers done, its first position and whether the MTP
+    // block follows it.
+    int piece_seq = -1;
+    std::vector<int32_t> piece_tokens;
+    int piece_layers = 0;
+    int piece_pos0 = 0;
+    bool piece_mtp = false;
 };
 
 // A copy of the recurrent state and the hidden state at n_past (oj_checkpoint_save).
@@ -310,7 +318,12 @@ void engine_profile(Engine &e, int on);
 int engine_profile_read(Engine &e, oj_phase *out, int capacity, int *passes, double *span_ms, double *host_ms);
 // prefill.cu: oj_prefill (openjet.h), and its buffers (engine_load calls alloc_prefill).
 void engine_prefill(Engine &e, const int32_t *tokens, int n);
+// oj_prefill_layers (openjet.h), *done as it says.
+void engine_prefill_layers(Engine &e, const int32_t *tokens, int n, int layers, int32_t *done);
 void alloc_prefill(Engine &e, int chunk);
+// Refuses a call on sequence `seq` (or, with seq -1, one that needs the prefill buffers) while a
+// piece in layers holds them.
+void check_no_piece(const Engine &e, int seq, const char *what);
 
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.

@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 11, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
+enum { OJ_ABI_VERSION = 12, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -174,7 +174,8 @@ int32_t oj_memory(const oj_engine *engine, oj_memory_report *out);
 int32_t oj_profile(oj_engine *engine, int32_t on);
 int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
                         double *span_ms, double *host_ms);
-/* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches. */
+/* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches; a prompt
+   piece of it in flight (oj_prefill_layers) is dropped. */
 int32_t oj_reset(oj_engine *engine);
 int32_t oj_n_past(const oj_engine *engine, int32_t *out);
 
@@ -196,6 +197,18 @@ int32_t oj_eval(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
    types, as llama.cpp's q8_1 does). OJ_ERR_INVALID_ARGUMENT when the engine was
    created with prefill_chunk 0. */
 int32_t oj_prefill(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
+/* One prefill pass (a piece of 1..prefill_chunk tokens) over several calls, `layers` (>= 1) of the
+   main model's layers a call, so that passes of other sequences (oj_eval_seqs) run in between: a
+   piece in layers costs its decoders a share of it per pass instead of all of it (issue 29). The
+   first call on the selected sequence starts the piece (the checks and effects of oj_prefill of
+   those tokens); the next ones name the same tokens and go on. The call that runs the last layer
+   finishes the piece as oj_prefill of those tokens does (the MTP block's pass, the hidden window,
+   the logits), bit for bit: the same kernels in the same order. *done: 1 finished; 0 in flight
+   (or refused with nothing changed); -1 failed on the way, the sequence reset (its state was part
+   piece). While a piece is in flight it holds the prefill buffers: oj_prefill, another
+   sequence's oj_prefill_layers and every call on its sequence (oj_eval_seqs naming it included)
+   are refused by name, except oj_prefill_layers with its tokens and oj_reset, which drops it. */
+int32_t oj_prefill_layers(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t layers, int32_t *done);
 /* Evaluate tokens at n_past..n_past+n_tokens-1 provisionally (the results are read as after
    oj_eval); a verify not committed before the next evaluation counts as oj_commit(0). */
 int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);

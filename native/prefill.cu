@@ -167,21 +167,23 @@ void ffn_pass(Engine &e, Layer &L, int P) {
     project(e, L.ffn_down, pf.ffn_gate, pf.x, P, true);
 }
 
-// One pass of P tokens (already in pf.tokens) at positions pos0..; pf.hidden row 0 holds the
-// main hidden state of pos0 - 1 on entry, rows 1..P those of the pass on return.
-void main_pass(Engine &e, int P, int pos0) {
+// Layers [first, last) of a pass of P tokens (already in pf.tokens) at positions pos0..; the first
+// layer embeds the tokens into pf.x, the model's last one writes the final hidden states. pf.hidden
+// row 0 holds the main hidden state of pos0 - 1 on entry, rows 1..P those of the pass after the
+// last layer. Between calls pf.x carries the pass (a piece in layers: oj_prefill_layers).
+void main_layers(Engine &e, int P, int pos0, int first, int last) {
     PrefillScratch &pf = e.pf;
     const ModelDims &d = e.dims;
     const int E = d.hp.n_embd;
-    embed_rows(e.tok_embd, pf.tokens, pf.x, P, e.stream);
-    for (int il = 0; il < d.hp.n_layer; ++il) {
+    if (first == 0) embed_rows(e.tok_embd, pf.tokens, pf.x, P, e.stream);
+    for (int il = first; il < last; ++il) {
         Layer &L = e.layers[il];
         rms_norm(pf.x, L.attn_norm, pf.xn, P, E, d.hp.rms_eps, E, e.stream);
         if (L.recurrent) deltanet_pass(e, L, P);
         else attention_pass(e, L, P, pos0);
         ffn_pass(e, L, P);
     }
-    rms_norm(pf.x, e.output_norm, pf.hidden + E, P, E, d.hp.rms_eps, E, e.stream);
+    if (last == d.hp.n_layer) rms_norm(pf.x, e.output_norm, pf.hidden + E, P, E, d.hp.rms_eps, E, e.stream);
 }
 
 // The MTP block over the same pass: its cache gets positions pos0.. (engine_mtp_eval's math).
@@ -241,11 +243,15 @@ void alloc_prefill(Engine &e, int chunk) {
     pf.chunk = chunk;
 }
 
-void engine_prefill(Engine &e, const int32_t *tokens, int n) {
+namespace {
+
+// The checks of oj_prefill and of a piece's first oj_prefill_layers (`what`): nothing has run yet.
+void check_prefill(const Engine &e, const int32_t *tokens, int n, const char *what) {
     if (e.pf.chunk == 0)
-        fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill needs prefill buffers: create the engine with prefill_chunk > 0 (it was 0)");
-    if (!tokens) fail(OJ_ERR_INVALID_ARGUMENT, "tokens is NULL");
-    if (n < 1) fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill of " + std::to_string(n) + " tokens; it takes 1 or more");
+        fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + " needs prefill buffers: create the engine with prefill_chunk > 0 (it was 0)");
+    check_no_piece(e, -1, what);
+    if (!tokens) fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": tokens is NULL");
+    if (n < 1) fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + " of " + std::to_string(n) + " tokens; it takes 1 or more");
     const ModelDims &d = e.dims;
     for (int i = 0; i < n; ++i)
         if (tokens[i] < 0 || tokens[i] >= d.hp.n_vocab)
@@ -253,34 +259,31 @@ void engine_prefill(Engine &e, const int32_t *tokens, int n) {
                                               ") is outside the vocabulary [0, " + std::to_string(d.hp.n_vocab) + ")");
     if ((int64_t)e.n_past + n > e.n_ctx)
         fail(OJ_ERR_CONTEXT_FULL, std::to_string(e.n_past) + " + " + std::to_string(n) + " tokens exceed n_ctx " + std::to_string(e.n_ctx));
+}
+
+// Before the first pass: a pending verify counts as oj_commit(0), accepted positions still owed to
+// the state go in, and pf.hidden row 0 = h of n_past - 1 (zeros at position 0). Returns whether
+// the MTP block follows the prompt (its cache ends at n_past).
+bool prefill_begin(Engine &e) {
     PrefillScratch &pf = e.pf;
-    const int E = d.hp.n_embd;
-    // A pending verify counts as oj_commit(0); accepted positions still owed to the state go in now.
+    const int E = e.dims.hp.n_embd;
     e.uncommitted = 0;
     engine_flush(e);
-    const bool mtp_follows = e.has_mtp && e.mtp_n_past == e.n_past;
-    // h of n_past - 1: the hidden window's row prev_row (zeros at position 0)
     if (e.n_past == 0) check_cuda(cudaMemsetAsync(pf.hidden, 0, (size_t)E * 4, e.stream), "prefill hidden");
     else
         check_cuda(cudaMemcpyAsync(pf.hidden, e.s.hidden + (size_t)e.prev_row * E, (size_t)E * 4, cudaMemcpyDeviceToDevice,
                                    e.stream), "prefill hidden");
-    const int start = e.n_past;
-    int done = 0, last_P = 0;
-    while (done < n) {
-        const int P = n - done < pf.chunk ? n - done : pf.chunk;
-        const int pos0 = start + done;
-        check_cuda(cudaMemcpyAsync(pf.tokens, tokens + done, (size_t)P * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream),
-                   "copy tokens");
-        main_pass(e, P, pos0);
-        if (mtp_follows) mtp_pass(e, P, pos0);
-        done += P;
-        last_P = P;
-        if (done < n)   // the next pass's row 0: h of its pos0 - 1
-            check_cuda(cudaMemcpyAsync(pf.hidden, pf.hidden + (size_t)P * E, (size_t)E * 4, cudaMemcpyDeviceToDevice, e.stream),
-                       "prefill hidden");
-    }
-    // The hidden window as after a one-token oj_eval of the last position L: row 0 = h_{L-1},
-    // row 1 = h_L; the logits and argmax of L.
+    return e.has_mtp && e.mtp_n_past == e.n_past;
+}
+
+// After the main model's last pass (last_P positions; the prompt began at `start`, n tokens): the
+// MTP block's pass where it follows, then the hidden window as after a one-token oj_eval of the
+// last position L (row 0 = h_{L-1}, row 1 = h_L) and L's logits and argmax.
+void prefill_end(Engine &e, int start, int n, int last_P, bool mtp_follows) {
+    PrefillScratch &pf = e.pf;
+    const ModelDims &d = e.dims;
+    const int E = d.hp.n_embd;
+    if (mtp_follows) mtp_pass(e, last_P, start + n - last_P);
     Scratch &s = e.s;
     check_cuda(cudaMemcpyAsync(s.hidden, pf.hidden + (size_t)(last_P - 1) * E, (size_t)2 * E * 4, cudaMemcpyDeviceToDevice,
                                e.stream), "hidden window");
@@ -298,6 +301,96 @@ void engine_prefill(Engine &e, const int32_t *tokens, int n) {
         e.mtp_n_past = e.n_past;
         e.last_mtp_n = 0;   // no draft results: the next oj_mtp_eval makes them
     }
+}
+
+}  // namespace
+
+void engine_prefill(Engine &e, const int32_t *tokens, int n) {
+    check_prefill(e, tokens, n, "oj_prefill");
+    PrefillScratch &pf = e.pf;
+    const int E = e.dims.hp.n_embd;
+    const bool mtp_follows = prefill_begin(e);
+    const int start = e.n_past;
+    int done = 0, last_P = 0;
+    while (done < n) {
+        const int P = n - done < pf.chunk ? n - done : pf.chunk;
+        const int pos0 = start + done;
+        check_cuda(cudaMemcpyAsync(pf.tokens, tokens + done, (size_t)P * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream),
+                   "copy tokens");
+        main_layers(e, P, pos0, 0, e.dims.hp.n_layer);
+        done += P;
+        last_P = P;
+        if (done < n) {
+            if (mtp_follows) mtp_pass(e, P, pos0);
+            // the next pass's row 0: h of its pos0 - 1
+            check_cuda(cudaMemcpyAsync(pf.hidden, pf.hidden + (size_t)P * E, (size_t)E * 4, cudaMemcpyDeviceToDevice, e.stream),
+                       "prefill hidden");
+        }
+    }
+    prefill_end(e, start, n, last_P, mtp_follows);
+}
+
+void engine_prefill_layers(Engine &e, const int32_t *tokens, int n, int layers, int32_t *done) {
+    PrefillScratch &pf = e.pf;
+    const int n_layer = e.dims.hp.n_layer;
+    if (layers < 1)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill_layers: layers is " + std::to_string(layers) + "; it takes 1 or more");
+    if (pf.piece_seq >= 0 && pf.piece_seq != e.cur_seq)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill_layers: sequence " + std::to_string(pf.piece_seq) +
+                                          "'s piece holds the prefill buffers (finish it with oj_prefill_layers on that "
+                                          "sequence, or oj_reset it)");
+    if (pf.piece_seq < 0) {
+        check_prefill(e, tokens, n, "oj_prefill_layers");
+        if (n > pf.chunk)
+            fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill_layers: a piece of " + std::to_string(n) +
+                                              " tokens; at most prefill_chunk (" + std::to_string(pf.chunk) + ")");
+    } else if (!tokens || n != (int)pf.piece_tokens.size() || !std::equal(tokens, tokens + n, pf.piece_tokens.begin())) {
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_prefill_layers: sequence " + std::to_string(e.cur_seq) + " has a piece of " +
+                                          std::to_string(pf.piece_tokens.size()) + " tokens in flight at layer " +
+                                          std::to_string(pf.piece_layers) + " of " + std::to_string(n_layer) +
+                                          "; go on with the same tokens (or oj_reset the sequence)");
+    }
+    try {
+        if (pf.piece_seq < 0) {
+            pf.piece_mtp = prefill_begin(e);
+            pf.piece_tokens.assign(tokens, tokens + n);
+            pf.piece_pos0 = e.n_past;
+            pf.piece_layers = 0;
+            pf.piece_seq = e.cur_seq;
+            check_cuda(cudaMemcpyAsync(pf.tokens, pf.piece_tokens.data(), (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                       e.stream), "copy tokens");
+        }
+        const int first = pf.piece_layers, last = std::min(n_layer, first + layers);
+        main_layers(e, n, pf.piece_pos0, first, last);
+        pf.piece_layers = last;
+        if (last < n_layer) {
+            check_cuda(cudaStreamSynchronize(e.stream), "oj_prefill_layers");
+            *done = 0;
+            return;
+        }
+        pf.piece_seq = -1;
+        prefill_end(e, pf.piece_pos0, n, n, pf.piece_mtp);
+        *done = 1;
+    } catch (...) {
+        // some layers of the sequence took the piece and others did not: its state is no
+        // conversation's any more
+        pf.piece_seq = -1;
+        *done = -1;
+        try {
+            engine_reset(e);
+        } catch (...) {
+        }
+        throw;
+    }
+}
+
+void check_no_piece(const Engine &e, int seq, const char *what) {
+    const PrefillScratch &pf = e.pf;
+    if (pf.piece_seq < 0 || (seq >= 0 && seq != pf.piece_seq)) return;
+    fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": sequence " + std::to_string(pf.piece_seq) +
+                                      " has a prompt piece in flight (oj_prefill_layers, layer " +
+                                      std::to_string(pf.piece_layers) + " of " + std::to_string(e.dims.hp.n_layer) +
+                                      "): go on with it until it is done, or oj_reset that sequence");
 }
 
 }  // namespace oj

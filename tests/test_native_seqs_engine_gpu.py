@@ -150,6 +150,50 @@ def test_concurrent_greedy_requests_equal_each_alone(native, workdir, name, n_sl
     assert shared_calls >= N_TOKENS // 2
 
 
+@pytest.mark.parametrize("name", ["tiny-Q4_K_M", "default"])
+def test_prompt_pieces_in_layers_beside_decoders_equal_each_alone(native, workdir, name):
+    """A 700-token prompt arriving while three streams decode, the budget's room next to them held
+    at 16 tokens: its pieces of 64 go through their layers over several passes (oj_prefill_layers,
+    ABI 12), the decode steps between; every request gives exactly its tokens alone."""
+    import threading
+
+    import openjet_plugin
+
+    native_at_least(12, "prompt pieces in layers (oj_prefill_layers)")
+    path = _model(name, workdir)
+    rng = np.random.default_rng()
+    with openjet_plugin.load(path, backend="native", n_ctx=2048, n_slots=1, draft_depth=0) as one:
+        prompts = _prompts(one.n_vocab, 3)
+        long_prompt = rng.integers(0, one.n_vocab, 700).tolist()
+        alone = [one.generate(p, max_tokens=3 * N_TOKENS, temperature=0).tokens for p in prompts]
+        alone_long = one.generate(long_prompt, max_tokens=8, temperature=0).tokens
+    with openjet_plugin.load(path, backend="native", n_ctx=2048, n_slots=4, draft_depth=0) as eng:
+        budget = eng._backend._shared.passes.budget
+        budget.prompt_tokens = lambda n_decode, f=budget.prompt_tokens: min(f(n_decode), 16) if n_decode else f(0)
+        decoding = threading.Event()
+
+        def stream(p):
+            out = []
+            for c in eng.generate(p, max_tokens=3 * N_TOKENS, temperature=0, stream=True):
+                out.extend(c.tokens)
+                if len(out) >= 4:
+                    decoding.set()
+            return out
+
+        def late_long():
+            assert decoding.wait(120)
+            return eng.generate(long_prompt, max_tokens=8, temperature=0).tokens
+
+        got = run_threads([lambda p=p: stream(p) for p in prompts] + [late_long], timeout=600)
+        counts = eng._backend.pass_counts
+    report({"test": "seqs_engine_pieces_in_layers", "model": name, "long_prompt": len(long_prompt),
+            "differing": [i for i, (g, a) in enumerate(zip(got, alone + [alone_long])) if g != a], **counts})
+    for g in got:
+        assert not isinstance(g, BaseException), g
+    assert got == alone + [alone_long]
+    assert counts["piece_passes"] >= 4, counts
+
+
 def test_greedy_requests_with_negative_biases_equal_the_row_per_token_path(native, workdir, monkeypatch):
     """Negative logit biases (bans on end tokens and on tokens the plain greedy output holds) keep
     the argmax on the GPU: one slot copies a row only where the argmax is biased

@@ -13,7 +13,10 @@ models (test_native_gpu.model_path), fresh random histories, host buffers NaN be
     anything runs, every sequence as it was;
 (c) kv_cache and recurrent_state of the memory report grow n_seq times;
 (d) a copy of a sequence's state (oj_seq_state_save) loaded into another sequence or another engine
-    of the same model continues bit for bit as the original; bad copies are refused by name.
+    of the same model continues bit for bit as the original; bad copies are refused by name;
+(e) a prompt piece put through its layers a few at a time (oj_prefill_layers), passes of other
+    sequences between the calls, equals one oj_prefill of it bit for bit; while it is in flight the
+    calls that would disturb it are refused by name, and oj_reset drops it.
 
 Run on the device: python -m pytest -q -m gpu tests/test_native_seqs_gpu.py
 """
@@ -386,3 +389,105 @@ def test_a_sequence_state_copy_continues_bit_for_bit_in_any_sequence(native, wor
         for b, m in ((be, mf), (other, omf), (wrong_kv, xmf)):
             b.close()
             m.close()
+
+
+PIECE_ABI = 12   # oj_prefill_layers
+
+
+def _last_error(r: Raw) -> str:
+    return r.ffi.string(r.lib.oj_last_error(r.h)).decode()
+
+
+@pytest.mark.parametrize("name,layers", [("tiny-Q4_K_M", 1), ("w256-Q4_K_M", 3)])
+def test_a_piece_in_layers_equals_the_piece_whole(native, workdir, name, layers):
+    """(e) A piece of 100 tokens (a DeltaNet chunk boundary inside) on sequence 1 after a prefix,
+    `layers` layers a call, with oj_eval_seqs passes of sequences 0 and 2 between the calls: then
+    sequence 1's logits, argmax, hidden window, conv / ssm state, K/V rows and MTP rows are those of
+    one oj_prefill of the piece on an engine of one sequence, bit for bit, and sequences 0 and 2
+    hold what their own evaluations give. While the piece is in flight, oj_eval on its sequence,
+    oj_eval_seqs naming it, oj_prefill and oj_prefill_layers of another sequence, and other tokens
+    for the piece are refused by name with nothing changed; oj_reset drops a piece."""
+    from openjet_plugin.backends.native import NativeBackend
+    from openjet_plugin.model_file import open_model
+
+    native_at_least(PIECE_ABI, "oj_prefill_layers")
+    path = ts._model(name, workdir)
+    rng = np.random.default_rng()
+    mf = open_model(path)
+    be = NativeBackend(mf, n_ctx=512, draft_depth=0, prefill_chunk=256, n_seq=3)
+    one = NativeBackend(mf, n_ctx=512, draft_depth=0, prefill_chunk=256)
+    try:
+        r, o = Raw(be), Raw(one)
+        V, n_layer = be.n_vocab, be.config.n_layer
+        ffi, lib = r.ffi, r.lib
+
+        def prefill(raw: Raw, toks: list[int]) -> None:
+            raw.ok(raw.lib.oj_prefill(raw.h, raw.ffi.new("int32_t[]", toks), len(toks)), "oj_prefill")
+
+        prefix, piece = rng.integers(0, V, 30).tolist(), rng.integers(0, V, 100).tolist()
+        others = {0: rng.integers(0, V, 70).tolist(), 2: rng.integers(0, V, 9).tolist()}
+        for seq in (0, 2):
+            r.select(seq)
+            prefill(r, others[seq])
+        r.select(1)
+        prefill(r, prefix)
+        buf = ffi.new("int32_t[]", piece)
+        done = ffi.new("int32_t *")
+        calls, steps = 0, {0: [], 2: []}
+        while True:
+            r.select(1)
+            r.ok(lib.oj_prefill_layers(r.h, buf, len(piece), layers, done), "oj_prefill_layers")
+            calls += 1
+            if done[0] == 1:
+                break
+            assert done[0] == 0
+            if calls == 1:   # in flight: what would disturb it is refused, nothing changed
+                refused = [("oj_eval", lambda: lib.oj_eval(r.h, ffi.new("int32_t[]", [1]), 1), "prompt piece in flight"),
+                           ("other tokens", lambda: lib.oj_prefill_layers(r.h, ffi.new("int32_t[]", piece[::-1]),
+                                                                          len(piece), layers, done), "same tokens"),
+                           ("oj_eval_seqs", lambda: r.eval_seqs([0, 1], [1, 2]), "prompt piece in flight")]
+                for what, call, needle in refused:
+                    rc = call()
+                    assert rc != 0 and needle in _last_error(r), (what, _last_error(r))
+                    assert done[0] == 0
+                r.select(0)
+                rc = lib.oj_prefill(r.h, ffi.new("int32_t[]", [1, 2]), 2)
+                assert rc != 0 and "prompt piece in flight" in _last_error(r)
+                rc = lib.oj_prefill_layers(r.h, ffi.new("int32_t[]", [1, 2]), 2, 1, done)
+                assert rc != 0 and "holds the prefill buffers" in _last_error(r) and done[0] == 0
+            t = rng.integers(0, V, 2).tolist()
+            assert r.eval_seqs([0, 2], t) == 0, _last_error(r)
+            steps[0].append(t[0])
+            steps[2].append(t[1])
+        assert calls == -(-n_layer // layers)
+        prefill(o, prefix)
+        prefill(o, piece)
+        r.select(1)
+        assert _same(r.logits(0), o.logits(0)) and r.argmax(1) == o.argmax(1)
+        assert _same(r.hidden(0), o.hidden(0)) and _same(r.hidden(1), o.hidden(1))
+        got, want = r.state(), o.state()
+        assert got.keys() == want.keys()
+        bad = [k for k in want if not _same(got[k], want[k])]
+        report({"test": "seqs_piece_in_layers", "model": name, "layers_per_call": layers, "calls": calls,
+                "piece": len(piece), "tensors_compared": len(want), "differing": bad})
+        assert not bad
+        # the others: their prompt through oj_prefill, then one token a pass, as oj_eval of each
+        for seq in (0, 2):
+            o.ok(lib.oj_reset(o.h), "reset")
+            prefill(o, others[seq])
+            for t in steps[seq]:
+                o.eval([t])
+            r.select(seq)
+            got, want = r.state(), o.state()
+            assert [k for k in want if not _same(got[k], want[k])] == [] and _same(r.hidden(1), o.hidden(1))
+        # oj_reset drops a piece in flight: the buffers are free, the sequence empty
+        r.select(1)
+        r.ok(lib.oj_prefill_layers(r.h, buf, len(piece), 1, done), "a piece begun")
+        assert done[0] == 0
+        r.ok(lib.oj_reset(r.h), "oj_reset")
+        assert r.n_past() == 0
+        r.select(0)
+        prefill(r, [1, 2, 3])
+    finally:
+        be.close()
+        one.close()

@@ -283,6 +283,81 @@ class SeqFakeLib(FakeLib):
         return list(self.hist) if seq == self.selected else list(self.saved[seq]["hist"])
 
 
+class PieceFakeLib(SeqFakeLib):
+    """SeqFakeLib with oj_prefill_layers (openjet.h ABI 12): a piece's tokens go into its sequence
+    when the call that runs its last layer comes (the real engine's part state is nobody's to
+    read: every call on the sequence but oj_prefill_layers with the same tokens and oj_reset is
+    refused meanwhile, as are oj_prefill and oj_eval_seqs naming it; the fake refuses them too and
+    records them in refused_piece). layer_calls: (sequence, tokens, layers asked, layers done after)."""
+
+    abi = native.PIECE_ABI
+    ALLOWED_WITH_A_PIECE = ("oj_prefill_layers", "oj_reset") + NOT_ON_THE_SELECTED + COPY_WAIT_AND_ENGINE_WIDE
+
+    def __init__(self, ffi):
+        self.piece: tuple[int, list[int], int] | None = None    # (sequence, tokens, layers done)
+        self.layer_calls: list[tuple[int, int, int, int]] = []
+        self.refused_piece: list[str] = []
+        super().__init__(ffi)
+
+    def __getattribute__(self, name):
+        attr = super().__getattribute__(name)
+        if not name.startswith("oj_") or not callable(attr) or name in PieceFakeLib.ALLOWED_WITH_A_PIECE:
+            return attr
+        get = object.__getattribute__
+
+        def entry(*args):
+            piece = get(self, "piece")
+            if piece is not None and (get(self, "selected") == piece[0] or name == "oj_prefill"):
+                get(self, "refused_piece").append(name)
+                return get(self, "_fail")(f"{name}: sequence {piece[0]} has a prompt piece in flight")
+            return attr(*args)
+        return entry
+
+    def oj_engine_create(self, desc, out):
+        self.n_layer = int(desc.hparams.n_layer)
+        return super().oj_engine_create(desc, out)
+
+    def oj_eval_seqs(self, h, seqs_buf, toks_buf, n):
+        if self.piece is not None and any(int(seqs_buf[i]) == self.piece[0] for i in range(n)):
+            self.refused_piece.append("oj_eval_seqs")
+            return self._fail(f"oj_eval_seqs: sequence {self.piece[0]} has a prompt piece in flight")
+        return super().oj_eval_seqs(h, seqs_buf, toks_buf, n)
+
+    def oj_reset(self, h):
+        if self.piece is not None and self.piece[0] == self.selected:
+            self.piece = None
+        return super().oj_reset(h)
+
+    def oj_prefill_layers(self, h, buf, n, layers, done):
+        done[0] = 0
+        toks = [int(buf[i]) for i in range(n)]
+        if layers < 1:
+            return self._fail(f"oj_prefill_layers: layers is {layers}")
+        if self.piece is None:
+            if n > self.prefill_chunk:
+                return self._fail(f"oj_prefill_layers: a piece of {n} tokens; at most prefill_chunk")
+            self.piece = (self.selected, toks, 0)
+        elif self.piece[0] != self.selected or self.piece[1] != toks:
+            self.refused_piece.append("oj_prefill_layers")
+            return self._fail(f"oj_prefill_layers: sequence {self.piece[0]}'s piece holds the prefill buffers")
+        seq, _, before = self.piece
+        after = min(self.n_layer, before + layers)
+        self.layer_calls.append((seq, n, layers, after))
+        if after < self.n_layer:
+            time.sleep(PASS_SECONDS)
+            self.piece = (seq, toks, after)
+            return 0
+        self.piece = None
+        rc = self.oj_prefill(h, buf, n)
+        if rc == 0:
+            done[0] = 1
+            return 0
+        error, done[0] = self.error, -1      # failed part way: the engine resets the sequence
+        self.oj_reset(h)
+        self.error = error
+        return rc
+
+
 def _copy_state(st: dict) -> dict:
     return {k: (list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v) for k, v in st.items()}
 
@@ -876,6 +951,106 @@ def test_prompt_pieces_are_whole_deltanet_chunks_through_prefill(fake_seqs):
         assert [n for q, n in lib.seq_prefills if q == 1] == [20, 5]
     finally:
         be.close()
+
+
+@pytest.fixture()
+def fake_pieces(monkeypatch):
+    return install_fake(monkeypatch, PieceFakeLib)
+
+
+def test_a_piece_in_layers_equals_the_piece_whole_with_other_sequences_between(fake_pieces):
+    """prefill_piece puts a piece through oj_prefill_layers a share of the layers a call; another
+    sequence decodes between the calls; the piece's sequence then holds what one oj_prefill of
+    the piece leaves (the same tokens, results and MTP rows), and nothing touched it meanwhile."""
+    whole = _backend(1, draft_depth=4)
+    be = _backend(2, draft_depth=4)
+    try:
+        lib = fake_pieces[-1]
+        n_layer = lib.n_layer
+        a, b = be.sequences()
+        head, piece = PROMPTS[3][:20], PROMPTS[3][20:20 + 100]
+        for v in (whole, b):
+            v.eval_argmax(head)
+        whole._eval_chunks(piece, prefill_all=True)
+        want = (whole.argmax(), whole.n_past, whole._mtp_n_past(), whole.logits(0))
+        a.eval_argmax(PROMPTS[0])
+        shares, other = [], []
+        while True:
+            shares.append(b.prefill_piece(piece, 0.3))
+            if not b.piece_in_flight:
+                break
+            other.append(a.eval_argmax([7]))                  # a decode step of sequence 0 between
+        step = max(1, int(n_layer * 0.3))
+        assert len(shares) == -(-n_layer // step) > 1, (shares, n_layer)
+        assert [c[2] for c in lib.layer_calls] == [step] * (len(shares) - 1) + [n_layer - step * (len(shares) - 1)]
+        assert math.isclose(sum(shares), 1.0)
+        got = (b.argmax(), b.n_past, b._mtp_n_past(), b.logits(0))
+        assert got[:3] == want[:3] and np.array_equal(got[3], want[3])
+        assert lib.history(1) == head + piece and b.prefilled_positions == whole.prefilled_positions
+        assert lib.history(0) == PROMPTS[0] + [7] * len(other)
+        assert lib.refused_piece == []
+        # a share of 1, or a piece the engine cannot take in layers, goes in whole
+        assert b.prefill_piece([5, 6, 7], 1.0) == 1.0 and not b.piece_in_flight
+        assert lib.history(1)[-3:] == [5, 6, 7] and len(lib.layer_calls) == len(shares)
+    finally:
+        be.close()
+        whole.close()
+
+
+def test_a_piece_in_flight_refuses_other_tokens_and_a_reset_drops_it(fake_pieces):
+    be = _backend(2)
+    try:
+        lib = fake_pieces[-1]
+        b = be.sequences()[1]
+        b.eval_argmax([9] * 10)
+        assert b.prefill_piece(list(range(5, 105)), 0.25) < 1 and b.piece_in_flight
+        with pytest.raises(ValueError, match="piece of 100 tokens in flight"):
+            b.prefill_piece(list(range(6, 106)), 0.25)
+        with pytest.raises(NativeEngineError, match="prompt piece in flight"):
+            b.eval_argmax([3])
+        assert lib.refused_piece == ["oj_eval_seqs"]
+        b.reset()
+        assert not b.piece_in_flight and b.n_past == 0
+        b.eval_argmax([9] * 10)                                  # the sequence serves again
+        assert lib.history(1) == [9] * 10 and lib.piece is None
+    finally:
+        be.close()
+
+
+def test_a_long_prompt_beside_decoders_goes_in_layers_and_every_stream_equals_it_alone(fake_pieces):
+    """With oj_prefill_layers, a prompt piece larger than the budget's room next to decoders goes
+    through its layers over several passes, decode steps of the others between them; every output
+    equals its request alone, and no call touched the piece's sequence while it was in flight."""
+    with _load(1, draft_depth=0, n_ctx=1024) as one:
+        long_prompt = [(37 * i + 11) % 3000 + 5 for i in range(10 * 64 + 6)]
+        want_long = one.generate(long_prompt, max_tokens=8, temperature=0).tokens
+        want = {p: one.generate(p, max_tokens=120, temperature=0).tokens for p in TEXTS[:2]}
+    with _load(3, draft_depth=0, n_ctx=1024) as eng:
+        lib = fake_pieces[-1]
+        decoding = threading.Event()
+
+        def first_stream():
+            out = []
+            for c in eng.generate(TEXTS[0], max_tokens=120, temperature=0, stream=True):
+                out.extend(c.tokens)
+                if len(out) >= 8:
+                    decoding.set()
+            return out
+
+        def late_long():
+            assert decoding.wait(30)
+            return eng.generate(long_prompt, max_tokens=8, temperature=0).tokens
+
+        got = run_threads([first_stream, lambda: _stream(eng, TEXTS[1], n=120), late_long])
+        assert got == [want[TEXTS[0]], want[TEXTS[1]], want_long]
+        seq = next(s.backend.seq for s in eng._slots if s.tokens[:len(long_prompt)] == long_prompt)
+        calls = [c for c in lib.layer_calls if c[0] == seq]
+        assert any(c[3] < lib.n_layer for c in calls), calls       # some piece went in layers
+        pieces = [n for q, n in lib.seq_prefills if q == seq]
+        assert sum(pieces) == len(long_prompt) - 1 and all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1])
+        trace = eng._slots[0].backend._shared.passes.trace
+        assert any(0 < e[4] < native.DELTANET_CHUNK and e[3] > 0 for e in trace)   # a share beside decoders
+        assert lib.refused_piece == [] and lib.overlaps == []
 
 
 def test_a_bad_request_among_native_slots_fails_alone(fake_seqs):

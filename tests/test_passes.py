@@ -239,3 +239,73 @@ def test_chains_put_the_next_pass_right_after_the_last():
     handed_in = statistics.median(_gaps_between_passes(True, work_s))
     chained = statistics.median(_chain_gaps(work_s))
     assert chained < 0.5 * handed_in, (chained, handed_in)
+
+
+class PiecePasses(TokenPasses):
+    """TokenPasses of a backend that puts prompt pieces through their layers over several passes
+    (pieces_in_layers): pieces are whole multiples of 64 tokens (as the native engine's DeltaNet
+    chunks make them), the budget allows `room` prompt tokens next to decode steps, and a piece
+    asked for a share of its layers runs that share (`shares`: per sequence, the shares of its
+    piece so far)."""
+
+    pieces_in_layers = True
+
+    def __init__(self, room: int, **kw):
+        super().__init__(**kw)
+        self.budget.prompt_tokens = lambda n_decode: room if n_decode else self.n_batch
+        self.shares: dict[int, list[float]] = {}
+        self.pieces_done: list[tuple[int, int]] = []      # (sequence, tokens) of every piece finished
+
+    def _prompt_tokens(self, w, n):
+        return n if n >= w.left else min(w.left, max(64, n - n % 64))
+
+    def _run_pass(self, chosen):
+        errors, seconds = super()._run_pass(chosen)
+        for w, n in chosen:
+            if w.share < 1 or w.piece:
+                got = self.shares.setdefault(w.seq, [])
+                w.ran = min(w.share, 1 - sum(got))
+                got.append(w.ran)
+                w.piece = n if sum(got) < 1 - 1e-9 else 0
+                if not w.piece:
+                    self.shares[w.seq] = []
+                    self.pieces_done.append((w.seq, n))
+        return errors, seconds
+
+
+def test_a_piece_larger_than_the_room_goes_in_layers_beside_the_decoders():
+    """Next to decode steps a prompt piece larger than the budget's room goes in shares of its
+    layers, the pass's one prompt, until it is in; the trace and the budget count the share's
+    tokens; a cancel while a piece is part way waits for it to end, and `done` counts it whole."""
+    sched = PiecePasses(room=16, pass_s=0.001)
+    try:
+        decoder = sched.submit_chain(0, 5, 10_000, set())
+        assert decoder.step(2)()
+        prompt = sched.submit(1, list(range(200, 400)), want_logits=False)
+        other = sched.submit(2, list(range(500, 600)), want_logits=False)
+        sched.wait(prompt)
+        assert sched.pieces_done[:3] == [(1, 64), (1, 64), (1, 64)] and prompt.done == 200
+        assert prompt.argmax == 400                 # the last token's argmax: all 200 went in
+        # each piece in shares of 16 / 64 of its layers, beside the decoder; the last piece of 8
+        # fits the room whole
+        shared = [e for e in sched.trace if e[4] and e[3]]
+        assert sum(1 for e in shared if e[4] == 16) >= 12
+        assert all(e[4] <= 16 for e in shared)
+        sched.wait(other)
+        # cancel part way through a piece: it waits for the piece to end
+        sched.gate.clear()
+        late = sched.submit(3, list(range(700, 1000)), want_logits=False)
+        assert late.launched.wait(10)
+        sched.gate.set()
+        while not late.piece:
+            time.sleep(0.0005)
+        sched.cancel(3)
+        assert late.event.is_set() and isinstance(late.error, RuntimeError) and late.done % 64 == 0 < late.done
+        assert sched.shares.get(3, []) == []          # no piece of sequence 3 left part way
+        n_done = len(sched.pieces_done)
+        time.sleep(0.02)
+        assert [p for p in sched.pieces_done[n_done:] if p[0] == 3] == []
+        decoder.cancel()
+    finally:
+        sched.gate.set()
+        sched.close()

@@ -90,6 +90,7 @@ PREFILL_ABI = 3              # the first oj_abi_version() with oj_prefill
 CYCLE_ABI = 4                # the first oj_abi_version() with oj_cycle
 TREE_ABI = 6                 # the first oj_abi_version() with oj_verify_tree / oj_commit_path
 DRAFT_TREE_ABI = 8           # the first oj_abi_version() with oj_draft_tree
+PIECE_ABI = 12               # the first oj_abi_version() with oj_prefill_layers
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -350,6 +351,7 @@ class NativeBackend:
         self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
         self.supports_tree = int(self._nl.lib.oj_abi_version()) >= TREE_ABI
         self.supports_draft_tree = int(self._nl.lib.oj_abi_version()) >= DRAFT_TREE_ABI
+        self.supports_pieces = self.batched_prefill and int(self._nl.lib.oj_abi_version()) >= PIECE_ABI
         self._shared = _SharedEngine(self._nl, self._create(model_file, kv_type, device), self.n_seq)
         # engine.cu's own rule for loading the MTP block: nextn layer present with its eh_proj
         il = model_file.config.mtp_layer
@@ -383,6 +385,8 @@ class NativeBackend:
         self._token_row: tuple[int, int] | None = None
         self._verify_tokens: list[int] = []
         self._verify_parent: list[int] | None = None   # the last verify_tree's parents (None: a chain)
+        # the prompt piece in flight (prefill_piece: oj_prefill_layers): its tokens and layers done
+        self._piece: tuple[list[int], int] | None = None
 
     @property
     def supports_speculative(self) -> bool:
@@ -600,6 +604,71 @@ class NativeBackend:
         if self.supports_speculative:
             self._mtp_upto = self.n_past     # the engine made every row of the span
 
+    def _piece_fits(self, n: int) -> bool:
+        """A piece of n tokens at n_past can go in layers (oj_prefill_layers) with the state and
+        results of _eval_chunks(prefill_all=True) of it: one oj_prefill pass (n <= prefill_chunk),
+        no checkpoint interval strictly inside it (where _eval_chunks would split it and save one),
+        and for a speculating sequence an MTP cache that ends at n_past once the rows owed are made
+        (the engine then makes the piece's rows, as _prefill_span's oj_prefill does; otherwise
+        _prefill_span evaluates its head by oj_eval first)."""
+        if not self.supports_pieces or n > self.prefill_chunk:
+            return False
+        every = self.checkpoint_interval
+        if every and self.n_past % every + n > every:
+            return False
+        if self.supports_speculative:
+            self._flush_mtp()
+            return self._mtp_n_past() == self.n_past
+        return True
+
+    @_on_engine
+    def prefill_piece(self, span: list[int], share: float) -> float:
+        """A share (0 < share <= 1) of the layers of `span`, a piece of a prompt that alone would go
+        through oj_prefill (NativePasses): oj_prefill_layers over max(1, floor(n_layer x share))
+        more layers, so that the decoders beside it wait for that share only. The first call starts
+        the piece; the next ones pass the same span. Returns the share of the piece's layers this
+        call ran; `piece_in_flight` is False once the piece is in the sequence, whose state and
+        results are then those of _eval_chunks(span, prefill_all=True), bit for bit. A piece that
+        cannot go in layers (_piece_fits) goes in whole (returns 1.0). A failure on the way ends
+        the piece and the sequence (the engine reset it: its state was part piece)."""
+        toks = [int(t) for t in span]
+        n_layer = self.config.n_layer
+        if self._piece is None:
+            self._chunks(toks)            # validation: ids, context
+            if not 0 < share < 1 or not self._piece_fits(len(toks)):
+                self._eval_chunks(toks, prefill_all=True)
+                return 1.0
+            done_before = 0
+        else:
+            if toks != self._piece[0]:
+                raise ValueError(f"sequence {self.seq} has a piece of {len(self._piece[0])} tokens in flight; "
+                                 f"go on with the same tokens")
+            done_before = self._piece[1]
+        layers = min(n_layer - done_before, max(1, int(n_layer * share)))
+        ffi = self._nl.ffi
+        done = ffi.new("int32_t *")
+        rc = self._nl.lib.oj_prefill_layers(self._handle(), ffi.new("int32_t[]", toks), len(toks), layers, done)
+        if rc != 0:
+            if done[0] < 0:               # the engine reset the sequence
+                self._piece = None
+                self._after_reset()
+            self._check(rc, "prefill piece")
+        if done[0] == 0:
+            self._piece = (toks, done_before + layers)
+            return layers / n_layer
+        self._piece = None
+        self.prefilled_positions += len(toks)
+        self._last_n = 1
+        self._verify_tokens = []
+        if self.supports_speculative:
+            self._mtp_upto = self.n_past     # the engine made every row of the piece
+        return layers / n_layer
+
+    @property
+    def piece_in_flight(self) -> bool:
+        """A prompt piece of this sequence is part way through its layers (prefill_piece)."""
+        return self._piece is not None
+
     @_on_engine
     def prefill_with_mtp_rows(self, tokens: list[int]) -> bool:
         """Append `tokens` in one oj_prefill that also makes their MTP rows in the engine (the
@@ -753,6 +822,11 @@ class NativeBackend:
 
     def _reset(self) -> None:
         self._check(self._nl.lib.oj_reset(self._handle()), "reset")
+        self._after_reset()
+
+    def _after_reset(self) -> None:
+        """The Python side of an oj_reset of this sequence (a piece in flight goes with it)."""
+        self._piece = None
         self._last_n = 0
         self._checkpoints = []
         self._mtp_upto, self._uncaught, self._verify_tokens = 0, [], []
@@ -1267,6 +1341,7 @@ class NativePasses(PassScheduler):
 
     serves = "the native engine"
     thread_name = "openjet-native-pass"
+    pieces_in_layers = True
 
     def __init__(self, shared: _SharedEngine, n_batch: int):
         super().__init__(n_batch, shared.n_seq)
@@ -1291,7 +1366,14 @@ class NativePasses(PassScheduler):
                     continue
                 view = self._shared.views[w.seq]
                 try:
-                    view._eval_chunks(w.tokens[w.done:w.done + n], prefill_all=self._prefills_whole(w))
+                    if w.share < 1 or w.piece:
+                        # a piece in layers (_compose): a share of them now, the rest in later passes
+                        w.ran = view.prefill_piece(w.tokens[w.done:w.done + n], w.share)
+                        w.piece = n if view.piece_in_flight else 0
+                        if w.piece:
+                            continue
+                    else:
+                        view._eval_chunks(w.tokens[w.done:w.done + n], prefill_all=self._prefills_whole(w))
                     if n == w.left:
                         if w.want_logits:
                             w.logits = view.logits(view._last_n - 1)
@@ -1300,6 +1382,12 @@ class NativePasses(PassScheduler):
                             if w.argmax in w.rows_for:
                                 w.logits = view.logits(view._last_n - 1)
                 except Exception as exc:  # noqa: BLE001 - its own caller gets it; the pass goes on
+                    if view.piece_in_flight:     # refused part way: the sequence cannot go on
+                        try:
+                            view._reset()
+                        except Exception:  # noqa: BLE001 - the work fails with the first error
+                            pass
+                    w.piece = 0
                     errors[i] = exc
             seconds = time.perf_counter() - t0
         return errors, seconds

@@ -50,6 +50,11 @@ PASS_TIMES_KEPT = 512           # decode-only pass times kept per number of deco
 PASS_TRACE_KEPT = 8192          # the last passes' times kept for `trace` (openjet bench's latency rows)
 
 
+def stage_share(room: int, piece: int) -> float:
+    """The share of a piece's layers a pass with `room` prompt tokens runs (at most all of them)."""
+    return min(1.0, room / piece) if piece else 1.0
+
+
 class Work:
     """One eval call: tokens of one sequence to append at n_past; done counts those evaluated.
     want_logits False: the caller needs only the greedy id (`argmax`), so no logits row is copied
@@ -57,7 +62,7 @@ class Work:
 
     __slots__ = ("seq", "tokens", "n_past", "order", "done", "want_logits", "logits", "argmax", "error",
                  "cancelled", "event", "launched", "submitted", "chain_left", "chain_eog", "chain_out",
-                 "rows_for")
+                 "rows_for", "share", "ran", "piece", "stop_after_piece")
 
     def __init__(self, seq: int, tokens: list[int], n_past: int, order: int, want_logits: bool = True):
         self.seq, self.tokens, self.n_past, self.order = seq, tokens, n_past, order
@@ -78,6 +83,13 @@ class Work:
         # argmaxes for which the backend also keeps the logits row (in `logits`) of a work that
         # asked for none: the ids a request's negative biases may take the argmax from
         self.rows_for: frozenset[int] = frozenset()
+        # a prompt piece in layers (a backend with pieces_in_layers): the share of the piece's
+        # layers this pass asks for (1.0: the whole piece), the share it ran, the piece's tokens
+        # while it is part way through them (0: none), and a cancel waiting for it to end
+        self.share = 1.0
+        self.ran = 1.0
+        self.piece = 0
+        self.stop_after_piece = False
 
     @property
     def left(self) -> int:
@@ -164,6 +176,9 @@ class PassScheduler:
 
     serves = "the backend"             # "the llama.cpp context", "the native engine"
     thread_name = "openjet-pass"
+    # the backend can put a prompt piece through its layers over several passes (_run_pass honours
+    # Work.share and keeps Work.piece): a piece larger than the budget's room goes in shares
+    pieces_in_layers = False
 
     def __init__(self, n_batch: int, n_seq: int):
         self.n_batch = n_batch
@@ -181,6 +196,7 @@ class PassScheduler:
         self.passes = 0
         self.shared_passes = 0
         self.max_sequences_in_a_pass = 0
+        self.piece_passes = 0                  # passes that ran a share of a prompt piece's layers
         # decode-only passes' seconds by their decode steps, the last PASS_TIMES_KEPT of each: what
         # a pass of k sequences costs as the scheduler runs it (openjet bench's concurrent details)
         self.decode_pass_seconds: dict[int, collections.deque] = {}
@@ -203,7 +219,8 @@ class PassScheduler:
     def counts(self) -> dict:
         """The counters a backend's `pass_counts` reports (openjet bench's concurrent details)."""
         return {"passes": self.passes, "shared_passes": self.shared_passes,
-                "max_sequences_in_a_pass": self.max_sequences_in_a_pass, "decode_pass_ms": self.decode_pass_ms()}
+                "max_sequences_in_a_pass": self.max_sequences_in_a_pass, "piece_passes": self.piece_passes,
+                "decode_pass_ms": self.decode_pass_ms()}
 
     def trace_since(self, t: float) -> list[tuple[float, float, float, int, int, float]]:
         """The kept passes that ended after perf_counter time t (`trace`'s entries)."""
@@ -267,11 +284,17 @@ class PassScheduler:
         work's `done` counts exactly the tokens that went into its state."""
         with self._cv:
             for w in [w for w in self._pending if w.seq == seq]:
+                if w.piece:
+                    # part way through a piece's layers: the piece ends first (the sequence's
+                    # state takes it whole), then the work
+                    w.stop_after_piece = True
+                    continue
                 w.cancelled = True
                 self._pending.remove(w)
                 w.error = RuntimeError("cancelled")
                 w.finish()
-            while seq in self._in_pass:
+            while not self._closed and (seq in self._in_pass or any(w.seq == seq for w in self._pending
+                                                                    if w.stop_after_piece)):
                 self._cv.wait()
 
     def close(self) -> None:
@@ -320,9 +343,11 @@ class PassScheduler:
                 errors, seconds = [failure] * len(chosen), 0.0
             ended = time.perf_counter()
             with self._cv:
-                self.trace.append((began, ended, seconds, n_decode, sum(n for _, n in chosen) - n_decode, steps_in))
+                # a piece in layers counts the share of its tokens whose layers ran
+                n_prompt = sum(n if w.ran >= 1 else max(1, round(n * w.ran)) for w, n in chosen) - n_decode
+                self.trace.append((began, ended, seconds, n_decode, n_prompt, steps_in))
                 if not any(errors):
-                    self.budget.record(n_decode, sum(n for _, n in chosen) - n_decode, seconds)
+                    self.budget.record(n_decode, n_prompt, seconds)
                     self._last_pass_seconds = seconds
                     if n_decode and n_decode == sum(n for _, n in chosen):
                         self.decode_pass_seconds.setdefault(
@@ -331,11 +356,20 @@ class PassScheduler:
                 self._decoders_of_last_pass = n_decode
                 self.passes += 1
                 self.shared_passes += len(chosen) > 1
+                self.piece_passes += any(w.ran < 1 for w, _ in chosen)
                 self.max_sequences_in_a_pass = max(self.max_sequences_in_a_pass, len(chosen))
                 for (w, n), error in zip(chosen, errors):
+                    if error is None and w.piece:
+                        continue                # part way through its layers: on in the next pass
                     if error is None:
                         w.done += n             # in the sequence's state, cancelled or not
                     if w.cancelled:
+                        continue
+                    if w.stop_after_piece:
+                        w.cancelled = True      # its cancel waited for the piece to end
+                        self._pending.remove(w)
+                        w.error = RuntimeError("cancelled")
+                        w.finish()
                         continue
                     if error is not None:
                         w.error = error
@@ -362,13 +396,29 @@ class PassScheduler:
         # and a full n_batch chunk now would be the stall it exists to prevent
         decoders = max(len(decode), self._decoders_of_last_pass)
         room = min(self.n_batch - len(decode), self.budget.prompt_tokens(min(decoders, self.n_batch)))
+        piece = next((w for w in self._pending if w.piece), None)
+        if piece is not None:
+            # a piece part way through its layers goes on, the pass's one prompt (it holds the
+            # backend's prompt buffers): the share of its layers the room allows
+            piece.share, piece.ran = stage_share(room, piece.piece), 1.0
+            chosen.append((piece, piece.piece))
         for w in sorted((w for w in self._pending if w.left > 1), key=lambda w: w.order):
+            if piece is not None:
+                break
             n = min(w.left, room)
             if n == 0:
                 break
-            n = self._prompt_tokens(w, n)
-            chosen.append((w, n))
-            room = max(room - n, 0)
+            m = self._prompt_tokens(w, n)
+            w.share, w.ran = 1.0, 1.0
+            if m > n and decode and self.pieces_in_layers:
+                # rounded up past the room next to decoders: the piece in layers, the room's share
+                # of them now, as the pass's one prompt (after another, it waits for the next pass)
+                if len(chosen) == len(decode):
+                    w.share = stage_share(n, m)
+                    chosen.append((w, m))
+                break
+            chosen.append((w, m))
+            room = max(room - m, 0)
         # In the pass by sequence id: with a KV stream per sequence llama.cpp splits a batch into
         # ubatches (one graph, one read of the weights each) of sequences whose ids follow one
         # another in the order they first appear (llama_batch_allocr::split_equal, sequential), so
