@@ -25,6 +25,16 @@ biases chains too: the argmax stands unless it is one of the biased ids (a bias 
 logit), so the chain also ends at those, and the backend keeps that evaluation's logits row
 (`Chain.row`) for the request to apply its biases to.
 
+A prompt piece can be no smaller than the backend's split allows (`_prompt_tokens`: the native
+engine cuts a prompt only at DeltaNet chunks of 64, so that it meets the kernels it meets alone),
+and a piece of 64 next to seven decoders costs them ~33 ms of a 48 ms pass on an H100, whatever the
+budget says. A backend that can put a piece through its layers over several passes
+(`pieces_in_layers`: the native engine's oj_prefill_layers) gets such a piece as the pass's one
+prompt with `Work.share` = room / piece, the share of its layers this pass runs; it keeps
+`Work.piece` set while the piece is part way, and the piece goes on, alone among the prompts, in
+the next passes until it is in (only then does `done` count its tokens). The trace and the budget
+count the share's tokens. A cancel waits for a piece part way to end.
+
 What differs between backends is only how the chosen works run: `_run_pass(chosen)`, given
 (work, tokens it puts in this pass) pairs, puts those tokens into each work's sequence, sets the
 result of every work it finishes (`logits`, or `argmax` for a work that asked for no logits row)
