@@ -305,6 +305,17 @@ def test_a_piece_larger_than_the_room_goes_in_layers_beside_the_decoders():
         n_done = len(sched.pieces_done)
         time.sleep(0.02)
         assert [p for p in sched.pieces_done[n_done:] if p[0] == 3] == []
+        # cancel while the pass that begins a piece runs: it waits for that piece too
+        sched.gate.clear()
+        began = sched.submit(4, list(range(700, 1000)), want_logits=False)
+        assert began.launched.wait(10) and began.piece == 0
+        cancelled = threading.Thread(target=sched.cancel, args=(4,))
+        cancelled.start()
+        time.sleep(0.01)
+        sched.gate.set()
+        cancelled.join(10)
+        assert not cancelled.is_alive() and began.done == 64 and isinstance(began.error, RuntimeError)
+        assert sched.shares.get(4, []) == [] and (4, 64) in sched.pieces_done
         decoder.cancel()
     finally:
         sched.gate.set()

@@ -294,9 +294,10 @@ class PassScheduler:
         work's `done` counts exactly the tokens that went into its state."""
         with self._cv:
             for w in [w for w in self._pending if w.seq == seq]:
-                if w.piece:
-                    # part way through a piece's layers: the piece ends first (the sequence's
-                    # state takes it whole), then the work
+                if w.piece or (self.pieces_in_layers and seq in self._in_pass):
+                    # part way through a piece's layers, or in the pass running now (which may
+                    # begin one): the piece ends first (the sequence's state takes it whole),
+                    # then the work
                     w.stop_after_piece = True
                     continue
                 w.cancelled = True
