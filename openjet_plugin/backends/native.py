@@ -1334,10 +1334,10 @@ class NativePasses(PassScheduler):
     chunk on its own sequence through its view's eval path (oj_prefill spans, or oj_eval 8
     positions a call), which selects the sequence; a piece the scheduler gives a share of its
     layers (Work.share < 1, passes.py) goes through oj_prefill_layers (prefill_piece), the same
-    kernels in the same order as its oj_prefill, so the sequence ends bit for bit as alone. A work that asked only for the argmax gets no
-    logits row copied (a sequence whose MTP cache follows the main model, a speculating request's,
-    takes its tokens through the eval path, which makes their MTP rows). A sequence the engine
-    refuses fails alone: oj_eval_seqs checks every
+    kernels in the same order as its oj_prefill, so the sequence ends bit for bit as alone. A
+    work that asked only for the argmax gets no logits row copied (a sequence whose MTP cache
+    follows the main model, a speculating request's, takes its tokens through the eval path, which
+    makes their MTP rows). A sequence the engine refuses fails alone: oj_eval_seqs checks every
     sequence before it runs anything, so where it refuses a call of several, each runs again by
     itself."""
 
