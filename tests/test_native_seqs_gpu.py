@@ -433,6 +433,14 @@ def test_a_piece_in_layers_equals_the_piece_whole(native, workdir, name, layers)
         prefill(r, prefix)
         buf = ffi.new("int32_t[]", piece)
         done = ffi.new("int32_t *")
+        # bad arguments are refused by name before anything runs (the piece below is then the
+        # first one the engine sees)
+        bad = [(lambda: lib.oj_prefill_layers(r.h, buf, len(piece), 0, done), "layers is 0"),
+               (lambda: lib.oj_prefill_layers(r.h, buf, len(piece), layers, ffi.NULL), "done is NULL"),
+               (lambda: lib.oj_prefill_layers(r.h, ffi.new("int32_t[]", 300), 300, layers, done),
+                "at most prefill_chunk (256)")]
+        for call, needle in bad:
+            assert call() != 0 and needle in _last_error(r), (needle, _last_error(r))
         calls, steps = 0, {0: [], 2: []}
         while True:
             r.select(1)

@@ -900,17 +900,15 @@ def test_a_request_served_alone_speculates_and_concurrent_ones_share_passes(fake
         assert lib.overlaps == []
 
 
-def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_chunks(fake_seqs):
-    """A prompt arriving while others decode is cut by the pass budget; its pieces go through
-    oj_prefill as the whole prompt would alone, each but the last a whole number of DeltaNet
-    chunks, so its positions meet the same kernels at the same chunk boundaries."""
+def _long_prompt_beside_two_streams(libs: list) -> tuple:
+    """Two greedy streams of 120 tokens on a 3-slot engine, and a 646-token prompt arriving once
+    they decode; every output must equal its request alone. Returns the engine's fake library, the
+    long prompt's sequence, its length and the scheduler's trace."""
     with _load(1, draft_depth=0, n_ctx=1024) as one:
         long_prompt = [(37 * i + 11) % 3000 + 5 for i in range(10 * 64 + 6)]   # a work of 645: 5 past the chunks
         want_long = one.generate(long_prompt, max_tokens=8, temperature=0).tokens
         want = {p: one.generate(p, max_tokens=120, temperature=0).tokens for p in TEXTS[:2]}
     with _load(3, draft_depth=0, n_ctx=1024) as eng:
-        lib = fake_seqs[-1]
-
         decoding = threading.Event()
 
         def first_stream():
@@ -930,10 +928,17 @@ def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_ch
         got = run_threads([first_stream, lambda: _stream(eng, TEXTS[1], n=120), late_long])
         assert got == [want[TEXTS[0]], want[TEXTS[1]], want_long]
         seq = next(s.backend.seq for s in eng._slots if s.tokens[:len(long_prompt)] == long_prompt)
-        pieces = [n for q, n in getattr(lib, "seq_prefills", []) if q == seq]
-        assert sum(pieces) == len(long_prompt) - 1 and len(pieces) > 1, pieces   # cut, all through oj_prefill
-        assert all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1]), pieces
-        assert lib.overlaps == []
+        return libs[-1], seq, len(long_prompt), list(eng._slots[0].backend._shared.passes.trace)
+
+
+def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_chunks(fake_seqs):
+    """A prompt arriving while others decode is cut by the pass budget; its pieces go through
+    oj_prefill as the whole prompt would alone, each but the last a whole number of DeltaNet
+    chunks, so its positions meet the same kernels at the same chunk boundaries."""
+    lib, seq, n_long, _ = _long_prompt_beside_two_streams(fake_seqs)
+    pieces = [n for q, n in getattr(lib, "seq_prefills", []) if q == seq]
+    assert sum(pieces) == n_long - 1 and len(pieces) > 1, pieces   # cut, all through oj_prefill
+    assert all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1]), pieces
 
 
 def test_prompt_pieces_are_whole_deltanet_chunks_through_prefill(fake_seqs):
@@ -1021,36 +1026,13 @@ def test_a_long_prompt_beside_decoders_goes_in_layers_and_every_stream_equals_it
     """With oj_prefill_layers, a prompt piece larger than the budget's room next to decoders goes
     through its layers over several passes, decode steps of the others between them; every output
     equals its request alone, and no call touched the piece's sequence while it was in flight."""
-    with _load(1, draft_depth=0, n_ctx=1024) as one:
-        long_prompt = [(37 * i + 11) % 3000 + 5 for i in range(10 * 64 + 6)]
-        want_long = one.generate(long_prompt, max_tokens=8, temperature=0).tokens
-        want = {p: one.generate(p, max_tokens=120, temperature=0).tokens for p in TEXTS[:2]}
-    with _load(3, draft_depth=0, n_ctx=1024) as eng:
-        lib = fake_pieces[-1]
-        decoding = threading.Event()
-
-        def first_stream():
-            out = []
-            for c in eng.generate(TEXTS[0], max_tokens=120, temperature=0, stream=True):
-                out.extend(c.tokens)
-                if len(out) >= 8:
-                    decoding.set()
-            return out
-
-        def late_long():
-            assert decoding.wait(30)
-            return eng.generate(long_prompt, max_tokens=8, temperature=0).tokens
-
-        got = run_threads([first_stream, lambda: _stream(eng, TEXTS[1], n=120), late_long])
-        assert got == [want[TEXTS[0]], want[TEXTS[1]], want_long]
-        seq = next(s.backend.seq for s in eng._slots if s.tokens[:len(long_prompt)] == long_prompt)
-        calls = [c for c in lib.layer_calls if c[0] == seq]
-        assert any(c[3] < lib.n_layer for c in calls), calls       # some piece went in layers
-        pieces = [n for q, n in lib.seq_prefills if q == seq]
-        assert sum(pieces) == len(long_prompt) - 1 and all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1])
-        trace = eng._slots[0].backend._shared.passes.trace
-        assert any(0 < e[4] < native.DELTANET_CHUNK and e[3] > 0 for e in trace)   # a share beside decoders
-        assert lib.refused_piece == [] and lib.overlaps == []
+    lib, seq, n_long, trace = _long_prompt_beside_two_streams(fake_pieces)
+    calls = [c for c in lib.layer_calls if c[0] == seq]
+    assert any(c[3] < lib.n_layer for c in calls), calls       # some piece went in layers
+    pieces = [n for q, n in lib.seq_prefills if q == seq]
+    assert sum(pieces) == n_long - 1 and all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1])
+    assert any(0 < e[4] < native.DELTANET_CHUNK and e[3] > 0 for e in trace)   # a share beside decoders
+    assert lib.refused_piece == [] and lib.overlaps == []
 
 
 def test_a_bad_request_among_native_slots_fails_alone(fake_seqs):
