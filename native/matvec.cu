@@ -681,8 +681,6 @@ void *f16_workspace(int64_t K, cudaStream_t st) {
             b.p = nullptr;
             check_cuda(cudaMalloc(&b.p, std::max<size_t>(need, matvec_f16_workspace_bytes(32768))), "matvec f16: workspace");
             b.cap = std::max<size_t>(need, matvec_f16_workspace_bytes(32768));
-            // the ticket, the records' epochs and the split counters start at 0 (calls leave them so)
-            check_cuda(cudaMemsetAsync(b.p, 0, matvec_f16_workspace_zero_bytes(), st), "matvec f16: workspace zeroing");
         }
         ws = b.p;
     }
@@ -692,9 +690,8 @@ void *f16_workspace(int64_t K, cudaStream_t st) {
 void launch_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, const int32_t *rows,
                 int64_t n_out, cudaStream_t st) {
     void *ws = f16_workspace(w.K, st);
-    mvf16::PrepIn in;
-    in.x = x;
-    mvf16::run(w, ws, in, y, n_vec, accumulate, rows, n_out, true, st);
+    mvf16::prep(w.type, x, w.K, n_vec, ws, st);
+    mvf16::run(w, ws, y, n_vec, accumulate, rows, n_out, true, st);
 }
 
 bool f16_fits(const Matrix &w) { return path() == 2 && mvf16::supports(w.type) && w.K > 0 && w.K % QK_K == 0; }
@@ -782,11 +779,13 @@ void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepI
                 if (!done[k] && w[k]->type == w[i]->type && w[k]->M > 0) ws[m] = *w[k], ys[m] = y[k], done[k] = true, ++m;
         if (m >= 2) {
             void *buf = f16_workspace(w[i]->K, st);
-            mvf16::run_group(ws, ys, m, buf, in, n_vec, true, st);
+            mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st);
+            mvf16::run_group(ws, ys, m, buf, n_vec, true, st);
             check_launch("matvec_group");
         } else if (m == 1) {
             void *buf = f16_workspace(w[i]->K, st);
-            mvf16::run(*w[i], buf, in, y[i], n_vec, false, nullptr, w[i]->M, true, st);
+            mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st);
+            mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st);
             check_launch("matvec_group");
         } else {
             done[i] = true;
@@ -831,7 +830,8 @@ void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *n
     in.S = S;
     in.eps = eps;
     void *buf = f16_workspace(w.K, st);
-    mvf16::run(w, buf, in, y, n_vec, accumulate, nullptr, w.M, true, st);
+    mvf16::prep(w.type, in, w.K, n_vec, buf, st);
+    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
     check_launch("matvec_gated_norm");
 }
 
@@ -845,7 +845,8 @@ void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int 
     in.x = gate;
     in.up = up;
     void *buf = f16_workspace(w.K, st);
-    mvf16::run(w, buf, in, y, n_vec, accumulate, nullptr, w.M, true, st);
+    mvf16::prep(w.type, in, w.K, n_vec, buf, st);
+    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
     check_launch("matvec_swiglu");
 }
 

@@ -7,9 +7,9 @@
 //
 // Numerics (gemm_f16.cuh's, which passed every prefill check):
 //   - x: one power-of-two scale per (vector, 256-value super-block) so that max |x| lands in
-//     [2^14, 2^15) (no global reduction: one warp makes one (super-block, vector) record, make_x
-//     below; undone exactly per super-block). fp16 rounding of x is the only rounding before
-//     fp32 accumulation. Each vector's record and columns are independent of the others, and every
+//     [2^14, 2^15) (no global reduction: the prep kernel is one pass, one warp per (super-block,
+//     vector); undone exactly per super-block). fp16 rounding of x is the only rounding before
+//     fp32 accumulation. Each vector's prep and columns are independent of the others, and every
 //     reduction is in a fixed order, so 1..8 vectors per call give bit-identical results.
 //   - Q4_K: A = q * sc exactly in fp16 by one HFMA2 on the magic (1024 + q) / (1024 + 16 q)
 //     (gemm_f16.cuh's nibble_pair_magic); 16 k16 steps of a super-block accumulate into a
@@ -39,7 +39,7 @@
 // the copy engine. Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 =
 // sub-blocks 2t, 2t+1) of rows g, g+8 of each tile, so its scales are fixed for the super-block;
 // Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
-// as long as A and B agree: make_x writes x in the order each type's lanes consume it.
+// as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
 //
 // Prepared x, per super-block u a record of REC bytes: for vector v (8 slots) 576 bytes = 512 of
 // fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps 2c, 2c+1 of lane t), 32 of
@@ -47,25 +47,23 @@
 // the quads' 16-byte shared loads conflict-free); then 8 fp32 inverse scales 2^-e (1 for vectors
 // past n_vec). Vectors past n_vec are neither written nor read (their lanes feed B = 0).
 //
-// Workspace: the caller's (matvec.cu keeps one per (device, stream); a call is one kernel on that
-// stream, so calls sharing a workspace are serialised, and calls on other streams have their own)
-// starts with a fixed-size region, at a fixed offset so that a buffer reused for matrices of
-// another K keeps it in place: MAX_TILES uint32 split-K arrival counters, make_x's ticket counter,
-// MAX_RECS record epochs, then MAX_SLOTS partial slots of [8 vectors][32 rows] fp32; the prepared x
-// follows. The counters and the epochs are 0 in a new workspace (its owner zeroes the first
-// ZERO_BYTES once); the counters are 0 again at the end of every call (each tile's last block
-// resets its own, the last ticket the ticket counter), and an epoch is only ever compared with the
-// current call's, which no earlier call had. A kernel launched later on the stream takes its
-// ticket and starts its split epilogue after its griddepcontrol.wait, i.e. after this grid has
-// ended. pick() keeps tiles x S <= MAX_SLOTS. A workspace must not be shared by two streams at
-// once (the prepared x would clash).
+// Split-K workspace: the caller's workspace (matvec.cu keeps one per (device, stream); a call's two
+// kernels run on that stream, so calls sharing a workspace are serialised, and calls on other
+// streams have their own) starts with a fixed-size region, at a fixed offset so that a buffer
+// reused for matrices of another K keeps it in place: MAX_TILES uint32 arrival counters, then
+// MAX_SLOTS partial slots of [8 vectors][32 rows] fp32; the prepared x follows. The counters are 0
+// between calls: the prep kernel zeroes them (a fresh cudaMalloc holds garbage; the matvec touches
+// them only after griddepcontrol.wait, i.e. after the whole prep grid and its writes), and each
+// tile's last block resets its own (so a matvec run again on an already prepared x finds them 0
+// too: a kernel launched later on the stream starts its split epilogue after this grid has ended).
+// pick() keeps tiles x S <= MAX_SLOTS. A workspace must not be shared by two streams at once (it
+// never could: the prepared x would clash too).
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -79,7 +77,7 @@
 
 #include "engine.cuh"
 #include "pdl.cuh"        // pdl_wait, pdl_launch_dependents, launch
-#include "reduce.cuh"     // warp_sum
+#include "reduce.cuh"     // block_sum
 #include "gemm_f16.cuh"   // nibble_pair_magic, q6_bytes, SEL_LO/HI, splat_byte_sel, mma_f16, h2u/u2h, cp.async
 
 namespace oj {
@@ -98,12 +96,8 @@ constexpr int ROWS = 32;                        // weight rows per block (two m1
 constexpr int MAX_SLOTS = 4096;                 // split partial slots (row tiles x splits) per call
 constexpr int MAX_TILES = MAX_SLOTS / 2;        // a split call has S >= 2, so at most this many tiles
 constexpr size_t SLOT_FLOATS = 8 * ROWS;        // one partial: [8 vectors][32 rows] fp32
-constexpr int MAX_RECS = 1024;                  // super-blocks of x (K <= 262,144)
-constexpr size_t TICKET_OFF = (size_t)MAX_TILES * 4;                        // counters first, then the ticket
-constexpr size_t FLAG_OFF = TICKET_OFF + 256;                               // a record's epoch each
-constexpr size_t PART_OFF = FLAG_OFF + (size_t)MAX_RECS * 4;                // the partial slots
+constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;                          // counters first
 constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;   // then the prepared x
-constexpr size_t ZERO_BYTES = PART_OFF;         // what a new workspace must hold as 0
 static_assert(MAX_TILES % 1024 == 0 && XP_OFF % 256 == 0, "split region: whole uint4 per thread, aligned x");
 
 inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * REC; }
@@ -114,14 +108,6 @@ __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ?
 __host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
 // rounded up to 128 bytes: a stage is a tensor copy's destination (stream_tma)
 __host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
-// A block's shared memory: the rings (the block reduction reuses their start), a mbarrier per stage
-// and warp, then make_x's scratch.
-__host__ __device__ constexpr size_t scratch_off(int type, int warps, int stages, int n_vec) {
-    return ((size_t)warps * stages * stage_bytes(type, n_vec) > (size_t)warps * 8 * 32 * 4 ? (size_t)warps * stages * stage_bytes(type, n_vec)
-                                                                                           : (size_t)warps * 8 * 32 * 4) +
-           (size_t)warps * stages * 8;
-}
-constexpr size_t SCRATCH = 512;
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
 // column col of the super-block. Both types take bytes (0, 2) of a word for slots (0, 1) and
@@ -139,7 +125,7 @@ __host__ __device__ inline int x_dest(int type, int c) {
 
 // Vector v's 8 values of super-block record rec held by this lane (columns 8 lane .. 8 lane + 7):
 // their power-of-two scale, fp16 values in TYPE's k order, Q4_K's sub-block sums, the inverse
-// scale (make_record below).
+// scale (prep_kernel below).
 template <int TYPE>
 __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, int lane) {
     float amax = 0.0f;
@@ -178,11 +164,10 @@ __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, 
     if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = ldexpf(1.0f, -e);
 }
 
-// What make_x reads: x as it is; or (norm set) rms_norm(x) * norm, the layer's input norm, bit for
-// bit as elementwise.cu's rms_norm_kernel computes it (each record's maker sums each vector's
-// squares in that kernel's order, norm_scales, then 1 / sqrt(ss / K + eps), x * scale * w); or (up
-// set) silu(x) * up, SwiGLU with x the gate. xn, when set, receives the fp32 values make_x rounds
-// (what the unfused kernels wrote).
+// What the prep reads: x as it is; or (norm set) rms_norm(x) * norm, the layer's input norm, bit
+// for bit as elementwise.cu's rms_norm_kernel computes it (every block sums each vector's squares
+// with that kernel's 256-thread loop and block_sum, then 1 / sqrt(ss / K + eps), x * scale * w); or (up set) silu(x) * up, SwiGLU with x
+// the gate. xn, when set, receives the fp32 values the prep rounds (what the unfused kernels wrote).
 struct PrepIn {
     const float *x = nullptr;      // [n_vec][K]
     const float *norm = nullptr;   // [K]
@@ -197,62 +182,44 @@ struct PrepIn {
     float *xn = nullptr;           // [n_vec][K] or nullptr
 };
 
-// Each vector's RMSNorm scale 1 / sqrt(ss / K + eps) into scale[0..n_vec), its squares summed in
-// rms_norm_kernel's order whatever the block's NT threads (that kernel's 256 threads: thread i takes
-// i, i + 256, ...; block_sum's warp tree, then the 8 warps' sums): with NT = 128 thread i plays i
-// and i + 128. Every vector's load of one i is issued together, each vector still summed in i
-// order: summed one vector after another, the sums were n_vec chains of L2 round trips in a row
-// (H100, 5 positions: +24 us per fused projection, 2.60 -> 3.78 ms of deltanet projections).
-// part: 64 floats of shared memory.
-template <int NT>
-__device__ __forceinline__ void norm_scales(const PrepIn &in, int64_t K, int n_vec, float *part, float *scale) {
-    constexpr int VT = 256 / NT;
-    static_assert(VT * NT == 256, "128 or 256 threads");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    float ss[VT][8];
+// One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
+// ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
+template <int TYPE>
+__global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, int n_vec, uint8_t *__restrict__ ws) {
+    pdl_launch_dependents();
+    pdl_wait();   // x, and the workspace the previous matvec on it may still read
+    if (blockIdx.x == 0)
 #pragma unroll
-    for (int q = 0; q < VT; ++q)
+        for (int i = 0; i < MAX_TILES / 1024; ++i)
+            reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
+    const int64_t u = blockIdx.x;
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __shared__ float norm_scale[8];
+    if (in.norm) {   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
+        // Every vector's load of one i is issued together, each vector still summed in i order:
+        // summed one vector after another, the sums were n_vec chains of L2 round trips in a row
+        // (H100, 5 positions: +24 us per fused projection, 2.60 -> 3.78 ms of deltanet projections).
+        float ss[8];
 #pragma unroll
-        for (int vv = 0; vv < 8; ++vv) ss[q][vv] = 0.0f;
+        for (int vv = 0; vv < 8; ++vv) ss[vv] = 0.0f;
 #pragma unroll 4
-    for (int64_t b = 0; b < K; b += 256)
+        for (int64_t i = threadIdx.x; i < K; i += blockDim.x) {
 #pragma unroll
-        for (int q = 0; q < VT; ++q) {
-            const int64_t i = b + threadIdx.x + q * NT;
-            if (i < K)
-#pragma unroll
-                for (int vv = 0; vv < 8; ++vv)
-                    if (vv < n_vec) {
-                        const float xi = in.x[(int64_t)vv * K + i];
-                        ss[q][vv] += xi * xi;
-                    }
+            for (int vv = 0; vv < 8; ++vv)
+                if (vv < n_vec) {
+                    const float xi = in.x[(int64_t)vv * K + i];
+                    ss[vv] += xi * xi;
+                }
         }
 #pragma unroll
-    for (int vv = 0; vv < 8; ++vv)
-        if (vv < n_vec)
-#pragma unroll
-            for (int q = 0; q < VT; ++q) {
-                const float w = warp_sum(ss[q][vv]);
-                if (lane == 0) part[vv * 8 + warp + q * (NT / 32)] = w;
+        for (int vv = 0; vv < 8; ++vv)
+            if (vv < n_vec) {   // n_vec is the block's: every thread takes the same branches
+                const float t = block_sum(ss[vv]);
+                if (threadIdx.x == 0) norm_scale[vv] = 1.0f / sqrtf(t / K + in.eps);
             }
-    __syncthreads();
-    if (warp < n_vec) {   // warp v: vector v's 8 warp sums, block_sum's last step
-        const float t = warp_sum(lane < 8 ? part[warp * 8 + lane] : 0.0f);
-        if (lane == 0) scale[warp] = 1.0f / sqrtf(t / K + in.eps);
-    }
-    if (NT == 128 && warp + 4 < n_vec) {
-        const int v = warp + 4;
-        const float t = warp_sum(lane < 8 ? part[v * 8 + lane] : 0.0f);
-        if (lane == 0) scale[v] = 1.0f / sqrtf(t / K + in.eps);
     }
     __syncthreads();
-}
-
-// Vector v's part of super-block u's record rec, by one warp (lane l: columns 8 l .. 8 l + 7); a
-// vector past n_vec gets only its inverse scale 1. scale: norm_scales' (read where in.norm is set).
-template <int TYPE>
-__device__ __forceinline__ void make_record(const PrepIn &in, int64_t K, int n_vec, int64_t u, uint8_t *rec, int v, int lane,
-                                            const float *scale) {
+    uint8_t *rec = ws + XP_OFF + u * REC;
     if (v >= n_vec) {
         if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
         return;
@@ -262,12 +229,12 @@ __device__ __forceinline__ void make_record(const PrepIn &in, int64_t K, int n_v
     const float4 a = src[0], b = src[1];
     float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
     if (in.norm) {
-        const float sc = scale[v];
+        const float scale = norm_scale[v];
         const float4 *w = reinterpret_cast<const float4 *>(in.norm + u * QK_K + 8 * lane);
         const float4 w0 = w[0], w1 = w[1];
         const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = xv[j] * sc * wv[j];
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] * scale * wv[j];
     } else if (in.head_norm) {
         float ss = 0.0f;
 #pragma unroll
@@ -294,7 +261,6 @@ __device__ __forceinline__ void make_record(const PrepIn &in, int64_t K, int n_v
     }
     prep_store<TYPE>(xv, rec, v, lane);
 }
-
 
 __device__ __forceinline__ void cp8(void *dst, const void *src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -346,67 +312,7 @@ struct Args {
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
     bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
     More more;
-    // the prepared x, made by the matvec's own blocks (make_x)
-    PrepIn in;
-    uint32_t *ticket;            // the workspace's ticket counter, 0 between calls
-    uint32_t *flags;             // per record: the epoch of the call that last wrote it
-    uint32_t epoch;              // this call's, never 0
 };
-
-__device__ __forceinline__ void st_release(uint32_t *p, uint32_t v) {
-    asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t *p) {
-    uint32_t v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-// Generic-proxy writes (the records) ordered with the copy engine's reads of them (bulk copies).
-__device__ __forceinline__ void fence_proxy_async_global() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("fence.proxy.async.global;\n" ::: "memory");
-#endif
-}
-
-// The call's prepared x, made by its own blocks after the wait (no prep kernel between a
-// projection and the one before it): thread 0 of each block takes a ticket; the blocks holding
-// tickets t < nb make records t, t + grid, ... (make_record) and publish each
-// with the call's epoch (release); then each warp waits (acquire) for the records it streams,
-// [uw, uw + WARPS, ...) of its nj steps. A block takes a ticket only once it runs, so every
-// record's maker is running: no block waits on one that is not resident. The ticket returns to 0
-// with the call's last ticket (the next call takes its tickets after its wait: after this grid).
-// a: the kernel's parameter (what it holds for every member: x, K, n_vec, the workspace); scratch:
-// 8 + 64 + 8 words of shared memory. Not inlined: its registers stay out of the streaming loop's.
-template <int TYPE, int WARPS>
-__device__ __noinline__ void make_x(const Args &a, uint8_t *scratch, int64_t uw, int nj, int lane) {
-    const int64_t K = a.w.K, nb = K / QK_K;
-    uint32_t *tk = reinterpret_cast<uint32_t *>(scratch);
-    float *part = reinterpret_cast<float *>(scratch) + 8, *scale = part + 64;
-    if (threadIdx.x == 0) {
-        const uint32_t t = atomicAdd(a.ticket, 1u);
-        if (t == gridDim.x - 1) *a.ticket = 0u;   // every block of the call holds its ticket
-        *tk = t;
-    }
-    __syncthreads();
-    const uint32_t t = *tk;
-    if ((int64_t)t < nb) {   // uniform over the block
-        if (a.in.norm) norm_scales<32 * WARPS>(a.in, K, a.n_vec, part, scale);
-        for (int64_t u = t; u < nb; u += gridDim.x) {
-            uint8_t *rec = const_cast<uint8_t *>(a.xp) + u * REC;
-            for (int v = threadIdx.x >> 5; v < 8; v += WARPS) make_record<TYPE>(a.in, K, a.n_vec, u, rec, v, lane, scale);
-            fence_proxy_async_global();
-            __threadfence();
-            __syncthreads();
-            if (threadIdx.x == 0) st_release(a.flags + u, a.epoch);
-        }
-    }
-    for (int s = lane; s < nj; s += 32) {
-        const uint32_t *f = a.flags + uw + (int64_t)s * WARPS;
-        while (ld_acquire(f) != a.epoch) __nanosleep(32);
-    }
-    __syncwarp();
-    fence_proxy_async_global();
-}
 
 // Where a lane's copies of one super-block come from (src_at: super-block u; advance: u + WARPS).
 // The main loop issues super-blocks in order, so it moves one cursor instead of recomputing 64-bit
@@ -490,7 +396,7 @@ __device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, const uint8_
     if (g < a.n_vec) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
-        // Q4_K: the 32 bytes of min sums (not the pad: make_x never writes it)
+        // Q4_K: the 32 bytes of min sums (not the pad: the prep never writes it)
         if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VEC_BYTES + XS_OFF + 16 * t, rec + g * VEC_BYTES + XS_OFF + 16 * t);
     }
     if (lane < 2) gemm::cp16(xs + a.n_vec * VEC_BYTES + 16 * lane, rec + INV_OFF + 16 * lane);
@@ -713,9 +619,8 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 // its first GPU run.
 template <int TYPE, int WARPS, int STAGES>
 __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
-                                           int SB, uint64_t *bars, const Args &args, uint8_t *scratch, int m0, int64_t uw, int nj,
-                                           int g, int t, int lane, const int64_t (&blk)[2], const uint32_t (&par)[2][2],
-                                           float (&acc)[2][4]) {
+                                           int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g, int t, int lane,
+                                           const int64_t (&blk)[2], const uint32_t (&par)[2][2], float (&acc)[2][4]) {
     constexpr bool Q6 = TYPE == TYPE_Q6_K;
     constexpr int W = w_bytes(TYPE);
     const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
@@ -743,8 +648,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nj) issue_w(ring + s * SB, bars + s, uw + (int64_t)s * WARPS);
-    pdl_wait();   // the previous kernel's x
-    make_x<TYPE, WARPS>(args, scratch, uw, nj, lane);
+    pdl_wait();   // the prep grid's x
     if (lane == 0)
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
@@ -815,7 +719,6 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;   // super-blocks [u0, u0 + len)
     const int SB = stage_bytes(TYPE, a.n_vec);
     uint8_t *ring = smem + (size_t)warp * STAGES * SB;
-    uint8_t *scratch = smem + scratch_off(TYPE, WARPS, STAGES, a.n_vec);
     auto src_row = [&](int64_t o) -> int64_t {   // rows past the end compute a copy, never written
         if (o >= a.n_out) o = a.n_out - 1;
         return a.rows ? (int64_t)a.rows[o] : o;
@@ -842,12 +745,12 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if constexpr (TMA) {
         uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
-        stream_tma<TYPE, WARPS, STAGES>(a, &args.map[member], &args.map_sc[member], ring, SB, bars, args, scratch, (int)m0, uw,
-                                        nj, g, t, lane, blk, par, acc);
+        stream_tma<TYPE, WARPS, STAGES>(a, &args.map[member], &args.map_sc[member], ring, SB, bars, (int)m0, uw, nj, g, t,
+                                        lane, blk, par, acc);
     } else
 #endif
     {
-    // prologue: weights of the first STAGES - 1 steps, then (after the wait and make_x) their x
+    // prologue: weights of the first STAGES - 1 steps, then (after the prep grid) their x
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < J) {
@@ -855,7 +758,6 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             issue_w<TYPE>(a, ring + s * SB, src_at<TYPE>(a, blk, u, lane), lane);
         }
     pdl_wait();
-    make_x<TYPE, WARPS>(args, scratch, uw, nj, lane);
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);
@@ -954,21 +856,27 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
 
 inline bool supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-// What run and run_group take: a type with a kernel, K a positive multiple of 256, 1..8 vectors.
+// What prep, run and run_group take: a type with a kernel, K a positive multiple of 256, 1..8 vectors.
 inline void check_call(int type, int64_t K, int n_vec) {
     if (!supports(type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(type));
     if (K <= 0 || K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(K));
     if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
-    if (K / QK_K > MAX_RECS) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be at most " + std::to_string(MAX_RECS * QK_K) + ", got " + std::to_string(K));
 }
 
-
-// A call's epoch (make_x): a new one each launch, never 0 (a new workspace's flags).
-inline uint32_t next_epoch() {
-    static std::atomic<uint32_t> n{0};
-    uint32_t e = ++n;
-    while (e == 0) e = ++n;
-    return e;
+// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ);
+// also zeroes the workspace's split-K arrival counters.
+inline void prep(int type, const PrepIn &in, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+    check_call(type, K, n_vec);
+    const unsigned grid = (unsigned)(K / QK_K);
+    uint8_t *w = static_cast<uint8_t *>(ws);
+    check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, in, K, n_vec, w)
+                                 : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, in, K, n_vec, w),
+               "matvec_f16: prep");
+}
+inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+    PrepIn in;
+    in.x = x;
+    prep(type, in, K, n_vec, ws, st);
 }
 
 // Per device (a process may drive several; cudaFuncSetAttribute acts on the current device only).
@@ -999,7 +907,7 @@ inline Device device() {
 // Once per (kernel, device): the shared-memory attribute (the launch and the occupancy query need
 // it), and whether the loaded code has the griddepcontrol.wait (compiled for compute_90+; code
 // built for an older target and JIT-run on sm_90 has none, and an early start would read x before
-// the previous kernel wrote it).
+// the prep wrote it).
 template <int TYPE, int WARPS, int STAGES, bool TMA>
 inline bool setup(const Device &d) {
     static std::mutex mu;
@@ -1018,7 +926,11 @@ inline bool setup(const Device &d) {
 }
 
 template <int TYPE, int WARPS, int STAGES>
-inline size_t smem_bytes(int n_vec) { return scratch_off(TYPE, WARPS, STAGES, n_vec) + SCRATCH; }
+inline size_t smem_bytes(int n_vec) {
+    // the rings (the block reduction reuses their start), then a mbarrier per stage and warp
+    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)WARPS * 8 * 32 * 4) +
+           (size_t)WARPS * STAGES * 8;
+}
 
 // A tensor map for stream_tma over `rows` rows of `row_bytes` bytes from `base` (boxes of `box`
 // bytes x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
@@ -1195,7 +1107,7 @@ inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_
     c.warps = forced.warps ? forced.warps : forced.split == 1 && tiles < d.n_sm && nb >= 16 ? 8 : 4;
     if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
     c.stages = stages_for(d, type, c.warps, sb, forced.stages);
-    if ((size_t)c.warps * c.stages * (sb + 8) + SCRATCH > (size_t)d.optin)
+    if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
         fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
     if (forced.split) {
         c.split = forced.split;
@@ -1253,15 +1165,10 @@ inline Config config_for(int type, int64_t n_out, int64_t K, int n_vec) { return
 
 // The launch's arguments over workspace ws for matrix w (a group's first member) writing y; the
 // caller adds the other members, then launch() decides the split.
-inline Args args_for(const Matrix &w, void *ws, const PrepIn &in, float *y, const int32_t *rows, int64_t n_out, int n_vec,
-                     bool accumulate) {
+inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, int64_t n_out, int n_vec, bool accumulate) {
     uint8_t *base = static_cast<uint8_t *>(ws);
     Args a;
     a.w = w;
-    a.in = in;
-    a.ticket = reinterpret_cast<uint32_t *>(base + TICKET_OFF);
-    a.flags = reinterpret_cast<uint32_t *>(base + FLAG_OFF);
-    a.epoch = 0;      // launch's
     a.xp = base + XP_OFF;
     a.y = y;
     a.rows = rows;
@@ -1281,29 +1188,26 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
     const Device d = device();
     const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);
     a.split = c.split;
-    a.epoch = next_epoch();
     const int64_t tiles = (rows + ROWS - 1) / ROWS;
     if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
     else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
 }
 
-// y[v][o] (+)= W[rows ? rows[o] : o] . x[v], x = what `in` describes, prepared by the call's own
-// blocks (make_x) in workspace ws (matvec_f16_workspace_bytes(w.K) bytes, its first ZERO_BYTES 0
-// when new; a call leaves them as they were). pdl: the weight loads start before the previous
-// kernel on the stream ends (sm_90).
-inline void run(const Matrix &w, void *ws, const PrepIn &in, float *y, int n_vec, bool accumulate, const int32_t *rows,
+// y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
+// order, the same K and n_vec; run writes the workspace's split-K region). pdl: the previous kernel
+// on the stream is the prep (sm_90: the weight loads start before it finishes).
+inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
                 int64_t n_out, bool pdl, cudaStream_t st) {
     check_call(w.type, w.K, n_vec);
     if (n_out <= 0) return;
-    Args a = args_for(w, ws, in, y, rows, n_out, n_vec, accumulate);
+    Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
     launch(a, n_out, pdl, st);
 }
 
 // The Args of the n (1..GROUP_MAX) matrices of one type and one K reading one prepared x from
 // workspace ws: the members' row tiles one after the other (run_group); tiles: their
 // sum. The split and the copy engine are the caller's.
-inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, const PrepIn &in, int n_vec, bool accumulate,
-                       int64_t &tiles) {
+inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate, int64_t &tiles) {
     if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
     check_call(w[0].type, w[0].K, n_vec);
     int64_t tile0[GROUP_MAX];
@@ -1315,7 +1219,7 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, const 
         tile0[i] = tiles;
         tiles += (w[i].M + ROWS - 1) / ROWS;
     }
-    Args a = args_for(w[0], ws, in, y[0], nullptr, w[0].M, n_vec, accumulate);
+    Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, accumulate);
     a.n_more = n - 1;
     for (int i = 1; i < n; ++i) {
         a.more.w[i - 1] = w[i];
@@ -1331,28 +1235,25 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, const 
 // members' row tiles one after the other in the grid, the split decided on their sum. Each output
 // is what run() gives for that matrix alone at the group's split (the split sets the summation
 // order, the group only which blocks run together).
-inline void run_group(const Matrix *w, float *const *y, int n, void *ws, const PrepIn &in, int n_vec, bool pdl, cudaStream_t st) {
+inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
     if (n < 2) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
     int64_t tiles = 0;
-    Args a = group_args(w, y, n, ws, in, n_vec, false, tiles);
+    Args a = group_args(w, y, n, ws, n_vec, false, tiles);
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
 }
 
 }  // namespace mvf16
 
-// Bytes of workspace for K (the split-K region, a fixed ~4 MB, then K / 256 records of prepared x),
-// and how many of its first bytes must be 0 when it is new.
+// Bytes of workspace for K (the split-K region, a fixed ~4 MB, then K / 256 records of prepared x).
 inline size_t matvec_f16_workspace_bytes(int64_t K) { return mvf16::workspace_bytes(K); }
-inline size_t matvec_f16_workspace_zero_bytes() { return mvf16::ZERO_BYTES; }
 
-// y (+)= W x for 1..8 vectors, Q4_K / Q6_K, one launch. The workspace must hold
-// matvec_f16_workspace_bytes(w.K), its first matvec_f16_workspace_zero_bytes() 0 when new, and
-// belong to this stream while the call runs.
+// y (+)= W x for 1..8 vectors, Q4_K / Q6_K: prep + matvec (the matvec overlapping the prep's tail
+// on sm_90). The workspace must hold matvec_f16_workspace_bytes(w.K), belong to this stream while
+// the call runs, and need not be initialised (the prep zeroes what must start at 0).
 inline void matvec_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, void *ws,
                        cudaStream_t st) {
-    mvf16::PrepIn in;
-    in.x = x;
-    mvf16::run(w, ws, in, y, n_vec, accumulate, nullptr, w.M, true, st);
+    mvf16::prep(w.type, x, w.K, n_vec, ws, st);
+    mvf16::run(w, ws, y, n_vec, accumulate, nullptr, w.M, true, st);
 }
 
 }  // namespace

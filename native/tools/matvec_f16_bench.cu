@@ -14,21 +14,21 @@
 //   - vector v of every n-vector call (n = 1..8) bit-identical to a 1-vector call on x[v]; the
 //     outputs of vectors n..7 left untouched (still the poison);
 //   - accumulate adds: y == prev + W x exactly (one fp32 add onto the same W x);
-//   - three calls in a row on one workspace (y poisoned before each; the first with PDL, the others
-//     without): every run bit-identical to matvec_f16 (the split-K counters and make_x's ticket are
-//     back at 0 after each call, and each call's records are its own);
+//   - prep once, then the matvec alone three times on that prepared x (y poisoned before each):
+//     every run bit-identical to matvec_f16 (the split-K counters are back at 0 after each call
+//     without a prep re-zeroing them);
 //   - the engine's entry points with the f16 path forced (matvec.cu's launch_any): matvec
 //     bit-identical to matvec_f16; matvec_rows (an odd row subset with repeats) within 1e-4 rms;
 //   - edge shapes (K = 256, 768, 4096 with 77 rows; K = 4608 with 1001 rows) under each forced
 //     configuration (OJ_MVF16_CFG = 4,2 4,3 8,2 8,3, and none) times each forced split-K
 //     (OJ_MVF16_SPLIT = 1, 2, 3, 7, clamped to the super-block count): the same checks, no timing;
-//   - the workspace is NaN-poisoned once when allocated, past its first ZERO_BYTES (zeroed, as the
-//     engine's owner zeroes them): the counters must be reset by each call's last blocks, and no
-//     record or partial of another call read (every check runs many calls on one workspace);
+//   - the workspace is NaN-poisoned once when allocated (the split-K counters must be zeroed by the
+//     prep, and reset by each call's last blocks: every check runs many calls on one workspace);
 //   - split sweep (model shapes): the matvec alone under OJ_MVF16_SPLIT = 1..8 at n = 1 and 5,
 //     each forced split's 5-vector outputs within 1e-5 of the vector's rms of the picked split's.
 // Timing: CUDA events, median of RUNS after warm-up, L2 flushed (256 MB memset) before each run:
-// "f16" = one call as the engine launches it (PDL), "f16run" = the same without PDL,
+// "f16" = prep + matvec (what one call costs), "f16run" =
+// matvec alone on an already prepared x (the engine can prep once per x for several matrices),
 // "bf16" = matvec.cu's reference kernels. The 27B pass sums count x median over the map; the split
 // sweep's pass lines: the matvec alone with the picked split, with split 1 forced (the kernel before
 // split-K) and with each shape's fastest split (what a perfect pick would give).
@@ -124,8 +124,7 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     CK(cudaMalloc(&dyr, 8 * n_rows * 4));
     CK(cudaMalloc(&drows, n_rows * 4));
     CK(cudaMalloc(&ws, matvec_f16_workspace_bytes(K)));
-    CK(cudaMemset(ws, 0xFF, matvec_f16_workspace_bytes(K)));   // garbage records and partials
-    CK(cudaMemset(ws, 0, matvec_f16_workspace_zero_bytes()));   // what a new workspace's owner zeroes
+    CK(cudaMemset(ws, 0xFF, matvec_f16_workspace_bytes(K)));   // garbage counters: the prep must zero them
     CK(cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(drows, rows.data(), n_rows * 4, cudaMemcpyHostToDevice));
 
@@ -205,23 +204,24 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
             }
             if (differ) fail_case("accumulate: outputs differing from prev + W x (count)", 3, (double)differ);
         }
-        // three calls in a row on one workspace, y poisoned before each run: a run in which no
-        // block of a tile sees itself last (counter not back at 0) leaves NaN, and one whose ticket
-        // counter was not back at 0 makes no records (its warps would wait for ever: the harness's
-        // timeout). (Records or partials read too early would be the previous run's, equal here:
-        // the 1-vector calls on 8 different x above are what shows those.)
+        // the matvec run again on an already prepared x (no prep in between, as the f16run timing
+        // and the sweep do): only the last blocks' counter reset brings the split-K counters back to
+        // 0 here (every matvec_f16 call above re-zeroes them in its prep, so none of its checks can
+        // see a missing reset). y poisoned before each run: a run in which no block of a tile sees
+        // itself last (counter not back at 0) leaves NaN. (Partials read too early would be the
+        // previous run's, equal here: the 1-vector calls on 8 different x above are what shows those.)
         {
-            mvf16::PrepIn in;
-            in.x = dx;
+            CK(cudaMemset(dy, 0xFF, 8 * M * 4));
+            mvf16::prep(type, dx, K, 8, ws, 0);
             for (int rep = 0; rep < 3; ++rep) {
-                CK(cudaMemset(dy, 0xFF, 8 * M * 4));
-                mvf16::run(w, ws, in, dy, 8, false, nullptr, M, rep == 0, 0);   // rep 0: as matvec_f16 (PDL)
+                if (rep) CK(cudaMemset(dy, 0xFF, 8 * M * 4));
+                mvf16::run(w, ws, dy, 8, false, nullptr, M, rep == 0, 0);   // rep 0: as matvec_f16 (PDL after the prep)
                 CK(cudaGetLastError());
                 const std::vector<float> y = fetch(dy, 8 * M);
                 int64_t differ = 0;
                 for (size_t i = 0; i < y.size(); ++i) differ += std::memcmp(&y[i], &y1[i], 4) != 0;
-                if (differ) fail_case(rep ? "a call again without PDL: outputs differing from matvec_f16's (count)"
-                                          : "a call again: outputs differing from matvec_f16's (count)",
+                if (differ) fail_case(rep ? "run again without a prep: outputs differing from matvec_f16's (count)"
+                                          : "prep + run: outputs differing from matvec_f16's (count)",
                                       8, (double)differ);
             }
         }
@@ -311,9 +311,8 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     // timing
     for (int n : TIMED_N) {
         res.ms[F16][n] = median_ms([&] { matvec_f16(w, dx, dy, n, false, ws, 0); });
-        mvf16::PrepIn in;
-        in.x = dx;
-        res.ms[F16RUN][n] = median_ms([&] { mvf16::run(w, ws, in, dy, n, false, nullptr, M, false, 0); });
+        mvf16::prep(type, dx, K, n, ws, 0);
+        res.ms[F16RUN][n] = median_ms([&] { mvf16::run(w, ws, dy, n, false, nullptr, M, false, 0); });
         if (n == 1 || n == 5) {
             matvec_force_path(0);
             res.ms[BF16][n] = median_ms([&] { matvec(w, dx, dy, n, false, 0); });
@@ -339,9 +338,8 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
         res.sweep_w[i] = mvf16::config_for(type, M, K, 1).warps;
         for (int j = 0; j < 2; ++j) {
             const int n = j ? 5 : 1;
-            mvf16::PrepIn in;
-            in.x = dx;
-            res.sweep_ms[i][j] = median_ms([&] { mvf16::run(w, ws, in, dy, n, false, nullptr, M, false, 0); });
+            mvf16::prep(type, dx, K, n, ws, 0);
+            res.sweep_ms[i][j] = median_ms([&] { mvf16::run(w, ws, dy, n, false, nullptr, M, false, 0); });
         }
         const std::vector<float> y = fetch(dy, 5 * M);
         double worst = 0;
@@ -420,7 +418,7 @@ int main(int argc, char **argv) {
                     r.bf_rms, r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
-    std::printf("\n%-16s %8s %5s | %-29s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (PDL) % copy n=1 2 5 8",
+    std::printf("\n%-16s %8s %5s | %-29s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (prep+mv) % copy n=1 2 5 8",
                 "f16run n=1 5", "bf16 n=1 5", "err f64  vs bf16");
     for (const Use &u : model) {
         const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
