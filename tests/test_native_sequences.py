@@ -939,6 +939,7 @@ def test_a_long_prompt_beside_decoders_goes_through_prefill_in_whole_deltanet_ch
     pieces = [n for q, n in getattr(lib, "seq_prefills", []) if q == seq]
     assert sum(pieces) == n_long - 1 and len(pieces) > 1, pieces   # cut, all through oj_prefill
     assert all(n % native.DELTANET_CHUNK == 0 for n in pieces[:-1]), pieces
+    assert lib.overlaps == []
 
 
 def test_prompt_pieces_are_whole_deltanet_chunks_through_prefill(fake_seqs):
