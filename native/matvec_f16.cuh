@@ -223,11 +223,12 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
                     ss[vv] += xi * xi;
                 }
         }
-        block_sums<8>(ss, n_vec);   // each vector's block_sum, bit for bit, with one pair of barriers
-        if (threadIdx.x == 0)
 #pragma unroll
-            for (int vv = 0; vv < 8; ++vv)
-                if (vv < n_vec) norm_scale[vv] = 1.0f / sqrtf(ss[vv] / K + in.eps);
+        for (int vv = 0; vv < 8; ++vv)
+            if (vv < n_vec) {   // n_vec is the block's: every thread takes the same branches
+                const float t = block_sum(ss[vv]);
+                if (threadIdx.x == 0) norm_scale[vv] = 1.0f / sqrtf(t / K + in.eps);
+            }
     }
     __syncthreads();
     uint8_t *rec = ws + XP_OFF + u * REC;

@@ -22,28 +22,6 @@ __device__ __forceinline__ float block_sum(float v) {
     return warp_sum(t);
 }
 
-// block_sum of each of the first n of v's N values, bit for bit (the same warp sums and the same
-// sum of the warps' partials per value), with one pair of barriers for all of them: n block_sums
-// in a row cost 2 n barriers and n chains of shuffles on the critical path of a prep kernel.
-template <int N>
-__device__ __forceinline__ void block_sums(float (&v)[N], int n) {
-    __shared__ float partial[N][32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-        if (k < n) v[k] = warp_sum(v[k]);
-    __syncthreads();   // partial may still be read by a previous call
-    if (lane == 0)
-#pragma unroll
-        for (int k = 0; k < N; ++k)
-            if (k < n) partial[k][warp] = v[k];
-    __syncthreads();
-    const int n_warps = (blockDim.x + 31) >> 5;
-#pragma unroll
-    for (int k = 0; k < N; ++k)
-        if (k < n) v[k] = warp_sum(lane < n_warps ? partial[k][lane] : 0.0f);
-}
-
 // The block's best (value, index) pairs (one per thread, blockDim.x a power of two) reduced through
 // sv / si (blockDim.x entries each): the largest value, the smallest index among equals; thread 0
 // gets it (argmax_kernel).
