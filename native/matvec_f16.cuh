@@ -18,28 +18,26 @@
 //   - Q6_K: A = q - 32 exactly (magic 1024 + q6, minus 1056); each 16-value scale group is one mma
 //     into a fresh temporary, s += sc * tmp; acc += (inv_x * d) * s per super-block.
 //
-// Work split on sm_90 (wide blocks, stream_wide below; the decode default for both types): a
-// block's 4 warps take 4 consecutive 32-row tiles (two m16 tiles each, so each B fragment serves
-// two mma) over the same super-blocks of the block's range, every stage of its ring filled by the
-// copy engine (a tensor copy of each warp's 32 rows, two bulk copies of the vectors' x: one x per
-// 128 rows), each warp summing its own rows. Elsewhere (older GPUs; calls that gather rows, which a
-// tensor map cannot) the cp.async loop: a block holds 32 rows and WARPS warps, warp w walking
-// super-blocks u = u0 + w, u0 + w + WARPS, ... of its block's range (split-K inside the block),
-// each warp a private ring of STAGES stages (its 32 rows' bytes of one super-block + the prepared x
-// of the call's vectors), STAGES - 1 super-blocks in flight while it computes one, the warps'
-// partial sums meeting in shared memory in warp order.
+// Work split: a block holds 32 weight rows (two m16 tiles, so each B fragment serves two mma) and
+// WARPS warps; warp w walks super-blocks u = u0 + w, u0 + w + WARPS, ... of its block's range
+// (split-K inside the block), and the warps' partial sums meet in shared memory in warp order.
 // Split-K across blocks (when the row tiles alone leave the GPU's block slots short): S blocks per
 // row tile, block b = tile * S + s taking the contiguous super-blocks [u0, u1) = [s nb / S,
 // (s + 1) nb / S). S depends on the shape and device only (pick()), never on n_vec. The S partials
-// meet in a fixed order, no float atomics: each block of the tile writes its partial [n_vec][rows] to
+// meet in a fixed order, no float atomics: each block of the tile writes its partial [n_vec][32] to
 // its own workspace slot, fences, and bumps the tile's arrival counter; the block that arrives last
 // sums slots 0..S-1 in that order (the same sum whichever block is last), writes y (+)= it, and
 // resets the counter to 0 for the next call (see "Split-K workspace" below).
-// The copy engine, not 16-byte cp.async: with a queue of 10-20 copies per lane the SM's load path
-// held the FFN group at 1.6 TB/s (ncu: a third of its stall samples in the block's first copies,
-// a quarter waiting on registers of queued copies), 2.3 on the copy engine.
-// Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 = sub-blocks 2t, 2t+1)
-// of rows g, g+8 of each tile, so its scales are fixed for the super-block;
+// Streaming: each warp has a private ring of STAGES
+// shared-memory stages filled by cp.async (its 32 rows' bytes of one super-block + the prepared x
+// of the call's vectors), STAGES - 1 super-blocks in flight while it computes one; no block barrier
+// inside the loop. Q4_K on sm_90+ (stream_tma, the default there): the same ring filled by the
+// copy engine, one tensor copy of the 32 rows and two bulk copies of x per step, each stage an
+// mbarrier with the stage's byte count; 16-byte cp.async with a queue of 10-20 copies per lane
+// held the SM's load path (ncu: a third of the FFN group's stall samples in the block's first
+// copies, a quarter waiting on registers of queued copies) and the FFN group at 1.6 TB/s, 2.3 on
+// the copy engine. Lane ownership: lane t of a quad takes Q4_K qs chunk t (bytes 32t..32t+31 =
+// sub-blocks 2t, 2t+1) of rows g, g+8 of each tile, so its scales are fixed for the super-block;
 // Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
 // as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
 //
@@ -108,18 +106,8 @@ inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * 
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
 __host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
-// rounded up to 128 bytes (a wide stage: a tensor copy's destination)
+// rounded up to 128 bytes: a stage is a tensor copy's destination (stream_tma)
 __host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
-
-// Wide blocks (stream_wide, sm_90): WIDE_WARPS warps on as many 32-row tiles, one stage holding
-// every warp's weights and one x; a split partial is [8 vectors][128 rows], in the same region.
-constexpr int WIDE_WARPS = 4;
-constexpr int WIDE_ROWS = WIDE_WARPS * ROWS;
-constexpr size_t WIDE_SLOT_FLOATS = 8 * WIDE_ROWS;
-constexpr int MAX_SLOTS_WIDE = (int)(MAX_SLOTS * SLOT_FLOATS / WIDE_SLOT_FLOATS);
-__host__ __device__ constexpr int wide_stage_bytes(int type, int n_vec) {
-    return (WIDE_WARPS * w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128;
-}
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
 // column col of the super-block. Both types take bytes (0, 2) of a word for slots (0, 1) and
@@ -308,9 +296,9 @@ struct More {
 };
 
 struct Args {
-    CUtensorMap map[GROUP_MAX];     // wide: member i's rows as bytes, boxes of one super-block x 32 rows
+    CUtensorMap map[GROUP_MAX];     // tma: member i's rows as bytes, boxes of one super-block x 32 rows
                                     // (Q4_K: the blocks [M][nb * 144]; Q6_K: the q plane [M][nb * 192])
-    CUtensorMap map_sc[GROUP_MAX];  // wide, Q6_K: the scale plane [M][nb * 16]
+    CUtensorMap map_sc[GROUP_MAX];  // tma, Q6_K: the scale plane [M][nb * 16]
     Matrix w;
     const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
     float *y;
@@ -322,6 +310,7 @@ struct Args {
     int split;                   // S: blocks per row tile (1: no split, y written directly)
     bool accumulate;
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
+    bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
     More more;
 };
 
@@ -618,207 +607,96 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(su32(bar)) : "memory");
 }
 
-// Wide blocks on the copy engine (sm_90, rows in order: the decode default for both types). A
-// block's WIDE_WARPS warps take WIDE_WARPS consecutive 32-row tiles over the same super-blocks, so
-// one copy of a super-block's prepared x serves 128 rows instead of 32: with a ring per warp
-// holding its own x (the cp.async loop below), x was 13% of the bytes a stage moved at 1 vector and
-// half at 8, and a bigger stage left fewer blocks per SM, so a pass over 5 positions streamed its
-// projections a fifth slower than over 1. Stage s of the block's ring: warp w's weights of one
-// super-block at w * w_bytes (one or two tensor copies of 32 rows, its lane 0's; Q6_K's d words
-// by cp.async per lane, tied to the barrier by .noinc arrivals), then the vectors' x and their
-// inverse scales (warp 0's lane 0, two bulk copies). full[s] completes when all of it has landed
-// (WIDE_WARPS + 1 arrivals with their byte counts, plus Q6_K's 32 per warp); empty[s] when every
-// warp has read stage s (one arrival a warp): a warp refills its own weights as soon as it has read
-// them, warp 0 waits for empty[s] only before it copies the next x over the one all warps read.
-// Every warp walks every super-block of the block's range [u0, u0 + len), in order, and owns its
-// 32 rows' sums: no reduction between warps, so the order is the split's alone.
-template <int TYPE, int STAGES>
-__device__ __forceinline__ void stream_wide(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
-                                            int SB, uint64_t *full, uint64_t *empty, int m0, int64_t u0, int nj, int warp,
-                                            int g, int t, int lane, const int64_t (&blk)[2], const uint32_t (&par)[2][2],
-                                            float (&acc)[2][4]) {
+// The main loop on the copy engine (stream_tma): the same stages, steps and step_q4 / step_q6 as
+// the cp.async loop, a warp's ring with one mbarrier per stage. Lane 0 arms a stage's barrier with
+// its byte count and issues one tensor copy per plane (Q4_K: the 32 rows x 144 bytes of super-block
+// u from row m0 on; Q6_K: the q plane's 32 x 192 and the scale plane's 32 x 16; rows past M
+// zero-filled) and two bulk copies (the vectors' x, the inverse scales). A copy instruction takes
+// uniform operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32
+// per step). Q6_K's fp16 d of a row is 2 bytes at a row stride of nb * 2 (no tensor map: strides
+// are multiples of 16), so each lane still copies its row's d word by cp.async, tied to the
+// barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32). Q6_K here is the default since
+// its first GPU run.
+template <int TYPE, int WARPS, int STAGES>
+__device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
+                                           int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g, int t, int lane,
+                                           const int64_t (&blk)[2], const uint32_t (&par)[2][2], float (&acc)[2][4]) {
     constexpr bool Q6 = TYPE == TYPE_Q6_K;
     constexpr int W = w_bytes(TYPE);
-    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, txw = Q6 ? ROWS * 208 : W, txx = xb + 32;
-    if (threadIdx.x < STAGES) {
-        bar_init(full + threadIdx.x, WIDE_WARPS * (Q6 ? 33 : 1) + 1);
-        bar_init(empty + threadIdx.x, WIDE_WARPS);
-    }
+    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
+    if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    __syncthreads();
-    // this warp's weights of super-block u into stage st: lane 0's tensor copies, and for Q6_K each lane's d word
+    __syncwarp();
+    // the weights of super-block u into stage st: lane 0's tensor copies, and for Q6_K each lane's d word
     auto issue_w = [&](uint8_t *st, uint64_t *bar, int64_t u) {
-        uint8_t *mine = st + warp * W;
         if (lane == 0) {
-            bar_expect_tx(bar, txw);
-            tensor_2d(mine, map, (int)(u * (Q6 ? 192 : 144)), m0, bar);
-            if constexpr (Q6) tensor_2d(mine + ROWS * 192, map_sc, (int)(u * 16), m0, bar);
+            bar_expect_tx(bar, tx);
+            tensor_2d(st, map, (int)(u * (Q6 ? 192 : 144)), m0, bar);
+            if constexpr (Q6) tensor_2d(st + ROWS * 192, map_sc, (int)(u * 16), m0, bar);
         }
         if constexpr (Q6) {   // lane l: row 16 (l & 1) + l / 2, as issue_w
             const int half = lane & 1, row = 16 * half + (lane >> 1);
             const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
             const int64_t bi = (half ? blk[1] : blk[0]) + u, nblk = a.w.M * (a.w.K / QK_K);
-            uint8_t *dd = mine + ROWS * 208 + row * 4;
+            uint8_t *dd = st + ROWS * 208 + row * 4;
             if ((bi | 1) < nblk) cp4(dd, a.w.data + p.d + (bi & ~int64_t(1)) * 2);
             else   // the plane's last entry at an even index: its word would reach past the plane
                 *reinterpret_cast<uint32_t *>(dd) = __ldg(reinterpret_cast<const unsigned short *>(a.w.data + p.d + bi * 2));
             bar_cp_async_arrive(bar);
         }
     };
-    // the x of super-block u into stage st (warp 0, lane 0)
-    auto issue_x = [&](uint8_t *st, uint64_t *bar, int64_t u) {
-        const uint8_t *rec = a.xp + u * REC;
-        bar_expect_tx(bar, txx);
-        bulk(st + WIDE_WARPS * W, rec, xb, bar);
-        bulk(st + WIDE_WARPS * W + xb, rec + INV_OFF, 32, bar);
-    };
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-        if (s < nj) issue_w(ring + s * SB, full + s, u0 + s);
+        if (s < nj) issue_w(ring + s * SB, bars + s, uw + (int64_t)s * WARPS);
     pdl_wait();   // the prep grid's x
-    if (warp == 0 && lane == 0)
+    if (lane == 0)
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s)
-            if (s < nj) issue_x(ring + s * SB, full + s, u0 + s);
-    __syncwarp();
-    uint32_t phf = 0, phe = 0;     // bit s: the parity full[s] / empty[s] completes next
+            if (s < nj) {
+                const uint8_t *rec = a.xp + (uw + (int64_t)s * WARPS) * REC;
+                bulk(ring + s * SB + W, rec, xb, bars + s);
+                bulk(ring + s * SB + W + xb, rec + INV_OFF, 32, bars + s);
+            }
+    int64_t un = uw + (int64_t)(STAGES - 1) * WARPS;   // the super-block of the next refill
+    const uint8_t *xn = a.xp + un * REC;
+    uint32_t ph = 0;               // bit s: the parity stage s's barrier completes next
     int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
     for (int j = 0; j < nj; ++j) {
-        if (j + STAGES - 1 < nj) {   // refill the stage step j - 1 read (this warp's lanes: past the loop's last __syncwarp)
+        bar_wait(bars + rd, (ph >> rd) & 1u);
+        ph ^= 1u << rd;
+        if (j + STAGES - 1 < nj) {   // refill the stage step j - 1 read (every lane past it: the loop's last __syncwarp)
             uint8_t *st = ring + wr * SB;
-            const int64_t un = u0 + j + STAGES - 1;
             if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
-            issue_w(st, full + wr, un);
-            if (warp == 0 && lane == 0) {
-                if (j > 0) {   // every warp's reads of step j - 1's x
-                    bar_wait(empty + wr, (phe >> wr) & 1u);
-                    phe ^= 1u << wr;
-                    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-                }
-                issue_x(st, full + wr, un);
+            issue_w(st, bars + wr, un);
+            if (lane == 0) {
+                bulk(st + W, xn, xb, bars + wr);
+                bulk(st + W + xb, xn + INV_OFF, 32, bars + wr);
             }
-            __syncwarp();
+            un += WARPS;
+            xn += WARPS * REC;
         }
-        bar_wait(full + rd, (phf >> rd) & 1u);
-        phf ^= 1u << rd;
         const uint8_t *st = ring + rd * SB;
         if constexpr (Q6) {
             uint32_t pr[2][2];
-            q6_parity(par, u0 + j, pr);
-            step_q6(st + warp * W, st + WIDE_WARPS * W, a.n_vec, g, t, pr, acc);
+            q6_parity(par, uw + j * WARPS, pr);
+            step_q6(st, st + W, a.n_vec, g, t, pr, acc);
         } else {
-            step_q4(st + warp * W, st + WIDE_WARPS * W, a.n_vec, g, t, acc);
+            step_q4(st, st + W, a.n_vec, g, t, acc);
         }
-        __syncwarp();
-        // warp 0 waits on empty[rd] before the refill at step j + 1, if there is one
-        if (lane == 0 && j + STAGES < nj) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(su32(empty + rd)) : "memory");
         rd = rd == STAGES - 1 ? 0 : rd + 1;
         wr = wr == STAGES - 1 ? 0 : wr + 1;
+        __syncwarp();
     }
-    __syncthreads();   // every barrier's armed phases have completed, in every warp
-    if (threadIdx.x < STAGES) {
-        asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(full + threadIdx.x)) : "memory");
-        asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(empty + threadIdx.x)) : "memory");
-    }
+    // every phase armed has completed (the loop waited on each)
+    if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
 }
 #endif
 
-// Block `bid` of a wide launch: the launch's row tile bid / S (128 rows of one member), split bid % S.
-template <int TYPE, int STAGES>
-__device__ __forceinline__ void matvec_wide_block(const Args &args, unsigned bid, uint8_t *smem) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int S = args.split;
-    const int64_t tile = (int64_t)(bid / (unsigned)S);
-    const int sp = (int)(bid - (unsigned)tile * (unsigned)S);
-    Args a = args;
-    int64_t mtile = tile;
-    int member = 0;
-    for (int i = 0; i < args.n_more; ++i)
-        if (tile >= args.more.tile0[i]) {
-            member = i + 1;
-            a.w = args.more.w[i];
-            a.y = args.more.y[i];
-            a.n_out = args.more.n_out[i];
-            mtile = tile - args.more.tile0[i];
-        }
-    const int64_t mb = mtile * WIDE_ROWS, m0 = mb + warp * ROWS;   // the block's rows, this warp's
-    const int64_t nb = a.w.K / QK_K;
-    const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;
-    const int SB = wide_stage_bytes(TYPE, a.n_vec);
-    uint64_t *full = reinterpret_cast<uint64_t *>(smem + (size_t)STAGES * SB), *empty = full + STAGES;
-    auto src_row = [&](int64_t o) -> int64_t { return o < a.n_out ? o : a.n_out - 1; };   // past the end: a copy, never written
-    int64_t blk[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) blk[r] = src_row(m0 + 16 * r + (lane >> 1)) * nb;
-    uint32_t par[2][2] = {{0u, 0u}, {0u, 0u}};
-    if constexpr (TYPE == TYPE_Q6_K)
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) par[i][r] = (uint32_t)((src_row(m0 + 16 * i + g + 8 * r) * nb) & 1);
-    float acc[2][4];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    stream_wide<TYPE, STAGES>(a, &args.map[member], &args.map_sc[member], smem, SB, full, empty, (int)m0, u0, (int)len, warp,
-                              g, t, lane, blk, par, acc);
-#else
-    (void)member, (void)len, (void)SB, (void)full, (void)empty;   // never launched below sm_90 (wide_for)
-#endif
-    // lane (g, t)'s sums: row 16 i + g + 8 (e >> 1) of the warp's tile, vector 2 t + (e & 1)
-    float *slot = a.part + (size_t)bid * WIDE_SLOT_FLOATS;   // split: this block's partial [8][128]
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = warp * ROWS + 16 * i + g + 8 * (e >> 1), vec = 2 * t + (e & 1);
-            const int64_t o = mb + r;
-            if (vec < a.n_vec && o < a.n_out) {
-                if (S == 1) {
-                    float *dst = a.y + (int64_t)vec * a.n_out + o;
-                    *dst = a.accumulate ? *dst + acc[i][e] : acc[i][e];
-                } else {
-                    __stcg(slot + vec * WIDE_ROWS + r, acc[i][e]);
-                }
-            }
-        }
-    if (S == 1) return;   // uniform over the grid
-    // Split-K, as matvec_block's: the tile's last block sums the S slots in split order
-    __threadfence();
-    __syncthreads();
-    bool last = false;
-    if (threadIdx.x == 0) {
-        last = atomicAdd(a.count + tile, 1u) == (uint32_t)(S - 1);
-        if (last) a.count[tile] = 0u;
-        __threadfence();
-    }
-    if (!__syncthreads_or(last)) return;
-    const float *slots = a.part + (size_t)tile * S * WIDE_SLOT_FLOATS;
-    for (int idx = threadIdx.x; idx < 8 * WIDE_ROWS; idx += 32 * WIDE_WARPS) {
-        const int vec = idx / WIDE_ROWS, r = idx % WIDE_ROWS;   // consecutive threads: consecutive rows
-        const int64_t o = mb + r;
-        if (vec < a.n_vec && o < a.n_out) {
-            float v = 0.0f;
-            for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * WIDE_SLOT_FLOATS + vec * WIDE_ROWS + r);
-            float *dst = a.y + (int64_t)vec * a.n_out + o;
-            *dst = a.accumulate ? *dst + v : v;
-        }
-    }
-}
-
-template <int TYPE, int STAGES>
-__global__ void __launch_bounds__(32 * WIDE_WARPS) matvec_wide_kernel(const __grid_constant__ Args args) {
-    pdl_launch_dependents();
-    extern __shared__ __align__(128) uint8_t smem[];
-    matvec_wide_block<TYPE, STAGES>(args, blockIdx.x, smem);
-}
-
-// The cp.async loop (GPUs before sm_90, and calls that gather rows, which a tensor map cannot):
-// block `bid` of a launch over args (matvec_kernel: blockIdx.x), 32 rows, its warps splitting the
-// block's super-blocks. smem: the block's dynamic shared memory (smem_bytes).
-template <int TYPE, int WARPS, int STAGES>
+// TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
+// cp.async instance no copy-engine loop, so neither pays the other's registers).
+// Block `bid` of a launch over args (matvec_kernel: blockIdx.x).
+// smem: the block's dynamic shared memory (smem_bytes).
+template <int TYPE, int WARPS, int STAGES, bool TMA>
 __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uint8_t *smem) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int S = args.split;
@@ -827,8 +705,10 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     // the member this tile belongs to (a plain call: the only one), and the tile within it
     Args a = args;
     int64_t mtile = tile;
+    int member = 0;
     for (int i = 0; i < args.n_more; ++i)
         if (tile >= args.more.tile0[i]) {
+            member = i + 1;
             a.w = args.more.w[i];
             a.y = args.more.y[i];
             a.n_out = args.more.n_out[i];
@@ -862,6 +742,13 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
     const int64_t uw = u0 + warp;                                          // its first
     const int nj = (int)J;   // <= nb / WARPS + 1: an int step counter and ring indices below
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if constexpr (TMA) {
+        uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
+        stream_tma<TYPE, WARPS, STAGES>(a, &args.map[member], &args.map_sc[member], ring, SB, bars, (int)m0, uw, nj, g, t,
+                                        lane, blk, par, acc);
+    } else
+#endif
     {
     // prologue: weights of the first STAGES - 1 steps, then (after the prep grid) their x
 #pragma unroll
@@ -957,11 +844,11 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     }
 }
 
-template <int TYPE, int WARPS, int STAGES>
+template <int TYPE, int WARPS, int STAGES, bool TMA>
 __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
     pdl_launch_dependents();   // the next kernel waits (pdl_wait) for this whole grid
     extern __shared__ __align__(128) uint8_t smem[];
-    matvec_block<TYPE, WARPS, STAGES>(args, blockIdx.x, smem);
+    matvec_block<TYPE, WARPS, STAGES, TMA>(args, blockIdx.x, smem);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1020,26 +907,23 @@ inline Device device() {
 // Once per (kernel, device): the shared-memory attribute (the launch and the occupancy query need
 // it), and whether the loaded code has the griddepcontrol.wait (compiled for compute_90+; code
 // built for an older target and JIT-run on sm_90 has none, and an early start would read x before
-// the prep wrote it; a wide kernel from such code would have no loop at all).
-inline bool setup_kernel(const void *kernel, const Device &d) {
+// the prep wrote it).
+template <int TYPE, int WARPS, int STAGES, bool TMA>
+inline bool setup(const Device &d) {
     static std::mutex mu;
-    static std::map<std::pair<const void *, int>, bool> waits_of;
+    static std::map<int, bool> waits_of;
     std::lock_guard<std::mutex> lock(mu);
-    const auto key = std::make_pair(kernel, d.id);
-    auto it = waits_of.find(key);
+    auto it = waits_of.find(d.id);
     if (it == waits_of.end()) {
-        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, d.optin),
+        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        d.optin),
                    "matvec_f16: shared-memory attribute");
         cudaFuncAttributes fa;
-        check_cuda(cudaFuncGetAttributes(&fa, kernel), "matvec_f16: kernel attributes");
-        it = waits_of.emplace(key, fa.ptxVersion >= 90).first;
+        check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES, TMA>), "matvec_f16: kernel attributes");
+        it = waits_of.emplace(d.id, fa.ptxVersion >= 90).first;
     }
     return it->second;
 }
-template <int TYPE, int WARPS, int STAGES>
-inline bool setup(const Device &d) { return setup_kernel(reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES>), d); }
-template <int TYPE, int STAGES>
-inline bool setup_wide(const Device &d) { return setup_kernel(reinterpret_cast<const void *>(matvec_wide_kernel<TYPE, STAGES>), d); }
 
 template <int TYPE, int WARPS, int STAGES>
 inline size_t smem_bytes(int n_vec) {
@@ -1047,12 +931,8 @@ inline size_t smem_bytes(int n_vec) {
     return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)WARPS * 8 * 32 * 4) +
            (size_t)WARPS * STAGES * 8;
 }
-// a wide block: its ring, then the full and the empty mbarrier of each stage
-inline size_t wide_smem_bytes(int type, int stages, int n_vec) {
-    return (size_t)stages * wide_stage_bytes(type, n_vec) + (size_t)stages * 16;
-}
 
-// A tensor map for stream_wide over `rows` rows of `row_bytes` bytes from `base` (boxes of `box`
+// A tensor map for stream_tma over `rows` rows of `row_bytes` bytes from `base` (boxes of `box`
 // bytes x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
 inline CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes, int box, const char *what) {
     static std::mutex mu;
@@ -1100,51 +980,32 @@ inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
 // loop stays for older GPUs and for calls that gather rows (a tensor map cannot).
 inline bool tma_for(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-inline void check_launch(cudaError_t e, int type, int warps, int stages, const Args &a, int64_t blocks, size_t smem,
-                         const Device &d, bool with_pdl, bool wide) {
-    if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
-        check_cuda(e, ("matvec_f16: launch (type " + std::to_string(type) + ", " + std::to_string(warps) + " warps, " +
-                       std::to_string(stages) + " stages, split " + std::to_string(a.split) + ", " +
-                       std::to_string(a.n_vec) + " vectors, grid " + std::to_string(blocks) + ", " + std::to_string(smem) +
-                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(with_pdl) +
-                       ", wide " + std::to_string(wide) + ")")
-                          .c_str());
-}
-
 template <int TYPE, int WARPS, int STAGES>
 inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
-    const bool waits = setup<TYPE, WARPS, STAGES>(d);
+    // the copy engine: sm_90 code on a cc 9.0+ device, rows in order (a tensor map cannot gather)
+    const bool tma = d.pdl && !a.rows && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
+    const bool waits = tma || setup<TYPE, WARPS, STAGES, false>(d);
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
+    Args b = a;
+    b.tma = tma;
+    if (b.tma) {
+        maps_for(a.w, &b.map[0], &b.map_sc[0]);
+        for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
+    }
     const int64_t blocks = tiles * a.split;
     const bool with_pdl = pdl && d.pdl && waits;
-    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
-                          : launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES>, dim3((unsigned)blocks), dim3(32 * WARPS),
-                                          smem, st, a);
-    check_launch(e, TYPE, WARPS, STAGES, a, blocks, smem, d, with_pdl, false);
+    const cudaError_t e =
+        blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
+        : tma ? launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, true>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b)
+              : launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, false>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b);
+    if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
+        check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
+                       std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
+                       std::to_string(a.n_vec) + " vectors, grid " + std::to_string(blocks) + ", " + std::to_string(smem) +
+                       " bytes of shared memory of " + std::to_string(d.optin) + ", PDL " + std::to_string(with_pdl) +
+                       ", copy engine " + std::to_string(tma) + ")")
+                          .c_str());
 }
-
-// A wide launch over `tiles` tiles of 128 rows (wide_for said the loaded code has the loop).
-template <int TYPE, int STAGES>
-inline void launch_wide(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
-    const size_t smem = wide_smem_bytes(TYPE, STAGES, a.n_vec);
-    Args b = a;
-    maps_for(a.w, &b.map[0], &b.map_sc[0]);
-    for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
-    const int64_t blocks = tiles * a.split;
-    const cudaError_t e = blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
-                          : launch_pdl_if(pdl, matvec_wide_kernel<TYPE, STAGES>, dim3((unsigned)blocks), dim3(32 * WIDE_WARPS),
-                                          smem, st, b);
-    check_launch(e, TYPE, WIDE_WARPS, STAGES, a, blocks, smem, d, pdl, true);
-}
-
-// Whether a call of this type streams in wide blocks: sm_90 code on a cc 9.0+ device, rows in
-// order (a tensor map cannot gather). Every other call takes the cp.async loop.
-inline bool wide_for(const Device &d, int type, bool gather) {
-    if (!d.pdl || gather || !tma_for(type)) return false;
-    return type == TYPE_Q4_K ? setup_wide<TYPE_Q4_K, 3>(d) && setup_wide<TYPE_Q4_K, 2>(d)
-                             : setup_wide<TYPE_Q6_K, 3>(d) && setup_wide<TYPE_Q6_K, 2>(d);
-}
-inline int tile_rows(bool wide) { return wide ? WIDE_ROWS : ROWS; }
 
 // Resident blocks per SM of a kernel at `threads` threads and `smem` bytes of shared memory (the
 // occupancy calculator: registers, shared memory, its per-block reserve), cached per (kernel,
@@ -1163,12 +1024,16 @@ inline int occupancy(const void *kernel, const Device &d, int threads, size_t sm
     return it->second;
 }
 
-// Resident blocks per SM of one configuration at n_vec vectors (the cp.async loop).
+// Resident blocks per SM of one configuration at n_vec vectors: of the copy-engine instance where
+// the type streams there (calls gathering rows take the other).
 template <int TYPE, int WARPS, int STAGES>
 inline int resident_cfg(const Device &d, int n_vec) {
-    setup<TYPE, WARPS, STAGES>(d);
-    return occupancy(reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES>), d, 32 * WARPS,
-                     smem_bytes<TYPE, WARPS, STAGES>(n_vec));
+    const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(n_vec);
+    const bool tma = d.pdl && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
+    if (!tma) setup<TYPE, WARPS, STAGES, false>(d);
+    return occupancy(tma ? reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, true>)
+                         : reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, false>),
+                     d, 32 * WARPS, smem);
 }
 template <int TYPE>
 inline int resident_type(const Device &d, int warps, int stages, int n_vec) {
@@ -1179,52 +1044,48 @@ inline int resident(const Device &d, int type, int warps, int stages, int n_vec)
     return type == TYPE_Q4_K ? resident_type<TYPE_Q4_K>(d, warps, stages, n_vec)
                              : resident_type<TYPE_Q6_K>(d, warps, stages, n_vec);
 }
-// Configuration. OJ_MVF16_CFG="warps,stages" forces a pair (kept for tools/matvec_f16_bench.cu,
-// which checks every configuration the picker can choose through both copies of this header it
-// runs, its own and matvec.cu's: the engine's users never set these two; a wide call keeps its 4
-// warps and takes the stages). Split S (blocks per row tile): auto_split below; OJ_MVF16_SPLIT=n
-// forces n (clamped to 1..nb and to the partial slots); forced to 1 it also brings back, for the
-// cp.async loop, the unsplit rule for the warps (8 when the grid alone leaves SMs idle and K has
-// >= 16 super-blocks), i.e. that kernel as it was before split-K, for comparisons.
+
+// Configuration. Warps: 4; OJ_MVF16_CFG="warps,stages" forces a pair (kept for
+// tools/matvec_f16_bench.cu, which checks every configuration the picker can choose through both
+// copies of this header it runs, its own and matvec.cu's: the engine's users never set these two). Stages (Q4_K on the copy
+// engine: 2, see stages_for): 3 when two blocks still fit an SM's shared memory, else 2. Split S (blocks per row tile): auto_split below;
+// OJ_MVF16_SPLIT=n forces n (clamped to 1..nb and to MAX_SLOTS slots); forced to 1 it also brings
+// back the unsplit rule for the warps (8 when the grid alone leaves SMs idle and K has >= 16
+// super-blocks), i.e. this kernel as it was before split-K, for comparisons.
 // The warp count and S set the summation order, so they depend on the shape and device only, never
 // on n_vec (decided on 8 vectors' stages and occupancy where it matters): 1..8 vectors stay
 // bit-identical on every device. The stage count may follow n_vec (it does not change the order).
 struct Config { int warps, stages, split; };
 
-// The cp.async loop: 3 stages when three fit a block and two such blocks an SM, else 2.
+// A type on the copy engine (stream_tma): 2 stages, for a fourth block per SM (the group harness
+// at 8984bbb, every group faster forced to 4 warps x 2 stages: DeltaNet 26.4 vs 31.0 us, attention
+// 24.8 vs 30.6, FFN 44.6 vs 45.8).
 inline int stages_for(const Device &d, int type, int warps, size_t sb, int forced) {
-    (void)type;
     const size_t s3 = (size_t)warps * 3 * sb;
-    int st = forced ? forced : s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm ? 3 : 2;
+    const bool tma = d.pdl && tma_for(type);
+    int st = forced ? forced : !tma && s3 <= (size_t)d.optin && 2 * (s3 + 1024) <= (size_t)d.smem_sm ? 3 : 2;
     if ((size_t)warps * st * sb > (size_t)d.optin) st = 2;
     return st;
 }
-// A wide block: 3 stages (two in flight while one is read: three Q4_K blocks per SM at any vector
-// count), 2 where 3 do not fit a block.
-inline int wide_stages(const Device &d, int type, int n_vec, int forced) {
-    const int st = forced ? forced : 3;
-    return wide_smem_bytes(type, st, n_vec) <= (size_t)d.optin ? st : 2;
-}
 
 // The split model: a row tile's S blocks stream nb / S super-blocks each, a warp ceil(nb / S /
-// warps) of them (a wide block's warps each walk all of them: warps 1); what bounds a mid-size call
-// is that chain per warp (each step is latency-bound with few warps per SM), times the number of
-// waves of `slots` resident blocks the grid needs (a ragged last wave costs a whole block time).
-// Per block a fixed cost of SPLIT_FILL steps (the first loads, the block reduction) and, split,
-// SPLIT_MEET more (fence, atomic, the last block's L2 reads). The resident-block count depends on
-// n_vec through the shared memory, so S minimises the sum of the modelled times relative to their
-// optimum at 8 vectors' and at 1 vector's occupancy.
+// warps) of them; what bounds a mid-size call is that chain per warp (each step is latency-bound
+// with few warps per SM), times the number of waves of `slots` resident blocks the grid needs (a
+// ragged last wave costs a whole block time). Per block a fixed cost of SPLIT_FILL steps (the first
+// loads, the block reduction) and, split, SPLIT_MEET more (fence, atomic, the last block's L2 reads).
+// The resident-block count depends on n_vec through the shared memory, so S minimises the sum of
+// the modelled times relative to their optimum at 8 vectors' and at 1 vector's occupancy.
 constexpr double SPLIT_FILL = 1.0, SPLIT_MEET = 0.5;
 inline double split_cost(int64_t tiles, int64_t nb, int warps, int S, int64_t slots) {
     const int64_t waves = (tiles * S + slots - 1) / slots;
     const int64_t per_warp = ((nb + S - 1) / S + warps - 1) / warps;
     return (double)waves * ((double)per_warp + SPLIT_FILL + (S > 1 ? SPLIT_MEET : 0.0));
 }
-inline int auto_split(int64_t tiles, int64_t nb, int warps, int n_sm, int res_lo, int res_hi, int max_slots) {
+inline int auto_split(int64_t tiles, int64_t nb, int warps, int n_sm, int res_lo, int res_hi) {
     const int64_t lo = (int64_t)n_sm * res_lo, hi = (int64_t)n_sm * std::max(res_lo, res_hi);
     if (tiles >= 4 * lo) return 1;   // four waves or more: the tail is small already
     // every warp at least one super-block; the partial slots; a sane bound on the loop
-    const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / warps), max_slots / tiles, 64});
+    const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / warps), MAX_SLOTS / tiles, 64});
     double best_lo = 1e300, best_hi = 1e300;
     for (int S = 1; S <= smax; ++S) {
         best_lo = std::min(best_lo, split_cost(tiles, nb, warps, S, lo));
@@ -1239,47 +1100,31 @@ inline int auto_split(int64_t tiles, int64_t nb, int warps, int n_sm, int res_lo
     return pick_s;
 }
 
-// A wide call: about one block per SM. One wide block streams near an SM's share of the read rate
-// already, so more splits only add fills and partial sums: in the harness's sweep (H100, every
-// 27B shape, S = 1..8) the fastest S was within a few percent of n_sm / tiles everywhere, where the
-// step-chain model (auto_split) picked 2-3x more and the pass took 13.77 ms against 12.43.
-inline int wide_split(int64_t tiles, int64_t nb, int n_sm) {
-    const int64_t s = (n_sm + tiles / 2) / tiles;   // n_sm / tiles, rounded
-    return (int)std::max<int64_t>(1, std::min<int64_t>({s, nb, 64, MAX_SLOTS_WIDE / tiles}));
-}
-
-inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_vec, const Config &forced, bool wide) {
-    const int64_t tiles = (n_out + tile_rows(wide) - 1) / tile_rows(wide), nb = K / QK_K;
-    const int max_slots = wide ? MAX_SLOTS_WIDE : MAX_SLOTS;
+inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_vec, const Config &forced) {
+    const int64_t tiles = (n_out + ROWS - 1) / ROWS, nb = K / QK_K;
+    const size_t sb = (size_t)stage_bytes(type, n_vec), sb1 = (size_t)stage_bytes(type, 1), sb8 = (size_t)stage_bytes(type, 8);
     Config c = {0, 0, 0};
-    int res8 = 1, res1 = 1;
-    if (wide) {
-        c.warps = WIDE_WARPS;
-        c.stages = wide_stages(d, type, n_vec, forced.stages);
-        if (wide_smem_bytes(type, c.stages, n_vec) > (size_t)d.optin)
-            fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
+    c.warps = forced.warps ? forced.warps : forced.split == 1 && tiles < d.n_sm && nb >= 16 ? 8 : 4;
+    if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
+    c.stages = stages_for(d, type, c.warps, sb, forced.stages);
+    if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
+        fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
+    if (forced.split) {
+        c.split = forced.split;
     } else {
-        const size_t sb = (size_t)stage_bytes(type, n_vec), sb1 = (size_t)stage_bytes(type, 1), sb8 = (size_t)stage_bytes(type, 8);
-        c.warps = forced.warps ? forced.warps : forced.split == 1 && tiles < d.n_sm && nb >= 16 ? 8 : 4;
-        if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
-        c.stages = stages_for(d, type, c.warps, sb, forced.stages);
-        if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
-            fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
-        if (!forced.split) {
-            res8 = resident(d, type, c.warps, stages_for(d, type, c.warps, sb8, forced.stages), 8);
-            res1 = resident(d, type, c.warps, stages_for(d, type, c.warps, sb1, forced.stages), 1);
-        }
+        const int res8 = resident(d, type, c.warps, stages_for(d, type, c.warps, sb8, forced.stages), 8);
+        const int res1 = resident(d, type, c.warps, stages_for(d, type, c.warps, sb1, forced.stages), 1);
+        c.split = auto_split(tiles, nb, c.warps, d.n_sm, res8, res1);
     }
-    c.split = forced.split ? forced.split : wide ? wide_split(tiles, nb, d.n_sm) : auto_split(tiles, nb, c.warps, d.n_sm, res8, res1, max_slots);
     c.split = (int)std::min<int64_t>(c.split, nb);                                  // no empty split
-    if (c.split > 1 && tiles * c.split > max_slots) c.split = (int)std::max<int64_t>(1, max_slots / tiles);
+    if (c.split > 1 && tiles * c.split > MAX_SLOTS) c.split = (int)std::max<int64_t>(1, MAX_SLOTS / tiles);
     return c;
 }
 
-// decide() once per (device, type, shape, n_vec, loop, forced values): a decode pass makes ~500
-// calls of a dozen shapes, and the split model and occupancy lookups need not run again for each.
-// The overrides are read every call (the harness changes them between checks).
-inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_vec, bool wide) {
+// decide() once per (device, type, shape, n_vec, forced values): a decode pass makes ~500 calls of a
+// dozen shapes, and the split model and occupancy lookups need not run again for each. The
+// overrides are read every call (the harness changes them between checks).
+inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_vec) {
     Config forced = {0, 0, 0};
     if (const char *e = std::getenv("OJ_MVF16_CFG")) {
         int w = 0, s = 0;
@@ -1289,27 +1134,24 @@ inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_ve
         int n = 0;
         if (std::sscanf(e, "%d", &n) == 1 && n >= 1) forced.split = n;
     }
-    using Key = std::tuple<int, int, int64_t, int64_t, int, bool, int, int, int>;
+    using Key = std::tuple<int, int, int64_t, int64_t, int, int, int, int>;
     static std::mutex mu;
     static std::map<Key, Config> decided;
-    const Key key{d.id, type, n_out, K, n_vec, wide, forced.warps, forced.stages, forced.split};
+    const Key key{d.id, type, n_out, K, n_vec, forced.warps, forced.stages, forced.split};
     {
         std::lock_guard<std::mutex> lock(mu);
         auto it = decided.find(key);
         if (it != decided.end()) return it->second;
     }
-    const Config c = decide(d, type, n_out, K, n_vec, forced, wide);   // outside the lock: it takes others
+    const Config c = decide(d, type, n_out, K, n_vec, forced);   // outside the lock: it takes others
     std::lock_guard<std::mutex> lock(mu);
     return decided.emplace(key, c).first->second;
 }
 
 // The launch at c's warps and stages.
 template <int TYPE>
-inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, bool wide, cudaStream_t st) {
-    if (wide) {
-        if (c.stages == 3) launch_wide<TYPE, 3>(a, tiles, d, pdl && d.pdl, st);
-        else launch_wide<TYPE, 2>(a, tiles, d, pdl && d.pdl, st);
-    } else if (c.warps == 8) {
+inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
+    if (c.warps == 8) {
         if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, tiles, d, pdl, st);
         else launch_cfg<TYPE, 8, 2>(a, tiles, d, pdl, st);
     } else {
@@ -1318,11 +1160,8 @@ inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Dev
     }
 }
 
-// The configuration run() takes for a call without a row gather (harnesses print it).
-inline Config config_for(int type, int64_t n_out, int64_t K, int n_vec) {
-    const Device d = device();
-    return pick(d, type, n_out, K, n_vec, wide_for(d, type, false));
-}
+// The configuration run() takes for this call (harnesses print it).
+inline Config config_for(int type, int64_t n_out, int64_t K, int n_vec) { return pick(device(), type, n_out, K, n_vec); }
 
 // The launch's arguments over workspace ws for matrix w (a group's first member) writing y; the
 // caller adds the other members, then launch() decides the split.
@@ -1339,18 +1178,19 @@ inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, i
     a.n_vec = n_vec;
     a.accumulate = accumulate;
     a.n_more = 0;
+    a.tma = false;   // launch_cfg decides
     return a;
 }
 
 // The configuration for `rows` output rows of a.w's type and K (a group: all its members' row
 // tiles, as one tall matrix), then the launch over their row tiles.
-inline void launch(Args &a, int64_t rows, bool wide, bool pdl, cudaStream_t st) {
+inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
     const Device d = device();
-    const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec, wide);
+    const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);
     a.split = c.split;
-    const int64_t tiles = (rows + tile_rows(wide) - 1) / tile_rows(wide);
-    if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, wide, st);
-    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, wide, st);
+    const int64_t tiles = (rows + ROWS - 1) / ROWS;
+    if (a.w.type == TYPE_Q4_K) launch_type<TYPE_Q4_K>(a, tiles, c, d, pdl, st);
+    else launch_type<TYPE_Q6_K>(a, tiles, c, d, pdl, st);
 }
 
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
@@ -1361,14 +1201,13 @@ inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate,
     check_call(w.type, w.K, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
-    launch(a, n_out, wide_for(device(), w.type, rows != nullptr), pdl, st);
+    launch(a, n_out, pdl, st);
 }
 
 // The Args of the n (1..GROUP_MAX) matrices of one type and one K reading one prepared x from
-// workspace ws: the members' row tiles (of tile_rows(wide) rows) one after the other (run_group);
-// tiles: their sum. The split is the caller's.
-inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate, bool wide,
-                       int64_t &tiles) {
+// workspace ws: the members' row tiles one after the other (run_group); tiles: their
+// sum. The split and the copy engine are the caller's.
+inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool accumulate, int64_t &tiles) {
     if (n < 1 || n > GROUP_MAX) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 1.." + std::to_string(GROUP_MAX) + " matrices");
     check_call(w[0].type, w[0].K, n_vec);
     int64_t tile0[GROUP_MAX];
@@ -1378,7 +1217,7 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_
             fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group's matrices must share type and K");
         if (w[i].M <= 0) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group member has no rows");
         tile0[i] = tiles;
-        tiles += (w[i].M + tile_rows(wide) - 1) / tile_rows(wide);
+        tiles += (w[i].M + ROWS - 1) / ROWS;
     }
     Args a = args_for(w[0], ws, y[0], nullptr, w[0].M, n_vec, accumulate);
     a.n_more = n - 1;
@@ -1399,9 +1238,8 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_
 inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
     if (n < 2) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
     int64_t tiles = 0;
-    const bool wide = wide_for(device(), w[0].type, false);
-    Args a = group_args(w, y, n, ws, n_vec, false, wide, tiles);
-    launch(a, tiles * tile_rows(wide), wide, pdl, st);   // the group as one tall matrix
+    Args a = group_args(w, y, n, ws, n_vec, false, tiles);
+    launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
 }
 
 }  // namespace mvf16

@@ -33,10 +33,6 @@ PART_OFF = MAX_TILES * 4
 XP_OFF = PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4
 REC = 8 * 576 + 32
 PREP_THREADS = 256
-WIDE_WARPS = 4
-WIDE_ROWS = WIDE_WARPS * ROWS
-WIDE_SLOT_FLOATS = 8 * WIDE_ROWS
-MAX_SLOTS_WIDE = MAX_SLOTS * SLOT_FLOATS // WIDE_SLOT_FLOATS
 SPLIT_FILL, SPLIT_MEET = 1.0, 0.5
 
 # (file, line) pairs the emulation below transcribes, whitespace-normalised
@@ -64,11 +60,10 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "if (tile >= args.more.tile0[i]) {"),
     ("matvec_f16.cuh", "mtile = tile - args.more.tile0[i];"),
     ("matvec_f16.cuh", "tile0[i] = tiles;"),
-    ("matvec_f16.cuh", "tiles += (w[i].M + tile_rows(wide) - 1) / tile_rows(wide);"),
-    ("matvec_f16.cuh", "inline int tile_rows(bool wide) { return wide ? WIDE_ROWS : ROWS; }"),
+    ("matvec_f16.cuh", "tiles += (w[i].M + ROWS - 1) / ROWS;"),
     ("matvec_f16.cuh", "a.more.tile0[i - 1] = tile0[i];"),
-    ("matvec_f16.cuh", "launch(a, tiles * tile_rows(wide), wide, pdl, st);"),
-    ("matvec_f16.cuh", "const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec, wide);"),
+    ("matvec_f16.cuh", "launch(a, tiles * ROWS, pdl, st);"),
+    ("matvec_f16.cuh", "const Config c = pick(d, a.w.type, rows, a.w.K, a.n_vec);"),
     ("matvec_f16.cuh", "const int64_t u0 = (int64_t)sp * nb / S, len = (int64_t)(sp + 1) * nb / S - u0;"),
     ("matvec_f16.cuh", "const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;"),
     ("matvec_f16.cuh", "const int64_t uw = u0 + warp;"),
@@ -97,52 +92,24 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);"),
     # host: grid, workspace pointers, pick()'s clamps and the split model
     ("matvec_f16.cuh", "const int64_t blocks = tiles * a.split;"),
-    ("matvec_f16.cuh", "const int64_t tiles = (rows + tile_rows(wide) - 1) / tile_rows(wide);"),
-    ("matvec_f16.cuh", "launch(a, n_out, wide_for(device(), w.type, rows != nullptr), pdl, st);"),
+    ("matvec_f16.cuh", "const int64_t tiles = (rows + ROWS - 1) / ROWS;"),
+    ("matvec_f16.cuh", "launch(a, n_out, pdl, st);"),
     ("matvec_f16.cuh", "a.xp = base + XP_OFF;"),
     ("matvec_f16.cuh", "a.part = reinterpret_cast<float *>(base + PART_OFF);"),
     ("matvec_f16.cuh", "a.count = reinterpret_cast<uint32_t *>(base);"),
     ("matvec_f16.cuh", "if (std::sscanf(e, \"%d\", &n) == 1 && n >= 1) forced.split = n;"),
     ("matvec_f16.cuh", "c.split = (int)std::min<int64_t>(c.split, nb);"),
-    ("matvec_f16.cuh", "const int max_slots = wide ? MAX_SLOTS_WIDE : MAX_SLOTS;"),
-    ("matvec_f16.cuh", "if (c.split > 1 && tiles * c.split > max_slots) c.split = (int)std::max<int64_t>(1, max_slots / tiles);"),
+    ("matvec_f16.cuh", "if (c.split > 1 && tiles * c.split > MAX_SLOTS) c.split = (int)std::max<int64_t>(1, MAX_SLOTS / tiles);"),
     ("matvec_f16.cuh", "constexpr double SPLIT_FILL = 1.0, SPLIT_MEET = 0.5;"),
     ("matvec_f16.cuh", "const int64_t waves = (tiles * S + slots - 1) / slots;"),
     ("matvec_f16.cuh", "const int64_t per_warp = ((nb + S - 1) / S + warps - 1) / warps;"),
     ("matvec_f16.cuh", "return (double)waves * ((double)per_warp + SPLIT_FILL + (S > 1 ? SPLIT_MEET : 0.0));"),
     ("matvec_f16.cuh", "const int64_t lo = (int64_t)n_sm * res_lo, hi = (int64_t)n_sm * std::max(res_lo, res_hi);"),
     ("matvec_f16.cuh", "if (tiles >= 4 * lo) return 1;"),
-    ("matvec_f16.cuh", "const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / warps), max_slots / tiles, 64});"),
+    ("matvec_f16.cuh", "const int smax = (int)std::min<int64_t>({std::max<int64_t>(1, nb / warps), MAX_SLOTS / tiles, 64});"),
     ("matvec_f16.cuh", "const double c = split_cost(tiles, nb, warps, S, lo) / best_lo + split_cost(tiles, nb, warps, S, hi) / best_hi;"),
     ("matvec_f16.cuh", "if (c < pick_c - 1e-9) pick_c = c, pick_s = S;"),
-    ("matvec_f16.cuh", "c.split = forced.split ? forced.split : wide ? wide_split(tiles, nb, d.n_sm) : auto_split(tiles, nb, c.warps, d.n_sm, res8, res1, max_slots);"),
-    ("matvec_f16.cuh", "const int64_t s = (n_sm + tiles / 2) / tiles;"),
-    ("matvec_f16.cuh", "return (int)std::max<int64_t>(1, std::min<int64_t>({s, nb, 64, MAX_SLOTS_WIDE / tiles}));"),
-    # the wide blocks (sm_90): 4 warps on 4 row tiles of 32, each walking every super-block of the
-    # block's range; a partial is [8][128], in the same region
-    ("matvec_f16.cuh", "constexpr int WIDE_WARPS = 4;"),
-    ("matvec_f16.cuh", "constexpr int WIDE_ROWS = WIDE_WARPS * ROWS;"),
-    ("matvec_f16.cuh", "constexpr size_t WIDE_SLOT_FLOATS = 8 * WIDE_ROWS;"),
-    ("matvec_f16.cuh", "constexpr int MAX_SLOTS_WIDE = (int)(MAX_SLOTS * SLOT_FLOATS / WIDE_SLOT_FLOATS);"),
-    ("matvec_f16.cuh", "const int64_t mb = mtile * WIDE_ROWS, m0 = mb + warp * ROWS;"),
-    ("matvec_f16.cuh", "if (s < nj) issue_w(ring + s * SB, full + s, u0 + s);"),
-    ("matvec_f16.cuh", "if (s < nj) issue_x(ring + s * SB, full + s, u0 + s);"),
-    ("matvec_f16.cuh", "const int64_t un = u0 + j + STAGES - 1;"),
-    ("matvec_f16.cuh", "q6_parity(par, u0 + j, pr);"),
-    ("matvec_f16.cuh", "if (j + STAGES - 1 < nj) {"),
-    ("matvec_f16.cuh", "if (j > 0) {"),
-    ("matvec_f16.cuh", "bar_wait(empty + wr, (phe >> wr) & 1u);"),
-    ("matvec_f16.cuh", "bar_wait(full + rd, (phf >> rd) & 1u);"),
-    ("matvec_f16.cuh", "if (lane == 0 && j + STAGES < nj) asm volatile(\"mbarrier.arrive.shared::cta.b64 _, [%0];\\n\" ::\"r\"(su32(empty + rd)) : \"memory\");"),
-    ("matvec_f16.cuh", "bar_init(full + threadIdx.x, WIDE_WARPS * (Q6 ? 33 : 1) + 1);"),
-    ("matvec_f16.cuh", "bar_init(empty + threadIdx.x, WIDE_WARPS);"),
-    ("matvec_f16.cuh", "float *slot = a.part + (size_t)bid * WIDE_SLOT_FLOATS;"),
-    ("matvec_f16.cuh", "const int r = warp * ROWS + 16 * i + g + 8 * (e >> 1), vec = 2 * t + (e & 1);"),
-    ("matvec_f16.cuh", "__stcg(slot + vec * WIDE_ROWS + r, acc[i][e]);"),
-    ("matvec_f16.cuh", "const float *slots = a.part + (size_t)tile * S * WIDE_SLOT_FLOATS;"),
-    ("matvec_f16.cuh", "for (int idx = threadIdx.x; idx < 8 * WIDE_ROWS; idx += 32 * WIDE_WARPS) {"),
-    ("matvec_f16.cuh", "const int vec = idx / WIDE_ROWS, r = idx % WIDE_ROWS;"),
-    ("matvec_f16.cuh", "for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * WIDE_SLOT_FLOATS + vec * WIDE_ROWS + r);"),
+    ("matvec_f16.cuh", "c.split = auto_split(tiles, nb, c.warps, d.n_sm, res8, res1);"),
     # the engine sizes its workspace with the same function
     ("matvec.cu", "const size_t need = matvec_f16_workspace_bytes(K);"),
     ("matvec.cu", "void *ws = f16_workspace(w.K, st);"),
@@ -171,10 +138,10 @@ def _warp_blocks(warp: int, u0: int, ln: int, warps: int) -> list[int]:
     return [uw + j * warps for j in range(J)]
 
 
-def _clamp(split: int, tiles: int, nb: int, max_slots: int = MAX_SLOTS) -> int:
+def _clamp(split: int, tiles: int, nb: int) -> int:
     split = min(split, nb)
-    if split > 1 and tiles * split > max_slots:
-        split = max(1, max_slots // tiles)
+    if split > 1 and tiles * split > MAX_SLOTS:
+        split = max(1, MAX_SLOTS // tiles)
     return split
 
 
@@ -184,11 +151,11 @@ def _split_cost(tiles, nb, warps, S, slots) -> float:
     return waves * (per_warp + SPLIT_FILL + (SPLIT_MEET if S > 1 else 0.0))
 
 
-def _auto_split(tiles, nb, warps, n_sm, res_lo, res_hi, max_slots: int = MAX_SLOTS) -> int:
+def _auto_split(tiles, nb, warps, n_sm, res_lo, res_hi) -> int:
     lo, hi = n_sm * res_lo, n_sm * max(res_lo, res_hi)
     if tiles >= 4 * lo:
         return 1
-    smax = min(max(1, nb // warps), max_slots // tiles, 64)
+    smax = min(max(1, nb // warps), MAX_SLOTS // tiles, 64)
     best_lo = min((_split_cost(tiles, nb, warps, S, lo) for S in range(1, smax + 1)), default=1e300)
     best_hi = min((_split_cost(tiles, nb, warps, S, hi) for S in range(1, smax + 1)), default=1e300)
     pick_s, pick_c = 1, 1e300
@@ -328,12 +295,12 @@ def test_arrival_protocol():
         assert last == [], "a missing reset must leave the next run's y unwritten (the harness's repeat check)"
 
 
-def _group_tiles(Ms: list[int], rows: int = ROWS) -> tuple[int, list[int]]:
+def _group_tiles(Ms: list[int]) -> tuple[int, list[int]]:
     """run_group: the members' first launch tiles and the launch's tile count."""
     tiles, tile0 = 0, []
     for M in Ms:
         tile0.append(tiles)
-        tiles += (M + rows - 1) // rows
+        tiles += (M + ROWS - 1) // ROWS
     return tiles, tile0
 
 
@@ -352,121 +319,14 @@ def test_group_tiles_partition_the_members():
     rng = random.Random(11)
     cases = [[10240, 6144, 48, 48], [12288, 1024, 1024], [17408, 17408], [77, 5, 33, 1], [1, 1], [32, 33, 31, 64]]
     cases += [[rng.randint(1, 70000) for _ in range(rng.randint(2, 4))] for _ in range(200)]
-    for Ms, (rows, max_slots) in itertools.product(cases, ((ROWS, MAX_SLOTS), (WIDE_ROWS, MAX_SLOTS_WIDE))):
-        tiles, tile0 = _group_tiles(Ms, rows)
+    for Ms in cases:
+        tiles, tile0 = _group_tiles(Ms)
         got = [_member_of(t, tile0) for t in range(tiles)]
-        want = [(i, mt) for i, M in enumerate(Ms) for mt in range((M + rows - 1) // rows)]
+        want = [(i, mt) for i, M in enumerate(Ms) for mt in range((M + ROWS - 1) // ROWS)]
         assert got == want, Ms
-        # the split is decided on the launch's tiles (pick on tiles * rows rows) and clamped there,
+        # the split is decided on the launch's tiles (pick on tiles * ROWS rows) and clamped there,
         # so a split launch's counters (launch tile < tiles) and slots stay in their regions
         for forced in (1, 2, 3, 7, 64):
-            S = _clamp(forced, tiles, 20, max_slots)
+            S = _clamp(forced, tiles, 20)
             if S > 1:
-                assert tiles * S <= max_slots and tiles <= MAX_TILES
-
-
-# ---- the wide blocks (sm_90) -------------------------------------------------------------------
-def test_wide_workspace_region():
-    # the wide partials fill the same region as the 32-row ones, and a split wide launch's counters
-    # (tiles <= MAX_SLOTS_WIDE / 2) are inside the zeroed ones
-    assert MAX_SLOTS_WIDE * WIDE_SLOT_FLOATS == MAX_SLOTS * SLOT_FLOATS
-    assert MAX_SLOTS_WIDE // 2 <= MAX_TILES
-
-
-def _wide_split(tiles: int, nb: int, n_sm: int) -> int:
-    s = (n_sm + tiles // 2) // tiles
-    return max(1, min(s, nb, 64, MAX_SLOTS_WIDE // tiles))
-
-
-def test_wide_split_pick():
-    # about one block per SM, within the slots; the 27B's shapes on 132 SMs (tiles of 128 rows)
-    for tiles, nb in itertools.product((1, 2, 8, 40, 48, 80, 96, 130, 136, 272, 1940, 5000), (1, 3, 20, 24, 68)):
-        S = _wide_split(tiles, nb, 132)
-        assert 1 <= S <= nb and S <= 64 and (S == 1 or tiles * S <= MAX_SLOTS_WIDE)
-        assert _clamp(S, tiles, nb, MAX_SLOTS_WIDE) == S
-        if S > 1:
-            assert tiles * (S - 1) < 132 and tiles * S <= 2 * 132   # fills the SMs once, not twice
-    assert _wide_split(136, 20, 132) == 1       # ffn_gate
-    assert _wide_split(40, 68, 132) == 3        # ffn_down
-    assert _wide_split(8, 20, 132) == 17        # attn_k / attn_v (132 / 8 = 16.5)
-
-
-def test_wide_slots_and_counters_in_bounds():
-    ks = (256, 768, 4096, 5120, 6144, 17408)
-    n_outs = (1, 31, 48, 127, 128, 129, 1001, 5120, 6144, 16480, 34816, 65536, 248320)
-    for K, n_out, forced in itertools.product(ks, n_outs, (1, 2, 3, 7, 8, 64, 10**6)):
-        nb, tiles = K // QK_K, (n_out + WIDE_ROWS - 1) // WIDE_ROWS
-        S = _clamp(forced, tiles, nb, MAX_SLOTS_WIDE)
-        assert 1 <= S <= nb
-        if S > 1:
-            assert tiles * S <= MAX_SLOTS_WIDE and tiles <= MAX_TILES
-            last_cell = (tiles * S - 1) * WIDE_SLOT_FLOATS + 7 * WIDE_ROWS + WIDE_ROWS - 1
-            assert PART_OFF + 4 * last_cell + 4 <= XP_OFF
-    for tiles, nb, res_lo, res_hi in itertools.product((1, 3, 40, 41, 129, 272, 513, 1940), (1, 3, 20, 24, 68), (1, 2, 3),
-                                                        (1, 2, 3)):
-        S = _auto_split(tiles, nb, 1, 132, res_lo, res_hi, MAX_SLOTS_WIDE)
-        assert 1 <= S <= nb and S <= 64 and (S == 1 or tiles * S <= MAX_SLOTS_WIDE)
-        assert _clamp(S, tiles, nb, MAX_SLOTS_WIDE) == S
-
-
-def test_wide_slot_cell_layout_is_a_bijection():
-    # each warp's lanes write rows warp * 32 + 16 i + g + 8 (e >> 1), vector 2 t + (e & 1); the last
-    # block reads idx -> (idx / 128, idx % 128): both cover [8][128] once
-    write = set()
-    for warp, lane, i, e in itertools.product(range(WIDE_WARPS), range(32), range(2), range(4)):
-        g, t = lane >> 2, lane & 3
-        write.add((2 * t + (e & 1), warp * ROWS + 16 * i + g + 8 * (e >> 1)))
-    read = {(idx // WIDE_ROWS, idx % WIDE_ROWS) for idx in range(8 * WIDE_ROWS)}
-    assert write == read == {(v, r) for v in range(8) for r in range(WIDE_ROWS)}
-    assert len(write) == WIDE_WARPS * 32 * 2 * 4
-
-
-def test_wide_split_covers_each_super_block_once_per_warp():
-    # every warp of a wide block walks u0 .. u0 + len - 1 (steps j, super-block u0 + j); over the S
-    # splits each warp sees every super-block once, and the Q6_K parity par ^ (u & 1) is absolute
-    for nb in list(range(1, 41)) + [68, 136]:
-        for S in range(1, min(nb, 64) + 1):
-            seen = []
-            for sp in range(S):
-                _, _, u0, ln = _block(sp, S, nb)
-                seen += [u0 + j for j in range(ln)]
-            assert seen == list(range(nb)), (nb, S)
-
-
-def _wide_schedule(nj: int, stages: int):
-    """stream_wide's barrier events, in program order of the step loop: per stage, the steps whose
-    x warp 0 copies in (full) and the steps after which every warp arrives on empty, and the steps
-    at which warp 0 waits on empty before the copy."""
-    fills = {s: [] for s in range(stages)}
-    arrivals = {s: [] for s in range(stages)}
-    waits = {s: [] for s in range(stages)}
-    for s in range(stages - 1):          # the prologue
-        if s < nj:
-            fills[s].append(s)
-    for j in range(nj):
-        wr = (j + stages - 1) % stages
-        if j + stages - 1 < nj:
-            if j > 0:
-                waits[wr].append(j)
-            fills[wr].append(j + stages - 1)
-        if j + stages < nj:
-            arrivals[j % stages].append(j)
-    return fills, arrivals, waits
-
-
-def test_wide_barrier_protocol():
-    for stages in (2, 3):
-        for nj in range(1, 40):
-            fills, arrivals, waits = _wide_schedule(nj, stages)
-            # every step's stage is filled once, in step order, before any step reads it
-            assert sorted(u for s in fills for u in fills[s]) == list(range(nj))
-            for s in range(stages):
-                assert fills[s] == sorted(fills[s]) and all(u % stages == s for u in fills[s])
-                # the k-th wait on empty[s] (parity k % 2) is for the k-th completed phase: every
-                # warp's arrival after step arrivals[s][k], which read the x the copy replaces
-                assert len(waits[s]) == len(arrivals[s]), (stages, nj, s)
-                for k, j in enumerate(waits[s]):
-                    assert arrivals[s][k] == j - 1
-                # and every phase armed is waited for: no arrival is left pending at the end
-                # (mbarrier.inval after the loop)
-                assert all(j + 1 < nj for j in arrivals[s])
+                assert tiles * S <= MAX_SLOTS and tiles <= MAX_TILES

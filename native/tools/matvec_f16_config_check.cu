@@ -1,7 +1,7 @@
 // matvec_f16_config_check.cu: matvec_f16.cuh's host-side configuration on the CPU (no GPU needed):
-// which types stream on the copy engine (in wide blocks), the stage count stages_for (the cp.async
-// loop) and wide_stages pick for each type, vector count and device, the stages' 128-byte rounding
-// and the shared-memory size with its barriers. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
+// which types stream on the copy engine, the stage count stages_for picks for
+// each type, vector count and device, the stages' 128-byte rounding and the shared-memory size with
+// its barriers. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
 // checks the rules.
 //
 //   nvcc -std=c++17 -arch=sm_90 -Inative native/tools/matvec_f16_config_check.cu -o mvcfg
@@ -39,13 +39,6 @@ int main() {
                                     name, type, warps, n_vec, forced, sb,
                                     mvf16::stages_for(d, type, warps, sb, forced), d.optin, d.smem_sm);
                     }
-    for (int type : {TYPE_Q4_K, TYPE_Q6_K})
-        for (int n_vec : {1, 5, 8})
-            for (int forced : {0, 2, 3})
-                std::printf("{\"what\": \"wide_stages\", \"type\": %d, \"n_vec\": %d, \"forced\": %d, \"stage_bytes\": %d, "
-                            "\"stages\": %d, \"smem\": %zu, \"optin\": %d}\n",
-                            type, n_vec, forced, mvf16::wide_stage_bytes(type, n_vec), mvf16::wide_stages(h200, type, n_vec, forced),
-                            mvf16::wide_smem_bytes(type, mvf16::wide_stages(h200, type, n_vec, forced), n_vec), h200.optin);
     for (int n_vec = 1; n_vec <= 8; ++n_vec) {
         smem_line<TYPE_Q4_K, 4, 2>(n_vec);
         smem_line<TYPE_Q4_K, 4, 3>(n_vec);
