@@ -767,8 +767,12 @@ void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepI
         if (w[i]->K != w[0]->K) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_group: the matrices read one x, so share K");
     const float *x = in.x;
     // members of one type (the prepared x's order is the type's), up to GROUP_MAX, in one fp16
-    // launch; everything else one matvec each
+    // launch; everything else one matvec each. Where the members take both fp16 types (a Q4_K_M
+    // layer whose qkv or v is Q6_K), the first type's prep also writes x in the other's order, and
+    // the other type's launch follows the first's with no prep of its own between them.
     bool done[MAX_MEMBERS] = {};
+    int prepped = -1;   // the type of the prep in the workspace (-1: none yet); region 1 holds the other's
+    bool both = false;
     for (int i = 0; i < n; ++i) {
         if (done[i] || w[i]->M <= 0) continue;   // no rows: nothing to compute
         Matrix ws[mvf16::GROUP_MAX];
@@ -777,15 +781,20 @@ void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepI
         if (f16_fits(*w[i]) && n_vec >= 1 && n_vec <= 8)
             for (int k = i; k < n && m < mvf16::GROUP_MAX; ++k)
                 if (!done[k] && w[k]->type == w[i]->type && w[k]->M > 0) ws[m] = *w[k], ys[m] = y[k], done[k] = true, ++m;
-        if (m >= 2) {
+        if (m >= 1) {
             void *buf = f16_workspace(w[i]->K, st);
-            mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st);
-            mvf16::run_group(ws, ys, m, buf, n_vec, true, st);
-            check_launch("matvec_group");
-        } else if (m == 1) {
-            void *buf = f16_workspace(w[i]->K, st);
-            mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st);
-            mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st);
+            int region = 0;
+            if (prepped >= 0 && both && w[i]->type != prepped) {
+                region = 1;   // prepared by the first type's prep
+            } else {
+                both = false;   // another fp16 type among the members left: prep its order too
+                for (int k = i + 1; k < n; ++k)
+                    both |= !done[k] && w[k]->M > 0 && f16_fits(*w[k]) && w[k]->type != w[i]->type;
+                mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st, both);
+                prepped = w[i]->type;
+            }
+            if (m >= 2) mvf16::run_group(ws, ys, m, buf, n_vec, true, st, region);
+            else mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st, region);
             check_launch("matvec_group");
         } else {
             done[i] = true;

@@ -100,7 +100,10 @@ constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;                          // c
 constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;   // then the prepared x
 static_assert(MAX_TILES % 1024 == 0 && XP_OFF % 256 == 0, "split region: whole uint4 per thread, aligned x");
 
-inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * REC; }
+// the prepared x in the call's type's order, then room for the same x in the other type's order
+// (prep's `both`: a group of Q4_K and Q6_K members reads one prep)
+inline size_t workspace_bytes(int64_t K) { return XP_OFF + 2 * (size_t)(K / QK_K) * REC; }
+__host__ __device__ constexpr int other_type(int type) { return type == TYPE_Q4_K ? TYPE_Q6_K : TYPE_Q4_K; }
 
 // Weight bytes per stage (32 rows of one super-block): Q4_K as stored; Q6_K q plane + scales.
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
@@ -184,8 +187,9 @@ struct PrepIn {
 
 // One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
 // ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
+// both: also the records in the other type's order, after these (region 1: XP_OFF + nb * REC on).
 template <int TYPE>
-__global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, int n_vec, uint8_t *__restrict__ ws) {
+__global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, int n_vec, uint8_t *__restrict__ ws, bool both) {
     pdl_launch_dependents();
     pdl_wait();   // x, and the workspace the previous matvec on it may still read
     if (blockIdx.x == 0)
@@ -219,9 +223,10 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
             }
     }
     __syncthreads();
-    uint8_t *rec = ws + XP_OFF + u * REC;
+    uint8_t *rec = ws + XP_OFF + u * REC, *rec2 = ws + XP_OFF + (K / QK_K + u) * REC;
     if (v >= n_vec) {
         if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
+        if (lane == 0 && both) reinterpret_cast<float *>(rec2 + INV_OFF)[v] = 1.0f;
         return;
     }
     const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
@@ -260,6 +265,7 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
         dst[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
     }
     prep_store<TYPE>(xv, rec, v, lane);
+    if (both) prep_store<other_type(TYPE)>(xv, rec2, v, lane);
 }
 
 __device__ __forceinline__ void cp8(void *dst, const void *src) {
@@ -863,14 +869,15 @@ inline void check_call(int type, int64_t K, int n_vec) {
     if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
 }
 
-// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ);
-// also zeroes the workspace's split-K arrival counters.
-inline void prep(int type, const PrepIn &in, int64_t K, int n_vec, void *ws, cudaStream_t st) {
+// x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ; both:
+// also in the other type's order, region 1 for run / run_group); also zeroes the workspace's
+// split-K arrival counters.
+inline void prep(int type, const PrepIn &in, int64_t K, int n_vec, void *ws, cudaStream_t st, bool both = false) {
     check_call(type, K, n_vec);
     const unsigned grid = (unsigned)(K / QK_K);
     uint8_t *w = static_cast<uint8_t *>(ws);
-    check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, in, K, n_vec, w)
-                                 : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, in, K, n_vec, w),
+    check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, in, K, n_vec, w, both)
+                                 : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, in, K, n_vec, w, both),
                "matvec_f16: prep");
 }
 inline void prep(int type, const float *x, int64_t K, int n_vec, void *ws, cudaStream_t st) {
@@ -1194,13 +1201,15 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
 }
 
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
-// order, the same K and n_vec; run writes the workspace's split-K region). pdl: the previous kernel
-// on the stream is the prep (sm_90: the weight loads start before it finishes).
+// order, the same K and n_vec; region 1: a prep of the other type with `both`; run writes the
+// workspace's split-K region). pdl: the previous kernel on the stream is the prep, or a matvec on
+// the same workspace after it (sm_90: the weight loads start before it finishes).
 inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
-                int64_t n_out, bool pdl, cudaStream_t st) {
+                int64_t n_out, bool pdl, cudaStream_t st, int region = 0) {
     check_call(w.type, w.K, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
+    a.xp += region * (w.K / QK_K) * REC;
     launch(a, n_out, pdl, st);
 }
 
@@ -1235,16 +1244,18 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_
 // members' row tiles one after the other in the grid, the split decided on their sum. Each output
 // is what run() gives for that matrix alone at the group's split (the split sets the summation
 // order, the group only which blocks run together).
-inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st) {
+inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st,
+                      int region = 0) {
     if (n < 2) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
     int64_t tiles = 0;
     Args a = group_args(w, y, n, ws, n_vec, false, tiles);
+    a.xp += region * (w[0].K / QK_K) * REC;
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
 }
 
 }  // namespace mvf16
 
-// Bytes of workspace for K (the split-K region, a fixed ~4 MB, then K / 256 records of prepared x).
+// Bytes of workspace for K (the split-K region, a fixed ~4 MB, then twice K / 256 records of prepared x).
 inline size_t matvec_f16_workspace_bytes(int64_t K) { return mvf16::workspace_bytes(K); }
 
 // y (+)= W x for 1..8 vectors, Q4_K / Q6_K: prep + matvec (the matvec overlapping the prep's tail

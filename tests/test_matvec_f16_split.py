@@ -44,11 +44,16 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;"),
     ("matvec_f16.cuh", "constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;"),
     ("matvec_f16.cuh", "constexpr int REC = INV_OFF + 32;"),
-    ("matvec_f16.cuh", "inline size_t workspace_bytes(int64_t K) { return XP_OFF + (size_t)(K / QK_K) * REC; }"),
+    ("matvec_f16.cuh", "inline size_t workspace_bytes(int64_t K) { return XP_OFF + 2 * (size_t)(K / QK_K) * REC; }"),
     # prep: block 0 zeroes the counters, records after XP_OFF
     ("matvec_f16.cuh", "for (int i = 0; i < MAX_TILES / 1024; ++i)"),
     ("matvec_f16.cuh", "reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);"),
-    ("matvec_f16.cuh", "uint8_t *rec = ws + XP_OFF + u * REC;"),
+    ("matvec_f16.cuh", "uint8_t *rec = ws + XP_OFF + u * REC, *rec2 = ws + XP_OFF + (K / QK_K + u) * REC;"),
+    # a prep with `both` writes the other type's records after the first's; run / run_group read
+    # them as region 1
+    ("matvec_f16.cuh", "if (both) prep_store<other_type(TYPE)>(xv, rec2, v, lane);"),
+    ("matvec_f16.cuh", "a.xp += region * (w.K / QK_K) * REC;"),
+    ("matvec_f16.cuh", "a.xp += region * (w[0].K / QK_K) * REC;"),
     ("matvec_f16.cuh", "c.x = a.xp + u * REC;"),
     ("matvec_f16.cuh", "c.x += WARPS * REC;"),
     # the kernel: which block, which super-blocks
@@ -175,6 +180,20 @@ def test_workspace_layout():
     assert MAX_SLOTS // 2 <= MAX_TILES
     # slots end where the prepared x starts (the kernel's issue_x and the prep both use XP_OFF)
     assert PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4 == XP_OFF
+
+
+def test_both_orders_fit_the_workspace():
+    # a prep with `both`: record u of the first order at XP_OFF + u REC, of the other at
+    # XP_OFF + (nb + u) REC; region 1's last record ends where the workspace does, and the two never
+    # overlap each other or the split region
+    for K in (256, 768, 5120, 6144, 17408, 32768):
+        nb = K // QK_K
+        size = XP_OFF + 2 * nb * REC
+        first = [(XP_OFF + u * REC, XP_OFF + (u + 1) * REC) for u in range(nb)]
+        other = [(XP_OFF + (nb + u) * REC, XP_OFF + (nb + u + 1) * REC) for u in range(nb)]
+        assert first[-1][1] == other[0][0] and other[-1][1] == size and first[0][0] >= PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4
+        # region 1 as run / run_group address it: the workspace's x plus nb records
+        assert XP_OFF + 1 * nb * REC == other[0][0]
 
 
 def test_super_blocks_covered_once():
