@@ -422,12 +422,13 @@ void bind_sequence(Engine &e, int i) {
 void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;
-    const Matrix *w[] = {&L.ffn_gate, &L.ffn_up};
-    float *const y[] = {s.ffn_gate, s.ffn_up};
     stamp(e, PH_FFN_UP, weight_bytes(L.ffn_gate) + weight_bytes(L.ffn_up));
-    matvec_group_norm(w, y, 2, s.x, L.post_norm, d.hp.rms_eps, s.xn, n, e.stream);
-    stamp(e, PH_FFN_DOWN, weight_bytes(L.ffn_down));
-    matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
+    struct Between {
+        Engine &e;
+        uint64_t bytes;
+    } b{e, weight_bytes(L.ffn_down)};
+    matvec_ffn(L.ffn_gate, L.ffn_up, L.ffn_down, s.x, L.post_norm, d.hp.rms_eps, s.xn, s.ffn_gate, s.ffn_up, s.x, n, e.stream,
+               [](void *p) { stamp(static_cast<Between *>(p)->e, PH_FFN_DOWN, static_cast<Between *>(p)->bytes); }, &b);
 }
 
 // attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree;

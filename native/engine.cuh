@@ -341,6 +341,13 @@ void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const flo
 // matvec.cu: y (+)= W (silu(gate) * up) (the FFN's down projection): SwiGLU inside the prep on the
 // fp16 path, else computed into gate first.
 void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// The FFN on its input x: y += down . SwiGLU(gate . rms_norm(x) * norm, up . ...), gate_y / up_y the
+// projections' outputs. On the fp16 path: the norm's prep, ONE launch of gate and up that also
+// writes the down's prepared x (mvf16::run_ffn_up), the down; else matvec_group_norm + matvec_swiglu.
+// between(ctx), where set, runs between the launches of gate + up and those of the down (the profile's event).
+void matvec_ffn(const Matrix &gate, const Matrix &up, const Matrix &down, const float *x, const float *norm, float eps,
+                float *xn, float *gate_y, float *up_y, float *y, int n_vec, cudaStream_t st,
+                void (*between)(void *) = nullptr, void *ctx = nullptr);
 // matvec.cu: y (+)= W gated_norm(o) (DeltaNet's ssm_out of its normed, gated output: per head of S
 // values rms-normed, times norm and silu(z)): inside the prep on the fp16 path, else
 // deltanet_gated_norm in place first.

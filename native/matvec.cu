@@ -793,8 +793,9 @@ void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepI
                 mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st, both);
                 prepped = w[i]->type;
             }
-            if (m >= 2) mvf16::run_group(ws, ys, m, buf, n_vec, true, st, region);
-            else mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st, region);
+            const int64_t rec_off = region * (w[i]->K / QK_K);
+            if (m >= 2) mvf16::run_group(ws, ys, m, buf, n_vec, true, st, rec_off);
+            else mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st, rec_off);
             check_launch("matvec_group");
         } else {
             done[i] = true;
@@ -857,6 +858,34 @@ void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int 
     mvf16::prep(w.type, in, w.K, n_vec, buf, st);
     mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
     check_launch("matvec_swiglu");
+}
+
+void matvec_ffn(const Matrix &gate, const Matrix &up, const Matrix &down, const float *x, const float *norm, float eps,
+                float *xn, float *gate_y, float *up_y, float *y, int n_vec, cudaStream_t st, void (*between)(void *),
+                void *ctx) {
+    const Matrix *gu[] = {&gate, &up};
+    const Matrix *dn[] = {&down};
+    if (!fused_prep(gu, 2, n_vec) || !fused_prep(dn, 1, n_vec) || !f16_fits(gate) || !f16_fits(up) || !f16_fits(down) ||
+        !mvf16::ffn_fits(gate, up, down, n_vec)) {
+        const Matrix *w[] = {&gate, &up};
+        float *const ys[] = {gate_y, up_y};
+        matvec_group_norm(w, ys, 2, x, norm, eps, xn, n_vec, st);
+        if (between) between(ctx);
+        return matvec_swiglu(down, gate_y, up_y, y, n_vec, true, st);
+    }
+    // the workspace: the gate's x (regions 0 and 1 of its K), then the down's records
+    const int64_t nb_in = gate.K / QK_K, post_off = 2 * nb_in, nb_all = post_off + down.K / QK_K;
+    void *buf = f16_workspace((nb_all + 1) / 2 * QK_K, st);
+    mvf16::PrepIn in;
+    in.x = x;
+    in.norm = norm;
+    in.eps = eps;
+    mvf16::prep(gate.type, in, gate.K, n_vec, buf, st);
+    mvf16::run_ffn_up(gate, up, down, gate_y, up_y, buf, n_vec, post_off, st);
+    check_launch("matvec_ffn: gate + up");
+    if (between) between(ctx);
+    mvf16::run(down, buf, y, n_vec, true, nullptr, down.M, true, st, post_off);
+    check_launch("matvec_ffn: down");
 }
 
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,

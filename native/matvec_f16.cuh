@@ -301,6 +301,19 @@ struct More {
     int64_t tile0[GROUP_MAX - 1];
 };
 
+// The FFN's post (a launch of the gate and up projections, members 0 and 1, one type): once both
+// members' rows [256 u, 256 u + 256) are final, the block that finished the last of their 16 row
+// tiles writes record u of SwiGLU(gate, up) for the down projection, in the down's type's order
+// (post_swiglu: the prep kernel's arithmetic, the same bits), so the down projection runs with no
+// prep of its own, right after this launch. The counters are 0 between calls (the last arrival
+// resets its own; the prep before this launch zeroes the region they sit in).
+struct Post {
+    uint8_t *rec = nullptr;       // the down's prepared x (nullptr: no post)
+    uint32_t *count = nullptr;    // per super-block arrival counters
+    int64_t n_ff = 0;             // gate's (and up's) rows, the down's K
+    int type = 0;                 // the down's type
+};
+
 struct Args {
     CUtensorMap map[GROUP_MAX];     // tma: member i's rows as bytes, boxes of one super-block x 32 rows
                                     // (Q4_K: the blocks [M][nb * 144]; Q6_K: the q plane [M][nb * 192])
@@ -318,6 +331,7 @@ struct Args {
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
     bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
     More more;
+    Post post;
 };
 
 // Where a lane's copies of one super-block come from (src_at: super-block u; advance: u + WARPS).
@@ -698,6 +712,44 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
 }
 #endif
 
+// Post (above): called by every block once its tile's rows of y are final (tile rows [m0, m0 + 32)
+// of member gate or up). Release: every thread fences its y stores before the barrier, then one
+// atomic on the super-block's counter; the 16th arrival (8 gate + 8 up tiles) fences, resets the
+// counter, and its warps write the record, vector v by warp v % WARPS: lane l's 8 values of
+// gate and up read from L2 (ld.global.cg), SwiGLU as prep_kernel's `up` branch, prep_store.
+// a: the launch's own arguments (member 0's y is gate, member 1's up); m0: the tile's first row in its member.
+__device__ __forceinline__ void post_swiglu(const Args &a, int64_t m0) {
+    const Post &p = a.post;
+    const int64_t u = m0 / QK_K;
+    __threadfence();
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(p.count + u, 1u) == (uint32_t)(2 * QK_K / ROWS - 1);
+        if (last) p.count[u] = 0u;   // every arrival of this call is in
+        __threadfence();
+    }
+    if (!__syncthreads_or(last)) return;
+    const float *gate = a.y, *up = a.more.y[0];   // members 0 and 1
+    uint8_t *rec = p.rec + u * REC;
+    const int lane = threadIdx.x & 31;
+    for (int v = threadIdx.x >> 5; v < 8; v += blockDim.x >> 5) {
+        if (v >= a.n_vec) {
+            if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
+            continue;
+        }
+        const int64_t at = (int64_t)v * p.n_ff + u * QK_K + 8 * lane;
+        const float4 *g4 = reinterpret_cast<const float4 *>(gate + at), *u4 = reinterpret_cast<const float4 *>(up + at);
+        const float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
+        float xv[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+        const float uv[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] / (1.0f + expf(-xv[j])) * uv[j];   // prep_kernel's SwiGLU
+        if (p.type == TYPE_Q4_K) prep_store<TYPE_Q4_K>(xv, rec, v, lane);
+        else prep_store<TYPE_Q6_K>(xv, rec, v, lane);
+    }
+}
+
 // TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
 // cp.async instance no copy-engine loop, so neither pays the other's registers).
 // Block `bid` of a launch over args (matvec_kernel: blockIdx.x).
@@ -823,7 +875,10 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             }
         }
     }
-    if (S == 1) return;   // uniform over the grid
+    if (S == 1) {   // uniform over the grid
+        if (args.post.rec) post_swiglu(args, m0);
+        return;
+    }
     // Split-K: the last of the tile's S blocks to arrive sums the S slots in split order. Release:
     // every thread fences its slot stores (gpu scope) before the barrier, then one atomic; acquire:
     // thread 0 fences after the atomic that saw the other S - 1 arrivals, and the barrier orders
@@ -848,6 +903,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             *dst = a.accumulate ? *dst + v : v;
         }
     }
+    if (args.post.rec) post_swiglu(args, m0);
 }
 
 template <int TYPE, int WARPS, int STAGES, bool TMA>
@@ -1201,15 +1257,15 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
 }
 
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
-// order, the same K and n_vec; region 1: a prep of the other type with `both`; run writes the
-// workspace's split-K region). pdl: the previous kernel on the stream is the prep, or a matvec on
+// order, the same K and n_vec, at record rec_off: K / 256 for a prep of the other type with `both`,
+// the FFN's post region for the down projection; run writes the workspace's split-K region). pdl: the previous kernel on the stream is the prep, or a matvec on
 // the same workspace after it (sm_90: the weight loads start before it finishes).
 inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
-                int64_t n_out, bool pdl, cudaStream_t st, int region = 0) {
+                int64_t n_out, bool pdl, cudaStream_t st, int64_t rec_off = 0) {
     check_call(w.type, w.K, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
-    a.xp += region * (w.K / QK_K) * REC;
+    a.xp += rec_off * REC;
     launch(a, n_out, pdl, st);
 }
 
@@ -1245,12 +1301,43 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_
 // is what run() gives for that matrix alone at the group's split (the split sets the summation
 // order, the group only which blocks run together).
 inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st,
-                      int region = 0) {
+                      int64_t rec_off = 0, const Post *post = nullptr) {
     if (n < 2) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
     int64_t tiles = 0;
     Args a = group_args(w, y, n, ws, n_vec, false, tiles);
-    a.xp += region * (w[0].K / QK_K) * REC;
+    a.xp += rec_off * REC;
+    if (post) a.post = *post;
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
+}
+
+// The FFN's gate and up (one type, one K: member 0 gate, 1 up, M = down.K rows each) on a prepared
+// workspace, their launch writing the down projection's records (Post) at record post_off (past
+// the gate's own x, so no block of the launch reads what the post writes); the down projection
+// then runs from them (run(down, ..., post_off)) with no prep between the two launches. The post's
+// counters are the split-K counters' last nb_down (the prep zeroed them all); ffn_fits checks that
+// the launch's own split counters (its tiles, when split) stay below them.
+inline void run_ffn_up(const Matrix &gate, const Matrix &up, const Matrix &down, float *gate_y, float *up_y, void *ws,
+                       int n_vec, int64_t post_off, cudaStream_t st) {
+    uint8_t *base = static_cast<uint8_t *>(ws);
+    Post p;
+    p.rec = base + XP_OFF + post_off * REC;
+    p.count = reinterpret_cast<uint32_t *>(base) + (MAX_TILES - down.K / QK_K);
+    p.n_ff = down.K;
+    p.type = down.type;
+    const Matrix w[2] = {gate, up};
+    float *const ys[2] = {gate_y, up_y};
+    run_group(w, ys, 2, ws, n_vec, true, st, 0, &p);
+}
+
+// Whether run_ffn_up takes these shapes: gate and up one type and one K with down.K rows each, down an
+// fp16 type, down.K a multiple of 256 whose counters clear the gate / up launch's own.
+inline bool ffn_fits(const Matrix &gate, const Matrix &up, const Matrix &down, int n_vec) {
+    if (!supports(gate.type) || !supports(down.type) || gate.type != up.type || gate.K != up.K || gate.K % QK_K ||
+        gate.M != down.K || up.M != down.K || down.K % QK_K || down.M <= 0 || n_vec < 1 || n_vec > 8)
+        return false;
+    const int64_t tiles = 2 * ((down.K + ROWS - 1) / ROWS);
+    const Config c = config_for(gate.type, tiles * ROWS, gate.K, n_vec);
+    return (c.split == 1 ? 0 : tiles) + down.K / QK_K <= MAX_TILES;
 }
 
 }  // namespace mvf16
