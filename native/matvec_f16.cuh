@@ -718,7 +718,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
 // counter, and its warps write the record, vector v by warp v % WARPS: lane l's 8 values of
 // gate and up read from L2 (ld.global.cg), SwiGLU as prep_kernel's `up` branch, prep_store.
 // a: the launch's own arguments (member 0's y is gate, member 1's up); m0: the tile's first row in its member.
-__device__ __forceinline__ void post_swiglu(const Args &a, int64_t m0) {
+__device__ __noinline__ void post_swiglu(const Args &a, int64_t m0) {
     const Post &p = a.post;
     const int64_t u = m0 / QK_K;
     __threadfence();
