@@ -44,6 +44,7 @@
 
 #include "deltanet_chunked.cuh"
 #include "deltanet_step.cuh"
+#include "matvec_f16.cuh"   // prep_store: the records the recurrence writes for ssm_out
 #include "pdl.cuh"
 #include "engine.cuh"
 #include "reduce.cuh"
@@ -109,7 +110,60 @@ __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int
     qk_norm_value(conv_out + (int64_t)t * C + (int64_t)hh * S + threadIdx.x, hh < n_key_heads, eps, q_scale);
 }
 
+// ssm_out's input where the recurrence writes it (RecordPost): the gated norm's operands.
+struct GatedPost {
+    RecordPost to;
+    const float *z = nullptr;      // [n][value_dim]
+    const float *norm = nullptr;   // [S]
+    float eps = 0.0f;
+};
+
+// After a recurrence block's rows are written (head h, 4 rows of it): once all 64 blocks of super-
+// block u = h S / 256 of ssm_out's input (256 / S heads x S / 4 blocks) have arrived, the last
+// writes record u: vector t by warp t % 4, lane l's 8 values of o and z read from L2, the gated
+// norm as prep_kernel's head_norm branch computes it, prep_store in ssm_out's type's order (the same
+// bits as the prep kernel's). Release / acquire as the matvec's split-K: fences around one atomic.
+template <int S>
+__device__ __forceinline__ void post_gated(const GatedPost &p, const float *out, int h, int n, int n_v_heads) {
+    const int64_t u = (int64_t)h * S / QK_K;
+    __threadfence();
+    __syncthreads();
+    bool last = false;
+    if (threadIdx.x == 0) {
+        last = atomicAdd(p.to.count + u, 1u) == (uint32_t)(QK_K / 4 - 1);
+        if (last) p.to.count[u] = 0u;   // every arrival of this call is in
+        __threadfence();
+    }
+    if (!__syncthreads_or(last)) return;
+    using namespace mvf16;
+    uint8_t *rec = p.to.rec + u * REC;
+    const int lane = threadIdx.x & 31;
+    const int64_t K = (int64_t)n_v_heads * S;
+    for (int v = threadIdx.x >> 5; v < 8; v += blockDim.x >> 5) {
+        if (v >= n) {
+            if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
+            continue;
+        }
+        const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
+        const float4 *o4 = reinterpret_cast<const float4 *>(out + at), *z4 = reinterpret_cast<const float4 *>(p.z + at);
+        const float4 a = __ldcg(o4), b = __ldcg(o4 + 1), c = __ldcg(z4), d = __ldcg(z4 + 1);
+        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        const float zv[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
+        float ss = 0.0f;   // prep_kernel's head_norm branch, S a constant here
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += xv[j] * xv[j];
+        for (int off = 1; off < S / 8; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+        const float r = sqrtf(ss / S + p.eps);
+        const int i0 = (8 * lane) % S;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] / r * p.norm[i0 + j] * (zv[j] / (1.0f + expf(-zv[j])));
+        if (p.to.type == TYPE_Q4_K) prep_store<TYPE_Q4_K>(xv, rec, v, lane);
+        else prep_store<TYPE_Q6_K>(xv, rec, v, lane);
+    }
+}
+
 // grid (n_v_heads, S / 4), block 128: warp w owns state row j = blockIdx.y * 4 + w (recurrence_row).
+// post.to.rec set: ssm_out's records too (post_gated).
 template <int S, bool TREE>
 __global__ void __launch_bounds__(128)
 deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *__restrict__ replay_beta,
@@ -118,12 +172,13 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            const float *__restrict__ alpha_raw, int n,
                            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
                            float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
-                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents) {
+                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents, const GatedPost post) {
     pdl_launch_dependents();
     pdl_wait();
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
                       n_key_heads, n_v_heads, commit, TREE ? parents : 0);
+    if (post.to.rec && n > 0) post_gated<S>(post, out, blockIdx.x, n, n_v_heads);
 }
 
 // oj_eval_seqs: grid (n_v_heads, S / 4, n), block 128; position t steps sequence sb.seq[t]'s state
@@ -159,7 +214,7 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
 // (parents != 0: the n new ones are a draft tree, tree.cuh's word).
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
                          const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st,
-                         bool recurrence = true, uint64_t parents = 0) {
+                         bool recurrence = true, uint64_t parents = 0, const GatedPost &post = GatedPost()) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = S, blocks = C / S;   // a block per head of the conv output
@@ -190,7 +245,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 #define OJ_RECURRENCE(SS)                                                                                         \
     e = launch(tree ? deltanet_recurrence_kernel<SS, true> : deltanet_recurrence_kernel<SS, false>, grid, 128, 0, st,  \
                replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a,  \
-               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents)
+               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents, post)
     switch (S) {
         case 32: OJ_RECURRENCE(32); break;
         case 64: OJ_RECURRENCE(64); break;
@@ -204,8 +259,16 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 }  // namespace
 
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t parents) {
-    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents);
+                  cudaStream_t st, uint64_t parents, const RecordPost *post) {
+    GatedPost gp;
+    if (post) {
+        if (n < 1 || n > OJ_MAX_POSITIONS) fail(OJ_ERR_INVALID_ARGUMENT, "deltanet_mix: ssm_out's records take 1..8 positions");
+        gp.to = *post;
+        gp.z = s.z;
+        gp.norm = L.ssm_norm;
+        gp.eps = d.hp.rms_eps;
+    }
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents, gp);
 }
 
 void deltanet_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const RingSlot &cur, const SeqBatch &b,

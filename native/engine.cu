@@ -466,6 +466,14 @@ void deltanet_layer(Engine &e, Layer &L, int n, const SeqBatch *seqs = nullptr) 
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
+    // on the fp16 path (one sequence) the recurrence writes ssm_out's prepared x: no prep kernel
+    RecordPost post;
+    if (!seqs && matvec_prepared_x(L.wssm_out, n, e.stream, &post)) {
+        deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree, &post);
+        stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
+        matvec_prepared(L.wssm_out, s.x, n, true, e.stream);
+        return;
+    }
     if (seqs) deltanet_mix_seqs(e.dims, L, s, n, r, *seqs, e.stream);
     else deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));

@@ -341,6 +341,19 @@ void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const flo
 // matvec.cu: y (+)= W (silu(gate) * up) (the FFN's down projection): SwiGLU inside the prep on the
 // fp16 path, else computed into gate first.
 void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// Where a kernel other than the prep writes a matrix's prepared x (the fp16 path's records of its
+// input, in its type's order; records 0..K/256-1 of the stream's workspace): rec the first record,
+// count K/256 arrival counters (0 between calls) for the writer's tickets, type the matrix's type.
+struct RecordPost {
+    uint8_t *rec = nullptr;
+    uint32_t *count = nullptr;
+    int type = 0;
+};
+// matvec.cu: whether w takes the fp16 path for n_vec vectors; if so *post is where its prepared x
+// goes (its workspace on stream st), for a kernel to write before matvec_prepared(w, ...).
+bool matvec_prepared_x(const Matrix &w, int n_vec, cudaStream_t st, RecordPost *post);
+// matvec.cu: y (+)= W x from the prepared x a kernel wrote where matvec_prepared_x said (no prep).
+void matvec_prepared(const Matrix &w, float *y, int n_vec, bool accumulate, cudaStream_t st);
 // The FFN on its input x: y += down . SwiGLU(gate . rms_norm(x) * norm, up . ...), gate_y / up_y the
 // projections' outputs. On the fp16 path: the norm's prep, ONE launch of gate and up that also
 // writes the down's prepared x (mvf16::run_ffn_up), the down; else matvec_group_norm + matvec_swiglu.
@@ -384,8 +397,12 @@ void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 // `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
 // follow each node's ancestors).
+// post (where set, the ssm_out projection's prepared x, matvec_prepared_x): the recurrence kernel
+// also writes ssm_out's input, the gated norm of its outputs with s.z, as records in that
+// projection's order, so ssm_out runs with no prep (matvec_prepared); s.dn_out is written either way.
+struct RecordPost;
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t tree = 0);
+                  cudaStream_t st, uint64_t tree = 0, const RecordPost *post = nullptr);
 // deltanet.cu: the mixer for the positions of oj_eval_seqs, position t the next of sequence
 // b.seq[t] (its conv and ssm state at Layer::conv_base / ssm_base + seq * the per-sequence floats),
 // from ring slot `cur` to s.dn_out, each sequence's state ADVANCED by its position (committed in

@@ -888,6 +888,25 @@ void matvec_ffn(const Matrix &gate, const Matrix &up, const Matrix &down, const 
     check_launch("matvec_ffn: down");
 }
 
+bool matvec_prepared_x(const Matrix &w, int n_vec, cudaStream_t st, RecordPost *post) {
+    const Matrix *ws[] = {&w};
+    if (!fused_prep(ws, 1, n_vec) || w.M <= 0 || w.K % QK_K) return false;
+    const int64_t nb = w.K / QK_K;
+    // its counters: the split region's last nb, clear of the matvec's own split counters (its tiles, when split)
+    const int64_t tiles = (w.M + mvf16::ROWS - 1) / mvf16::ROWS;
+    if ((mvf16::config_for(w.type, w.M, w.K, n_vec).split == 1 ? 0 : tiles) + nb > mvf16::MAX_TILES) return false;
+    uint8_t *base = static_cast<uint8_t *>(f16_workspace(w.K, st));
+    post->rec = base + mvf16::XP_OFF;
+    post->count = reinterpret_cast<uint32_t *>(base) + (mvf16::MAX_TILES - nb);
+    post->type = w.type;
+    return true;
+}
+
+void matvec_prepared(const Matrix &w, float *y, int n_vec, bool accumulate, cudaStream_t st) {
+    mvf16::run(w, f16_workspace(w.K, st), y, n_vec, accumulate, nullptr, w.M, true, st);
+    check_launch("matvec_prepared");
+}
+
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,
                  cudaStream_t st) {
     if (n_rows < 0) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_rows: negative row count");
