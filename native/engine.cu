@@ -447,6 +447,15 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, co
     }
     const uint64_t kv = rows * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
+    // on the fp16 path (one sequence, heads filling whole super-blocks) the combine writes
+    // attn_output's prepared x: no prep kernel
+    RecordPost post;
+    if (!seqs && (e.dims.hp.n_head * e.dims.hp.head_dim) % QK_K == 0 && matvec_prepared_x(L.wo, n, e.stream, &post)) {
+        attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree, &post);
+        stamp(e, PH_AT_OUT, weight_bytes(L.wo));
+        matvec_prepared(L.wo, s.x, n, true, e.stream);
+        return;
+    }
     if (seqs) attention_mix_seqs(e.dims, L, s, n, *seqs, e.n_ctx, e.stream);
     else attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));

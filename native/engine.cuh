@@ -426,8 +426,10 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 // `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
 // its depth, attention over the committed rows and its path's (tree_path_rows).
+// post (where set, attn_output's prepared x, matvec_prepared_x): the combine also writes
+// attn_output's input records, so attn_output runs with no prep (matvec_prepared).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
-                   cudaStream_t st, uint64_t tree = 0);
+                   cudaStream_t st, uint64_t tree = 0, const RecordPost *post = nullptr);
 // attention.cu: attention_mix for the positions of oj_eval_seqs, position t at b.pos[t] in
 // sequence b.seq[t]'s KV cache (Layer::kv_base + seq * kv_seq_bytes).
 void attention_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const SeqBatch &b, int n_ctx, cudaStream_t st);
