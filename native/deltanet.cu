@@ -124,7 +124,7 @@ struct GatedPost {
 // norm as prep_kernel's head_norm branch computes it, prep_store in ssm_out's type's order (the same
 // bits as the prep kernel's). Release / acquire as the matvec's split-K: fences around one atomic.
 template <int S>
-__device__ __forceinline__ void post_gated(const GatedPost &p, const float *out, int h, int n, int n_v_heads) {
+__device__ __noinline__ void post_gated(const GatedPost &p, const float *out, int h, int n, int n_v_heads) {
     const int64_t u = (int64_t)h * S / QK_K;
     __threadfence();
     __syncthreads();
