@@ -757,7 +757,7 @@ __device__ __noinline__ void post_swiglu(const Args &a, int64_t m0) {
 // are final, the last writes record u of y * norm (prep_store, the consumer's order; both: the other
 // order's too) and the super-block's sums of squares of y (ssum[u][v]: lane-local in order, then
 // the warp's xor tree). Release / acquire as the split-K epilogue's.
-__device__ __forceinline__ void post_norm(const Args &a, int64_t m0) {
+__device__ __noinline__ void post_norm(const Args &a, int64_t m0) {
     const NormRecords &p = a.npost;
     const int64_t u = m0 / QK_K, nb = a.n_out / QK_K;
     __threadfence();
