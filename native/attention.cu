@@ -35,7 +35,6 @@
 
 #include "attention_common.cuh"
 #include "engine.cuh"
-#include "matvec_f16.cuh"   // prep_store: the records the combine writes for attn_output
 #include "pdl.cuh"
 #include "reduce.cuh"
 
@@ -210,17 +209,12 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
 constexpr int CHUNK = 4;
 
 // grid (n_head, n), block head_dim: out = (sum over splits) / l * sigmoid(gate).
-// With `post` (attn_output's prepared x, RecordPost): grid (n_head * D / 256, n), block 256, block u
-// the 256 / D heads of super-block u, thread i value i of it (the same arithmetic per value), which
-// also writes record u's vector n (prep_store: what the prep kernel writes from out, the same bits).
 __global__ void attention_combine_kernel(const float *__restrict__ part_ml, const float *__restrict__ part_acc,
                                          const float *__restrict__ qg, float *__restrict__ out,
-                                         int n_head, int n_splits, int D, const RecordPost post, int n_vec) {
+                                         int n_head, int n_splits) {
     pdl_launch_dependents();
     pdl_wait();
-    const int n = blockIdx.y, i = threadIdx.x;
-    const int h = post.rec ? (int)((blockIdx.x * blockDim.x + i) / D) : blockIdx.x;
-    const int t = post.rec ? (int)((blockIdx.x * blockDim.x + i) % D) : i;
+    const int h = blockIdx.x, n = blockIdx.y, D = blockDim.x, t = threadIdx.x;
     const int64_t base = ((int64_t)n * n_head + h) * n_splits;
     float M = -INFINITY;
     for (int s = 0; s < n_splits; ++s) M = fmaxf(M, part_ml[(base + s) * 2]);
@@ -233,23 +227,7 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
         a += part_acc[(base + s) * D + t] * f;
     }
     const float gate = qg[((int64_t)n * n_head * 2 + h * 2 + 1) * D + t];
-    const float o = a / L * sigmoid(gate);
-    out[((int64_t)n * n_head + h) * D + t] = o;
-    if (!post.rec) return;   // uniform over the grid
-    __shared__ float xs[QK_K];
-    xs[i] = o;
-    __syncthreads();
-    const int warp = i >> 5, lane = i & 31;
-    uint8_t *rec = post.rec + (int64_t)blockIdx.x * mvf16::REC;
-    if (warp == 0) {
-        float xv[8];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = xs[8 * lane + j];
-        if (post.type == TYPE_Q4_K) mvf16::prep_store<TYPE_Q4_K>(xv, rec, n, lane);
-        else mvf16::prep_store<TYPE_Q6_K>(xv, rec, n, lane);
-    } else if (warp == 1 && n == 0 && lane >= n_vec && lane < 8) {   // vectors past n_vec: as the prep
-        reinterpret_cast<float *>(rec + mvf16::INV_OFF)[lane] = 1.0f;
-    }
+    out[((int64_t)n * n_head + h) * D + t] = a / L * sigmoid(gate);
 }
 
 // seqs: oj_eval_seqs's positions (the SEQS instances, from the layer's sequence-0 planes), or
@@ -287,8 +265,7 @@ void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, c
 // seqs: as launch_partial's (then as many splits as the furthest position needs).
 template <bool Q8>
 void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg, float *out, int n,
-               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr,
-               const RecordPost *post = nullptr) {
+               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     int end = pos0 + n;
     if (seqs) {
@@ -306,32 +283,24 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");
-    if (post) {
-        if ((H * D) % QK_K || n < 1 || n > OJ_MAX_POSITIONS) fail(OJ_ERR_INVALID_ARGUMENT, "attention: no records for this shape");
-        check_cuda(launch(attention_combine_kernel, dim3(H * D / QK_K, n), QK_K, 0, st, s.part_ml, s.part_acc, qg, out, H,
-                          n_splits, D, *post, n),
-                   "attention_combine");
-        return;
-    }
-    check_cuda(launch(attention_combine_kernel, dim3(H, n), D, 0, st, s.part_ml, s.part_acc, qg, out, H, n_splits, D,
-                      RecordPost(), n),
+    check_cuda(launch(attention_combine_kernel, dim3(H, n), D, 0, st, s.part_ml, s.part_acc, qg, out, H, n_splits),
                "attention_combine");
 }
 
 template <bool Q8>
 void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                      uint64_t tree, const SeqBatch *seqs = nullptr, const RecordPost *post = nullptr) {
+                      uint64_t tree, const SeqBatch *seqs = nullptr) {
     prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree, seqs);
-    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree, seqs, post);
+    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree, seqs);
 }
 
 }  // namespace
 
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                   uint64_t tree, const RecordPost *post) {
+                   uint64_t tree) {
     switch (L.kv_type) {
-        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree, nullptr, post); break;
-        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree, nullptr, post); break;
+        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree); break;
+        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree); break;
         default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
     }
 }

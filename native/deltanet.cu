@@ -4,8 +4,7 @@
 // Order of the cycle, each a kernel below:
 //   1. causal depthwise conv over [conv state | new qkv rows], SiLU; the conv state keeps the last
 //      kernel-1 inputs ([conv_dim][kernel-1], oldest first, as ggml's conv_states);
-//   2. L2 norm of every q and k head (x / sqrt(sum x^2 + eps)), q also times 1/sqrt(d_state): in
-//      the conv kernel's q / k head blocks for decode-sized passes, a kernel of its own for prompts;
+//   2. L2 norm of every q and k head (x / sqrt(sum x^2 + eps)), q also times 1/sqrt(d_state);
 //   3. the delta rule per value head h (key head h % n_key_heads, ggml's tiled order):
 //        decay = exp(softplus(alpha + dt_bias) * ssm_a), beta = sigmoid(beta_raw)
 //        S = decay * S;  S += outer((v - S k) * beta, k);  o = S q
@@ -44,7 +43,6 @@
 
 #include "deltanet_chunked.cuh"
 #include "deltanet_step.cuh"
-#include "matvec_f16.cuh"   // prep_store: the records the recurrence writes for ssm_out
 #include "pdl.cuh"
 #include "engine.cuh"
 #include "reduce.cuh"
@@ -53,117 +51,48 @@ namespace oj {
 
 namespace {
 
-// The L2 norm of one value of a q or k head (x / sqrt(sum x^2 + eps), q also times 1/sqrt(d_state))
-// by a block of the head's S threads, thread i holding value i: deltanet_qk_norm_kernel's
-// arithmetic, which the conv kernels below run in the same block_sum over the same S threads.
-__device__ __forceinline__ void qk_norm_value(float *p, bool is_q, float eps, float q_scale) {
-    const float v = *p;
-    const float ss = block_sum(v * v);
-    float y = v / sqrtf(ss + eps);
-    if (is_q) y *= q_scale;
-    *p = y;
-}
-
-// Block b of S threads (d_state) holds conv channels b S .. b S + S - 1, i.e. head b of the conv
-// output (the q heads, then k, then v). norm_heads = 2 n_key_heads: the q / k head blocks also
-// L2-norm their outputs for positions 0..n-1 (a block_sum a position, so only for decode-sized n;
-// a prompt's pass takes deltanet_qk_norm_kernel, a block per position and head, with the same bits).
 // TREE: the positions are a draft tree (`parents`, tree.cuh's word); the chain instance is the
 // code it was before trees (parents is a constant 0 there).
 template <int KERNEL, bool TREE>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
                                      float *__restrict__ state, float *__restrict__ out, int C, bool commit,
-                                     uint64_t parents, int norm_heads, int n_key_heads, float eps, float q_scale) {
+                                     uint64_t parents) {
     pdl_launch_dependents();
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
-    if ((int)blockIdx.x < norm_heads)   // the whole block (C is a multiple of S)
-        for (int t = 0; t < n; ++t) qk_norm_value(out + (int64_t)t * C + c, (int)blockIdx.x < n_key_heads, eps, q_scale);
 }
 
-// oj_eval_seqs: grid (C / S, n), block S; position t is the next input of sequence sb.seq[t], its
+// oj_eval_seqs: grid (channel blocks, n); position t is the next input of sequence sb.seq[t], its
 // conv state at state0 + sb.seq[t] * seq_floats, advanced by it (one committed step of the chain
-// code: the same arithmetic as a one-position evaluation and its replay); the q / k head blocks
-// L2-norm their output as deltanet_conv_kernel does.
+// code: the same arithmetic as a one-position evaluation and its replay).
 template <int KERNEL>
 __global__ void deltanet_conv_seqs_kernel(const float *__restrict__ qkv, const float *__restrict__ w, float *state0,
-                                          size_t seq_floats, float *__restrict__ out, int C, SeqBatch sb,
-                                          int n_key_heads, float eps, float q_scale) {
+                                          size_t seq_floats, float *__restrict__ out, int C, SeqBatch sb) {
     pdl_launch_dependents();
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
-    conv_channel<KERNEL>(c, nullptr, 0, qkv + (int64_t)t * C, 1, w, state0 + seq_floats * sb.seq[t],
-                         out + (int64_t)t * C, C, true);
-    if ((int)blockIdx.x < 2 * n_key_heads)
-        qk_norm_value(out + (int64_t)t * C + c, (int)blockIdx.x < n_key_heads, eps, q_scale);
+    if (c < C)
+        conv_channel<KERNEL>(c, nullptr, 0, qkv + (int64_t)t * C, 1, w, state0 + seq_floats * sb.seq[t],
+                             out + (int64_t)t * C, C, true);
 }
 
-// grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output (a
-// prompt's pass; decode-sized passes norm in the conv kernel).
+// grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output.
 __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int n_key_heads,
                                         float eps, float q_scale) {
     pdl_launch_dependents();
     pdl_wait();
     const int t = blockIdx.x, hh = blockIdx.y, S = blockDim.x;
-    qk_norm_value(conv_out + (int64_t)t * C + (int64_t)hh * S + threadIdx.x, hh < n_key_heads, eps, q_scale);
-}
-
-// ssm_out's input where the recurrence writes it (RecordPost): the gated norm's operands.
-struct GatedPost {
-    RecordPost to;
-    const float *z = nullptr;      // [n][value_dim]
-    const float *norm = nullptr;   // [S]
-    float eps = 0.0f;
-};
-
-// After a recurrence block's rows are written (head h, 4 rows of it): once all 64 blocks of super-
-// block u = h S / 256 of ssm_out's input (256 / S heads x S / 4 blocks) have arrived, the last
-// writes record u: vector t by warp t % 4, lane l's 8 values of o and z read from L2, the gated
-// norm as prep_kernel's head_norm branch computes it, prep_store in ssm_out's type's order (the same
-// bits as the prep kernel's). Release / acquire as the matvec's split-K: fences around one atomic.
-template <int S>
-__device__ __noinline__ void post_gated(const GatedPost &p, const float *out, int h, int n, int n_v_heads) {
-    const int64_t u = (int64_t)h * S / QK_K;
-    __threadfence();
-    __syncthreads();
-    bool last = false;
-    if (threadIdx.x == 0) {
-        last = atomicAdd(p.to.count + u, 1u) == (uint32_t)(QK_K / 4 - 1);
-        if (last) p.to.count[u] = 0u;   // every arrival of this call is in
-        __threadfence();
-    }
-    if (!__syncthreads_or(last)) return;
-    using namespace mvf16;
-    uint8_t *rec = p.to.rec + u * REC;
-    const int lane = threadIdx.x & 31;
-    const int64_t K = (int64_t)n_v_heads * S;
-    for (int v = threadIdx.x >> 5; v < 8; v += blockDim.x >> 5) {
-        if (v >= n) {
-            if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
-            continue;
-        }
-        const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
-        const float4 *o4 = reinterpret_cast<const float4 *>(out + at), *z4 = reinterpret_cast<const float4 *>(p.z + at);
-        const float4 a = __ldcg(o4), b = __ldcg(o4 + 1), c = __ldcg(z4), d = __ldcg(z4 + 1);
-        float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        const float zv[8] = {c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w};
-        float ss = 0.0f;   // prep_kernel's head_norm branch, S a constant here
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ss += xv[j] * xv[j];
-        for (int off = 1; off < S / 8; off <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-        const float r = sqrtf(ss / S + p.eps);
-        const int i0 = (8 * lane) % S;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = xv[j] / r * p.norm[i0 + j] * (zv[j] / (1.0f + expf(-zv[j])));
-        if (p.to.type == TYPE_Q4_K) prep_store<TYPE_Q4_K>(xv, rec, v, lane);
-        else prep_store<TYPE_Q6_K>(xv, rec, v, lane);
-    }
+    float *p = conv_out + (int64_t)t * C + (int64_t)hh * S;
+    const float v = p[threadIdx.x];
+    const float ss = block_sum(v * v);
+    float y = v / sqrtf(ss + eps);
+    if (hh < n_key_heads) y *= q_scale;
+    p[threadIdx.x] = y;
 }
 
 // grid (n_v_heads, S / 4), block 128: warp w owns state row j = blockIdx.y * 4 + w (recurrence_row).
-// post.to.rec set: ssm_out's records too (post_gated).
 template <int S, bool TREE>
 __global__ void __launch_bounds__(128)
 deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *__restrict__ replay_beta,
@@ -172,13 +101,12 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            const float *__restrict__ alpha_raw, int n,
                            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
                            float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
-                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents, const GatedPost post) {
+                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents) {
     pdl_launch_dependents();
     pdl_wait();
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
                       n_key_heads, n_v_heads, commit, TREE ? parents : 0);
-    if (post.to.rec && n > 0) post_gated<S>(post, out, blockIdx.x, n, n_v_heads);
 }
 
 // oj_eval_seqs: grid (n_v_heads, S / 4, n), block 128; position t steps sequence sb.seq[t]'s state
@@ -214,21 +142,16 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
 // (parents != 0: the n new ones are a draft tree, tree.cuh's word).
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
                          const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st,
-                         bool recurrence = true, uint64_t parents = 0, const GatedPost &post = GatedPost()) {
+                         bool recurrence = true, uint64_t parents = 0) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
-    const int threads = S, blocks = C / S;   // a block per head of the conv output
+    const int threads = 128, blocks = (C + threads - 1) / threads;
     const bool tree = parents != 0;
-    // decode-sized passes norm q and k in the conv kernel (one launch fewer a layer); a prompt's in
-    // a kernel of its own (a block per position and head), with the same bits
-    const bool fused_norm = n <= OJ_MAX_POSITIONS;
-    const float q_scale = 1.0f / sqrtf((float)S);
     if (tree && (commit || n > OJ_MAX_POSITIONS)) fail(OJ_ERR_INVALID_ARGUMENT, "a draft tree is never committed in the pass");
     cudaError_t e = cudaSuccess;
 #define OJ_CONV(K)                                                                                                  \
     e = launch(tree ? deltanet_conv_kernel<K, true> : deltanet_conv_kernel<K, false>, blocks, threads, 0, st, replay.qkv, \
-               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents, fused_norm ? 2 * Hk : 0, Hk, \
-               d.hp.rms_eps, q_scale)
+               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents)
     switch (d.hp.ssm_conv_kernel) {
         case 2: OJ_CONV(2); break;
         case 3: OJ_CONV(3); break;
@@ -237,15 +160,15 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
     }
 #undef OJ_CONV
     check_cuda(e, "deltanet_conv");
-    if (n > 0 && !fused_norm)
-        check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, q_scale),
+    if (n > 0)
+        check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
                    "deltanet_qk_norm");
     if (!recurrence) return;
     const dim3 grid(Hv, S / 4);
 #define OJ_RECURRENCE(SS)                                                                                         \
     e = launch(tree ? deltanet_recurrence_kernel<SS, true> : deltanet_recurrence_kernel<SS, false>, grid, 128, 0, st,  \
                replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a,  \
-               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents, post)
+               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents)
     switch (S) {
         case 32: OJ_RECURRENCE(32); break;
         case 64: OJ_RECURRENCE(64); break;
@@ -259,35 +182,25 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 }  // namespace
 
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t parents, const RecordPost *post) {
-    GatedPost gp;
-    if (post) {
-        if (n < 1 || n > OJ_MAX_POSITIONS) fail(OJ_ERR_INVALID_ARGUMENT, "deltanet_mix: ssm_out's records take 1..8 positions");
-        gp.to = *post;
-        gp.z = s.z;
-        gp.norm = L.ssm_norm;
-        gp.eps = d.hp.rms_eps;
-    }
-    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents, gp);
+                  cudaStream_t st, uint64_t parents) {
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents);
 }
 
 void deltanet_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const RingSlot &cur, const SeqBatch &b,
                        cudaStream_t st) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
-    const dim3 conv_grid(C / S, n);   // a block per head of the conv output and position
-    const float q_scale = 1.0f / sqrtf((float)S);
+    const int threads = 128;
+    const dim3 conv_grid((C + threads - 1) / threads, n);
     cudaError_t e = cudaSuccess;
-#define OJ_CONV_SEQS(K)                                                                                     \
-    e = launch(deltanet_conv_seqs_kernel<K>, conv_grid, S, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, \
-               cur.conv, C, b, Hk, d.hp.rms_eps, q_scale)
     switch (d.hp.ssm_conv_kernel) {
-        case 2: OJ_CONV_SEQS(2); break;
-        case 3: OJ_CONV_SEQS(3); break;
-        case 4: OJ_CONV_SEQS(4); break;
+        case 2: e = launch(deltanet_conv_seqs_kernel<2>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
+        case 3: e = launch(deltanet_conv_seqs_kernel<3>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
+        case 4: e = launch(deltanet_conv_seqs_kernel<4>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
     }
-#undef OJ_CONV_SEQS
     check_cuda(e, "deltanet_conv_seqs");
+    check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
+               "deltanet_qk_norm");
     const dim3 grid(Hv, S / 4, n);
 #define OJ_RECURRENCE_SEQS(SS)                                                                                      \
     e = launch(deltanet_recurrence_seqs_kernel<SS>, grid, 128, 0, st, cur.conv, cur.beta, cur.alpha, L.dt_bias, L.ssm_a, \

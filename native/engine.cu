@@ -417,56 +417,27 @@ void bind_sequence(Engine &e, int i) {
     e.s.hidden = e.hidden;
 }
 
-// The projections of a layer's input (DeltaNet: qkv, gate, beta, alpha; attention: q, k, v), as
-// matvec_group_norm takes them.
-int input_projections(Layer &L, Scratch &s, const Matrix **w, float **y) {
-    if (L.recurrent) {
-        const RingSlot &r = L.ring[0];   // the pointers are the caller's; here only the matrices count
-        w[0] = &L.wqkv, w[1] = &L.wgate, w[2] = &L.wbeta, w[3] = &L.walpha;
-        y[0] = r.qkv, y[1] = s.z, y[2] = r.beta, y[3] = r.alpha;
-        return 4;
-    }
-    w[0] = &L.wq, w[1] = &L.wk, w[2] = &L.wv;
-    y[0] = s.qg, y[1] = s.k, y[2] = s.v;
-    return 3;
-}
-
 // post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). On the fp16 path the
-// norm and SwiGLU run inside the projections' preps (matvec_group_norm, matvec_swiglu), or the
-// launches before them write their inputs (in: the residual writer's records; the gate + up launch
-// writes the down's). next (where set): the down also writes the next layer's projections' input;
-// returns whether it did.
-bool ffn(Engine &e, Layer &L, int n, const NormRecords *in = nullptr, const NormRecords *next = nullptr) {
+// norm and SwiGLU run inside the projections' preps (matvec_group_norm, matvec_swiglu).
+void ffn(Engine &e, Layer &L, int n) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;
-    stamp(e, PH_FFN_UP, weight_bytes(L.ffn_gate) + weight_bytes(L.ffn_up));
-    struct Between {
-        Engine &e;
-        uint64_t bytes;
-    } b{e, weight_bytes(L.ffn_down)};
-    return matvec_ffn(L.ffn_gate, L.ffn_up, L.ffn_down, s.x, L.post_norm, d.hp.rms_eps, s.xn, s.ffn_gate, s.ffn_up, s.x, n,
-                      e.stream, [](void *p) { stamp(static_cast<Between *>(p)->e, PH_FFN_DOWN, static_cast<Between *>(p)->bytes); },
-                      &b, in, next);
-}
-
-// The FFN's gate and up as NormRecords' readers (*out), where they can be.
-bool ffn_records(Engine &e, Layer &L, int n, NormRecords *out) {
     const Matrix *w[] = {&L.ffn_gate, &L.ffn_up};
-    return norm_records_for(w, 2, L.post_norm, e.dims.hp.rms_eps, n, e.stream, out);
+    float *const y[] = {s.ffn_gate, s.ffn_up};
+    stamp(e, PH_FFN_UP, weight_bytes(L.ffn_gate) + weight_bytes(L.ffn_up));
+    matvec_group_norm(w, y, 2, s.x, L.post_norm, d.hp.rms_eps, s.xn, n, e.stream);
+    stamp(e, PH_FFN_DOWN, weight_bytes(L.ffn_down));
+    matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
 // attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree;
 // `seqs`: oj_eval_seqs's positions, pos0 and tree unused).
-// in: the previous residual writer's records of this layer's input; ffn_in (where set, and the
-// return value true): attn_output also wrote the FFN's input there.
-bool attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, const SeqBatch *seqs = nullptr,
-                     const NormRecords *in = nullptr, NormRecords *ffn_in = nullptr) {
+void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
     stamp(e, PH_AT_PROJ, weight_bytes(L.wq) + weight_bytes(L.wk) + weight_bytes(L.wv));
-    if (in) matvec_group_normed(w, y, 3, *in, n, e.stream);
-    else matvec_group_norm(w, y, 3, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 3, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
     uint64_t rows = (uint64_t)(pos0 + n);
     if (seqs) {
@@ -475,54 +446,30 @@ bool attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, co
     }
     const uint64_t kv = rows * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
-    // on the fp16 path (one sequence, heads filling whole super-blocks) the combine writes
-    // attn_output's prepared x: no prep kernel
-    RecordPost post;
-    if (!seqs && (e.dims.hp.n_head * e.dims.hp.head_dim) % QK_K == 0 && matvec_prepared_x(L.wo, n, e.stream, &post)) {
-        attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree, &post);
-        stamp(e, PH_AT_OUT, weight_bytes(L.wo));
-        const bool next = ffn_in && L.wo.M % QK_K == 0 && ffn_records(e, L, n, ffn_in);
-        matvec_prepared(L.wo, s.x, n, true, e.stream, next ? ffn_in : nullptr);
-        return next;
-    }
     if (seqs) attention_mix_seqs(e.dims, L, s, n, *seqs, e.n_ctx, e.stream);
     else attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
-    return false;
 }
 
 // attn_norm(s.x) -> Gated DeltaNet added into s.x. The projections land in the layer's ring slot of
 // this evaluation (kept for the replay). `seqs`: oj_eval_seqs's positions, each sequence's state
 // advanced in the pass (the selected sequence's free ring slot is only scratch then).
-// in / ffn_in and the return value: as attention_layer's.
-bool deltanet_layer(Engine &e, Layer &L, int n, const SeqBatch *seqs = nullptr, const NormRecords *in = nullptr,
-                    NormRecords *ffn_in = nullptr) {
+void deltanet_layer(Engine &e, Layer &L, int n, const SeqBatch *seqs = nullptr) {
     Scratch &s = e.s;
     const RingSlot &r = L.ring[e.slot];
     const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
     float *const y[] = {r.qkv, s.z, r.beta, r.alpha};
     stamp(e, PH_DN_PROJ, weight_bytes(L.wqkv) + weight_bytes(L.wgate) + weight_bytes(L.wbeta) + weight_bytes(L.walpha));
-    if (in) matvec_group_normed(w, y, 4, *in, n, e.stream);
-    else matvec_group_norm(w, y, 4, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 4, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
-    // on the fp16 path (one sequence) the recurrence writes ssm_out's prepared x: no prep kernel
-    RecordPost post;
-    if (!seqs && matvec_prepared_x(L.wssm_out, n, e.stream, &post)) {
-        deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree, &post);
-        stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
-        const bool next = ffn_in && L.wssm_out.M % QK_K == 0 && ffn_records(e, L, n, ffn_in);
-        matvec_prepared(L.wssm_out, s.x, n, true, e.stream, next ? ffn_in : nullptr);
-        return next;
-    }
     if (seqs) deltanet_mix_seqs(e.dims, L, s, n, r, *seqs, e.stream);
     else deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
                       e.stream);
-    return false;
 }
 
 void check_tokens(const Engine &e, const int32_t *tokens, int n) {
@@ -687,24 +634,11 @@ void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, 
     e.prof.used = 0;   // a pass that failed half-way left its events behind
     stamp(e, PH_EMBED);
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
-    // Where the fp16 path takes them, each residual writer (ssm_out / attn_output, the FFN's down)
-    // also writes the next projections' input (NormRecords: no RMSNorm prep before them).
-    NormRecords in, ffn_in, next;
-    bool have_in = false;
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
-        const bool have_ffn = L.recurrent ? deltanet_layer(e, L, n, seqs, have_in ? &in : nullptr, &ffn_in)
-                                          : attention_layer(e, L, n, pos0, tree, seqs, have_in ? &in : nullptr, &ffn_in);
-        bool have_next = false;
-        if (il + 1 < d.hp.n_layer) {
-            const Matrix *w[4];
-            float *y[4];
-            Layer &N = e.layers[il + 1];
-            const int m = input_projections(N, s, w, y);
-            have_next = norm_records_for(w, m, N.attn_norm, d.hp.rms_eps, n, e.stream, &next);
-        }
-        have_in = ffn(e, L, n, have_ffn ? &ffn_in : nullptr, have_next ? &next : nullptr);
-        in = next;
+        if (L.recurrent) deltanet_layer(e, L, n, seqs);
+        else attention_layer(e, L, n, pos0, tree, seqs);
+        ffn(e, L, n);
     }
     stamp(e, PH_NORM);
     rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);

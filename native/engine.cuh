@@ -341,53 +341,6 @@ void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const flo
 // matvec.cu: y (+)= W (silu(gate) * up) (the FFN's down projection): SwiGLU inside the prep on the
 // fp16 path, else computed into gate first.
 void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
-// Where a kernel other than the prep writes a matrix's prepared x (the fp16 path's records of its
-// input, in its type's order; records 0..K/256-1 of the stream's workspace): rec the first record,
-// count K/256 arrival counters (0 between calls) for the writer's tickets, type the matrix's type.
-struct RecordPost {
-    uint8_t *rec = nullptr;
-    uint32_t *count = nullptr;
-    int type = 0;
-};
-// The next projections' input written by the launch that writes the residual (ssm_out,
-// attn_output, the FFN's down), where they all take the fp16 path: records of x * norm (their
-// RMSNorm weight, without its 1 / rms) in the first member's type's order at rec (both: the other
-// type's order nb records on), the sums of squares of x per super-block and vector in ssum
-// ([nb][8]); the projections scale their outputs by 1 / sqrt(sum_u ssum[u][v] / K + eps)
-// (matvec_group_normed). count: the writer's arrival counters (0 between calls).
-struct NormRecords {
-    uint8_t *rec = nullptr;
-    float *ssum = nullptr;
-    uint32_t *count = nullptr;
-    const float *norm = nullptr;
-    float eps = 0.0f;
-    int type = 0;
-    bool both = false;
-};
-// matvec.cu: whether the projections w (n of them, one K, reading rms_norm(x) * norm) can take
-// their input as NormRecords; if so *out says where (the stream's buffer for them).
-bool norm_records_for(const Matrix *const *w, int n, const float *norm, float eps, int n_vec, cudaStream_t st,
-                      NormRecords *out);
-// matvec.cu: matvec_group_norm from the records a residual writer left (norm_records_for): no prep.
-void matvec_group_normed(const Matrix *const *w, float *const *y, int n, const NormRecords &in, int n_vec,
-                         cudaStream_t st);
-// matvec.cu: whether w takes the fp16 path for n_vec vectors; if so *post is where its prepared x
-// goes (its workspace on stream st), for a kernel to write before matvec_prepared(w, ...).
-bool matvec_prepared_x(const Matrix &w, int n_vec, cudaStream_t st, RecordPost *post);
-// matvec.cu: y (+)= W x from the prepared x a kernel wrote where matvec_prepared_x said (no prep);
-// next (where set): y is the residual, and the launch also writes the next projections' input there.
-void matvec_prepared(const Matrix &w, float *y, int n_vec, bool accumulate, cudaStream_t st,
-                     const NormRecords *next = nullptr);
-// The FFN on its input x: y += down . SwiGLU(gate . rms_norm(x) * norm, up . ...), gate_y / up_y the
-// projections' outputs. On the fp16 path: the norm's prep, ONE launch of gate and up that also
-// writes the down's prepared x (mvf16::run_ffn_up), the down; else matvec_group_norm + matvec_swiglu.
-// between(ctx), where set, runs between the launches of gate + up and those of the down (the profile's event).
-// in (where set): gate and up read their input from it (no prep); next (where set): the down also
-// writes the next projections' input. Returns whether it did (the fp16 path with next).
-bool matvec_ffn(const Matrix &gate, const Matrix &up, const Matrix &down, const float *x, const float *norm, float eps,
-                float *xn, float *gate_y, float *up_y, float *y, int n_vec, cudaStream_t st,
-                void (*between)(void *) = nullptr, void *ctx = nullptr, const NormRecords *in = nullptr,
-                const NormRecords *next = nullptr);
 // matvec.cu: y (+)= W gated_norm(o) (DeltaNet's ssm_out of its normed, gated output: per head of S
 // values rms-normed, times norm and silu(z)): inside the prep on the fp16 path, else
 // deltanet_gated_norm in place first.
@@ -424,12 +377,8 @@ void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 // `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
 // follow each node's ancestors).
-// post (where set, the ssm_out projection's prepared x, matvec_prepared_x): the recurrence kernel
-// also writes ssm_out's input, the gated norm of its outputs with s.z, as records in that
-// projection's order, so ssm_out runs with no prep (matvec_prepared); s.dn_out is written either way.
-struct RecordPost;
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t tree = 0, const RecordPost *post = nullptr);
+                  cudaStream_t st, uint64_t tree = 0);
 // deltanet.cu: the mixer for the positions of oj_eval_seqs, position t the next of sequence
 // b.seq[t] (its conv and ssm state at Layer::conv_base / ssm_base + seq * the per-sequence floats),
 // from ring slot `cur` to s.dn_out, each sequence's state ADVANCED by its position (committed in
@@ -453,10 +402,8 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 // `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
 // its depth, attention over the committed rows and its path's (tree_path_rows).
-// post (where set, attn_output's prepared x, matvec_prepared_x): the combine also writes
-// attn_output's input records, so attn_output runs with no prep (matvec_prepared).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
-                   cudaStream_t st, uint64_t tree = 0, const RecordPost *post = nullptr);
+                   cudaStream_t st, uint64_t tree = 0);
 // attention.cu: attention_mix for the positions of oj_eval_seqs, position t at b.pos[t] in
 // sequence b.seq[t]'s KV cache (Layer::kv_base + seq * kv_seq_bytes).
 void attention_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const SeqBatch &b, int n_ctx, cudaStream_t st);

@@ -681,9 +681,6 @@ void *f16_workspace(int64_t K, cudaStream_t st) {
             b.p = nullptr;
             check_cuda(cudaMalloc(&b.p, std::max<size_t>(need, matvec_f16_workspace_bytes(32768))), "matvec f16: workspace");
             b.cap = std::max<size_t>(need, matvec_f16_workspace_bytes(32768));
-            // the arrival counters are 0 between calls: a launch with no prep before it (a post's
-            // reader) may be the first on a fresh buffer
-            check_cuda(cudaMemsetAsync(b.p, 0, mvf16::PART_OFF, st), "matvec f16: workspace counters");
         }
         ws = b.p;
     }
@@ -796,9 +793,8 @@ void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepI
                 mvf16::prep(w[i]->type, in, w[i]->K, n_vec, buf, st, both);
                 prepped = w[i]->type;
             }
-            const int64_t rec_off = region * (w[i]->K / QK_K);
-            if (m >= 2) mvf16::run_group(ws, ys, m, buf, n_vec, true, st, rec_off);
-            else mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st, rec_off);
+            if (m >= 2) mvf16::run_group(ws, ys, m, buf, n_vec, true, st, region);
+            else mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st, region);
             check_launch("matvec_group");
         } else {
             done[i] = true;
@@ -861,142 +857,6 @@ void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int 
     mvf16::prep(w.type, in, w.K, n_vec, buf, st);
     mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
     check_launch("matvec_swiglu");
-}
-
-bool matvec_ffn(const Matrix &gate, const Matrix &up, const Matrix &down, const float *x, const float *norm, float eps,
-                float *xn, float *gate_y, float *up_y, float *y, int n_vec, cudaStream_t st, void (*between)(void *),
-                void *ctx, const NormRecords *in, const NormRecords *next) {
-    const Matrix *gu[] = {&gate, &up};
-    const Matrix *dn[] = {&down};
-    if (!fused_prep(gu, 2, n_vec) || !fused_prep(dn, 1, n_vec) || !f16_fits(gate) || !f16_fits(up) || !f16_fits(down) ||
-        !mvf16::ffn_fits(gate, up, down, n_vec)) {
-        const Matrix *w[] = {&gate, &up};
-        float *const ys[] = {gate_y, up_y};
-        if (in) matvec_group_normed(w, ys, 2, *in, n_vec, st);
-        else matvec_group_norm(w, ys, 2, x, norm, eps, xn, n_vec, st);
-        if (between) between(ctx);
-        matvec_swiglu(down, gate_y, up_y, y, n_vec, true, st);
-        return false;
-    }
-    // the workspace: the gate's x (regions 0 and 1 of its K), then the down's records
-    const int64_t nb_in = gate.K / QK_K, post_off = 2 * nb_in, nb_all = post_off + down.K / QK_K;
-    void *buf = f16_workspace((nb_all + 1) / 2 * QK_K, st);
-    mvf16::Extra ex_up, ex_down;
-    if (in && in->type == gate.type) {
-        ex_up.in = in;   // gate and up read the residual writer's records: no prep
-    } else {
-        mvf16::PrepIn pin;
-        pin.x = x;
-        pin.norm = norm;
-        pin.eps = eps;
-        mvf16::prep(gate.type, pin, gate.K, n_vec, buf, st);
-    }
-    mvf16::run_ffn_up(gate, up, down, gate_y, up_y, buf, n_vec, post_off, st, &ex_up);
-    check_launch("matvec_ffn: gate + up");
-    if (between) between(ctx);
-    ex_down.next = next && down.M % QK_K == 0 ? next : nullptr;
-    mvf16::run(down, buf, y, n_vec, true, nullptr, down.M, true, st, post_off, &ex_down);
-    check_launch("matvec_ffn: down");
-    return ex_down.next != nullptr;
-}
-
-bool matvec_prepared_x(const Matrix &w, int n_vec, cudaStream_t st, RecordPost *post) {
-    const Matrix *ws[] = {&w};
-    if (!fused_prep(ws, 1, n_vec) || w.M <= 0 || w.K % QK_K) return false;
-    const int64_t nb = w.K / QK_K;
-    // its counters: the split region's last nb, clear of the matvec's own split counters (its tiles, when split)
-    const int64_t tiles = (w.M + mvf16::ROWS - 1) / mvf16::ROWS;
-    if ((mvf16::config_for(w.type, w.M, w.K, n_vec).split == 1 ? 0 : tiles) + nb > mvf16::MAX_TILES) return false;
-    uint8_t *base = static_cast<uint8_t *>(f16_workspace(w.K, st));
-    post->rec = base + mvf16::XP_OFF;
-    post->count = reinterpret_cast<uint32_t *>(base) + (mvf16::MAX_TILES - nb);
-    post->type = w.type;
-    return true;
-}
-
-void matvec_prepared(const Matrix &w, float *y, int n_vec, bool accumulate, cudaStream_t st, const NormRecords *next) {
-    mvf16::Extra ex;
-    ex.next = next && w.M % QK_K == 0 ? next : nullptr;
-    mvf16::run(w, f16_workspace(w.K, st), y, n_vec, accumulate, nullptr, w.M, true, st, 0, &ex);
-    check_launch("matvec_prepared");
-}
-
-namespace {
-
-// The stream's NormRecords buffer (2 nb records, the ssum plane, nb counters zeroed at allocation),
-// per (device, stream), grown on demand.
-NormRecords norm_buffer(int64_t K, cudaStream_t st) {
-    struct Buf {
-        uint8_t *p = nullptr;
-        int64_t nb = 0;
-    };
-    static std::mutex mu;
-    static std::map<std::pair<int, cudaStream_t>, Buf> bufs;
-    int dev = 0;
-    check_cuda(cudaGetDevice(&dev), "norm records: cudaGetDevice");
-    const int64_t nb = K / QK_K;
-    const auto bytes = [](int64_t n) { return (size_t)(2 * n) * mvf16::REC + (size_t)n * 8 * 4 + (size_t)n * 4; };
-    std::lock_guard<std::mutex> lock(mu);
-    Buf &b = bufs[{dev, st}];
-    if (nb > b.nb) {
-        if (b.p) {
-            check_cuda(cudaStreamSynchronize(st), "norm records: sync before growing");
-            check_cuda(cudaFree(b.p), "norm records: cudaFree");
-        }
-        b.p = nullptr;
-        check_cuda(cudaMalloc(&b.p, bytes(nb)), "norm records: buffer");
-        check_cuda(cudaMemsetAsync(b.p, 0, bytes(nb), st), "norm records: zero");
-        b.nb = nb;
-    }
-    NormRecords r;
-    r.rec = b.p;
-    r.ssum = reinterpret_cast<float *>(b.p + (size_t)(2 * b.nb) * mvf16::REC);
-    r.count = reinterpret_cast<uint32_t *>(b.p + (size_t)(2 * b.nb) * mvf16::REC + (size_t)b.nb * 8 * 4);
-    return r;
-}
-
-}  // namespace
-
-bool norm_records_for(const Matrix *const *w, int n, const float *norm, float eps, int n_vec, cudaStream_t st,
-                      NormRecords *out) {
-    if (n < 1 || !fused_prep(w, n, n_vec)) return false;
-    int first = -1;
-    bool both = false;
-    for (int i = 0; i < n; ++i) {
-        if (w[i]->M <= 0) continue;
-        if (!f16_fits(*w[i]) || w[i]->K != w[0]->K) return false;
-        if (first < 0) first = w[i]->type;
-        else both |= w[i]->type != first;
-    }
-    if (first < 0 || w[0]->K % QK_K) return false;
-    *out = norm_buffer(w[0]->K, st);
-    out->norm = norm;
-    out->eps = eps;
-    out->type = first;
-    out->both = both;
-    return true;
-}
-
-void matvec_group_normed(const Matrix *const *w, float *const *y, int n, const NormRecords &in, int n_vec,
-                         cudaStream_t st) {
-    // group_in's grouping, x from `in` (its first type's records, or the other type's nb on)
-    bool done[MAX_MEMBERS] = {};
-    for (int i = 0; i < n; ++i) {
-        if (done[i] || w[i]->M <= 0) continue;
-        Matrix ws[mvf16::GROUP_MAX];
-        float *ys[mvf16::GROUP_MAX];
-        int m = 0;
-        for (int k = i; k < n && m < mvf16::GROUP_MAX; ++k)
-            if (!done[k] && w[k]->type == w[i]->type && w[k]->M > 0) ws[m] = *w[k], ys[m] = y[k], done[k] = true, ++m;
-        if (w[i]->type != in.type && !in.both) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_group_normed: no records of this type");
-        void *buf = f16_workspace(w[i]->K, st);
-        mvf16::Extra ex;
-        ex.in = &in;
-        ex.in_other = w[i]->type != in.type;
-        if (m >= 2) mvf16::run_group(ws, ys, m, buf, n_vec, true, st, 0, nullptr, &ex);
-        else mvf16::run(*w[i], buf, y[i], n_vec, false, nullptr, w[i]->M, true, st, 0, &ex);
-        check_launch("matvec_group_normed");
-    }
 }
 
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,

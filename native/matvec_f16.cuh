@@ -301,19 +301,6 @@ struct More {
     int64_t tile0[GROUP_MAX - 1];
 };
 
-// The FFN's post (a launch of the gate and up projections, members 0 and 1, one type): once both
-// members' rows [256 u, 256 u + 256) are final, the block that finished the last of their 16 row
-// tiles writes record u of SwiGLU(gate, up) for the down projection, in the down's type's order
-// (post_swiglu: the prep kernel's arithmetic, the same bits), so the down projection runs with no
-// prep of its own, right after this launch. The counters are 0 between calls (the last arrival
-// resets its own; the prep before this launch zeroes the region they sit in).
-struct Post {
-    uint8_t *rec = nullptr;       // the down's prepared x (nullptr: no post)
-    uint32_t *count = nullptr;    // per super-block arrival counters
-    int64_t n_ff = 0;             // gate's (and up's) rows, the down's K
-    int type = 0;                 // the down's type
-};
-
 struct Args {
     CUtensorMap map[GROUP_MAX];     // tma: member i's rows as bytes, boxes of one super-block x 32 rows
                                     // (Q4_K: the blocks [M][nb * 144]; Q6_K: the q plane [M][nb * 192])
@@ -331,10 +318,6 @@ struct Args {
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
     bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
     More more;
-    Post post;
-    NormRecords npost;           // rec set: a residual writer's post (post_norm)
-    const float *nscale = nullptr;   // set: the launch's input is NormRecords' (the ssum plane), outputs times 1 / rms
-    float nscale_eps = 0.0f;
 };
 
 // Where a lane's copies of one super-block come from (src_at: super-block u; advance: u + WARPS).
@@ -715,93 +698,6 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
 }
 #endif
 
-// Post (above): called by every block once its tile's rows of y are final (tile rows [m0, m0 + 32)
-// of member gate or up). Release: every thread fences its y stores before the barrier, then one
-// atomic on the super-block's counter; the 16th arrival (8 gate + 8 up tiles) fences, resets the
-// counter, and its warps write the record, vector v by warp v % WARPS: lane l's 8 values of
-// gate and up read from L2 (ld.global.cg), SwiGLU as prep_kernel's `up` branch, prep_store.
-// a: the launch's own arguments (member 0's y is gate, member 1's up); m0: the tile's first row in its member.
-__device__ __noinline__ void post_swiglu(const Args &a, int64_t m0) {
-    const Post &p = a.post;
-    const int64_t u = m0 / QK_K;
-    __threadfence();
-    __syncthreads();
-    bool last = false;
-    if (threadIdx.x == 0) {
-        last = atomicAdd(p.count + u, 1u) == (uint32_t)(2 * QK_K / ROWS - 1);
-        if (last) p.count[u] = 0u;   // every arrival of this call is in
-        __threadfence();
-    }
-    if (!__syncthreads_or(last)) return;
-    const float *gate = a.y, *up = a.more.y[0];   // members 0 and 1
-    uint8_t *rec = p.rec + u * REC;
-    const int lane = threadIdx.x & 31;
-    for (int v = threadIdx.x >> 5; v < 8; v += blockDim.x >> 5) {
-        if (v >= a.n_vec) {
-            if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
-            continue;
-        }
-        const int64_t at = (int64_t)v * p.n_ff + u * QK_K + 8 * lane;
-        const float4 *g4 = reinterpret_cast<const float4 *>(gate + at), *u4 = reinterpret_cast<const float4 *>(up + at);
-        const float4 ga = __ldcg(g4), gb = __ldcg(g4 + 1), ua = __ldcg(u4), ub = __ldcg(u4 + 1);
-        float xv[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-        const float uv[8] = {ua.x, ua.y, ua.z, ua.w, ub.x, ub.y, ub.z, ub.w};
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = xv[j] / (1.0f + expf(-xv[j])) * uv[j];   // prep_kernel's SwiGLU
-        if (p.type == TYPE_Q4_K) prep_store<TYPE_Q4_K>(xv, rec, v, lane);
-        else prep_store<TYPE_Q6_K>(xv, rec, v, lane);
-    }
-}
-
-// A residual writer's post (Args::npost, NormRecords): once the 8 row tiles of super-block u of y
-// are final, the last writes record u of y * norm (prep_store, the consumer's order; both: the other
-// order's too) and the super-block's sums of squares of y (ssum[u][v]: lane-local in order, then
-// the warp's xor tree). Release / acquire as the split-K epilogue's.
-__device__ __noinline__ void post_norm(const Args &a, int64_t m0) {
-    const NormRecords &p = a.npost;
-    const int64_t u = m0 / QK_K, nb = a.n_out / QK_K;
-    __threadfence();
-    __syncthreads();
-    bool last = false;
-    if (threadIdx.x == 0) {
-        last = atomicAdd(p.count + u, 1u) == (uint32_t)(QK_K / ROWS - 1);
-        if (last) p.count[u] = 0u;   // every arrival of this call is in
-        __threadfence();
-    }
-    if (!__syncthreads_or(last)) return;
-    uint8_t *rec = p.rec + u * REC, *rec2 = p.rec + (nb + u) * REC;
-    const int lane = threadIdx.x & 31;
-    for (int v = threadIdx.x >> 5; v < 8; v += blockDim.x >> 5) {
-        if (v >= a.n_vec) {
-            if (lane == 0) {
-                reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
-                if (p.both) reinterpret_cast<float *>(rec2 + INV_OFF)[v] = 1.0f;
-            }
-            continue;
-        }
-        const int64_t at = (int64_t)v * a.n_out + u * QK_K + 8 * lane;
-        const float4 *y4 = reinterpret_cast<const float4 *>(a.y + at);
-        const float4 *w4 = reinterpret_cast<const float4 *>(p.norm + u * QK_K + 8 * lane);
-        const float4 ya = __ldcg(y4), yb = __ldcg(y4 + 1), wa = w4[0], wb = w4[1];
-        float xv[8] = {ya.x, ya.y, ya.z, ya.w, yb.x, yb.y, yb.z, yb.w};
-        const float wv[8] = {wa.x, wa.y, wa.z, wa.w, wb.x, wb.y, wb.z, wb.w};
-        float ss = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ss += xv[j] * xv[j];
-        ss = warp_sum(ss);
-        if (lane == 0) p.ssum[u * 8 + v] = ss;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] *= wv[j];
-        if (p.type == TYPE_Q4_K) {
-            prep_store<TYPE_Q4_K>(xv, rec, v, lane);
-            if (p.both) prep_store<TYPE_Q6_K>(xv, rec2, v, lane);
-        } else {
-            prep_store<TYPE_Q6_K>(xv, rec, v, lane);
-            if (p.both) prep_store<TYPE_Q4_K>(xv, rec2, v, lane);
-        }
-    }
-}
-
 // TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
 // cp.async instance no copy-engine loop, so neither pays the other's registers).
 // Block `bid` of a launch over args (matvec_kernel: blockIdx.x).
@@ -907,12 +803,6 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     float *red = reinterpret_cast<float *>(smem);
 #pragma unroll
     for (int s = 0; s < 8; ++s) red[(warp * 8 + s) * 32 + lane] = acc[s >> 2][s & 3];
-    __shared__ float rs[8];   // nscale: 1 / rms of each vector, from the writer's per-super-block sums
-    if (args.nscale && threadIdx.x < 8) {
-        float t = 0.0f;
-        for (int64_t u = 0; u < nb; ++u) t += __ldcg(args.nscale + u * 8 + threadIdx.x);
-        rs[threadIdx.x] = 1.0f / sqrtf(t / (float)a.w.K + args.nscale_eps);
-    }
     __syncthreads();
     float *slot = a.part + (size_t)bid * SLOT_FLOATS;   // split: this block's partial [8][32]
     for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
@@ -926,7 +816,6 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         const int vec = 2 * tt + (e & 1);
         if (vec < a.n_vec && o < a.n_out) {
             if (S == 1) {
-                if (args.nscale) v *= rs[vec];
                 float *dst = a.y + (int64_t)vec * a.n_out + o;
                 *dst = a.accumulate ? *dst + v : v;
             } else {
@@ -934,11 +823,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             }
         }
     }
-    if (S == 1) {   // uniform over the grid
-        if (args.post.rec) post_swiglu(args, m0);
-        if (args.npost.rec) post_norm(args, m0);
-        return;
-    }
+    if (S == 1) return;   // uniform over the grid
     // Split-K: the last of the tile's S blocks to arrive sums the S slots in split order. Release:
     // every thread fences its slot stores (gpu scope) before the barrier, then one atomic; acquire:
     // thread 0 fences after the atomic that saw the other S - 1 arrivals, and the barrier orders
@@ -959,13 +844,10 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         if (vec < a.n_vec && o < a.n_out) {
             float v = 0.0f;
             for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);
-            if (args.nscale) v *= rs[vec];
             float *dst = a.y + (int64_t)vec * a.n_out + o;
             *dst = a.accumulate ? *dst + v : v;
         }
     }
-    if (args.post.rec) post_swiglu(args, m0);
-    if (args.npost.rec) post_norm(args, m0);
 }
 
 template <int TYPE, int WARPS, int STAGES, bool TMA>
@@ -1319,33 +1201,15 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
 }
 
 // y[v][o] (+)= W[rows ? rows[o] : o] . x[v] from an already prepared workspace (prep with w.type's
-// order, the same K and n_vec, at record rec_off: K / 256 for a prep of the other type with `both`,
-// the FFN's post region for the down projection; run writes the workspace's split-K region). pdl: the previous kernel on the stream is the prep, or a matvec on
+// order, the same K and n_vec; region 1: a prep of the other type with `both`; run writes the
+// workspace's split-K region). pdl: the previous kernel on the stream is the prep, or a matvec on
 // the same workspace after it (sm_90: the weight loads start before it finishes).
-// What a launch reads and writes beyond run()'s arguments: x from NormRecords (in: its records and
-// ssum plane, no prep before it), the next projections' input (next: a residual writer's post).
-struct Extra {
-    const NormRecords *in = nullptr;
-    bool in_other = false;   // in: the other type's records (nb on)
-    const NormRecords *next = nullptr;
-};
-inline void apply(Args &a, const Extra *ex) {
-    if (!ex) return;
-    if (ex->in) {
-        a.xp = ex->in->rec + (ex->in_other ? a.w.K / QK_K : 0) * REC;
-        a.nscale = ex->in->ssum;
-        a.nscale_eps = ex->in->eps;
-    }
-    if (ex->next) a.npost = *ex->next;
-}
-
 inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
-                int64_t n_out, bool pdl, cudaStream_t st, int64_t rec_off = 0, const Extra *ex = nullptr) {
+                int64_t n_out, bool pdl, cudaStream_t st, int region = 0) {
     check_call(w.type, w.K, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
-    a.xp += rec_off * REC;
-    apply(a, ex);
+    a.xp += region * (w.K / QK_K) * REC;
     launch(a, n_out, pdl, st);
 }
 
@@ -1381,44 +1245,12 @@ inline Args group_args(const Matrix *w, float *const *y, int n, void *ws, int n_
 // is what run() gives for that matrix alone at the group's split (the split sets the summation
 // order, the group only which blocks run together).
 inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_vec, bool pdl, cudaStream_t st,
-                      int64_t rec_off = 0, const Post *post = nullptr, const Extra *ex = nullptr) {
+                      int region = 0) {
     if (n < 2) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: a group holds 2.." + std::to_string(GROUP_MAX) + " matrices");
     int64_t tiles = 0;
     Args a = group_args(w, y, n, ws, n_vec, false, tiles);
-    a.xp += rec_off * REC;
-    apply(a, ex);
-    if (post) a.post = *post;
+    a.xp += region * (w[0].K / QK_K) * REC;
     launch(a, tiles * ROWS, pdl, st);   // the group as one tall matrix
-}
-
-// The FFN's gate and up (one type, one K: member 0 gate, 1 up, M = down.K rows each) on a prepared
-// workspace, their launch writing the down projection's records (Post) at record post_off (past
-// the gate's own x, so no block of the launch reads what the post writes); the down projection
-// then runs from them (run(down, ..., post_off)) with no prep between the two launches. The post's
-// counters are the split-K counters' last nb_down (the prep zeroed them all); ffn_fits checks that
-// the launch's own split counters (its tiles, when split) stay below them.
-inline void run_ffn_up(const Matrix &gate, const Matrix &up, const Matrix &down, float *gate_y, float *up_y, void *ws,
-                       int n_vec, int64_t post_off, cudaStream_t st, const Extra *ex = nullptr) {
-    uint8_t *base = static_cast<uint8_t *>(ws);
-    Post p;
-    p.rec = base + XP_OFF + post_off * REC;
-    p.count = reinterpret_cast<uint32_t *>(base) + (MAX_TILES - down.K / QK_K);
-    p.n_ff = down.K;
-    p.type = down.type;
-    const Matrix w[2] = {gate, up};
-    float *const ys[2] = {gate_y, up_y};
-    run_group(w, ys, 2, ws, n_vec, true, st, 0, &p, ex);
-}
-
-// Whether run_ffn_up takes these shapes: gate and up one type and one K with down.K rows each, down an
-// fp16 type, down.K a multiple of 256 whose counters clear the gate / up launch's own.
-inline bool ffn_fits(const Matrix &gate, const Matrix &up, const Matrix &down, int n_vec) {
-    if (!supports(gate.type) || !supports(down.type) || gate.type != up.type || gate.K != up.K || gate.K % QK_K ||
-        gate.M != down.K || up.M != down.K || down.K % QK_K || down.M <= 0 || n_vec < 1 || n_vec > 8)
-        return false;
-    const int64_t tiles = 2 * ((down.K + ROWS - 1) / ROWS);
-    const Config c = config_for(gate.type, tiles * ROWS, gate.K, n_vec);
-    return (c.split == 1 ? 0 : tiles) + down.K / QK_K <= MAX_TILES;
 }
 
 }  // namespace mvf16

@@ -52,15 +52,8 @@ SOURCE_ANCHORS = [
     # a prep with `both` writes the other type's records after the first's; run / run_group read
     # them as region 1
     ("matvec_f16.cuh", "if (both) prep_store<other_type(TYPE)>(xv, rec2, v, lane);"),
-    ("matvec_f16.cuh", "a.xp += rec_off * REC;"),
-    ("matvec.cu", "const int64_t rec_off = region * (w[i]->K / QK_K);"),
-    # the FFN's post: the down's records past the gate's two regions, its counters the split
-    # region's last nb_down, clear of the gate / up launch's own
-    ("matvec.cu", "const int64_t nb_in = gate.K / QK_K, post_off = 2 * nb_in, nb_all = post_off + down.K / QK_K;"),
-    ("matvec.cu", "void *buf = f16_workspace((nb_all + 1) / 2 * QK_K, st);"),
-    ("matvec_f16.cuh", "p.count = reinterpret_cast<uint32_t *>(base) + (MAX_TILES - down.K / QK_K);"),
-    ("matvec_f16.cuh", "return (c.split == 1 ? 0 : tiles) + down.K / QK_K <= MAX_TILES;"),
-    ("matvec_f16.cuh", "last = atomicAdd(p.count + u, 1u) == (uint32_t)(2 * QK_K / ROWS - 1);"),
+    ("matvec_f16.cuh", "a.xp += region * (w.K / QK_K) * REC;"),
+    ("matvec_f16.cuh", "a.xp += region * (w[0].K / QK_K) * REC;"),
     ("matvec_f16.cuh", "c.x = a.xp + u * REC;"),
     ("matvec_f16.cuh", "c.x += WARPS * REC;"),
     # the kernel: which block, which super-blocks
@@ -201,25 +194,6 @@ def test_both_orders_fit_the_workspace():
         assert first[-1][1] == other[0][0] and other[-1][1] == size and first[0][0] >= PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4
         # region 1 as run / run_group address it: the workspace's x plus nb records
         assert XP_OFF + 1 * nb * REC == other[0][0]
-
-
-def test_ffn_post_regions():
-    # run_ffn_up: the gate's records (regions 0 and 1 of its K) come before the down's, which the
-    # workspace asked for holds; the post's counters (the last nb_down of the split region) clear
-    # the gate / up launch's own split counters wherever ffn_fits lets the launch through
-    for K_in, n_ff in ((256, 512), (5120, 17408), (2048, 6144), (768, 32768)):
-        nb_in, nb_down = K_in // QK_K, n_ff // QK_K
-        post_off = 2 * nb_in
-        nb_all = post_off + nb_down
-        K_eq = (nb_all + 1) // 2 * QK_K
-        size = XP_OFF + 2 * (K_eq // QK_K) * REC
-        assert XP_OFF + nb_all * REC <= size
-        gate_end = XP_OFF + 2 * nb_in * REC
-        assert XP_OFF + post_off * REC == gate_end          # no record of the gate's x is overwritten
-    # the q27b's FFN (n_ff 17,408: 1,088 gate + up tiles, 68 super-blocks) fits whatever split the
-    # picker takes, so its passes never fall back to the prep-per-projection path
-    tiles, nb_down = 2 * (17408 // 32), 17408 // QK_K
-    assert tiles + nb_down <= MAX_TILES
 
 
 def test_super_blocks_covered_once():
