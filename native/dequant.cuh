@@ -36,7 +36,8 @@ __device__ float dequant_one(const Matrix &w, int64_t m, int64_t k) {
         case TYPE_Q4_K:
         case TYPE_Q5_K: {
             const int bytes = w.type == TYPE_Q4_K ? 144 : 176;
-            const uint8_t *b = w.data + (m * (w.K / QK_K) + k / QK_K) * bytes;
+            const uint8_t *b = w.data + (w.type == TYPE_Q4_K ? q4_K_offset(m, k / QK_K, w.K / QK_K)
+                                                             : (m * (w.K / QK_K) + k / QK_K) * bytes);
             const int i = (int)(k % QK_K);
             const int j = i / 64, within = i % 64, l = within % 32, is = 2 * j + (within >= 32);
             int sc, mn;

@@ -30,8 +30,9 @@
 //         applies the XOR on the address bits, as CUTLASS / DeepGEMM advance K inside an atom);
 //   XSUM  BN positions x 32 bytes, one TMA box {16 halves, BN, 1} of the 3-D map [K/256][P_pad][16]
 //         with CU_TENSOR_MAP_SWIZZLE_32B; descriptor: 32B swizzle, SBO = 256 (8 rows x 32 B);
-//   W     BM rows x 144 bytes (the super-block as stored), one TMA box {144 bytes, BM rows} of the
-//         2-D map [M][K/256 * 144] (rows past M zero-filled). 144 B = 36 words = 4 mod 32: a
+//   W     BM rows x 144 bytes (the super-block as stored), one TMA box {144 bytes, 32 rows, 1, BM / 32}
+//         of the 4-D map [tiles][K/256][32][144] over quant_blocks.cuh's tiled Q4_K, landing in row
+//         order (rows past the last tile zero-filled; the last tile's rows past M are zero blocks). 144 B = 36 words = 4 mod 32: a
 //         quad's 32-bit loads of 8 rows hit 32 different banks.
 //   TMA boxes past P_pad / M are zero-filled and still count their full bytes for complete_tx.
 //
@@ -152,6 +153,12 @@ __device__ __forceinline__ void tma_3d(uint32_t dst, const CUtensorMap *map, int
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
         "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+}
+__device__ __forceinline__ void tma_4d(uint32_t dst, const CUtensorMap *map, int c0, int c1, int c2, int c3, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
         : "memory");
 }
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -294,10 +301,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                 for (int at = 0; at < 4; ++at) tma_2d(st + at * BN * 128, &tm_x, u * 256 + 64 * at, n0, fb);
                 tma_3d(st + XS_OFF, &tm_xs, 0, n0, u, fb);
                 if constexpr (SWIGLU) {   // gate rows m0.. for consumer 0, the same rows of up for consumer 1
-                    tma_2d(st + W_OFF, &tm_w, u * W_ROW, m0, fb);
-                    tma_2d(st + W_OFF + 64 * W_ROW, &tm_w2, u * W_ROW, m0, fb);
+                    tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / Q4_TILE_ROWS, fb);
+                    tma_4d(st + W_OFF + 64 * W_ROW, &tm_w2, 0, 0, u, m0 / Q4_TILE_ROWS, fb);
                 } else
-                    tma_2d(st + W_OFF, &tm_w, u * W_ROW, m0, fb);
+                    tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / Q4_TILE_ROWS, fb);
             }
         }
     } else {
@@ -501,7 +508,7 @@ inline PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
 
 inline void encode(CUtensorMap *m, CUtensorMapDataType type, int rank, const void *addr, const cuuint64_t *dims,
                    const cuuint64_t *strides, const cuuint32_t *box, CUtensorMapSwizzle swz, const char *what) {
-    const cuuint32_t estr[3] = {1, 1, 1};
+    const cuuint32_t estr[4] = {1, 1, 1, 1};
     const CUresult r = encode_fn()(m, type, (cuuint32_t)rank, const_cast<void *>(addr), dims, strides, box, estr,
                                    CU_TENSOR_MAP_INTERLEAVE_NONE, swz, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -526,12 +533,14 @@ inline void encode_x_maps(CUtensorMap *tx, CUtensorMap *txs, const uint8_t *ws, 
     }
 }
 
-// Q4_K rows as bytes [M][K/256 * 144]: boxes of one super-block x `rows` rows
+// Q4_K tiled (quant_blocks.cuh) as bytes [tiles][nb][32][144]: boxes of one super-block x `rows` rows
+// ({144, 32, 1, rows / 32}: the rows land in shared memory in row order, 144 bytes apart)
 inline void encode_w_map(CUtensorMap *tw, const Matrix &w, int rows, const char *what) {
     const int64_t nb = w.K / QK_K;
-    const cuuint64_t dims[2] = {(cuuint64_t)(nb * W_ROW), (cuuint64_t)w.M}, strides[1] = {(cuuint64_t)(nb * W_ROW)};
-    const cuuint32_t box[2] = {(cuuint32_t)W_ROW, (cuuint32_t)rows};
-    encode(tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, what);
+    const cuuint64_t dims[4] = {(cuuint64_t)W_ROW, (cuuint64_t)Q4_TILE_ROWS, (cuuint64_t)nb, (cuuint64_t)q4_K_tiles(w.M)};
+    const cuuint64_t strides[3] = {(cuuint64_t)W_ROW, (cuuint64_t)(Q4_TILE_ROWS * W_ROW), (cuuint64_t)(nb * Q4_TILE_ROWS * W_ROW)};
+    const cuuint32_t box[4] = {(cuuint32_t)W_ROW, (cuuint32_t)Q4_TILE_ROWS, 1, (cuuint32_t)(rows / Q4_TILE_ROWS)};
+    encode(tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, w.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, what);
 }
 
 template <int NWG, int BN, int STAGES>

@@ -239,7 +239,7 @@ __device__ __forceinline__ void load_q4_q5(const Matrix &w, const TileRows &src,
     for (int i = 0; i < MMA_TILES; ++i) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const uint8_t *b = w.data + (src[i][r] * nb + u) * BYTES;
+            const uint8_t *b = w.data + (Q5 ? (src[i][r] * nb + u) * BYTES : q4_K_offset(src[i][r], u, nb));
             hdr[i][r] = ld16(b);
             if constexpr (Q5) qh[i][r] = ld8(b + 16 + 8 * t);
 #pragma unroll
@@ -877,6 +877,7 @@ size_t device_layout_bytes(int type, int64_t K, int64_t M) {
     switch (type) {
         case TYPE_Q8_0: return q8_0_planes(M, K).total;
         case TYPE_Q6_K: return q6_K_planes(M, K).total;
+        case TYPE_Q4_K: return q4_K_tiled_bytes(M, K);
         default: return (size_t)(K / type_block_values(type)) * type_block_bytes(type) * (size_t)M;
     }
 }
@@ -911,6 +912,10 @@ std::vector<uint8_t> to_device_layout(int type, int64_t K, int64_t M, const uint
             std::memcpy(out.data() + p.sc + i * 16, blocks[i].scales, 16);
             std::memcpy(out.data() + p.d + i * 2, &blocks[i].d, 2);
         }
+    } else if (type == TYPE_Q4_K) {   // out is zeroed: the last tile's rows past M stay zero blocks
+        const int64_t nb = K / QK_K;
+        for (int64_t m = 0; m < M; ++m)
+            for (int64_t u = 0; u < nb; ++u) std::memcpy(out.data() + q4_K_offset(m, u, nb), src + (m * nb + u) * 144, 144);
     } else {
         std::memcpy(out.data(), src, out.size());
     }

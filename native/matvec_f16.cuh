@@ -32,7 +32,8 @@
 // shared-memory stages filled by cp.async (its 32 rows' bytes of one super-block + the prepared x
 // of the call's vectors), STAGES - 1 super-blocks in flight while it computes one; no block barrier
 // inside the loop. Q4_K on sm_90+ (stream_tma, the default there): the same ring filled by the
-// copy engine, one tensor copy of the 32 rows and two bulk copies of x per step, each stage an
+// copy engine, one bulk copy of the row tile's 4,608 bytes (quant_blocks.cuh's tiled Q4_K) and two bulk
+// copies of x per step, each stage an
 // mbarrier with the stage's byte count; 16-byte cp.async with a queue of 10-20 copies per lane
 // held the SM's load path (ncu: a third of the FFN group's stall samples in the block's first
 // copies, a quarter waiting on registers of queued copies) and the FFN group at 1.6 TB/s, 2.3 on
@@ -302,8 +303,8 @@ struct More {
 };
 
 struct Args {
-    CUtensorMap map[GROUP_MAX];     // tma: member i's rows as bytes, boxes of one super-block x 32 rows
-                                    // (Q4_K: the blocks [M][nb * 144]; Q6_K: the q plane [M][nb * 192])
+    CUtensorMap map[GROUP_MAX];     // tma, Q6_K: member i's q plane [M][nb * 192] as bytes, boxes of one
+                                    // super-block x 32 rows (Q4_K's tiles are bulk copies: no map)
     CUtensorMap map_sc[GROUP_MAX];  // tma, Q6_K: the scale plane [M][nb * 16]
     Matrix w;
     const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
@@ -324,7 +325,7 @@ struct Args {
 // The main loop issues super-blocks in order, so it moves one cursor instead of recomputing 64-bit
 // addresses from u per 16-byte copy (~130 integer instructions of a Q4_K step before).
 struct Src {
-    const uint8_t *w[2];   // rows l/2 (tile 0) and 16 + l/2 (tile 1): Q4_K the block, Q6_K its q bytes
+    const uint8_t *w[2];   // rows l/2 (mma tile 0) and 16 + l/2 (mma tile 1): Q4_K the block, Q6_K its q bytes
     const uint8_t *sc;     // Q6_K: the scales of the lane's own row (tile `lane & 1`)
     int64_t bi;            // Q6_K: that row's block index (its d word)
     const uint8_t *x;      // the prepared x record
@@ -335,7 +336,7 @@ __device__ __forceinline__ Src src_at(const Args &a, const int64_t (&blk)[2], in
     Src c;
     if constexpr (TYPE == TYPE_Q4_K) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + (blk[r] + u) * 144;
+        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + blk[r] + u * (ROWS * 144);   // blk: the row's offset at u = 0
         c.sc = nullptr;
         c.bi = 0;
     } else {
@@ -352,7 +353,7 @@ __device__ __forceinline__ Src src_at(const Args &a, const int64_t (&blk)[2], in
 template <int TYPE, int WARPS>
 __device__ __forceinline__ void advance(Src &c) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) c.w[r] += WARPS * (TYPE == TYPE_Q4_K ? 144 : 192);
+    for (int r = 0; r < 2; ++r) c.w[r] += WARPS * (TYPE == TYPE_Q4_K ? ROWS * 144 : 192);
     if constexpr (TYPE == TYPE_Q6_K) {
         c.sc += WARPS * 16;
         c.bi += WARPS;
@@ -615,9 +616,10 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 
 // The main loop on the copy engine (stream_tma): the same stages, steps and step_q4 / step_q6 as
 // the cp.async loop, a warp's ring with one mbarrier per stage. Lane 0 arms a stage's barrier with
-// its byte count and issues one tensor copy per plane (Q4_K: the 32 rows x 144 bytes of super-block
-// u from row m0 on; Q6_K: the q plane's 32 x 192 and the scale plane's 32 x 16; rows past M
-// zero-filled) and two bulk copies (the vectors' x, the inverse scales). A copy instruction takes
+// its byte count and issues the weights' copies (Q4_K: one bulk copy of the row tile's super-block u,
+// 4,608 contiguous bytes in the tiled layout; Q6_K: one tensor copy per plane, the q plane's 32 x 192
+// and the scale plane's 32 x 16, rows past M zero-filled) and two bulk copies (the vectors' x, the
+// inverse scales). A copy instruction takes
 // uniform operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32
 // per step). Q6_K's fp16 d of a row is 2 bytes at a row stride of nb * 2 (no tensor map: strides
 // are multiples of 16), so each lane still copies its row's d word by cp.async, tied to the
@@ -637,8 +639,12 @@ __device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map
     auto issue_w = [&](uint8_t *st, uint64_t *bar, int64_t u) {
         if (lane == 0) {
             bar_expect_tx(bar, tx);
-            tensor_2d(st, map, (int)(u * (Q6 ? 192 : 144)), m0, bar);
-            if constexpr (Q6) tensor_2d(st + ROWS * 192, map_sc, (int)(u * 16), m0, bar);
+            if constexpr (Q6) {
+                tensor_2d(st, map, (int)(u * 192), m0, bar);
+                tensor_2d(st + ROWS * 192, map_sc, (int)(u * 16), m0, bar);
+            } else {   // the row tile's super-block u: 4,608 contiguous bytes (rows past M: the tile's zero blocks)
+                bulk(st, a.w.data + q4_K_offset(m0, u, a.w.K / QK_K), W, bar);
+            }
         }
         if constexpr (Q6) {   // lane l: row 16 (l & 1) + l / 2, as issue_w
             const int half = lane & 1, row = 16 * half + (lane >> 1);
@@ -729,9 +735,13 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         if (o >= a.n_out) o = a.n_out - 1;
         return a.rows ? (int64_t)a.rows[o] : o;
     };
-    int64_t blk[2];   // copy rows of this lane: (row) * nb, tiles 0 and 1
+    int64_t blk[2];   // copy rows of this lane, mma tiles 0 and 1: Q4_K the row's byte offset at super-block 0
+                      // (quant_blocks.cuh's tiles), Q6_K its block index row * nb
 #pragma unroll
-    for (int r = 0; r < 2; ++r) blk[r] = src_row(m0 + 16 * r + (lane >> 1)) * nb;
+    for (int r = 0; r < 2; ++r) {
+        const int64_t row = src_row(m0 + 16 * r + (lane >> 1));
+        blk[r] = TYPE == TYPE_Q4_K ? (int64_t)q4_K_offset(row, 0, nb) : row * nb;
+    }
     // Q6_K: parity of each compute row's block index base (which half of the d word is its d)
     uint32_t par[2][2] = {{0u, 0u}, {0u, 0u}};
     if constexpr (TYPE == TYPE_Q6_K)
@@ -970,12 +980,10 @@ inline CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes
     return cache.emplace(key, m).first->second;
 }
 
-// A member's maps: Q4_K its blocks; Q6_K its q plane and its scale plane.
+// A member's maps: Q6_K its q plane and its scale plane; Q4_K none (its steps are bulk copies).
 inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
     const int64_t nb = w.K / QK_K;
-    if (w.type == TYPE_Q4_K) {
-        *map = rows_map(w.data, w.M, nb * 144, 144, "a Q4_K matrix");
-    } else {
+    if (w.type != TYPE_Q4_K) {
         const Q6Planes p = q6_K_planes(w.M, w.K);
         *map = rows_map(w.data + p.q, w.M, nb * 192, 192, "a Q6_K q plane");
         *map_sc = rows_map(w.data + p.sc, w.M, nb * 16, 16, "a Q6_K scale plane");

@@ -1,10 +1,16 @@
 // quant_blocks.cuh: the one table of quantised block layouts the engine reads.
 //
-// File layouts are ggml's (ggml/src/ggml-common.h); the engine keeps Q4_K and Q5_K exactly as
-// stored (144 and 176 bytes, both multiples of 16, so every block stays aligned) and rearranges
-// Q8_0 (34 bytes) and Q6_K (210 bytes) at load into planes, so that every load in the matrix
-// kernels is naturally aligned. Rearranging moves bytes only; no value changes.
+// File layouts are ggml's (ggml/src/ggml-common.h); the engine keeps Q5_K's blocks as stored (176
+// bytes, a multiple of 16, so every block stays aligned), orders Q4_K's blocks (144 bytes) by row
+// tile, and rearranges Q8_0 (34 bytes) and Q6_K (210 bytes) at load into planes, so that every load
+// in the matrix kernels is naturally aligned. Rearranging moves bytes only; no value changes.
 //
+//   Q4_K tiled, nb = K/256 blocks per row:          [ceil(M/32)][nb][32 rows][144 bytes]
+//   a row tile's super-block u is 4,608 contiguous bytes: the decode matvec's step for one warp,
+//   one bulk copy (a 2-D box of 32 rows x 144 bytes out of row-major rows streamed slower:
+//   tools/stream_layout_bench.cu); rows past M in the last tile are zero blocks. A 4-D tensor map
+//   {144, 32, nb, tiles} with a box {144, 32, 1, n} lands n tiles' rows in shared memory in row
+//   order, as a 2-D box over row-major rows did (gemm_wgmma.cuh).
 //   Q8_0 planar, a matrix of M rows and K columns:  qs int8 [M][K], then d fp16 [M][K/32]
 //   Q6_K planar, nb = K/256 blocks per row:         q [M*nb][192], scales int8 [M*nb][16],
 //                                                   d fp16 [M*nb]
@@ -83,6 +89,16 @@ __host__ __device__ inline Q8Planes q8_0_planes(int64_t M, int64_t K) {
     p.d = (size_t)M * K;
     p.total = p.d + (size_t)M * (K / QK8_0) * 2;
     return p;
+}
+
+// Q4_K tiled (the table above): the byte offset of row m's super-block u, and the layout's size.
+constexpr int Q4_TILE_ROWS = 32;
+__host__ __device__ inline int64_t q4_K_tiles(int64_t M) { return (M + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS; }
+__host__ __device__ inline size_t q4_K_tiled_bytes(int64_t M, int64_t K) {
+    return (size_t)q4_K_tiles(M) * Q4_TILE_ROWS * (size_t)(K / QK_K) * 144;
+}
+__host__ __device__ inline size_t q4_K_offset(int64_t m, int64_t u, int64_t nb) {
+    return ((size_t)(m / Q4_TILE_ROWS) * nb + u) * (Q4_TILE_ROWS * 144) + (size_t)(m % Q4_TILE_ROWS) * 144;
 }
 
 struct Q6Planes { size_t q, sc, d, total; };
