@@ -52,12 +52,13 @@ __device__ float dequant_one(const Matrix &w, int64_t m, int64_t k) {
             const int64_t blk = m * (w.K / QK_K) + k / QK_K;
             const int i = (int)(k % QK_K);
             const int half = i / 128, r = i % 128, quarter = r / 32, l = r % 32;
-            const uint8_t *q = w.data + p.q + blk * 192;
+            const int64_t nb = w.K / QK_K;
+            const uint8_t *q = w.data + p.q + q6_K_q_offset(m, k / QK_K, nb);
             const int off = q6_K_byte(half, l);
             const int lowbyte = q[64 * (quarter & 1) + off];
             const int nib = quarter >= 2 ? (lowbyte >> 4) : (lowbyte & 15);
             const int v = (nib | (((q[128 + off] >> (2 * quarter)) & 3) << 4)) - 32;
-            const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + blk * 16);
+            const int8_t *sc = reinterpret_cast<const int8_t *>(w.data + p.sc + q6_K_sc_offset(m, k / QK_K, nb));
             return half_at(w.data + p.d + blk * 2) * sc[8 * half + l / 16 + 2 * quarter] * v;
         }
         default: return 0.0f;

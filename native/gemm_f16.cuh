@@ -273,14 +273,14 @@ __device__ __forceinline__ void load_stage(const Args &a, uint8_t *st, int64_t m
             const uint8_t *src;
             if constexpr (TYPE == TYPE_Q4_K) src = a.w.data + q4_K_offset(gr, u, nb) + 16 * ch;
             else if constexpr (TYPE == TYPE_Q5_K) src = a.w.data + (gr * nb + u) * ROW + 16 * ch;
-            else if constexpr (TYPE == TYPE_Q6_K) src = a.w.data + q6_K_planes(M, K).q + (gr * nb + u) * 192 + 16 * ch;
+            else if constexpr (TYPE == TYPE_Q6_K) src = a.w.data + q6_K_planes(M, K).q + q6_K_q_offset(gr, u, nb) + 16 * ch;
             else src = ch < 16 ? a.w.data + gr * K + u * QK_K + 16 * ch   // Q8_0 qs plane starts at 0
                                : a.w.data + q8_0_planes(M, K).d + (gr * (K / QK8_0) + u * 8) * 2;
             gemm::cp16(ws + row * ROW + 16 * ch, src);
         } else if (c < NW + NA) {
             const int row = c - NW;
             const int64_t gr = min(m0 + row, M - 1);
-            gemm::cp16(ws + BM * ROW + row * 16, a.w.data + q6_K_planes(M, K).sc + (gr * nb + u) * 16);
+            gemm::cp16(ws + BM * ROW + row * 16, a.w.data + q6_K_planes(M, K).sc + q6_K_sc_offset(gr, u, nb));
         } else if (c < NW + NA + NX) {
             const int cc = c - NW - NA, pos = cc >> 5, ch = cc & 31;
             gemm::cp16(xsm + pos * X_STRIDE + 16 * ch,

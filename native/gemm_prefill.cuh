@@ -155,14 +155,14 @@ __device__ __forceinline__ void load_stage(const Args &a, uint8_t *st, int64_t m
             const uint8_t *src;
             if constexpr (TYPE == TYPE_Q4_K) src = a.w.data + q4_K_offset(gr, u, nb);
             else if constexpr (TYPE == TYPE_Q5_K) src = a.w.data + (gr * nb + u) * L::COPY;
-            else if constexpr (TYPE == TYPE_Q6_K) src = a.w.data + q6_K_planes(M, K).q + (gr * nb + u) * 192;
+            else if constexpr (TYPE == TYPE_Q6_K) src = a.w.data + q6_K_planes(M, K).q + q6_K_q_offset(gr, u, nb);
             else src = a.w.data + gr * K + u * KSTEP;   // Q8_0 qs plane starts at 0
             cp16(ws + row * L::STRIDE + 16 * ch, src + 16 * ch);
         } else if (c < NW + NA) {
             const int row = c - NW;
             const int64_t gr = min(m0 + row, M - 1);
             const uint8_t *src;
-            if constexpr (TYPE == TYPE_Q6_K) src = a.w.data + q6_K_planes(M, K).sc + (gr * nb + u) * 16;
+            if constexpr (TYPE == TYPE_Q6_K) src = a.w.data + q6_K_planes(M, K).sc + q6_K_sc_offset(gr, u, nb);
             else src = a.w.data + q8_0_planes(M, K).d + (gr * (K / 32) + u * 8) * 2;
             cp16(wa + row * 16, src);
         } else if (c < NW + NA + NX) {

@@ -301,10 +301,10 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                 for (int at = 0; at < 4; ++at) tma_2d(st + at * BN * 128, &tm_x, u * 256 + 64 * at, n0, fb);
                 tma_3d(st + XS_OFF, &tm_xs, 0, n0, u, fb);
                 if constexpr (SWIGLU) {   // gate rows m0.. for consumer 0, the same rows of up for consumer 1
-                    tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / Q4_TILE_ROWS, fb);
-                    tma_4d(st + W_OFF + 64 * W_ROW, &tm_w2, 0, 0, u, m0 / Q4_TILE_ROWS, fb);
+                    tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / TILE_ROWS, fb);
+                    tma_4d(st + W_OFF + 64 * W_ROW, &tm_w2, 0, 0, u, m0 / TILE_ROWS, fb);
                 } else
-                    tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / Q4_TILE_ROWS, fb);
+                    tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / TILE_ROWS, fb);
             }
         }
     } else {
@@ -533,14 +533,19 @@ inline void encode_x_maps(CUtensorMap *tx, CUtensorMap *txs, const uint8_t *ws, 
     }
 }
 
-// Q4_K tiled (quant_blocks.cuh) as bytes [tiles][nb][32][144]: boxes of one super-block x `rows` rows
-// ({144, 32, 1, rows / 32}: the rows land in shared memory in row order, 144 bytes apart)
+// A plane in row tiles (quant_blocks.cuh: [tiles][nb][32][bytes], M rows) as a 4-D map whose boxes
+// are one super-block x `rows` rows ({bytes, 32, 1, rows / 32}: the rows land in shared memory in
+// row order, `bytes` apart, as a 2-D box over row-major rows did); coordinates {0, 0, u, m0 / 32}.
+inline void encode_tile_map(CUtensorMap *tm, const uint8_t *plane, int64_t M, int64_t nb, int bytes, int rows, const char *what) {
+    const cuuint64_t dims[4] = {(cuuint64_t)bytes, (cuuint64_t)TILE_ROWS, (cuuint64_t)nb, (cuuint64_t)row_tiles(M)};
+    const cuuint64_t strides[3] = {(cuuint64_t)bytes, (cuuint64_t)(TILE_ROWS * bytes), (cuuint64_t)(nb * TILE_ROWS * bytes)};
+    const cuuint32_t box[4] = {(cuuint32_t)bytes, (cuuint32_t)TILE_ROWS, 1, (cuuint32_t)(rows / TILE_ROWS)};
+    encode(tm, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, plane, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, what);
+}
+
+// Q4_K tiled: boxes of one super-block x `rows` rows
 inline void encode_w_map(CUtensorMap *tw, const Matrix &w, int rows, const char *what) {
-    const int64_t nb = w.K / QK_K;
-    const cuuint64_t dims[4] = {(cuuint64_t)W_ROW, (cuuint64_t)Q4_TILE_ROWS, (cuuint64_t)nb, (cuuint64_t)q4_K_tiles(w.M)};
-    const cuuint64_t strides[3] = {(cuuint64_t)W_ROW, (cuuint64_t)(Q4_TILE_ROWS * W_ROW), (cuuint64_t)(nb * Q4_TILE_ROWS * W_ROW)};
-    const cuuint32_t box[4] = {(cuuint32_t)W_ROW, (cuuint32_t)Q4_TILE_ROWS, 1, (cuuint32_t)(rows / Q4_TILE_ROWS)};
-    encode(tw, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, w.data, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE, what);
+    encode_tile_map(tw, w.data, w.M, w.K / QK_K, W_ROW, rows, what);
 }
 
 template <int NWG, int BN, int STAGES>

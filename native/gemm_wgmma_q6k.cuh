@@ -4,8 +4,8 @@
 // fragment layout are the same); the arithmetic is gemm_f16.cuh's Q6_K path (read its header).
 //
 // Y[p][m] (+)= sum_k W[m][k] X[p][k]; W in the engine's Q6_K device layout (quant_blocks.cuh:
-// regrouped planes q [M*nb][192], scales int8 [M*nb][16], d fp16 [M*nb], nb = K/256, block
-// (row m, super-block u) at index m nb + u), X prepared ONCE by gemmf16::prep_x (the same
+// regrouped planes q and scales int8 in row tiles, d fp16 [M*nb], nb = K/256: block (row m,
+// super-block u) at q6_K_q_offset / q6_K_sc_offset and d index m nb + u), X prepared ONCE by gemmf16::prep_x (the same
 // workspace as Q4_K: one k order for every type, see gemm_f16.cuh "k order": k16 step ks of a
 // super-block covers values 16 ks .. 16 ks + 15 = exactly ggml scale group ks, and lane t's word
 // C = 2 half + (ks & 1) of plane K01 = quarter & 1 holds values 16 (ks & 1) + 4 t + j, bytes 0 / 2
@@ -134,8 +134,8 @@ __global__ void __launch_bounds__(128 * (NWG + 1), 1)
                 const uint32_t st = base + (uint32_t)s * SB;
 #pragma unroll
                 for (int at = 0; at < 4; ++at) gemmwg::tma_2d(st + at * BN * 128, &tm_x, u * 256 + 64 * at, n0, fb);
-                gemmwg::tma_2d(st + Q_OFF, &tm_q, u * Q_ROW, m0, fb);
-                gemmwg::tma_2d(st + SC_OFF, &tm_sc, u * SC_ROW, m0, fb);
+                gemmwg::tma_4d(st + Q_OFF, &tm_q, 0, 0, u, m0 / TILE_ROWS, fb);
+                gemmwg::tma_4d(st + SC_OFF, &tm_sc, 0, 0, u, m0 / TILE_ROWS, fb);
             }
         }
     } else {
@@ -258,18 +258,9 @@ inline void launch_cfg(const Matrix &w, const uint8_t *ws, int64_t P, float *y, 
         const cuuint32_t box[2] = {64, (cuuint32_t)BN};
         gemmwg::encode(&tx, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ws + l.xh, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_128B, "X");
     }
-    {   // the q plane as bytes [M][nb * 192]: boxes of one super-block x BM rows
-        const cuuint64_t dims[2] = {(cuuint64_t)(nb * Q_ROW), (cuuint64_t)M}, strides[1] = {(cuuint64_t)(nb * Q_ROW)};
-        const cuuint32_t box[2] = {(cuuint32_t)Q_ROW, (cuuint32_t)(64 * NWG)};
-        gemmwg::encode(&tq, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w.data + planes.q, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE,
-                       "Q6_K q plane");
-    }
-    {   // the scale plane as bytes [M][nb * 16]: boxes of one super-block's 16 scales x BM rows
-        const cuuint64_t dims[2] = {(cuuint64_t)(nb * SC_ROW), (cuuint64_t)M}, strides[1] = {(cuuint64_t)(nb * SC_ROW)};
-        const cuuint32_t box[2] = {(cuuint32_t)SC_ROW, (cuuint32_t)(64 * NWG)};
-        gemmwg::encode(&tsc, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, w.data + planes.sc, dims, strides, box, CU_TENSOR_MAP_SWIZZLE_NONE,
-                       "Q6_K scale plane");
-    }
+    // the q plane and the scale plane (row tiles): boxes of one super-block x BM rows
+    gemmwg::encode_tile_map(&tq, w.data + planes.q, M, nb, Q_ROW, 64 * NWG, "Q6_K q plane");
+    gemmwg::encode_tile_map(&tsc, w.data + planes.sc, M, nb, SC_ROW, 64 * NWG, "Q6_K scale plane");
     Args a;
     a.inv = reinterpret_cast<const float *>(ws + l.inv);
     a.d = reinterpret_cast<const uint16_t *>(w.data + planes.d);

@@ -432,11 +432,11 @@ __device__ __forceinline__ void load_q6(const Matrix &w, const Q6Planes &p, cons
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int64_t blk = src[i][r] * nb + u;
-            const uint8_t *q = w.data + p.q + blk * 192 + 16 * t;
+            const uint8_t *q = w.data + p.q + q6_K_q_offset(src[i][r], u, nb) + 16 * t;
             qa[i][r] = ld16(q);
             qb[i][r] = ld16(q + 64);
             qhh[i][r] = ld16(q + 128);
-            scw[i][r] = ld16(w.data + p.sc + blk * 16);
+            scw[i][r] = ld16(w.data + p.sc + q6_K_sc_offset(src[i][r], u, nb));
             dh[i][r] = __ldg(reinterpret_cast<const unsigned short *>(w.data + p.d + blk * 2));
         }
     }
@@ -899,8 +899,9 @@ std::vector<uint8_t> to_device_layout(int type, int64_t K, int64_t M, const uint
         const Q6Planes p = q6_K_planes(M, K);
         const int64_t nblk = M * (K / QK_K);
         const block_q6_K *blocks = reinterpret_cast<const block_q6_K *>(src);
-        for (int64_t i = 0; i < nblk; ++i) {
-            uint8_t *q = out.data() + p.q + i * 192;
+        for (int64_t i = 0; i < nblk; ++i) {   // out is zeroed: the last tile's rows past M stay zero
+            const int64_t m = i / (K / QK_K), u = i % (K / QK_K);
+            uint8_t *q = out.data() + p.q + q6_K_q_offset(m, u, K / QK_K);
             for (int half = 0; half < 2; ++half) {
                 for (int l = 0; l < 32; ++l) {
                     const int off = q6_K_byte(half, l);
@@ -909,7 +910,7 @@ std::vector<uint8_t> to_device_layout(int type, int64_t K, int64_t M, const uint
                     q[128 + off] = blocks[i].qh[32 * half + l];
                 }
             }
-            std::memcpy(out.data() + p.sc + i * 16, blocks[i].scales, 16);
+            std::memcpy(out.data() + p.sc + q6_K_sc_offset(m, u, K / QK_K), blocks[i].scales, 16);
             std::memcpy(out.data() + p.d + i * 2, &blocks[i].d, 2);
         }
     } else if (type == TYPE_Q4_K) {   // out is zeroed: the last tile's rows past M stay zero blocks

@@ -74,7 +74,6 @@
 #include <string>
 #include <tuple>
 
-#include <cudaTypedefs.h>   // CUtensorMap, PFN_cuTensorMapEncodeTiled_v12000
 
 #include "engine.cuh"
 #include "pdl.cuh"        // pdl_wait, pdl_launch_dependents, launch
@@ -303,9 +302,6 @@ struct More {
 };
 
 struct Args {
-    CUtensorMap map[GROUP_MAX];     // tma, Q6_K: member i's q plane [M][nb * 192] as bytes, boxes of one
-                                    // super-block x 32 rows (Q4_K's tiles are bulk copies: no map)
-    CUtensorMap map_sc[GROUP_MAX];  // tma, Q6_K: the scale plane [M][nb * 16]
     Matrix w;
     const uint8_t *xp;           // prepared x (the workspace + XP_OFF)
     float *y;
@@ -332,19 +328,21 @@ struct Src {
 };
 
 template <int TYPE>
-__device__ __forceinline__ Src src_at(const Args &a, const int64_t (&blk)[2], int64_t u, int lane) {
+__device__ __forceinline__ Src src_at(const Args &a, const int64_t (&crow)[2], int64_t u, int lane) {
     Src c;
+    const int64_t nb = a.w.K / QK_K;
     if constexpr (TYPE == TYPE_Q4_K) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + blk[r] + u * (ROWS * 144);   // blk: the row's offset at u = 0
+        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + q4_K_offset(crow[r], u, nb);
         c.sc = nullptr;
         c.bi = 0;
     } else {
         const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + p.q + (blk[r] + u) * 192;
-        c.bi = ((lane & 1) ? blk[1] : blk[0]) + u;   // a select: blk[lane & 1] would put blk in local memory
-        c.sc = a.w.data + p.sc + c.bi * 16;
+        for (int r = 0; r < 2; ++r) c.w[r] = a.w.data + p.q + q6_K_q_offset(crow[r], u, nb);
+        const int64_t own = (lane & 1) ? crow[1] : crow[0];   // a select: crow[lane & 1] would put crow in local memory
+        c.bi = own * nb + u;
+        c.sc = a.w.data + p.sc + q6_K_sc_offset(own, u, nb);
     }
     c.x = a.xp + u * REC;
     return c;
@@ -353,9 +351,9 @@ __device__ __forceinline__ Src src_at(const Args &a, const int64_t (&blk)[2], in
 template <int TYPE, int WARPS>
 __device__ __forceinline__ void advance(Src &c) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) c.w[r] += WARPS * (TYPE == TYPE_Q4_K ? ROWS * 144 : 192);
+    for (int r = 0; r < 2; ++r) c.w[r] += WARPS * ROWS * (TYPE == TYPE_Q4_K ? 144 : 192);
     if constexpr (TYPE == TYPE_Q6_K) {
-        c.sc += WARPS * 16;
+        c.sc += WARPS * ROWS * 16;
         c.bi += WARPS;
     }
     c.x += WARPS * REC;
@@ -596,12 +594,6 @@ __device__ __forceinline__ void bar_wait(uint64_t *bar, uint32_t parity) {
         "r"(parity)
         : "memory");
 }
-__device__ __forceinline__ void tensor_2d(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-                     su32(dst)),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(su32(bar))
-                 : "memory");
-}
 __device__ __forceinline__ void bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(su32(dst)),
                  "l"(src), "r"(bytes), "r"(su32(bar))
@@ -616,40 +608,40 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 
 // The main loop on the copy engine (stream_tma): the same stages, steps and step_q4 / step_q6 as
 // the cp.async loop, a warp's ring with one mbarrier per stage. Lane 0 arms a stage's barrier with
-// its byte count and issues the weights' copies (Q4_K: one bulk copy of the row tile's super-block u,
-// 4,608 contiguous bytes in the tiled layout; Q6_K: one tensor copy per plane, the q plane's 32 x 192
-// and the scale plane's 32 x 16, rows past M zero-filled) and two bulk copies (the vectors' x, the
-// inverse scales). A copy instruction takes
-// uniform operands: one copy per lane and row would be issued lane after lane (an ELECT loop of 32
-// per step). Q6_K's fp16 d of a row is 2 bytes at a row stride of nb * 2 (no tensor map: strides
-// are multiples of 16), so each lane still copies its row's d word by cp.async, tied to the
-// barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32). Q6_K here is the default since
-// its first GPU run.
+// its byte count and issues bulk copies of the row tile's super-block u, contiguous in the tiled
+// layouts (quant_blocks.cuh; Q4_K: 4,608 bytes; Q6_K: the q plane's 6,144 and the scale plane's 512)
+// and of the vectors' x and inverse scales. A copy instruction takes uniform operands: one copy per
+// lane and row would be issued lane after lane (an ELECT loop of 32 per step). Q6_K's fp16 d of a
+// row is 2 bytes of the row-major d plane, so each lane still copies its row's d word by cp.async,
+// tied to the barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32).
 template <int TYPE, int WARPS, int STAGES>
-__device__ __forceinline__ void stream_tma(const Args &a, const CUtensorMap *map, const CUtensorMap *map_sc, uint8_t *ring,
-                                           int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g, int t, int lane,
-                                           const int64_t (&blk)[2], const uint32_t (&par)[2][2], float (&acc)[2][4]) {
+__device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g,
+                                           int t, int lane, const int64_t (&crow)[2], const uint32_t (&par)[2][2],
+                                           float (&acc)[2][4]) {
     constexpr bool Q6 = TYPE == TYPE_Q6_K;
     constexpr int W = w_bytes(TYPE);
     const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
     if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();
-    // the weights of super-block u into stage st: lane 0's tensor copies, and for Q6_K each lane's d word
+    const int64_t nb = a.w.K / QK_K;
+    // the weights of super-block u into stage st: lane 0's bulk copies of the row tile's bytes (rows
+    // past M: the last tile's zero blocks), and for Q6_K each lane's d word
     auto issue_w = [&](uint8_t *st, uint64_t *bar, int64_t u) {
         if (lane == 0) {
             bar_expect_tx(bar, tx);
             if constexpr (Q6) {
-                tensor_2d(st, map, (int)(u * 192), m0, bar);
-                tensor_2d(st + ROWS * 192, map_sc, (int)(u * 16), m0, bar);
-            } else {   // the row tile's super-block u: 4,608 contiguous bytes (rows past M: the tile's zero blocks)
-                bulk(st, a.w.data + q4_K_offset(m0, u, a.w.K / QK_K), W, bar);
+                const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
+                bulk(st, a.w.data + p.q + q6_K_q_offset(m0, u, nb), ROWS * 192, bar);
+                bulk(st + ROWS * 192, a.w.data + p.sc + q6_K_sc_offset(m0, u, nb), ROWS * 16, bar);
+            } else {
+                bulk(st, a.w.data + q4_K_offset(m0, u, nb), W, bar);
             }
         }
         if constexpr (Q6) {   // lane l: row 16 (l & 1) + l / 2, as issue_w
             const int half = lane & 1, row = 16 * half + (lane >> 1);
             const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
-            const int64_t bi = (half ? blk[1] : blk[0]) + u, nblk = a.w.M * (a.w.K / QK_K);
+            const int64_t bi = (half ? crow[1] : crow[0]) * nb + u, nblk = a.w.M * nb;
             uint8_t *dd = st + ROWS * 208 + row * 4;
             if ((bi | 1) < nblk) cp4(dd, a.w.data + p.d + (bi & ~int64_t(1)) * 2);
             else   // the plane's last entry at an even index: its word would reach past the plane
@@ -717,10 +709,8 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     // the member this tile belongs to (a plain call: the only one), and the tile within it
     Args a = args;
     int64_t mtile = tile;
-    int member = 0;
     for (int i = 0; i < args.n_more; ++i)
         if (tile >= args.more.tile0[i]) {
-            member = i + 1;
             a.w = args.more.w[i];
             a.y = args.more.y[i];
             a.n_out = args.more.n_out[i];
@@ -735,13 +725,9 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         if (o >= a.n_out) o = a.n_out - 1;
         return a.rows ? (int64_t)a.rows[o] : o;
     };
-    int64_t blk[2];   // copy rows of this lane, mma tiles 0 and 1: Q4_K the row's byte offset at super-block 0
-                      // (quant_blocks.cuh's tiles), Q6_K its block index row * nb
+    int64_t crow[2];   // copy rows of this lane, mma tiles 0 and 1
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int64_t row = src_row(m0 + 16 * r + (lane >> 1));
-        blk[r] = TYPE == TYPE_Q4_K ? (int64_t)q4_K_offset(row, 0, nb) : row * nb;
-    }
+    for (int r = 0; r < 2; ++r) crow[r] = src_row(m0 + 16 * r + (lane >> 1));
     // Q6_K: parity of each compute row's block index base (which half of the d word is its d)
     uint32_t par[2][2] = {{0u, 0u}, {0u, 0u}};
     if constexpr (TYPE == TYPE_Q6_K)
@@ -761,8 +747,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if constexpr (TMA) {
         uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
-        stream_tma<TYPE, WARPS, STAGES>(a, &args.map[member], &args.map_sc[member], ring, SB, bars, (int)m0, uw, nj, g, t,
-                                        lane, blk, par, acc);
+        stream_tma<TYPE, WARPS, STAGES>(a, ring, SB, bars, (int)m0, uw, nj, g, t, lane, crow, par, acc);
     } else
 #endif
     {
@@ -771,7 +756,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < J) {
             const int64_t u = uw + (int64_t)s * WARPS;
-            issue_w<TYPE>(a, ring + s * SB, src_at<TYPE>(a, blk, u, lane), lane);
+            issue_w<TYPE>(a, ring + s * SB, src_at<TYPE>(a, crow, u, lane), lane);
         }
     pdl_wait();
 #pragma unroll
@@ -782,7 +767,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     for (int s = 1; s < STAGES - 1; ++s) gemm::cp_commit();   // empty groups keep the count
 
     // the loop's copies: step jn = j + STAGES - 1 reads super-block uw + jn * WARPS
-    Src nxt = src_at<TYPE>(a, blk, uw + (int64_t)(STAGES - 1) * WARPS, lane);
+    Src nxt = src_at<TYPE>(a, crow, uw + (int64_t)(STAGES - 1) * WARPS, lane);
     int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
     for (int j = 0; j < nj; ++j) {
         gemm::cp_wait<STAGES - 2>();
@@ -949,64 +934,19 @@ inline size_t smem_bytes(int n_vec) {
            (size_t)WARPS * STAGES * 8;
 }
 
-// A tensor map for stream_tma over `rows` rows of `row_bytes` bytes from `base` (boxes of `box`
-// bytes x 32 rows), encoded once per (address, shape): a decoded token launches ~500 matvecs.
-inline CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes, int box, const char *what) {
-    static std::mutex mu;
-    static std::map<std::tuple<const void *, int64_t, int64_t, int>, CUtensorMap> cache;
-    static PFN_cuTensorMapEncodeTiled_v12000 encode = nullptr;
-    std::lock_guard<std::mutex> lock(mu);
-    const auto key = std::make_tuple(static_cast<const void *>(base), rows, row_bytes, box);
-    auto it = cache.find(key);
-    if (it != cache.end()) return it->second;
-    if (!encode) {
-        void *p = nullptr;
-        cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-        check_cuda(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
-                   "matvec_f16: cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled)");
-        if (q != cudaDriverEntryPointSuccess || !p) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the driver has no cuTensorMapEncodeTiled");
-        encode = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-    }
-    const cuuint64_t dims[2] = {(cuuint64_t)row_bytes, (cuuint64_t)rows}, strides[1] = {(cuuint64_t)row_bytes};
-    const cuuint32_t boxd[2] = {(cuuint32_t)box, ROWS}, estr[2] = {1, 1};
-    alignas(64) CUtensorMap m;
-    const CUresult r = encode(&m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<uint8_t *>(base), dims, strides, boxd, estr,
-                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                              CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-    if (r != CUDA_SUCCESS)
-        fail(OJ_ERR_INVALID_ARGUMENT, std::string("matvec_f16: cuTensorMapEncodeTiled failed for ") + what + " of " +
-                                          std::to_string(rows) + " rows x " + std::to_string(row_bytes) + " bytes (CUresult " +
-                                          std::to_string((int)r) + ")");
-    return cache.emplace(key, m).first->second;
-}
-
-// A member's maps: Q6_K its q plane and its scale plane; Q4_K none (its steps are bulk copies).
-inline void maps_for(const Matrix &w, CUtensorMap *map, CUtensorMap *map_sc) {
-    const int64_t nb = w.K / QK_K;
-    if (w.type != TYPE_Q4_K) {
-        const Q6Planes p = q6_K_planes(w.M, w.K);
-        *map = rows_map(w.data + p.q, w.M, nb * 192, 192, "a Q6_K q plane");
-        *map_sc = rows_map(w.data + p.sc, w.M, nb * 16, 16, "a Q6_K scale plane");
-    }
-}
-
 // Both types stream on the copy engine on sm_90+ (measured 2026-11-30: the 27B's grouped
 // projections 4.92 ms against 5.15 with Q6_K on cp.async and 6.86 with both there); the cp.async
-// loop stays for older GPUs and for calls that gather rows (a tensor map cannot).
+// loop stays for older GPUs and for calls that gather rows (a bulk copy cannot).
 inline bool tma_for(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
 template <int TYPE, int WARPS, int STAGES>
 inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
-    // the copy engine: sm_90 code on a cc 9.0+ device, rows in order (a tensor map cannot gather)
+    // the copy engine: sm_90 code on a cc 9.0+ device, rows in order (a bulk copy cannot gather)
     const bool tma = d.pdl && !a.rows && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
     const bool waits = tma || setup<TYPE, WARPS, STAGES, false>(d);
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
     Args b = a;
     b.tma = tma;
-    if (b.tma) {
-        maps_for(a.w, &b.map[0], &b.map_sc[0]);
-        for (int i = 0; i < a.n_more; ++i) maps_for(a.more.w[i], &b.map[i + 1], &b.map_sc[i + 1]);
-    }
     const int64_t blocks = tiles * a.split;
     const bool with_pdl = pdl && d.pdl && waits;
     const cudaError_t e =

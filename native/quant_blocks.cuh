@@ -5,15 +5,16 @@
 // tile, and rearranges Q8_0 (34 bytes) and Q6_K (210 bytes) at load into planes, so that every load
 // in the matrix kernels is naturally aligned. Rearranging moves bytes only; no value changes.
 //
-//   Q4_K tiled, nb = K/256 blocks per row:          [ceil(M/32)][nb][32 rows][144 bytes]
+//   Q4_K tiled, nb = K/256 blocks per row:          [tiles = ceil(M/32)][nb][32 rows][144 bytes]
 //   a row tile's super-block u is 4,608 contiguous bytes: the decode matvec's step for one warp,
 //   one bulk copy (a 2-D box of 32 rows x 144 bytes out of row-major rows streamed slower:
 //   tools/stream_layout_bench.cu); rows past M in the last tile are zero blocks. A 4-D tensor map
 //   {144, 32, nb, tiles} with a box {144, 32, 1, n} lands n tiles' rows in shared memory in row
 //   order, as a 2-D box over row-major rows did (gemm_wgmma.cuh).
 //   Q8_0 planar, a matrix of M rows and K columns:  qs int8 [M][K], then d fp16 [M][K/32]
-//   Q6_K planar, nb = K/256 blocks per row:         q [M*nb][192], scales int8 [M*nb][16],
-//                                                   d fp16 [M*nb]
+//   Q6_K planar, nb = K/256 blocks per row:         q [tiles][nb][32][192], scales int8
+//                                                   [tiles][nb][32][16] (row tiles, as Q4_K's),
+//                                                   d fp16 [M*nb] (row-major)
 //   where a block's 192 q bytes are ggml's ql (128) and qh (64) regrouped for the tensor-core
 //   kernel: byte 64*i + 16*t + 4*c + j, with c = 2*half + l/16 and l = 16*(l/16) + 4*t + j, is
 //   i=0: ql[64*half + l], i=1: ql[64*half + 32 + l], i=2: qh[32*half + l]
@@ -91,26 +92,32 @@ __host__ __device__ inline Q8Planes q8_0_planes(int64_t M, int64_t K) {
     return p;
 }
 
-// Q4_K tiled (the table above): the byte offset of row m's super-block u, and the layout's size.
-constexpr int Q4_TILE_ROWS = 32;
-__host__ __device__ inline int64_t q4_K_tiles(int64_t M) { return (M + Q4_TILE_ROWS - 1) / Q4_TILE_ROWS; }
-__host__ __device__ inline size_t q4_K_tiled_bytes(int64_t M, int64_t K) {
-    return (size_t)q4_K_tiles(M) * Q4_TILE_ROWS * (size_t)(K / QK_K) * 144;
+// Row tiles (the table above): row m's super-block u of a matrix whose super-blocks take `bytes`
+// bytes (a plane of them for Q6_K), rows in tiles of 32, a tile's super-block u contiguous.
+constexpr int TILE_ROWS = 32;
+__host__ __device__ inline int64_t row_tiles(int64_t M) { return (M + TILE_ROWS - 1) / TILE_ROWS; }
+__host__ __device__ inline size_t tile_offset(int64_t m, int64_t u, int64_t nb, int bytes) {
+    return ((size_t)(m / TILE_ROWS) * nb + u) * (size_t)(TILE_ROWS * bytes) + (size_t)(m % TILE_ROWS) * bytes;
 }
-__host__ __device__ inline size_t q4_K_offset(int64_t m, int64_t u, int64_t nb) {
-    return ((size_t)(m / Q4_TILE_ROWS) * nb + u) * (Q4_TILE_ROWS * 144) + (size_t)(m % Q4_TILE_ROWS) * 144;
+__host__ __device__ inline size_t q4_K_offset(int64_t m, int64_t u, int64_t nb) { return tile_offset(m, u, nb, 144); }
+__host__ __device__ inline size_t q4_K_tiled_bytes(int64_t M, int64_t K) {
+    return (size_t)row_tiles(M) * TILE_ROWS * (size_t)(K / QK_K) * 144;
 }
 
+// Q6_K planes: q and sc in row tiles (padded to whole tiles), d row-major [M * nb].
 struct Q6Planes { size_t q, sc, d, total; };
 __host__ __device__ inline Q6Planes q6_K_planes(int64_t M, int64_t K) {
-    const size_t nblk = (size_t)M * (K / QK_K);
+    const size_t nblk = (size_t)M * (K / QK_K), tiled = (size_t)row_tiles(M) * TILE_ROWS * (K / QK_K);
     Q6Planes p;
     p.q = 0;
-    p.sc = nblk * 192;
-    p.d = p.sc + nblk * 16;
+    p.sc = tiled * 192;
+    p.d = p.sc + tiled * 16;
     p.total = p.d + nblk * 2;
     return p;
 }
+// row m's super-block u in the q plane and in the scale plane (offsets from the plane's start)
+__host__ __device__ inline size_t q6_K_q_offset(int64_t m, int64_t u, int64_t nb) { return tile_offset(m, u, nb, 192); }
+__host__ __device__ inline size_t q6_K_sc_offset(int64_t m, int64_t u, int64_t nb) { return tile_offset(m, u, nb, 16); }
 
 // ggml's get_scale_min_k4: the 6-bit scale and min of sub-block j (0..7) of a Q4_K/Q5_K block.
 __host__ __device__ inline void scale_min_k4(int j, const uint8_t *q, int &sc, int &m) {

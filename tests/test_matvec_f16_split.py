@@ -75,9 +75,9 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "const int64_t u = uw + (int64_t)s * WARPS;"),
     ("matvec_f16.cuh", "if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);"),
     # the main loop's cursor starts at step STAGES - 1 and moves WARPS super-blocks per issue
-    ("matvec_f16.cuh", "Src nxt = src_at<TYPE>(a, blk, uw + (int64_t)(STAGES - 1) * WARPS, lane);"),
+    ("matvec_f16.cuh", "Src nxt = src_at<TYPE>(a, crow, uw + (int64_t)(STAGES - 1) * WARPS, lane);"),
     ("matvec_f16.cuh", "advance<TYPE, WARPS>(nxt);"),
-    ("matvec_f16.cuh", "for (int r = 0; r < 2; ++r) c.w[r] += WARPS * (TYPE == TYPE_Q4_K ? ROWS * 144 : 192);"),
+    ("matvec_f16.cuh", "for (int r = 0; r < 2; ++r) c.w[r] += WARPS * ROWS * (TYPE == TYPE_Q4_K ? 144 : 192);"),
     ("matvec_f16.cuh", "c.bi += WARPS;"),
     ("matvec_f16.cuh", "par[i][r] = (uint32_t)((src_row(m0 + 16 * i + g + 8 * r) * nb) & 1);"),
     ("matvec_f16.cuh", "q6_parity(par, uw + j * WARPS, pr);"),

@@ -53,8 +53,8 @@ SOURCE_ANCHORS = [
     ("gemm_wgmma.cuh", "const int64_t pos = n0 + 8 * jn + 2 * t + e1;"),
     ("gemm_wgmma.cuh", "const int64_t row = (int64_t)m0 + rl0 + 8 * e2;"),
     ("gemm_wgmma.cuh", "const float v = acc[4 * jn + 2 * e2 + e1] * iv;"),
-    ("gemm_wgmma_q6k.cuh", "gemmwg::tma_2d(st + Q_OFF, &tm_q, u * Q_ROW, m0, fb);"),
-    ("gemm_wgmma_q6k.cuh", "gemmwg::tma_2d(st + SC_OFF, &tm_sc, u * SC_ROW, m0, fb);"),
+    ("gemm_wgmma_q6k.cuh", "gemmwg::tma_4d(st + Q_OFF, &tm_q, 0, 0, u, m0 / TILE_ROWS, fb);"),
+    ("gemm_wgmma_q6k.cuh", "gemmwg::tma_4d(st + SC_OFF, &tm_sc, 0, 0, u, m0 / TILE_ROWS, fb);"),
     ("gemm_wgmma_q6k.cuh", "return __uint_as_float(0x4B000000u | (b ^ 0x80u)) - 8388736.0f;"),
     ("gemm_wgmma_q6k.cuh", "constexpr Config CONFIGS[N_CONFIGS] = {{2, 128, 2}, {3, 64, 3}};"),
     ("gemm_f16.cuh", "const int h = l >> 4, t = (l >> 2) & 3, e = (l >> 1) & 1, up = l & 1;"),
@@ -69,8 +69,8 @@ SOURCE_ANCHORS = [
     ("matvec.cu", "q[off] = blocks[i].ql[64 * half + l];"),
     ("matvec.cu", "q[64 + off] = blocks[i].ql[64 * half + 32 + l];"),
     ("matvec.cu", "q[128 + off] = blocks[i].qh[32 * half + l];"),
-    ("quant_blocks.cuh", "p.sc = nblk * 192;"),
-    ("quant_blocks.cuh", "p.d = p.sc + nblk * 16;"),
+    ("quant_blocks.cuh", "p.sc = tiled * 192;"),
+    ("quant_blocks.cuh", "p.d = p.sc + tiled * 16;"),
 ]
 
 

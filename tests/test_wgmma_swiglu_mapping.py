@@ -29,8 +29,8 @@ SMEM_OPTIN = 232_448   # cudaDevAttrMaxSharedMemoryPerBlockOptin on H100 / H200
 SOURCE_ANCHORS = [
     ("gemm_wgmma.cuh", "constexpr int BM_OUT = SWIGLU ? 64 : BM;"),
     ("gemm_wgmma.cuh", "const int n0 = blockIdx.x * BN, m0 = blockIdx.y * BM_OUT;"),
-    ("gemm_wgmma.cuh", "tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / Q4_TILE_ROWS, fb);"),
-    ("gemm_wgmma.cuh", "tma_4d(st + W_OFF + 64 * W_ROW, &tm_w2, 0, 0, u, m0 / Q4_TILE_ROWS, fb);"),
+    ("gemm_wgmma.cuh", "tma_4d(st + W_OFF, &tm_w, 0, 0, u, m0 / TILE_ROWS, fb);"),
+    ("gemm_wgmma.cuh", "tma_4d(st + W_OFF + 64 * W_ROW, &tm_w2, 0, 0, u, m0 / TILE_ROWS, fb);"),
     ("gemm_wgmma.cuh", "constexpr uint32_t TX = stage_x(BN) + stage_xs(BN) + BM * W_ROW;"),
     ("gemm_wgmma.cuh", "const int c = wg - 1, g = lane >> 2, t = lane & 3;"),
     ("gemm_wgmma.cuh", "const int rl0 = 64 * c + 16 * warp + g;"),
