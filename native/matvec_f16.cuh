@@ -625,17 +625,25 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();
     const int64_t nb = a.w.K / QK_K;
-    // the weights of super-block u into stage st: lane 0's bulk copies of the row tile's bytes (rows
-    // past M: the last tile's zero blocks), and for Q6_K each lane's d word
+    // the row tile's bytes at super-block 0 (rows past M: the last tile's zero blocks); super-block u
+    // is u tile steps further (Q4_K: W bytes; Q6_K: ROWS x 192 of the q plane, ROWS x 16 of the scales)
+    const uint8_t *wt, *sct = nullptr;
+    if constexpr (Q6) {
+        const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
+        wt = a.w.data + p.q + q6_K_q_offset(m0, 0, nb);
+        sct = a.w.data + p.sc + q6_K_sc_offset(m0, 0, nb);
+    } else {
+        wt = a.w.data + q4_K_offset(m0, 0, nb);
+    }
+    // the weights of super-block u into stage st: lane 0's bulk copies, and for Q6_K each lane's d word
     auto issue_w = [&](uint8_t *st, uint64_t *bar, int64_t u) {
         if (lane == 0) {
             bar_expect_tx(bar, tx);
             if constexpr (Q6) {
-                const Q6Planes p = q6_K_planes(a.w.M, a.w.K);
-                bulk(st, a.w.data + p.q + q6_K_q_offset(m0, u, nb), ROWS * 192, bar);
-                bulk(st + ROWS * 192, a.w.data + p.sc + q6_K_sc_offset(m0, u, nb), ROWS * 16, bar);
+                bulk(st, wt + u * (ROWS * 192), ROWS * 192, bar);
+                bulk(st + ROWS * 192, sct + u * (ROWS * 16), ROWS * 16, bar);
             } else {
-                bulk(st, a.w.data + q4_K_offset(m0, u, nb), W, bar);
+                bulk(st, wt + u * W, W, bar);
             }
         }
         if constexpr (Q6) {   // lane l: row 16 (l & 1) + l / 2, as issue_w
