@@ -419,25 +419,28 @@ void bind_sequence(Engine &e, int i) {
 
 // post_attention_norm(s.x) -> SwiGLU FFN, added into s.x (the FFN residual). On the fp16 path the
 // norm and SwiGLU run inside the projections' preps (matvec_group_norm, matvec_swiglu).
-void ffn(Engine &e, Layer &L, int n) {
+// sums: the residual writer before left its row tiles' sums of squares (the norm prep sums those),
+// and on return whether the down left them.
+void ffn(Engine &e, Layer &L, int n, bool &sums) {
     Scratch &s = e.s;
     const ModelDims &d = e.dims;
     const Matrix *w[] = {&L.ffn_gate, &L.ffn_up};
     float *const y[] = {s.ffn_gate, s.ffn_up};
     stamp(e, PH_FFN_UP, weight_bytes(L.ffn_gate) + weight_bytes(L.ffn_up));
-    matvec_group_norm(w, y, 2, s.x, L.post_norm, d.hp.rms_eps, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 2, s.x, L.post_norm, d.hp.rms_eps, s.xn, n, e.stream, sums);
     stamp(e, PH_FFN_DOWN, weight_bytes(L.ffn_down));
-    matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
+    sums = matvec_swiglu(L.ffn_down, s.ffn_gate, s.ffn_up, s.x, n, true, e.stream);
 }
 
 // attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree;
 // `seqs`: oj_eval_seqs's positions, pos0 and tree unused).
-void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
+// sums: as ffn's.
+void attention_layer(Engine &e, Layer &L, int n, int pos0, bool &sums, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
     stamp(e, PH_AT_PROJ, weight_bytes(L.wq) + weight_bytes(L.wk) + weight_bytes(L.wv));
-    matvec_group_norm(w, y, 3, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 3, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream, sums);
     // K and V rows read: every cached position and the new ones, fp16 or q8_0 (34 bytes per 32 values)
     uint64_t rows = (uint64_t)(pos0 + n);
     if (seqs) {
@@ -449,27 +452,28 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0, uint64_t tree = 0, co
     if (seqs) attention_mix_seqs(e.dims, L, s, n, *seqs, e.n_ctx, e.stream);
     else attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
-    matvec(L.wo, s.attn_out, s.x, n, true, e.stream);
+    sums = matvec_residual(L.wo, s.attn_out, s.x, n, e.stream);
 }
 
 // attn_norm(s.x) -> Gated DeltaNet added into s.x. The projections land in the layer's ring slot of
 // this evaluation (kept for the replay). `seqs`: oj_eval_seqs's positions, each sequence's state
 // advanced in the pass (the selected sequence's free ring slot is only scratch then).
-void deltanet_layer(Engine &e, Layer &L, int n, const SeqBatch *seqs = nullptr) {
+// sums: as ffn's.
+void deltanet_layer(Engine &e, Layer &L, int n, bool &sums, const SeqBatch *seqs = nullptr) {
     Scratch &s = e.s;
     const RingSlot &r = L.ring[e.slot];
     const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
     float *const y[] = {r.qkv, s.z, r.beta, r.alpha};
     stamp(e, PH_DN_PROJ, weight_bytes(L.wqkv) + weight_bytes(L.wgate) + weight_bytes(L.wbeta) + weight_bytes(L.walpha));
-    matvec_group_norm(w, y, 4, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream);
+    matvec_group_norm(w, y, 4, s.x, L.attn_norm, e.dims.hp.rms_eps, s.xn, n, e.stream, sums);
     // the recurrent and conv state, read and written once
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
     if (seqs) deltanet_mix_seqs(e.dims, L, s, n, r, *seqs, e.stream);
     else deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
-    matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n, true,
-                      e.stream);
+    sums = matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n,
+                             true, e.stream);
 }
 
 void check_tokens(const Engine &e, const int32_t *tokens, int n) {
@@ -634,11 +638,12 @@ void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, 
     e.prof.used = 0;   // a pass that failed half-way left its events behind
     stamp(e, PH_EMBED);
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
+    bool sums = false;   // the embedding leaves no row-tile sums
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
-        if (L.recurrent) deltanet_layer(e, L, n, seqs);
-        else attention_layer(e, L, n, pos0, tree, seqs);
-        ffn(e, L, n);
+        if (L.recurrent) deltanet_layer(e, L, n, sums, seqs);
+        else attention_layer(e, L, n, pos0, sums, tree, seqs);
+        ffn(e, L, n, sums);
     }
     stamp(e, PH_NORM);
     rms_norm(s.x, e.output_norm, h, n, E, d.hp.rms_eps, E, e.stream);
@@ -1236,8 +1241,9 @@ void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *
     rms_norm(s.x, m.enorm, s.cat, n, E, d.hp.rms_eps, 2 * E, e.stream);
     rms_norm(h, m.hnorm, s.cat + E, n, E, d.hp.rms_eps, 2 * E, e.stream);
     matvec(m.eh_proj, s.cat, s.x, n, false, e.stream);
-    attention_layer(e, m.block, n, pos0);
-    ffn(e, m.block, n);
+    bool sums = false;   // the block's input comes from eh_proj
+    attention_layer(e, m.block, n, pos0, sums);
+    ffn(e, m.block, n, sums);
     rms_norm(s.x, m.head_norm, s.draft_hidden, n, E, d.hp.rms_eps, E, e.stream);
     if (e.n_draft_ids > 0) {
         matvec_rows(*m.head, s.draft_ids, e.n_draft_ids, s.draft_hidden, s.draft_logits, n, e.stream);

@@ -336,15 +336,22 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
 // matvec.cu: matvec_group of rms_norm(x) * norm (the layer's input norm): where every member takes
 // the fp16 path, the norm is computed inside its prep (no separate norm kernel, xn untouched), else
 // rms_norm into xn first.
+// sums: the launch that last wrote x was a residual writer that left its row tiles' sums of squares
+// (matvec_residual, matvec_gated_norm, matvec_swiglu returning true): the prep sums K / 32 partials
+// a vector instead of K squares.
 void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const float *x, const float *norm, float eps,
-                       float *xn, int n_vec, cudaStream_t st);
+                       float *xn, int n_vec, cudaStream_t st, bool sums = false);
+// matvec.cu: y += W x for the residual y (attn_output), leaving the sums of squares of y's row tiles
+// for the next norm prep where the fp16 path takes it (returns whether it did).
+bool matvec_residual(const Matrix &w, const float *x, float *y, int n_vec, cudaStream_t st);
 // matvec.cu: y (+)= W (silu(gate) * up) (the FFN's down projection): SwiGLU inside the prep on the
 // fp16 path, else computed into gate first.
-void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// Both return whether they left y's row-tile sums of squares (accumulate, the fp16 path): see matvec_residual.
+bool matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st);
 // matvec.cu: y (+)= W gated_norm(o) (DeltaNet's ssm_out of its normed, gated output: per head of S
 // values rms-normed, times norm and silu(z)): inside the prep on the fp16 path, else
 // deltanet_gated_norm in place first.
-void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
+bool matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
                        int n_vec, bool accumulate, cudaStream_t st);
 // matvec.cu: y[n][i] = W[rows[i]] . x[n] for i < n_rows (rows on the device): the draft head over
 // a restricted vocabulary. y is [n_vec][n_rows].

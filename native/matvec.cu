@@ -811,8 +811,32 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
     group_in(w, y, n, in, n_vec, st);
 }
 
+namespace {
+
+// The sums of squares of the residual's row tiles ([tiles][8]) that a residual writer leaves for the
+// next norm prep on its stream (residual_sums), per (device, stream).
+constexpr int64_t SSQ_TILES = mvf16::MAX_TILES;
+float *ssq_buffer(cudaStream_t st) {
+    static std::mutex mu;
+    static std::map<std::pair<int, cudaStream_t>, float *> bufs;
+    int dev = 0;
+    check_cuda(cudaGetDevice(&dev), "residual sums: cudaGetDevice");
+    std::lock_guard<std::mutex> lock(mu);
+    float *&p = bufs[{dev, st}];
+    if (!p) check_cuda(cudaMalloc(&p, (size_t)SSQ_TILES * 8 * sizeof(float)), "residual sums: buffer");
+    return p;
+}
+
+// Whether a residual writer of n_out rows leaves its row tiles' sums (the fp16 path, whole tiles).
+bool leaves_sums(const Matrix &w, int n_vec) {
+    const Matrix *ws[] = {&w};
+    return fused_prep(ws, 1, n_vec) && w.M > 0 && w.M % mvf16::ROWS == 0 && w.M / mvf16::ROWS <= SSQ_TILES;
+}
+
+}  // namespace
+
 void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const float *x, const float *norm, float eps,
-                       float *xn, int n_vec, cudaStream_t st) {
+                       float *xn, int n_vec, cudaStream_t st, bool sums) {
     const int64_t K = n > 0 ? w[0]->K : 0;
     if (!fused_prep(w, n, n_vec)) {
         rms_norm(x, norm, xn, n_vec, (int)K, eps, (int)K, st);
@@ -822,15 +846,29 @@ void matvec_group_norm(const Matrix *const *w, float *const *y, int n, const flo
     in.x = x;
     in.norm = norm;
     in.eps = eps;
+    if (sums && K % mvf16::ROWS == 0 && K / mvf16::ROWS <= SSQ_TILES) in.ssq = ssq_buffer(st);
     group_in(w, y, n, in, n_vec, st);
 }
 
-void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
+bool matvec_residual(const Matrix &w, const float *x, float *y, int n_vec, cudaStream_t st) {
+    if (!leaves_sums(w, n_vec)) {
+        matvec(w, x, y, n_vec, true, st);
+        return false;
+    }
+    void *ws = f16_workspace(w.K, st);
+    mvf16::prep(w.type, x, w.K, n_vec, ws, st);
+    mvf16::run(w, ws, y, n_vec, true, nullptr, w.M, true, st, 0, ssq_buffer(st));
+    check_launch("matvec_residual");
+    return true;
+}
+
+bool matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *norm, int n_heads, int S, float eps, float *y,
                        int n_vec, bool accumulate, cudaStream_t st) {
     const Matrix *ws[] = {&w};
     if (!fused_prep(ws, 1, n_vec) || w.M <= 0 || (S != 32 && S != 64 && S != 128)) {
         deltanet_gated_norm(o, z, norm, n_vec, n_heads, S, eps, st);
-        return matvec(w, o, y, n_vec, accumulate, st);
+        matvec(w, o, y, n_vec, accumulate, st);
+        return false;
     }
     mvf16::PrepIn in;
     in.x = o;
@@ -839,24 +877,29 @@ void matvec_gated_norm(const Matrix &w, float *o, const float *z, const float *n
     in.S = S;
     in.eps = eps;
     void *buf = f16_workspace(w.K, st);
+    const bool sums = accumulate && leaves_sums(w, n_vec);
     mvf16::prep(w.type, in, w.K, n_vec, buf, st);
-    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
+    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st, 0, sums ? ssq_buffer(st) : nullptr);
     check_launch("matvec_gated_norm");
+    return sums;
 }
 
-void matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st) {
+bool matvec_swiglu(const Matrix &w, float *gate, const float *up, float *y, int n_vec, bool accumulate, cudaStream_t st) {
     const Matrix *ws[] = {&w};
     if (!fused_prep(ws, 1, n_vec) || w.M <= 0) {
         swiglu(gate, up, (int64_t)n_vec * w.K, st);
-        return matvec(w, gate, y, n_vec, accumulate, st);
+        matvec(w, gate, y, n_vec, accumulate, st);
+        return false;
     }
     mvf16::PrepIn in;
     in.x = gate;
     in.up = up;
     void *buf = f16_workspace(w.K, st);
+    const bool sums = accumulate && leaves_sums(w, n_vec);
     mvf16::prep(w.type, in, w.K, n_vec, buf, st);
-    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st);
+    mvf16::run(w, buf, y, n_vec, accumulate, nullptr, w.M, true, st, 0, sums ? ssq_buffer(st) : nullptr);
     check_launch("matvec_swiglu");
+    return sums;
 }
 
 void matvec_rows(const Matrix &w, const int32_t *rows, int n_rows, const float *x, float *y, int n_vec,

@@ -183,6 +183,9 @@ struct PrepIn {
     const float *z = nullptr;           // [n_vec][K]
     int S = 0;
     float *xn = nullptr;           // [n_vec][K] or nullptr
+    // (norm set) the sums of squares of x's row tiles of 32 ([K / 32][8], from the launch that wrote
+    // x: Args::ssq): each vector's sum over K is the sum of its K / 32 partials, not of K squares
+    const float *ssq = nullptr;
 };
 
 // One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
@@ -199,7 +202,14 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
     const int64_t u = blockIdx.x;
     const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __shared__ float norm_scale[8];
-    if (in.norm) {   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
+    if (in.norm && in.ssq) {   // warp v: vector v's partials, lane-strided in order, then the xor tree
+        if (v < n_vec) {
+            float t = 0.0f;
+            for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * 8 + v];
+            t = warp_sum(t);
+            if (lane == 0) norm_scale[v] = 1.0f / sqrtf(t / K + in.eps);
+        }
+    } else if (in.norm) {   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
         // Every vector's load of one i is issued together, each vector still summed in i order:
         // summed one vector after another, the sums were n_vec chains of L2 round trips in a row
         // (H100, 5 positions: +24 us per fused projection, 2.60 -> 3.78 ms of deltanet projections).
@@ -315,6 +325,7 @@ struct Args {
     int n_more;                  // grouped launch: members after this one (0..GROUP_MAX - 1)
     bool tma;                    // sm_90+, no row gather: tensor and bulk copies (stream_tma)
     More more;
+    float *ssq;                  // set (one matrix, no row gather): each tile's sums of squares of its final y
 };
 
 // Where a lane's copies of one super-block come from (src_at: super-block u; advance: u + WARPS).
@@ -704,6 +715,21 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
 }
 #endif
 
+// Args::ssq: the sums of squares of the tile's final y rows, per vector ([tile][8]), once its block
+// has written them (the residual a norm prep reads next: PrepIn::ssq). Warp v sums vector v's 32
+// rows by the xor tree. Not inlined: its registers stay out of the main loop's count.
+// Scalars, not the block's Args: a reference to its local copy would make the main loop keep one.
+__device__ __noinline__ void tile_ssq(const float *ys, int64_t n_out, int n_vec, float *ssq, int64_t m0, int64_t tile) {
+    __syncthreads();   // the block's y stores, visible to the whole block
+    const int lane = threadIdx.x & 31;
+    for (int v = threadIdx.x >> 5; v < n_vec; v += blockDim.x >> 5) {
+        const int64_t o = m0 + lane;
+        const float y = o < n_out ? ys[(int64_t)v * n_out + o] : 0.0f;
+        const float t = warp_sum(y * y);
+        if (lane == 0) ssq[tile * 8 + v] = t;
+    }
+}
+
 // TMA: the stream_tma loop (launched on sm_90+ only; the instance holds no cp.async loop, and the
 // cp.async instance no copy-engine loop, so neither pays the other's registers).
 // Block `bid` of a launch over args (matvec_kernel: blockIdx.x).
@@ -826,7 +852,10 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             }
         }
     }
-    if (S == 1) return;   // uniform over the grid
+    if (S == 1) {   // uniform over the grid
+        if (args.ssq) tile_ssq(args.y, args.n_out, args.n_vec, args.ssq, m0, tile);
+        return;
+    }
     // Split-K: the last of the tile's S blocks to arrive sums the S slots in split order. Release:
     // every thread fences its slot stores (gpu scope) before the barrier, then one atomic; acquire:
     // thread 0 fences after the atomic that saw the other S - 1 arrivals, and the barrier orders
@@ -851,6 +880,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             *dst = a.accumulate ? *dst + v : v;
         }
     }
+    if (args.ssq) tile_ssq(args.y, args.n_out, args.n_vec, args.ssq, m0, tile);
 }
 
 template <int TYPE, int WARPS, int STAGES, bool TMA>
@@ -1142,6 +1172,7 @@ inline Args args_for(const Matrix &w, void *ws, float *y, const int32_t *rows, i
     a.accumulate = accumulate;
     a.n_more = 0;
     a.tma = false;   // launch_cfg decides
+    a.ssq = nullptr;
     return a;
 }
 
@@ -1161,11 +1192,12 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
 // workspace's split-K region). pdl: the previous kernel on the stream is the prep, or a matvec on
 // the same workspace after it (sm_90: the weight loads start before it finishes).
 inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
-                int64_t n_out, bool pdl, cudaStream_t st, int region = 0) {
+                int64_t n_out, bool pdl, cudaStream_t st, int region = 0, float *ssq = nullptr) {
     check_call(w.type, w.K, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
     a.xp += region * (w.K / QK_K) * REC;
+    if (ssq && !rows) a.ssq = ssq;   // ssq: [tiles][8] floats
     launch(a, n_out, pdl, st);
 }
 

@@ -54,6 +54,11 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "if (both) prep_store<other_type(TYPE)>(xv, rec2, v, lane);"),
     ("matvec_f16.cuh", "a.xp += region * (w.K / QK_K) * REC;"),
     ("matvec_f16.cuh", "a.xp += region * (w[0].K / QK_K) * REC;"),
+    # residual row-tile sums: tile t's vector v at ssq[t * 8 + v], K / 32 of them summed by the prep
+    ("matvec_f16.cuh", "if (lane == 0) ssq[tile * 8 + v] = t;"),
+    ("matvec_f16.cuh", "for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * 8 + v];"),
+    ("matvec_f16.cuh", "if (lane == 0) norm_scale[v] = 1.0f / sqrtf(t / K + in.eps);"),
+    ("matvec.cu", "return fused_prep(ws, 1, n_vec) && w.M > 0 && w.M % mvf16::ROWS == 0 && w.M / mvf16::ROWS <= SSQ_TILES;"),
     ("matvec_f16.cuh", "c.x = a.xp + u * REC;"),
     ("matvec_f16.cuh", "c.x += WARPS * REC;"),
     # the kernel: which block, which super-blocks
@@ -172,6 +177,44 @@ def _auto_split(tiles, nb, warps, n_sm, res_lo, res_hi) -> int:
 
 
 # ---- checks ------------------------------------------------------------------------------------
+def _warp_sum(vals):
+    """reduce.cuh's warp_sum: the xor tree over 32 lanes (every lane ends with the same value)."""
+    import numpy as np
+    v = np.asarray(vals, dtype=np.float32).copy()
+    for off in (16, 8, 4, 2, 1):
+        v = (v + v[np.arange(32) ^ off]).astype(np.float32)
+    return v[0]
+
+
+def test_residual_row_tile_sums():
+    # tile_ssq + prep_kernel's `in.ssq` branch, transcribed: tile t's 32 rows of vector v summed by
+    # the xor tree into ssq[t * 8 + v]; the prep's warp v sums the K / 32 partials lane-strided in
+    # order, then the xor tree. The result is the vector's sum of squares (to fp32 rounding), the
+    # same whichever n_vec the call had (each vector only reads its own column), and it fills only
+    # slots t * 8 + v of tiles < K / 32.
+    import numpy as np
+    rng = np.random.default_rng(0)
+    for K in (256, 5120, 6144):
+        tiles = K // 32
+        for n_vec in (1, 5, 8):
+            y = rng.standard_normal((n_vec, K)).astype(np.float32) * 3
+            ssq = np.full(tiles * 8, np.nan, dtype=np.float32)
+            for t in range(tiles):
+                for v in range(n_vec):
+                    ssq[t * 8 + v] = _warp_sum(y[v, 32 * t:32 * t + 32] ** 2)
+            for v in range(n_vec):
+                lanes = [np.float32(0)] * 32
+                for lane in range(32):
+                    acc = np.float32(0)
+                    for i in range(lane, tiles, 32):
+                        acc = np.float32(acc + ssq[i * 8 + v])
+                    lanes[lane] = acc
+                total = _warp_sum(lanes)
+                ref = float(np.sum(y[v].astype(np.float64) ** 2))
+                assert abs(total - ref) <= 1e-5 * ref
+            assert np.isnan(ssq.reshape(tiles, 8)[:, n_vec:]).all()   # no vector past n_vec is written
+
+
 def test_workspace_layout():
     # the prep's block 0 zeroes exactly the counter region, whole uint4 per thread
     assert (MAX_TILES // 1024) * PREP_THREADS * 16 == MAX_TILES * 4 == PART_OFF
