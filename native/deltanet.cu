@@ -4,7 +4,8 @@
 // Order of the cycle, each a kernel below:
 //   1. causal depthwise conv over [conv state | new qkv rows], SiLU; the conv state keeps the last
 //      kernel-1 inputs ([conv_dim][kernel-1], oldest first, as ggml's conv_states);
-//   2. L2 norm of every q and k head (x / sqrt(sum x^2 + eps)), q also times 1/sqrt(d_state);
+//   2. L2 norm of every q and k head (x / sqrt(sum x^2 + eps)), q also times 1/sqrt(d_state): in
+//      the conv kernel's q / k head blocks for decode-sized passes, a kernel of its own for prompts;
 //   3. the delta rule per value head h (key head h % n_key_heads, ggml's tiled order):
 //        decay = exp(softplus(alpha + dt_bias) * ssm_a), beta = sigmoid(beta_raw)
 //        S = decay * S;  S += outer((v - S k) * beta, k);  o = S q
@@ -51,45 +52,61 @@ namespace oj {
 
 namespace {
 
+// The L2 norm of one value of a q or k head (x / sqrt(sum x^2 + eps), q also times 1/sqrt(d_state))
+// by a block of the head's S threads, thread i holding value i: deltanet_qk_norm_kernel's
+// arithmetic, which the conv kernels below run in the same block_sum over the same S threads.
+__device__ __forceinline__ void qk_norm_value(float *p, bool is_q, float eps, float q_scale) {
+    const float v = *p;
+    const float ss = block_sum(v * v);
+    float y = v / sqrtf(ss + eps);
+    if (is_q) y *= q_scale;
+    *p = y;
+}
+
+// Block b of S threads (d_state) holds conv channels b S .. b S + S - 1, i.e. head b of the conv
+// output (the q heads, then k, then v). norm_heads = 2 n_key_heads: the q / k head blocks also
+// L2-norm their outputs for positions 0..n-1 (a block_sum a position, so only for decode-sized n;
+// a prompt's pass takes deltanet_qk_norm_kernel, a block per position and head, with the same bits).
 // TREE: the positions are a draft tree (`parents`, tree.cuh's word); the chain instance is the
 // code it was before trees (parents is a constant 0 there).
 template <int KERNEL, bool TREE>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
                                      float *__restrict__ state, float *__restrict__ out, int C, bool commit,
-                                     uint64_t parents) {
+                                     uint64_t parents, int norm_heads, int n_key_heads, float eps, float q_scale) {
     pdl_launch_dependents();
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
+    if ((int)blockIdx.x < norm_heads)   // the whole block (C is a multiple of S)
+        for (int t = 0; t < n; ++t) qk_norm_value(out + (int64_t)t * C + c, (int)blockIdx.x < n_key_heads, eps, q_scale);
 }
 
-// oj_eval_seqs: grid (channel blocks, n); position t is the next input of sequence sb.seq[t], its
+// oj_eval_seqs: grid (C / S, n), block S; position t is the next input of sequence sb.seq[t], its
 // conv state at state0 + sb.seq[t] * seq_floats, advanced by it (one committed step of the chain
-// code: the same arithmetic as a one-position evaluation and its replay).
+// code: the same arithmetic as a one-position evaluation and its replay); the q / k head blocks
+// L2-norm their output as deltanet_conv_kernel does.
 template <int KERNEL>
 __global__ void deltanet_conv_seqs_kernel(const float *__restrict__ qkv, const float *__restrict__ w, float *state0,
-                                          size_t seq_floats, float *__restrict__ out, int C, SeqBatch sb) {
+                                          size_t seq_floats, float *__restrict__ out, int C, SeqBatch sb,
+                                          int n_key_heads, float eps, float q_scale) {
     pdl_launch_dependents();
     pdl_wait();
     const int c = blockIdx.x * blockDim.x + threadIdx.x, t = blockIdx.y;
-    if (c < C)
-        conv_channel<KERNEL>(c, nullptr, 0, qkv + (int64_t)t * C, 1, w, state0 + seq_floats * sb.seq[t],
-                             out + (int64_t)t * C, C, true);
+    conv_channel<KERNEL>(c, nullptr, 0, qkv + (int64_t)t * C, 1, w, state0 + seq_floats * sb.seq[t],
+                         out + (int64_t)t * C, C, true);
+    if ((int)blockIdx.x < 2 * n_key_heads)
+        qk_norm_value(out + (int64_t)t * C + c, (int)blockIdx.x < n_key_heads, eps, q_scale);
 }
 
-// grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output.
+// grid (n, 2 * n_key_heads), block d_state: q heads first, then k heads, in the conv output (a
+// prompt's pass; decode-sized passes norm in the conv kernel).
 __global__ void deltanet_qk_norm_kernel(float *__restrict__ conv_out, int C, int n_key_heads,
                                         float eps, float q_scale) {
     pdl_launch_dependents();
     pdl_wait();
     const int t = blockIdx.x, hh = blockIdx.y, S = blockDim.x;
-    float *p = conv_out + (int64_t)t * C + (int64_t)hh * S;
-    const float v = p[threadIdx.x];
-    const float ss = block_sum(v * v);
-    float y = v / sqrtf(ss + eps);
-    if (hh < n_key_heads) y *= q_scale;
-    p[threadIdx.x] = y;
+    qk_norm_value(conv_out + (int64_t)t * C + (int64_t)hh * S + threadIdx.x, hh < n_key_heads, eps, q_scale);
 }
 
 // grid (n_v_heads, S / 4), block 128: warp w owns state row j = blockIdx.y * 4 + w (recurrence_row).
@@ -145,13 +162,18 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
                          bool recurrence = true, uint64_t parents = 0) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
-    const int threads = 128, blocks = (C + threads - 1) / threads;
+    const int threads = S, blocks = C / S;   // a block per head of the conv output
     const bool tree = parents != 0;
+    // decode-sized passes norm q and k in the conv kernel (one launch fewer a layer); a prompt's in
+    // a kernel of its own (a block per position and head), with the same bits
+    const bool fused_norm = n <= OJ_MAX_POSITIONS;
+    const float q_scale = 1.0f / sqrtf((float)S);
     if (tree && (commit || n > OJ_MAX_POSITIONS)) fail(OJ_ERR_INVALID_ARGUMENT, "a draft tree is never committed in the pass");
     cudaError_t e = cudaSuccess;
 #define OJ_CONV(K)                                                                                                  \
     e = launch(tree ? deltanet_conv_kernel<K, true> : deltanet_conv_kernel<K, false>, blocks, threads, 0, st, replay.qkv, \
-               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents)
+               n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents, fused_norm ? 2 * Hk : 0, Hk, \
+               d.hp.rms_eps, q_scale)
     switch (d.hp.ssm_conv_kernel) {
         case 2: OJ_CONV(2); break;
         case 3: OJ_CONV(3); break;
@@ -160,8 +182,8 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
     }
 #undef OJ_CONV
     check_cuda(e, "deltanet_conv");
-    if (n > 0)
-        check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
+    if (n > 0 && !fused_norm)
+        check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, q_scale),
                    "deltanet_qk_norm");
     if (!recurrence) return;
     const dim3 grid(Hv, S / 4);
@@ -189,18 +211,20 @@ void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int
 void deltanet_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const RingSlot &cur, const SeqBatch &b,
                        cudaStream_t st) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
-    const int threads = 128;
-    const dim3 conv_grid((C + threads - 1) / threads, n);
+    const dim3 conv_grid(C / S, n);   // a block per head of the conv output and position
+    const float q_scale = 1.0f / sqrtf((float)S);
     cudaError_t e = cudaSuccess;
+#define OJ_CONV_SEQS(K)                                                                                     \
+    e = launch(deltanet_conv_seqs_kernel<K>, conv_grid, S, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, \
+               cur.conv, C, b, Hk, d.hp.rms_eps, q_scale)
     switch (d.hp.ssm_conv_kernel) {
-        case 2: e = launch(deltanet_conv_seqs_kernel<2>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
-        case 3: e = launch(deltanet_conv_seqs_kernel<3>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
-        case 4: e = launch(deltanet_conv_seqs_kernel<4>, conv_grid, threads, 0, st, cur.qkv, L.conv1d, L.conv_base, L.conv_floats, cur.conv, C, b); break;
+        case 2: OJ_CONV_SEQS(2); break;
+        case 3: OJ_CONV_SEQS(3); break;
+        case 4: OJ_CONV_SEQS(4); break;
         default: fail(OJ_ERR_UNSUPPORTED, "ssm.conv_kernel must be 2, 3 or 4");
     }
+#undef OJ_CONV_SEQS
     check_cuda(e, "deltanet_conv_seqs");
-    check_cuda(launch(deltanet_qk_norm_kernel, dim3(n, 2 * Hk), S, 0, st, cur.conv, C, Hk, d.hp.rms_eps, 1.0f / sqrtf((float)S)),
-               "deltanet_qk_norm");
     const dim3 grid(Hv, S / 4, n);
 #define OJ_RECURRENCE_SEQS(SS)                                                                                      \
     e = launch(deltanet_recurrence_seqs_kernel<SS>, grid, 128, 0, st, cur.conv, cur.beta, cur.alpha, L.dt_bias, L.ssm_a, \

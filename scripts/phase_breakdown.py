@@ -418,8 +418,8 @@ def _deltanet(m: Model, il: int, n: int, path: str = DEFAULT_MATVEC) -> list[Slo
     conv_state = 4.0 * c.ssm_conv_dim * (c.ssm_conv_kernel - 1)
     return [*matvec_group(m, [p + "attn_qkv.weight", p + "attn_gate.weight", p + "ssm_beta.weight",
                               p + "ssm_alpha.weight"], n, path),
+            # the conv kernel also L2-norms q and k (decode-sized passes: deltanet.cu)
             Slot("conv", DELTANET, min_bytes=2 * conv_state + 4.0 * 2 * n * c.ssm_conv_dim),
-            Slot("qk_norm", DELTANET, min_bytes=4.0 * 2 * n * 2 * c.ssm_key_dim),
             Slot("recurrence", DELTANET, min_bytes=2 * state + 4.0 * n * (c.ssm_conv_dim + c.ssm_value_dim),
                  flops=6.0 * n * c.ssm_dt_rank * c.ssm_d_state ** 2),
             Slot("gated_norm", DELTANET, min_bytes=4.0 * 3 * n * c.ssm_value_dim),

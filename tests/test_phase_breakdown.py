@@ -286,10 +286,10 @@ def test_roles_sums_and_floors(model):
     assert g.rows["projections: attn_output"].kernels == n_attn
     head = g.rows["output head"]
     assert head.weight_bytes == model.tensors[model.head_name(False)][0]
-    # every DeltaNet layer: conv, qk_norm, recurrence, gated_norm
+    # every DeltaNet layer: conv (q / k norms inside), recurrence, gated_norm
     dn = g.rows[pb.DELTANET]
-    assert dn.kernels == 4 * n_dn
-    assert dn.time_s == pytest.approx(n_dn * (2500 + 1800 + 7000 + 1700) * 1e-9)
+    assert dn.kernels == 3 * n_dn
+    assert dn.time_s == pytest.approx(n_dn * (2500 + 7000 + 1700) * 1e-9)
     # norms: attn_norm + post_norm per layer, output_norm; swiglu per layer
     el = g.rows[pb.ELEMENTWISE]
     assert el.kernels == 2 * c.n_layer + 1 + c.n_layer
@@ -337,7 +337,7 @@ def test_order_mismatch_falls_back_to_names(model):
     assert not g.mapped
     assert "launch order differs" in g.note
     assert "projections (role unknown)" in g.rows
-    assert g.rows[pb.DELTANET].kernels == 4 * len(model.config.deltanet_layers())
+    assert g.rows[pb.DELTANET].kernels == 3 * len(model.config.deltanet_layers())
 
 
 def test_first_kernel_must_start_a_pass(model):
@@ -429,7 +429,7 @@ def q4km(q4km_file):
 
 
 PM = ["prep", "matvec"]                                   # one fp16-path launch pair
-DN_MIX = ["conv", "qk_norm", "recurrence", "gated_norm"]
+DN_MIX = ["conv", "recurrence", "gated_norm"]
 ATTN_MIX = ["attn_prepare", "attn_partial", "attn_combine"]
 FFN_F16 = ["rms_norm", *PM, "swiglu", *PM]                # post_norm, gate+up grouped, swiglu, down
 
