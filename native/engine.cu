@@ -66,7 +66,11 @@ const char *const PHASE_NAMES[PH_COUNT] = {
     "attention q/k/v", "attention core", "attention output", "ffn gate+up", "swiglu", "ffn down", "head", "argmax"};
 static_assert((int)PH_COUNT <= (int)OJ_MAX_PHASES, "oj_phase rows");
 
-uint64_t weight_bytes(const Matrix &w) { return w.present() ? device_layout_bytes(w.type, w.K, w.M) : 0; }
+// the matrix's bytes in the file (a tiled layout's zero rows past M are read but not counted: the floor
+// is the model's weights)
+uint64_t weight_bytes(const Matrix &w) {
+    return w.present() ? (uint64_t)(w.K / type_block_values(w.type)) * type_block_bytes(w.type) * (uint64_t)w.M : 0;
+}
 
 // An event on the stream where phase `ph` begins (-1: the pass ends) in a profiled verify.
 void stamp(Engine &e, int ph, uint64_t bytes = 0) {
