@@ -2,7 +2,7 @@
 // the A operand (dequantised weights) from REGISTERS, B (fp16 activations) from shared memory.
 // Same arithmetic as gemm_f16.cuh's Q4_K path (read its header first); only the main loop differs.
 //
-// Y[p][m] (+)= sum_k W[m][k] X[p][k]; W Q4_K as stored (144-byte super-blocks, row-major), X
+// Y[p][m] (+)= sum_k W[m][k] X[p][k]; W Q4_K (144-byte super-blocks in row tiles, quant_blocks.cuh), X
 // prepared ONCE by gemmf16::prep_x (its workspace, unchanged: fp16 x * 2^e_p k-permuted within each
 // 32-block, xsum hi/lo [K/256][P_pad][16], 2^-e_p). tools/gemm_wgmma_bench.cu
 // (scripts/gpu.sh gemm-wgmma) checks and times it beside gemm_f16.

@@ -30,10 +30,11 @@
 //   X   BN positions x 512 bytes as 4 "k-atoms" (TMA boxes {64 halves, BN rows}, 128B swizzle;
 //       wgmma descriptor 128B swizzle, SBO 1024, start = atom base + 32 (ks & 3)): gemm_wgmma.cuh's,
 //       unchanged;
-//   Q   BM rows x 192 bytes (the super-block's regrouped q planes as stored), one TMA box {192 bytes,
-//       BM rows} of the 2-D map [M][nb * 192] (row stride nb * 192, a multiple of 16). 192 B = 48
-//       words = 16 mod 32: a quarter-warp's 16-byte loads (rows g, g + 1, t 0..3) hit 32 banks;
-//   SC  BM rows x 16 bytes, one TMA box {16, BM} of the map [M][nb * 16].
+//   Q   BM rows x 192 bytes (the super-block's regrouped q bytes), one TMA box {192, 32, 1, BM / 32}
+//       of the 4-D map over the q plane's row tiles (gemmwg::encode_tile_map: the rows land in row
+//       order). 192 B = 48 words = 16 mod 32: a quarter-warp's 16-byte loads (rows g, g + 1, t 0..3)
+//       hit 32 banks;
+//   SC  BM rows x 16 bytes, one TMA box {16, 32, 1, BM / 32} of the scale plane's row tiles.
 //   The d plane (row stride nb * 2 bytes, NOT a multiple of 16, so no TMA map) is read from global
 //   by each consumer thread for its two rows, one super-block ahead (__ldg, rows clamped to M - 1).
 //   Rows past M / positions past P_pad are zero-filled by TMA and count their full bytes.

@@ -109,7 +109,7 @@ __host__ __device__ constexpr int other_type(int type) { return type == TYPE_Q4_
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
 __host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
-// rounded up to 128 bytes: a stage is a tensor copy's destination (stream_tma)
+// rounded up to 128 bytes: a stage is a bulk copy's destination (stream_tma)
 __host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value

@@ -3,11 +3,12 @@
 // 32 rows x its split's super-blocks, 4 warps, each with a private 3-stage ring of mbarrier-armed
 // stages; lane 0 copies a step's weights, then the vector's x record and inverse scales as two
 // bulk copies, as the engine's matvec does at one vector), over two layouts of the same bytes:
-//   - rows: the file's (the engine's today): row-major, 144 bytes per row and super-block; a step
-//     is one tensor copy of 32 rows x 144 bytes (a 2D box, rows nb * 144 bytes apart);
-//   - tiles: [row tile of 32][super-block][32 rows][144 bytes]; a step is one bulk copy of 4,608
-//     contiguous bytes (stream_pattern_bench's "linear per block" measured 16-27% above the row
-//     tiles on cp.async, 2026-11-30).
+//   - rows: the file's: row-major, 144 bytes per row and super-block; a step is one tensor copy of
+//     32 rows x 144 bytes (a 2D box, rows nb * 144 bytes apart; the engine's until 78e66d9);
+//   - tiles: [row tile of 32][super-block][32 rows][144 bytes] (quant_blocks.cuh, the engine's
+//     layout now); a step is one bulk copy of 4,608 contiguous bytes.
+// Measured (an H100, 2026-12-07, bench/results/2026-12-07-session17-h100.md): tiles 5-14% faster
+// alone and 7-9% in the chain on the 27B's FFN gate+up, ffn_down, attention q/k/v and ssm_out.
 // Each timed alone (one launch, L2 flushed before) and as a PDL chain of 4 launches over 4
 // matrices (each kernel issues its first weight copies before griddepcontrol.wait, as the engine's
 // matvecs do): the chain is the engine's steady state between preps. Median of 20 runs.
