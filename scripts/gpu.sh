@@ -16,14 +16,14 @@
 #   prefill-kernels  the per-kernel Nsight Compute times of one prefill piece (64 positions at depth 4,096)
 #   cluster        the multi-GPU serving check
 #   train          the default model's training run
-#   attn | deltanet | gemm | gemm-f16 | gemm-wgmma | matvec-f16 | matvec-group | stream-pattern | stream-layout
+#   attn | deltanet | gemm | gemm-f16 | gemm-wgmma | matvec-f16 | matvec-group | stream-layout
 #                  the kernel harnesses (native/tools/), each against float64 with its timings
 #   launch-chain   what a dependent launch costs beyond its bytes (plain, PDL, graph)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-commands="check bench session ab setup agreement sanitize phases prefill-kernels cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group stream-pattern launch-chain stream-layout"
+commands="check bench session ab setup agreement sanitize phases prefill-kernels cluster train attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group launch-chain stream-layout"
 case "$cmd" in
     "" | -h | --help)
         sed -n '2,20p' "$0"

@@ -26,49 +26,33 @@
 
 #include "pdl.cuh"
 #include "tools/harness.cuh"
+#include "matvec_f16.cuh"   // mvf16::su32, bar_init, bar_expect_tx, bar_wait, bulk: the engine's copy helpers
 
 using namespace oj;
 static int RUNS = 20;
 #include "bench_blocks.cuh"   // median_ms (CUDA events, L2 flushed by g_flush before each run)
 
-namespace {
+namespace slb {   // named: an unnamed one would clash with matvec_f16.cuh's in the launch stubs
 
 constexpr int WARPS = 4, STAGES = 3, SB = 144, STEP = 32 * SB;   // a step: 32 rows x one super-block
-constexpr int XB = 576, INV = 32, REC = 8 * 576 + 32;              // one vector's x record, matvec_f16's REC
+constexpr int XB = mvf16::VEC_BYTES, INV = 32, REC = mvf16::REC;  // one vector's x record, the 8 inverse scales
 constexpr int STAGE = (STEP + XB + INV + 127) / 128 * 128;
 
-__device__ __forceinline__ uint32_t su32(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(uint64_t *bar, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(su32(bar)), "r"(count));
-}
-__device__ __forceinline__ void bar_expect_tx(uint64_t *bar, uint32_t bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(su32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t *bar, uint32_t parity) {
-    asm volatile(
-        "{\n.reg .pred done;\n"
-        "WAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-        "@!done bra WAIT_%=;\n}\n" ::"r"(su32(bar)),
-        "r"(parity)
-        : "memory");
-}
+// the helpers live in matvec_f16.cuh's sm_90 section: the device code below exists only there
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 __device__ __forceinline__ void tensor_2d(void *dst, const CUtensorMap *map, int c0, int c1, uint64_t *bar) {
     asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
-                     su32(dst)),
-                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(su32(bar))
+                     mvf16::su32(dst)),
+                 "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(mvf16::su32(bar))
                  : "memory");
 }
-__device__ __forceinline__ void bulk(void *dst, const void *src, uint32_t bytes, uint64_t *bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(su32(dst)),
-                 "l"(src), "r"(bytes), "r"(su32(bar))
-                 : "memory");
-}
+#endif
 
 // TILES: the tile-major layout (bulk copies); else the row-major one (tensor copies through map)
 template <bool TILES>
 __global__ void __launch_bounds__(32 * WARPS) copy_kernel(const __grid_constant__ CUtensorMap map, const uint8_t *w,
                                                           const uint8_t *xp, int64_t nb, int S, uint32_t *sink) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) uint8_t smem[];
     pdl_launch_dependents();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -78,19 +62,19 @@ __global__ void __launch_bounds__(32 * WARPS) copy_kernel(const __grid_constant_
     const int nj = uw < u1 ? (int)((u1 - uw + WARPS - 1) / WARPS) : 0;
     uint8_t *ring = smem + warp * STAGES * STAGE;
     uint64_t *bars = reinterpret_cast<uint64_t *>(smem + WARPS * STAGES * STAGE) + warp * STAGES;
-    if (lane < STAGES) bar_init(bars + lane, 1);
+    if (lane < STAGES) mvf16::bar_init(bars + lane, 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();
     auto issue_w = [&](uint8_t *st, uint64_t *bar, int64_t u) {
         if (lane != 0) return;
-        bar_expect_tx(bar, STEP + XB + INV);
-        if (TILES) bulk(st, w + (tile * nb + u) * STEP, STEP, bar);
+        mvf16::bar_expect_tx(bar, STEP + XB + INV);
+        if (TILES) mvf16::bulk(st, w + (tile * nb + u) * STEP, STEP, bar);
         else tensor_2d(st, &map, (int)(u * SB), (int)(tile * 32), bar);
     };
     auto issue_x = [&](uint8_t *st, uint64_t *bar, int64_t u) {
         if (lane != 0) return;
-        bulk(st + STEP, xp + u * REC, XB, bar);
-        bulk(st + STEP + XB, xp + u * REC + 8 * 576, INV, bar);
+        mvf16::bulk(st + STEP, xp + u * REC, XB, bar);
+        mvf16::bulk(st + STEP + XB, xp + u * REC + mvf16::INV_OFF, INV, bar);
     };
     for (int s = 0; s < STAGES - 1; ++s)
         if (s < nj) issue_w(ring + s * STAGE, bars + s, uw + (int64_t)s * WARPS);
@@ -101,7 +85,7 @@ __global__ void __launch_bounds__(32 * WARPS) copy_kernel(const __grid_constant_
     int rd = 0, wr = STAGES - 1;
     int64_t un = uw + (int64_t)(STAGES - 1) * WARPS;
     for (int j = 0; j < nj; ++j) {
-        bar_wait(bars + rd, (ph >> rd) & 1u);
+        mvf16::bar_wait(bars + rd, (ph >> rd) & 1u);
         ph ^= 1u << rd;
         if (j + STAGES - 1 < nj) {
             uint8_t *st = ring + wr * STAGE;
@@ -116,8 +100,9 @@ __global__ void __launch_bounds__(32 * WARPS) copy_kernel(const __grid_constant_
         wr = wr == STAGES - 1 ? 0 : wr + 1;
         __syncwarp();
     }
-    if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
+    if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(mvf16::su32(bars + lane)) : "memory");
     if (acc == 0x9E3779B9u) sink[threadIdx.x] = acc;   // never in practice: keeps the reads
+#endif
 }
 
 CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes) {
@@ -139,7 +124,9 @@ CUtensorMap rows_map(const uint8_t *base, int64_t rows, int64_t row_bytes) {
     return m;
 }
 
-}  // namespace
+}  // namespace slb
+
+using namespace slb;
 
 int main() {
     int dev = 0, n_sm = 0;
