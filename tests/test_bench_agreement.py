@@ -199,20 +199,21 @@ def test_child_reference_against_llama_cpp_on_the_default_model(llama_args, tmp_
     assert rc == 0
     recs = _records(out)
     results = {(r["metric"], r["params"]["depth"]): r for r in recs if "metric" in r}
-    assert set(results) == {(m, d) for m in agreement.METRICS for d in (0, 160)}, recs
+    # the reference in our engine's place makes the floor rows, not the engine's
+    assert set(results) == {(m, d) for m in agreement.REFERENCE_METRICS for d in (0, 160)}, recs
     details = {}
     for r in recs:
         details.update(r.get("info", {}).get(report.DETAILS_KEY, {}))
     for depth, positions in ((0, 96), (160, 64)):
         params = agreement.row_params("default", depth, positions)
-        top1 = results[("agreement_top1", depth)]
+        top1 = results[("reference_agreement_top1", depth)]
         assert top1["params"] == params and top1["unit"] == "fraction" and len(top1["samples"]) == 1
         # the float64 reference against llama.cpp's CPU roundings (Q8_0 activations): close, not equal
         assert top1["samples"][0] >= 0.95
-        kl = results[("agreement_kl", depth)]["samples"][0]
+        kl = results[("reference_agreement_kl", depth)]["samples"][0]
         assert 0 < kl < 3e-3
-        d = details[report.row_key("agreement_top1", "openjet", params)]
-        k = details[report.row_key("agreement_kl", "openjet", params)]
+        d = details[report.row_key("reference_agreement_top1", "openjet", params)]
+        k = details[report.row_key("reference_agreement_kl", "openjet", params)]
         assert d["positions"] == positions and d["n_vocab"] == 4096 and d["finite"]
         assert d["ours"]["engine"] == "numpy reference" and "held-out stdlib" in d["tokens"]
         assert k["kl_mean"] == kl and k["kl_max"] >= k["kl_p99"] >= 0
@@ -232,8 +233,8 @@ def test_child_catches_a_prefill_that_skips_tokens(monkeypatch, tmp_path):
                          "--out", str(out)])
     assert rc == 0
     res = {r["metric"]: r["samples"][0] for r in _records(out) if "metric" in r}
-    assert res["agreement_kl"] > 1e-2 or res["agreement_top1"] < 0.9, res
-    assert not agreement.verdict(res["agreement_top1"], res["agreement_kl"], 2048)[0]
+    assert res["reference_agreement_kl"] > 1e-2 or res["reference_agreement_top1"] < 0.9, res
+    assert not agreement.verdict(res["reference_agreement_top1"], res["reference_agreement_kl"], 2048)[0]
 
 
 def test_child_failures_become_skips_with_their_reason(tmp_path):
@@ -247,7 +248,7 @@ def test_child_failures_become_skips_with_their_reason(tmp_path):
                          "--out", str(out)])
     assert rc == 0
     skips = [r for r in _records(out) if "skip" in r]
-    assert {s["skip"]["metric"] for s in skips} == set(agreement.METRICS)
+    assert {s["skip"]["metric"] for s in skips} == set(agreement.REFERENCE_METRICS)
     assert all("llama_logits ended after 0 of 16 bytes" in s["reason"] and "exit 3" in s["reason"] for s in skips)
     with pytest.raises(SystemExit):
         agreement.main(["--model", str(tmp_path / "none.gguf"), "--label", "x", "--rows", "0:8",
@@ -269,6 +270,13 @@ def test_the_runner_plans_and_groups_the_rows():
     planned, _ = runner.plan(full)
     rows = [r for r in planned if r[0] in agreement.METRICS]
     assert len(rows) == 2 * len(full.agreement) and rows == runner.agreement_rows(full)
+    # the floor rows: the default model's rows again, the numpy reference in our engine's place
+    floor = [r for r in planned if r[0] in agreement.REFERENCE_METRICS]
+    assert floor == runner.reference_agreement_rows(full)
+    assert [(r[2]["depth"], r[2]["positions"]) for r in floor[::2]] == [(d, p) for lb, d, p in full.agreement
+                                                                         if lb == "default"]
+    assert all(r[2]["model"] == "default" for r in floor)
+    rows = rows + floor
     run = runner.Run(settings=full, store=None, model=Path("m.gguf"), cache=Path("."), deadline=None,
                      session="s", arch="90")
     g = {name: (need, rows_) for name, need, rows_, _ in runner.groups(run)}
@@ -299,7 +307,7 @@ def test_the_group_runs_a_child_per_model_for_the_rows_missing(monkeypatch, tmp_
     monkeypatch.setattr(runner, "_run_child", lambda r, tag, cmd, rows: children.append((tag, cmd, rows)) or set())
     runner.group_agreement(run)
     assert compiled == [(agreement.LLAMA_LOGITS_SRC, pb.root / "llama_logits", pb.lib_dir)]
-    (tag_q, cmd_q, rows_q), (tag_d, cmd_d, rows_d) = children
+    (tag_q, cmd_q, rows_q), (tag_d, cmd_d, rows_d), (tag_r, cmd_r, rows_r) = children
     arg = lambda cmd, flag: cmd[cmd.index(flag) + 1]  # noqa: E731
     assert tag_q == "agreement-q27b" and arg(cmd_q, "--model") == str(tmp_path / "q27b.gguf")
     assert arg(cmd_q, "--rows") == "4096:256" and arg(cmd_q, "--tokens") == "random"
@@ -309,6 +317,20 @@ def test_the_group_runs_a_child_per_model_for_the_rows_missing(monkeypatch, tmp_
                for c in (cmd_q, cmd_d))
     assert rows_d == [(m, "openjet", agreement.row_params("default", 3840, 256)) for m in agreement.METRICS]
     assert len(rows_q) == 2 and tag_d == "agreement-default"
+    assert arg(cmd_q, "--engine") == arg(cmd_d, "--engine") == "native"
+    # then the floor: the numpy reference against the same llama.cpp on the default model's rows
+    # (none stored yet: both), never on the bench model
+    assert tag_r == "agreement-default-reference" and arg(cmd_r, "--engine") == "reference"
+    assert arg(cmd_r, "--model") == str(runner.accept_model()) and arg(cmd_r, "--rows") == "0:256,3840:256"
+    assert "--require-gpu" in cmd_r and arg(cmd_r, "--tokens") == "stdlib"
+    assert rows_r == [(m, "openjet", agreement.row_params("default", d, 256))
+                      for d in (0, 3840) for m in agreement.REFERENCE_METRICS]
+    # with every row stored, no child at all
+    for r in rows_q + rows_d + rows_r:
+        store.add(r[0], r[1], r[2], report.METRICS[r[0]][0], [0.5], "earlier")
+    children.clear()
+    runner.group_agreement(run)
+    assert children == []
 
 
 def _report(results: list[dict], not_measured: list[dict], details: dict) -> dict:
@@ -332,14 +354,31 @@ def test_the_report_section_gives_thresholds_and_pass_or_fail():
     gone = agreement.row_params("default", 2048, 2048)
     not_measured = [{"metric": m, "engine": "openjet", "params": gone, "reason": "agreement failed: boom"}
                     for m in agreement.METRICS]
+    plain = report.markdown(_report(results, not_measured, details))
+    assert "numpy reference" not in plain   # no floor rows, no floor text
+    # the floor rows: the numpy reference at default 0 measured, at default 2,048 not
+    floor = agreement.row_params("default", 0, 2048)
+    results += [report.result("reference_agreement_top1", "openjet", floor, [0.975]),
+                report.result("reference_agreement_kl", "openjet", floor, [1.9e-3])]
+    details[report.row_key("reference_agreement_top1", "openjet", floor)] = {
+        "positions": 2048, "disagreements": 51, "near_tie_disagreements": 40, "tokens": "stdlib"}
+    not_measured += [{"metric": m, "engine": "openjet", "params": gone, "reason": "agreement failed: boom"}
+                     for m in agreement.REFERENCE_METRICS]
     md = report.markdown(_report(results, not_measured, details))
     section = md.split("## Agreement with llama.cpp")[1]
     assert "top-1 >= 0.99" in section and "mean KL <= 0.001" in section and ">= 2,000 positions" in section
+    assert "numpy reference" in section and "no activation rounding" in section
     lines = [ln for ln in section.splitlines() if ln.startswith("| q27b") or ln.startswith("| default")]
     assert lines[0].startswith("| default | 0 | 2,048 | 0.9700 | 2.00e-03 | 3.00e-03 | 2.00e-02 | 10 (7) ")
     assert lines[0].endswith("| fail: top-1 0.9700 < 0.99; mean KL 2.00e-03 > 0.001 |")
-    assert lines[1].startswith("| default | 2,048 | 2,048 | not measured (1)") and "fail (not measured)" in lines[1]
-    assert lines[2].startswith("| q27b | 30,720 | 2,048 | 0.9950 | 4.00e-04 |") and lines[2].endswith("| **pass** |")
+    # the floor under its row, no pass / fail of its own: where an exact computation lands
+    assert lines[1].startswith("| default, numpy reference | 0 | 2,048 | 0.9750 | 1.90e-03 |") and "51 (40)" in lines[1]
+    assert lines[1].endswith("| the floor: top-1 0.9750 < 0.99; mean KL 1.90e-03 > 0.001 |")
+    assert lines[2].startswith("| default | 2,048 | 2,048 | not measured (1)") and "fail (not measured)" in lines[2]
+    assert lines[3].startswith("| default, numpy reference | 2,048 | 2,048 | not measured (1)")
+    assert "fail" not in lines[3]
+    assert lines[4].startswith("| q27b | 30,720 | 2,048 | 0.9950 | 4.00e-04 |") and lines[4].endswith("| **pass** |")
+    assert len(lines) == 5   # no floor row for the q27b: none planned or measured
     # the rows live in their section, not in the main table
     main_table = md.split("\n## ")[0]
     assert "agreement_top1" not in main_table and "agreement_kl" not in main_table

@@ -45,6 +45,10 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     # positions whose argmaxes agree, and the mean KL(llama.cpp || ours)
     "agreement_top1": ("fraction", ("model", "depth", "positions"), True),
     "agreement_kl": ("nats", ("model", "depth", "positions"), False),
+    # the same with the numpy reference (exact fp32, no activation rounding) in our engine's place:
+    # the floor llama.cpp's own rounding sets for the two rows above (the default model only)
+    "reference_agreement_top1": ("fraction", ("model", "depth", "positions"), True),
+    "reference_agreement_kl": ("nats", ("model", "depth", "positions"), False),
     "prefill_tps": ("tokens/s", ("new_tokens", "depth"), True),
     # device memory a measured process added (max_depth: the decode group's; backend, slots,
     # n_ctx: bench/memory.py's child, beside planned_mem_gb, what `openjet info` plans for it)
@@ -61,6 +65,7 @@ SPEC_METRICS = ("spec_tps", "spec_mtp_tps")
 TREE_METRICS = ("spec_tree_tps",)
 ACCEPT_METRICS = ("accepted_per_cycle", "tree_accepted_per_cycle")
 AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
+REFERENCE_AGREEMENT_METRICS = ("reference_agreement_top1", "reference_agreement_kl")
 FALLBACK_METRICS = ("fallback_decode_tps",)
 CONCURRENT_METRICS = ("concurrent_tps", "concurrent_itl_p99_ms")
 MEMORY_TOLERANCE = 0.10           # issue 29: the plan within 10% of the measured peak
@@ -205,7 +210,7 @@ def markdown(report: dict) -> str:
             if k[0] in SPEC_METRICS + TREE_METRICS + ACCEPT_METRICS + FALLBACK_METRICS + CONCURRENT_METRICS
             or _is_memory_plan_row(k[0], v)}
     rows = {k: v for k, v in rows.items() if k not in side}
-    agreement = {k: v for k, v in rows.items() if k[0] in AGREEMENT_METRICS}
+    agreement = {k: v for k, v in rows.items() if k[0] in AGREEMENT_METRICS + REFERENCE_AGREEMENT_METRICS}
     rows = {k: v for k, v in rows.items() if k not in agreement}
     order = list(METRICS)
     ordered = sorted(rows.items(), key=lambda kv: (order.index(kv[0][0]), [
@@ -749,37 +754,51 @@ def concurrent_section(side, by_key, status, details) -> list[str]:
 
 def agreement_section(rows: dict, by_key: dict, status: dict, details: dict) -> list[str]:
     """agreement_top1 / agreement_kl per (model, depth, positions) against issue 25's thresholds,
-    with the figures the rows' details keep (bench/agreement.py)."""
+    with the figures the rows' details keep (bench/agreement.py); under a row, where measured or
+    planned, the numpy reference's figures against the same llama.cpp on the same positions."""
     from .agreement import KL_MAX, MIN_POSITIONS, TOP1_MIN, verdict
 
     keys = sorted({params_key(p): p for p in rows.values()}.values(),
                   key=lambda p: (p["model"], p["depth"], p["positions"]))
     if not keys:
         return []
+    floors = {params_key(p) for (m, _), p in rows.items() if m in REFERENCE_AGREEMENT_METRICS}
     out = ["", "## Agreement with llama.cpp (teacher-forced, the same token ids)", "",
            f"Both engines prefill `depth` tokens, then take `positions` more 8 per call; per position the "
            f"argmaxes and KL(llama.cpp || openjet) of the softmaxes, in float64. Pass: top-1 >= {TOP1_MIN} and "
            f"mean KL <= {KL_MAX:g} over >= {MIN_POSITIONS:,} positions (issue 25). Near-ties: disagreements "
-           "where llama.cpp's own logits of the two choices are closer than the near-tie gap.", "",
-           "| model | depth | positions | top-1 | mean KL | KL p99 | KL max | disagreements (near-ties) "
-           "| rel L2 | tokens | pass |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for params in keys:
-        k_top1, k_kl = (row_key(m, "openjet", params) for m in AGREEMENT_METRICS)
+           "where llama.cpp's own logits of the two choices are closer than the near-tie gap.", ""]
+    if floors:
+        out += ["Rows marked \"numpy reference\" put the numpy reference (testing/reference.py: fp32 over the "
+                "dequantised weights, no activation rounding) in our engine's place against the same llama.cpp "
+                "on the same positions: where an exact computation lands, i.e. the floor llama.cpp's own "
+                "rounding (8-bit activations in its products) sets for the bar.", ""]
+    out += ["| model | depth | positions | top-1 | mean KL | KL p99 | KL max | disagreements (near-ties) "
+            "| rel L2 | tokens | pass |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def line(metrics, label: str, params: dict, floor: bool) -> str:
+        k_top1, k_kl = (row_key(m, "openjet", params) for m in metrics)
         top1, kl = by_key.get(k_top1), by_key.get(k_kl)
         d = {**details.get(k_top1, {}), **details.get(k_kl, {})}
-        head = f"| {params['model']} | {params['depth']:,} | {params['positions']:,} "
+        head = f"| {label} | {params['depth']:,} | {params['positions']:,} "
         if top1 is None or kl is None:
             why = status.get(k_top1) or status.get(k_kl) or "—"
-            out.append(head + f"| {why} | | | | | | | fail (not measured) |")
-            continue
+            return head + f"| {why} | | | | | | | {'' if floor else 'fail (not measured)'} |"
         ok, why = verdict(top1["median"], kl["median"], int(d.get("positions", params["positions"])))
         dis = f"{d['disagreements']} ({d.get('near_tie_disagreements', '?')})" if "disagreements" in d else ""
         p99, kmax, rel = d.get("kl_p99"), d.get("kl_max"), d.get("rel_l2")
-        out.append(head + f"| {top1['median']:.4f} | {kl['median']:.2e} "
-                   f"| {'' if p99 is None else f'{p99:.2e}'} | {'' if kmax is None else f'{kmax:.2e}'} | {dis} "
-                   f"| {'' if rel is None else f'{rel:.2e}'} | {d.get('tokens', '')} "
-                   f"| {'**pass**' if ok else 'fail: ' + why} |")
+        verdict_cell = ("the floor: " + ("within the bar" if ok else why)) if floor else \
+            ("**pass**" if ok else "fail: " + why)
+        return (head + f"| {top1['median']:.4f} | {kl['median']:.2e} "
+                f"| {'' if p99 is None else f'{p99:.2e}'} | {'' if kmax is None else f'{kmax:.2e}'} | {dis} "
+                f"| {'' if rel is None else f'{rel:.2e}'} | {d.get('tokens', '')} | {verdict_cell} |")
+
+    for params in keys:
+        if (AGREEMENT_METRICS[0], params_key(params)) in rows or (AGREEMENT_METRICS[1], params_key(params)) in rows:
+            out.append(line(AGREEMENT_METRICS, params["model"], params, False))
+        if params_key(params) in floors:
+            out.append(line(REFERENCE_AGREEMENT_METRICS, f"{params['model']}, numpy reference", params, True))
     return out
 
 

@@ -19,7 +19,8 @@ The run, in order (each step's finished measurements go to the resume folder at 
      concurrent rows on llama-server -np 8 (bench/concurrent.py);
   7. teacher-forced agreement with llama.cpp (bench/agreement.py, a child per model: the bench
      model and the trained default one, each engine prefilling a depth and then compared position
-     by position; llama.cpp through native/tools/llama_logits built against the same libllama);
+     by position; llama.cpp through native/tools/llama_logits built against the same libllama),
+     and on the default model the numpy reference in our engine's place (the floor rows);
   8. the manifest's end state; JSON and markdown out.
 With --time-budget, steps that no longer fit are left for the next run with the same --resume.
 Exit status: 0 complete; 1 no GPU or bad arguments; 3 incomplete for lack of time (run again
@@ -186,6 +187,7 @@ def concurrent_rows(s: Settings, engine: str) -> list[tuple[str, str, dict]]:
 
 
 AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
+REFERENCE_AGREEMENT_METRICS = ("reference_agreement_top1", "reference_agreement_kl")
 BENCH_LABEL = "q27b"      # agreement rows of the bench model (the generated q27b unless --model)
 
 
@@ -194,6 +196,16 @@ def agreement_rows(s: Settings) -> list[tuple[str, str, dict]]:
     from .agreement import row_params
 
     return [(m, OURS, row_params(label, d, p)) for label, d, p in s.agreement for m in AGREEMENT_METRICS]
+
+
+def reference_agreement_rows(s: Settings) -> list[tuple[str, str, dict]]:
+    """The numpy reference in our engine's place against the same llama.cpp, on the default model's
+    agreement rows: the floor llama.cpp's own rounding sets (the bench model's 27B shapes are far
+    beyond the reference's reach on a CPU)."""
+    from .agreement import row_params
+
+    return [(m, OURS, row_params(label, d, p)) for label, d, p in s.agreement if label != BENCH_LABEL
+            for m in REFERENCE_AGREEMENT_METRICS]
 
 
 MEMORY_METRICS = ("planned_mem_gb", "peak_mem_gb")
@@ -221,7 +233,7 @@ def plan(s: Settings) -> tuple[list[tuple[str, str, dict]], list[dict]]:
     rows += [CONSTRAINT_ROW]
     rows += spec_rows(s) + accept_rows(s)
     rows += [r for d in s.drafts for r in peer_spec_rows(s, d)]
-    rows += agreement_rows(s)
+    rows += agreement_rows(s) + reference_agreement_rows(s)
     rows += concurrent_rows(s, OURS) + concurrent_rows(s, PEER)
     rows += memory_rows(s)
     return rows, []
@@ -600,30 +612,37 @@ def group_peer_concurrent(run: Run) -> None:
 
 def group_agreement(run: Run) -> None:
     """Teacher-forced agreement with llama.cpp (bench/agreement.py): one child per model, our
-    engine in it and llama_logits (compiled against the peer's libllama) streaming beside it."""
+    engine in it and llama_logits (compiled against the peer's libllama) streaming beside it; then,
+    for the default model, a child with the numpy reference in our engine's place (the floor rows)."""
     from . import agreement
 
     todo = [(label, d, p) for label, d, p in run.settings.agreement
             if run.missing([(m, OURS, agreement.row_params(label, d, p)) for m in AGREEMENT_METRICS])]
-    if not todo:
+    floor = [(label, d, p) for label, d, p in run.settings.agreement if label != BENCH_LABEL
+             and run.missing([(m, OURS, agreement.row_params(label, d, p)) for m in REFERENCE_AGREEMENT_METRICS])]
+    if not todo and not floor:
         return
     _peer_binary(run)
     pb = run.peer_build
     assert pb is not None
     binary = peer.compile_llama_logits(agreement.LLAMA_LOGITS_SRC, pb.root / "llama_logits",
                                        peer.llama_include_dirs(pb.llama_src), pb.lib_dir)
-    for label in dict.fromkeys(label for label, _, _ in todo):
-        items = [(d, p) for lb, d, p in todo if lb == label]
-        model = run.model if label == BENCH_LABEL else accept_model()
-        rows = [(m, OURS, agreement.row_params(label, d, p)) for d, p in items for m in AGREEMENT_METRICS]
-        # random ids on the random-weight bench model; text the trained model reads as text
-        cmd = [sys.executable, "-m", "openjet_plugin.bench.agreement", "--model", str(model), "--label", label,
-               "--rows", ",".join(f"{d}:{p}" for d, p in items),
-               "--tokens", "random" if label == BENCH_LABEL else "stdlib",
-               "--llama-logits", str(binary), "--require-gpu", "--workdir", str(run.cache / "agreement")]
-        run.log(f"agreement: {label} ({model.name}) at depths {[d for d, _ in items]}, teacher-forced against llama.cpp")
-        made = _run_child(run, f"agreement-{label}", cmd, rows)
-        run.log(f"agreement: {len(made)} of {len(rows)} {label} rows made")
+    for engine, items_all, metrics in (("native", todo, AGREEMENT_METRICS), ("reference", floor, REFERENCE_AGREEMENT_METRICS)):
+        for label in dict.fromkeys(label for label, _, _ in items_all):
+            items = [(d, p) for lb, d, p in items_all if lb == label]
+            model = run.model if label == BENCH_LABEL else accept_model()
+            rows = [(m, OURS, agreement.row_params(label, d, p)) for d, p in items for m in metrics]
+            # random ids on the random-weight bench model; text the trained model reads as text
+            cmd = [sys.executable, "-m", "openjet_plugin.bench.agreement", "--model", str(model), "--label", label,
+                   "--rows", ",".join(f"{d}:{p}" for d, p in items), "--engine", engine,
+                   "--tokens", "random" if label == BENCH_LABEL else "stdlib",
+                   "--llama-logits", str(binary), "--require-gpu", "--workdir", str(run.cache / "agreement")]
+            side = "our engine" if engine == "native" else "the numpy reference"
+            run.log(f"agreement: {label} ({model.name}) at depths {[d for d, _ in items]}, {side} teacher-forced "
+                    "against llama.cpp")
+            tag = f"agreement-{label}" + ("" if engine == "native" else "-reference")
+            made = _run_child(run, tag, cmd, rows)
+            run.log(f"agreement: {len(made)} of {len(rows)} {label} rows made ({side})")
 
 
 def _fallback_env(run: Run) -> dict[str, str]:
@@ -784,7 +803,9 @@ def groups(run: Run) -> list[tuple[str, float, list, object]]:
             # model's 22 MB take seconds), then the teacher-forced positions 8 per call, each chunk's
             # logits compared on the CPU in float64 (~200 rows of 248K logits a second)
             agree = sum((2 * load + d / pp if label == BENCH_LABEL else 5.0) + p / 200.0 for label, d, p in s.agreement)
-            out.append(("agreement", agree, agreement_rows(s), group_agreement))
+            # the numpy reference on the default model: ~150 positions a second on 2 cores
+            agree += sum(5.0 + (d + p) / 150.0 for label, d, p in s.agreement if label != BENCH_LABEL)
+            out.append(("agreement", agree, agreement_rows(s) + reference_agreement_rows(s), group_agreement))
         out.append(("llama.cpp concurrent", concurrent_seconds(s, load, pp, tg, 2), concurrent_rows(s, PEER),
                     group_peer_concurrent))
     return out
@@ -1082,7 +1103,8 @@ def main(argv: list[str] | None = None) -> int:
         run.mark([r for r in planned if r[1] == OURS and r[0] not in ("read_gbps", "copy_gbps")], NO_OURS)
     if args.no_peer:
         # the agreement rows are ours, but compare with llama.cpp: nothing to compare with
-        run.mark([r for r in planned if r[1] == PEER or r[0] in AGREEMENT_METRICS], NO_PEER)
+        run.mark([r for r in planned if r[1] == PEER or r[0] in AGREEMENT_METRICS + REFERENCE_AGREEMENT_METRICS],
+                 NO_PEER)
     try:
         run_groups(run)
     finally:

@@ -6,7 +6,8 @@
 # (native/tools/llama_logits, compiled against the same libllama) on the q27b at depth 30,720 and on
 # the trained default model at depths 0 and 2,048, 2,048 positions each (--quick: 256 positions,
 # q27b at depth 4,096, the default model at 0 and 3,840); the report's agreement section gives the
-# thresholds (top-1 >= 0.99, mean KL <= 1e-3) and pass / fail per row.
+# thresholds (top-1 >= 0.99, mean KL <= 1e-3) and pass / fail per row, and under the default model's
+# rows the numpy reference against the same llama.cpp (the floor llama.cpp's own rounding sets).
 #
 #   OPENJET_COMMIT=<sha> bash scripts/gpu.sh agreement [openjet bench arguments, e.g. --quick]
 #
