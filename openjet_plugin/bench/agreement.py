@@ -25,7 +25,7 @@ whose argmaxes agree) and agreement_kl (the mean KL); the KL's p99 and max, the 
 relative L2 difference of the logits and both engines' timings are the row's details (the
 manifest's info "spec_details", keyed by row). Thresholds: TOP1_MIN, KL_MAX over MIN_POSITIONS.
 With `--engine reference` the rows are reference_agreement_top1 / reference_agreement_kl: the floor
-the bar meets, exact fp32 arithmetic with no activation rounding against the same llama.cpp on the
+the bar meets, float64 arithmetic with no activation rounding against the same llama.cpp on the
 same positions (llama.cpp rounds activations to 8 bits in its products, which flips near-ties).
 """
 

@@ -45,7 +45,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], bool]] = {
     # positions whose argmaxes agree, and the mean KL(llama.cpp || ours)
     "agreement_top1": ("fraction", ("model", "depth", "positions"), True),
     "agreement_kl": ("nats", ("model", "depth", "positions"), False),
-    # the same with the numpy reference (exact fp32, no activation rounding) in our engine's place:
+    # the same with the numpy reference (float64, no activation rounding) in our engine's place:
     # the floor llama.cpp's own rounding sets for the two rows above (the default model only)
     "reference_agreement_top1": ("fraction", ("model", "depth", "positions"), True),
     "reference_agreement_kl": ("nats", ("model", "depth", "positions"), False),
@@ -769,7 +769,7 @@ def agreement_section(rows: dict, by_key: dict, status: dict, details: dict) -> 
            f"mean KL <= {KL_MAX:g} over >= {MIN_POSITIONS:,} positions (issue 25). Near-ties: disagreements "
            "where llama.cpp's own logits of the two choices are closer than the near-tie gap.", ""]
     if floors:
-        out += ["Rows marked \"numpy reference\" put the numpy reference (testing/reference.py: fp32 over the "
+        out += ["Rows marked \"numpy reference\" put the numpy reference (testing/reference.py: float64 over the "
                 "dequantised weights, no activation rounding) in our engine's place against the same llama.cpp "
                 "on the same positions: where an exact computation lands, i.e. the floor llama.cpp's own "
                 "rounding (8-bit activations in its products) sets for the bar.", ""]
