@@ -73,6 +73,12 @@ def test_phase_section_floors_percentages_and_the_gap_to_the_wall():
     total_ms = sum(p["ms"] for p in _read()["phases"])
     assert f"| **sum of phases** | **{total_ms:.3f}** |" in md
     assert f"| wall − sum of phases (host, launch before the first kernel, copy back) | {4.0 - total_ms:.3f} |" in md
+    assert 4.0 > total_ms and "(negative:" not in md
+    # a profiled pass slower than the wall: the gap is negative and the table says why
+    results[1] = report.result("verify_ms", "openjet", params, [total_ms / 1.25] * 6)
+    md = report.markdown({"manifest": man, "results": results})
+    assert f"| wall − sum of phases (host, launch before the first kernel, copy back) | {total_ms / 1.25 - total_ms:.3f} |" in md
+    assert "| (negative: the profiled pass took 25% longer than the unprofiled one; its phase times include" in md
     # the main table's projection_gbps row shows its share of the read rate
     row = next(line for line in md.splitlines() if line.startswith("| projection_gbps |"))
     assert "60%" in row

@@ -318,6 +318,9 @@ def phase_section(tables: dict, median_of) -> list[str]:
         if wall:
             out.append(f"| unprofiled pass, wall (verify_ms median) | {wall:.3f} | | | | | |")
             out.append(f"| wall − sum of phases (host, launch before the first kernel, copy back) | {wall - tot_ms:.3f} | | | | | |")
+            if wall < tot_ms:   # the CUDA events at the phase boundaries cost the profiled pass time
+                out.append(f"| (negative: the profiled pass took {tot_ms / wall - 1:.0%} longer than the unprofiled one; "
+                           "its phase times include what its events at the phase boundaries cost) | | | | | | |")
         fit = launch_fit(t["phases"])
         if fit is not None:
             a_us, gbps = fit
