@@ -43,9 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .report import AGREEMENT_METRICS as METRICS
+from .report import REFERENCE_AGREEMENT_METRICS as REFERENCE_METRICS   # --engine reference
+
 ENGINE = "openjet"
-METRICS = ("agreement_top1", "agreement_kl")
-REFERENCE_METRICS = ("reference_agreement_top1", "reference_agreement_kl")   # --engine reference
 UNITS = {"agreement_top1": "fraction", "agreement_kl": "nats",
          "reference_agreement_top1": "fraction", "reference_agreement_kl": "nats"}
 # issue 25's bar, over at least MIN_POSITIONS positions of a row

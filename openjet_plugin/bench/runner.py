@@ -186,8 +186,8 @@ def concurrent_rows(s: Settings, engine: str) -> list[tuple[str, str, dict]]:
     return [(m, engine, p) for m, p in concurrent_plan(s).rows()]
 
 
-AGREEMENT_METRICS = ("agreement_top1", "agreement_kl")
-REFERENCE_AGREEMENT_METRICS = ("reference_agreement_top1", "reference_agreement_kl")
+AGREEMENT_METRICS = report.AGREEMENT_METRICS
+REFERENCE_AGREEMENT_METRICS = report.REFERENCE_AGREEMENT_METRICS
 BENCH_LABEL = "q27b"      # agreement rows of the bench model (the generated q27b unless --model)
 
 
