@@ -37,9 +37,12 @@ _WHITESPACE = frozenset(
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's reversible map; duplicated from testing/bpe.py on purpose so the runtime does not
-    # import the trainer.
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map (what llama.cpp's byte_encode uses).
+
+    Printable Latin-1 bytes map to themselves; the rest are shifted to U+0100.. in byte order.
+    The trainer (testing/bpe.py) takes it from here: the runtime never imports the trainer.
+    """
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     chars = list(keep)
     shift = 0
@@ -51,7 +54,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(keep, chars)}
 
 
-_BYTE_TO_CHAR = _bytes_to_unicode()
+_BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 _BYTE_ENCODE_TABLE = [_BYTE_TO_CHAR[b] for b in range(256)]
 

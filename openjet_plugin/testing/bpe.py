@@ -22,6 +22,8 @@ from typing import Iterable, Iterator
 
 import regex
 
+from ..tokenizer import bytes_to_unicode   # the runtime's map, one copy
+
 DATA_DIR = pathlib.Path(__file__).resolve().parent.parent / "data"
 VOCAB_FILE = DATA_DIR / "bpe_vocab.json"
 
@@ -53,22 +55,6 @@ SPECIAL_TOKENS: tuple[tuple[str, int], ...] = (
 EOS_TOKEN = "<|im_end|>"
 BOS_TOKEN = "<|endoftext|>"   # Qwen's bos/padding; add_bos is false
 VOCAB_SIZE = 4096              # regular + special tokens of the tiny/small presets
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what llama.cpp's byte_encode uses).
-
-    Printable Latin-1 bytes map to themselves; the rest are shifted to U+0100.. in byte order.
-    """
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
-    chars = list(keep)
-    shift = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + shift)
-            shift += 1
-    return {b: chr(c) for b, c in zip(keep, chars)}
 
 
 BYTE_TO_CHAR = bytes_to_unicode()
