@@ -63,8 +63,26 @@ def test_a_dump_whose_call_sizes_differ_fails_even_against_itself(tmp_path, caps
 
 def test_dumps_of_other_shapes_are_refused_by_name():
     b = _dump(cols=32)
-    with pytest.raises(ValueError, match="main: rows of shape"):
+    with pytest.raises(bits.BitsError, match="main: rows of shape"):
         bits.compare(_dump(), b)
+
+
+def test_a_missing_file_or_a_file_that_is_no_dump_is_named(tmp_path, capsys):
+    good = _save(tmp_path, "a.npz", _dump())
+    assert bits.main(["compare", good, str(tmp_path / "absent.npz")]) == 2
+    assert f"{tmp_path / 'absent.npz'}: not a dump" in capsys.readouterr().err
+    np.savez(tmp_path / "other.npz", logits=np.zeros((3, 4)))
+    assert bits.main(["compare", good, str(tmp_path / "other.npz")]) == 2
+    assert "other.npz: no 'main' rows of 3 call sizes (holds ['logits'])" in capsys.readouterr().err
+    (tmp_path / "text.npz").write_text("not numpy")
+    assert bits.main(["compare", str(tmp_path / "text.npz"), good]) == 2
+    assert "text.npz: not a dump" in capsys.readouterr().err
+
+
+def test_dump_of_a_missing_model_is_named(tmp_path, capsys):
+    assert bits.main(["dump", "--model", str(tmp_path / "absent.gguf"), "--out", str(tmp_path / "a.npz")]) == 2
+    assert "absent.gguf" in capsys.readouterr().err
+    assert not (tmp_path / "a.npz").exists()
 
 
 @pytest.mark.gpu

@@ -44,11 +44,11 @@ from pathlib import Path
 import numpy as np
 
 from .report import AGREEMENT_METRICS as METRICS
+from .report import METRICS as REPORT_METRICS
 from .report import REFERENCE_AGREEMENT_METRICS as REFERENCE_METRICS   # --engine reference
 
 ENGINE = "openjet"
-UNITS = {"agreement_top1": "fraction", "agreement_kl": "nats",
-         "reference_agreement_top1": "fraction", "reference_agreement_kl": "nats"}
+UNITS = {m: REPORT_METRICS[m][0] for m in METRICS + REFERENCE_METRICS}   # the report's units, one copy
 # issue 25's bar, over at least MIN_POSITIONS positions of a row
 TOP1_MIN, KL_MAX, MIN_POSITIONS = 0.99, 1e-3, 2000
 NEAR_TIE = 0.05              # logits: a disagreement closer than this in llama.cpp's own logits

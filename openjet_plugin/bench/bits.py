@@ -15,7 +15,8 @@ compare: whether each file's calls of 8, 5 and 1 positions agree bit for bit (th
 invariant: the number of positions per call never changes a result), then per row set (main, mtp)
 whether the two files' rows are bit-identical, with top-1 agreement, KL(a || b) and the largest
 absolute difference. Exit status 0 when every row set is bit-identical and both files keep the
-invariant, 1 otherwise.
+invariant, 1 otherwise, 2 when a file is missing or is not a dump, or dump's model or
+library is refused (named on stderr).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, dic
             continue
         x, y = a[key].reshape(-1, a[key].shape[-1]), b[key].reshape(-1, b[key].shape[-1])
         if x.shape != y.shape:
-            raise ValueError(f"{key}: rows of shape {x.shape} against {y.shape}: dumps of other models or settings")
+            raise BitsError(f"{key}: rows of shape {x.shape} against {y.shape}: dumps of other models or settings")
         pa, pb = log_softmax(x), log_softmax(y)
         kl = (np.exp(pa) * (pa - pb)).sum(-1)
         out[key] = {"rows": int(len(x)), "bit_identical": bool(np.array_equal(x, y)),
@@ -83,9 +84,21 @@ def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, dic
     return out
 
 
+class BitsError(ValueError):
+    """A dump that is missing, not a dump, or not comparable with the other one."""
+
+
 def _load(path: str) -> dict[str, np.ndarray]:
-    with np.load(path) as z:
-        return {k: z[k] for k in z.files}
+    try:
+        with np.load(path) as z:
+            rows = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as e:
+        raise BitsError(f"{path}: not a dump that `bits dump` wrote ({e})") from None
+    main = rows.get("main")
+    if main is None or main.ndim != 3 or len(main) != len(CALL_SIZES):
+        raise BitsError(f"{path}: no 'main' rows of {len(CALL_SIZES)} call sizes "
+                        f"(holds {sorted(rows) or 'nothing'}): not a dump that `bits dump` wrote")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,13 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("b")
     args = ap.parse_args(argv)
     if args.cmd == "dump":
-        rows = dump(args.model, args.out)
+        from ..errors import OpenJetError
+
+        try:
+            rows = dump(args.model, args.out)
+        except (OpenJetError, OSError) as e:   # a model that is missing or refused, no GPU, an unwritable --out
+            print(f"bits: error: {e}", file=sys.stderr)
+            return 2
         print(f"bits: {args.out}: " + ", ".join(f"{k} {v.shape}" for k, v in rows.items()))
         return 0
-    a, b = _load(args.a), _load(args.b)
+    try:
+        a, b = _load(args.a), _load(args.b)
+        result = compare(a, b)
+    except BitsError as e:
+        print(f"bits: error: {e}", file=sys.stderr)
+        return 2
     for name, rows in ((args.a, a), (args.b, b)):
         print(f"{name}: calls of {' / '.join(map(str, CALL_SIZES))} positions bit-identical: {calls_agree(rows)}")
-    result = compare(a, b)
     for key, r in result.items():
         print(f"{key}: rows {r['rows']} bit-identical {r['bit_identical']} top1 {r['top1']:.4f} "
               f"KL mean {r['kl_mean']:.3e} max {r['kl_max']:.3e} max|d| {r['max_abs']:.3e}")
