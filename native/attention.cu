@@ -8,8 +8,9 @@
 //      the cache [n_head_kv][n_ctx][head_dim] at their positions, as fp16 or as q8_0 (one warp
 //      = one 32-value block: warp amax, d = amax / 127, q = roundf(x * (1 / d)), ggml's
 //      quantize_row_q8_0_ref; quants and scales in two planes, engine.cuh's Layer).
-//   2. attention_partial: split-K flash decoding; block (head, position, split) walks up to
-//      SPLIT cached positions (causal: position p sees 0..p) with an fp32 online softmax. For q8_0
+//   2. attention_partial: split-K flash decoding; block (2 heads of one KV head, position, split)
+//      walks up to SPLIT cached positions (causal: position p sees 0..p) with an fp32 online
+//      softmax per head, each K / V row loaded once for both heads. For q8_0
 //      a lane's PER values lie in one block, so its partial dot takes the scale once.
 //      Each warp takes its positions C = 4 at a time (all C K and V rows loaded before any is
 //      used), so a warp has C rows in flight instead of one dependent row.
@@ -63,33 +64,42 @@ __device__ __forceinline__ void load_q8(const int8_t *src, float *out) {
     }
 }
 
-// The block's warps' online-softmax states (m, l, acc over the lane's PER dims) merged into the
-// split's partial: part_ml[slot] = (M, L), part_acc[slot] the D weighted sums (both partial kernels).
-template <int D>
-__device__ __forceinline__ void store_partial(float m, float l, const float (&acc)[D / 32], float *__restrict__ part_ml,
-                                              float *__restrict__ part_acc, int64_t slot) {
+// The block's warps' online-softmax states (m, l, acc over the lane's PER dims) of each of its G
+// heads merged into that head's split partial: part_ml[slot + g * n_splits] = (M, L),
+// part_acc[...] the D weighted sums (slot: the block's first head's).
+template <int D, int G>
+__device__ __forceinline__ void store_partial(const float (&m)[G], const float (&l)[G], const float (&acc)[G][D / 32],
+                                              float *__restrict__ part_ml, float *__restrict__ part_acc, int64_t slot,
+                                              int n_splits) {
     constexpr int PER = D / 32;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __shared__ float sm_m[PARTIAL_WARPS], sm_l[PARTIAL_WARPS], sm_acc[PARTIAL_WARPS][D];
-    if (lane == 0) { sm_m[warp] = m; sm_l[warp] = l; }
+    __shared__ float sm_m[G][PARTIAL_WARPS], sm_l[G][PARTIAL_WARPS], sm_acc[G][PARTIAL_WARPS][D];
 #pragma unroll
-    for (int i = 0; i < PER; ++i) sm_acc[warp][lane * PER + i] = acc[i];
-    __syncthreads();
-    float M = -INFINITY;
+    for (int g = 0; g < G; ++g) {
+        if (lane == 0) { sm_m[g][warp] = m[g]; sm_l[g][warp] = l[g]; }
 #pragma unroll
-    for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[w]);
-    for (int t = threadIdx.x; t < D; t += blockDim.x) {
-        float a = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[w][t] * expf(sm_m[w] - M);
-        part_acc[slot * D + t] = a;
+        for (int i = 0; i < PER; ++i) sm_acc[g][warp][lane * PER + i] = acc[g][i];
     }
-    if (threadIdx.x == 0) {
-        float L = 0.0f;
-        if (M != -INFINITY)
-            for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[w] * expf(sm_m[w] - M);
-        part_ml[slot * 2] = M;
-        part_ml[slot * 2 + 1] = L;
+    __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        const int64_t at = slot + (int64_t)g * n_splits;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < PARTIAL_WARPS; ++w) M = fmaxf(M, sm_m[g][w]);
+        for (int t = threadIdx.x; t < D; t += blockDim.x) {
+            float a = 0.0f;
+            if (M != -INFINITY)
+                for (int w = 0; w < PARTIAL_WARPS; ++w) a += sm_acc[g][w][t] * expf(sm_m[g][w] - M);
+            part_acc[at * D + t] = a;
+        }
+        if (threadIdx.x == 0) {
+            float L = 0.0f;
+            if (M != -INFINITY)
+                for (int w = 0; w < PARTIAL_WARPS; ++w) L += sm_l[g][w] * expf(sm_m[g][w] - M);
+            part_ml[at * 2] = M;
+            part_ml[at * 2 + 1] = L;
+        }
     }
 }
 
@@ -153,11 +163,12 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
     }
 }
 
-// grid (n_head, n, n_splits), block 32 * PARTIAL_WARPS; each warp's positions taken C at a time
-// (chunked_scan, attention_common.cuh, with the block's PARTIAL_WARPS warps interleaving row by
-// row). Lane l holds dims [l*PER, l*PER + PER).
+// grid (n_head / G, n, n_splits), block 32 * PARTIAL_WARPS; block x takes query heads G x ..
+// G x + G - 1 (G divides n_head / n_head_kv: one KV head), each row of K and V loaded once for
+// the G of them; each warp's positions taken C at a time (chunked_scan, attention_common.cuh, with
+// the block's PARTIAL_WARPS warps interleaving row by row). Lane l holds dims [l*PER, l*PER + PER).
 // SEQS: as attention_prepare_kernel's (position n scans 0..sb.pos[n] of its sequence's planes).
-template <int D, bool Q8, int C, bool SEQS>
+template <int D, bool Q8, int C, int G, bool SEQS>
 __global__ void __launch_bounds__(32 * PARTIAL_WARPS)
 attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__restrict__ k_cache,
                                  const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
@@ -169,9 +180,9 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     constexpr int PER = D / 32;
     using Bits = RowBits<Q8 ? PER : 2 * PER>;
     static_assert(sizeof(Bits) == (Q8 ? PER : 2 * PER), "one load per lane and row");
-    const int h = blockIdx.x, n = blockIdx.y, split = blockIdx.z;
+    const int h = blockIdx.x * G, n = blockIdx.y, split = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int g = h / (n_head / n_head_kv);
+    const int kvh = h / (n_head / n_head_kv);
     if constexpr (SEQS) {   // the sequence's own planes; its position reads its own row
         const size_t off = seq_bytes * sb.seq[n];
         k_cache = static_cast<const char *>(k_cache) + off;
@@ -185,19 +196,21 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     }
     const int len = SEQS ? pos0 + 1 : pos0 + tree_depth(tree, n) + 1;   // n for a chain
     const int begin = split * SPLIT, end = min(begin + SPLIT, len);
-    float q[PER];
+    float q[G][PER];
 #pragma unroll
-    for (int i = 0; i < PER; ++i) q[i] = q_rot[((int64_t)n * n_head + h) * D + lane * PER + i];
-    const int64_t row0 = (int64_t)g * n_ctx;   // the KV head's first cache row
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int i = 0; i < PER; ++i) q[g][i] = q_rot[((int64_t)n * n_head + h + g) * D + lane * PER + i];
+    const int64_t row0 = (int64_t)kvh * n_ctx;   // the KV head's first cache row
     const size_t elem = Q8 ? 1 : 2;
     const Bits *kb = reinterpret_cast<const Bits *>(static_cast<const char *>(k_cache) + (row0 * D + lane * PER) * elem);
     const Bits *vb = reinterpret_cast<const Bits *>(static_cast<const char *>(v_cache) + (row0 * D + lane * PER) * elem);
     const __half *ksb = k_scale + row0 * (D / 32) + lane * PER / 32;   // q8_0 only
     const __half *vsb = v_scale + row0 * (D / 32) + lane * PER / 32;
-    float m, l, acc[PER];
-    chunked_scan<D, Q8, C, PARTIAL_WARPS>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc, pos0,
-                                          tree_path_rows(tree, n));
-    store_partial<D>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split);
+    float m[G], l[G], acc[G][PER];
+    chunked_scan<D, Q8, C, PARTIAL_WARPS, G>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc, pos0,
+                                             tree_path_rows(tree, n));
+    store_partial<D, G>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split, n_splits);
 }
 
 // Why C = 4: double buffered, a chunk's rows are held twice; at D = 256 fp16 that is 2 x 2 x C x 4
@@ -207,6 +220,14 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
 // (2026-11-30, bench/results/2026-11-30-attn-decode-chunk-a1829b8.txt): partial + combine at depth
 // 8,192 45.0 us against 82.9, at 30,000 132.5 against 187.8.
 constexpr int CHUNK = 4;
+
+// Why G = 2 query heads a block (where n_head / n_head_kv is even; else 1): each K / V row loaded
+// once serves two heads. On an H200 (2026-12-07, bench/results/2026-12-07-session19-h200.md, the
+// same logits bit for bit) decode at depth 30,720 went from 106.0 to 108.8 tokens/s and the
+// attention core over 8 positions from 0.582 to 0.475 ms, depth 0 unchanged. G = 3 (182 registers
+// against G = 2's 142) tied at 30K and was slower over 5 and 8 positions; keeping G = 1 for small
+// grids lost the 8-position gain.
+constexpr int HEADS_PER_BLOCK = 2;
 
 // grid (n_head, n), block head_dim: out = (sum over splits) / l * sigmoid(gate).
 __global__ void attention_combine_kernel(const float *__restrict__ part_ml, const float *__restrict__ part_acc,
@@ -232,17 +253,28 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
 
 // seqs: oj_eval_seqs's positions (the SEQS instances, from the layer's sequence-0 planes), or
 // nullptr (the selected sequence's planes, pos0 and tree).
-template <int D, bool Q8>
-void launch_partial(dim3 grid, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
-                    int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st) {
+template <int D, bool Q8, int G>
+void launch_partial_g(int n, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
+                      int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st) {
     const SeqBatch none{};
-    check_cuda(seqs ? launch(attention_partial_chunked_kernel<D, Q8, CHUNK, true>, grid, 32 * PARTIAL_WARPS, 0, st, q_rot,
-                             L.kv_base.k_cache, L.kv_base.v_cache, L.kv_base.k_scale, L.kv_base.v_scale, s.part_ml,
-                             s.part_acc, H, Hkv, n_ctx, 0, n_splits, scale, (uint64_t)0, *seqs, L.kv_seq_bytes)
-                    : launch(attention_partial_chunked_kernel<D, Q8, CHUNK, false>, grid, 32 * PARTIAL_WARPS, 0, st, q_rot,
-                             L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx, pos0,
-                             n_splits, scale, tree, none, (size_t)0),
+    const dim3 grid(H / G, n, n_splits);
+    check_cuda(seqs ? launch(attention_partial_chunked_kernel<D, Q8, CHUNK, G, true>, grid, 32 * PARTIAL_WARPS, 0, st,
+                             q_rot, L.kv_base.k_cache, L.kv_base.v_cache, L.kv_base.k_scale, L.kv_base.v_scale,
+                             s.part_ml, s.part_acc, H, Hkv, n_ctx, 0, n_splits, scale, (uint64_t)0, *seqs,
+                             L.kv_seq_bytes)
+                    : launch(attention_partial_chunked_kernel<D, Q8, CHUNK, G, false>, grid, 32 * PARTIAL_WARPS, 0, st,
+                             q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx,
+                             pos0, n_splits, scale, tree, none, (size_t)0),
                "attention_partial");
+}
+
+template <int D, bool Q8>
+void launch_partial(int n, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
+                    int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st) {
+    if ((H / Hkv) % HEADS_PER_BLOCK == 0)
+        launch_partial_g<D, Q8, HEADS_PER_BLOCK>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st);
+    else
+        launch_partial_g<D, Q8, 1>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st);
 }
 
 // tree: tree.cuh's word, 0 for a chain (any n: a prefill pass too). seqs: as launch_partial's.
@@ -275,11 +307,10 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
     const int n_splits = (end + SPLIT - 1) / SPLIT;
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
-    const dim3 grid(H, n, n_splits);
     switch (D) {
-        case 64: launch_partial<64, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
-        case 128: launch_partial<128, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
-        case 256: launch_partial<256, Q8>(grid, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
+        case 64: launch_partial<64, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
+        case 128: launch_partial<128, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
+        case 256: launch_partial<256, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");

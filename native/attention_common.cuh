@@ -151,32 +151,38 @@ struct ChunkRows {
 };
 
 
-// One warp's online softmax (m, l, acc over the lane's PER dims) over the cached positions first,
-// first + STEP, ... < end, taken C at a time: positions p0 + j * STEP (j < C) of a chunk, p0 =
-// first + i * C * STEP, so the block's STEP warps still interleave row by row. Per chunk: all C K
-// rows and C V rows loaded (independent loads, issued together one chunk ahead; V does not depend
-// on the scores), C dots, one butterfly for the C warp sums, one online-softmax step for the chunk
-// (its max, one correction of l and acc), C weighted V rows added. Positions of the last chunk at or
-// past `end` load nothing and score -inf (weight 0); the chunk's first position is always < end, so
-// m_new is finite. attention_partial_chunked_kernel runs it (STEP = its 4 warps). q: the lane's PER query values; kb / vb (ksb / vsb for q8_0) the KV
-// head's rows at the lane's offset. Draft trees: positions p >= map_from are read from cache row
-// map_from + nibble (p - map_from) of `rows` (tree_rows), so that a tree node scans its ancestors
-// in the positions and order one-token-at-a-time decoding of its path would (the same warps, the
-// same sums); a chain's map is the identity.
-template <int D, bool Q8, int C, int STEP>
-__device__ __forceinline__ void chunked_scan(const float (&q)[D / 32], const RowBits<Q8 ? D / 32 : D / 16> *kb,
+// One warp's online softmax (m, l, acc over the lane's PER dims) for each of G query heads of one
+// KV head over the cached positions first, first + STEP, ... < end, taken C at a time: positions
+// p0 + j * STEP (j < C) of a chunk, p0 = first + i * C * STEP, so the block's STEP warps still
+// interleave row by row. Per chunk: all C K rows and C V rows loaded once for the G heads
+// (independent loads, issued together one chunk ahead; V does not depend on the scores); per head C
+// dots, one butterfly for the C warp sums, one online-softmax step for the chunk (its max, one
+// correction of l and acc), C weighted V rows added. Each head's operations and their order are
+// those of a scan of that head alone, so G changes only how often a row is loaded, not a bit.
+// Positions of the last chunk at or past `end` load nothing and score -inf (weight 0); the chunk's
+// first position is always < end, so m_new is finite. attention_partial_chunked_kernel runs it
+// (STEP = its 4 warps). q: each head's PER query values of this lane; kb / vb (ksb / vsb for q8_0)
+// the KV head's rows at the lane's offset. Draft trees: positions p >= map_from are read from cache
+// row map_from + nibble (p - map_from) of `rows` (tree_rows), so that a tree node scans its
+// ancestors in the positions and order one-token-at-a-time decoding of its path would (the same
+// warps, the same sums); a chain's map is the identity.
+template <int D, bool Q8, int C, int STEP, int G>
+__device__ __forceinline__ void chunked_scan(const float (&q)[G][D / 32], const RowBits<Q8 ? D / 32 : D / 16> *kb,
                                              const RowBits<Q8 ? D / 32 : D / 16> *vb, const __half *ksb,
-                                             const __half *vsb, int first, int end, float scale, float &m, float &l,
-                                             float (&acc)[D / 32], int map_from, uint32_t rows) {
+                                             const __half *vsb, int first, int end, float scale, float (&m)[G],
+                                             float (&l)[G], float (&acc)[G][D / 32], int map_from, uint32_t rows) {
     constexpr int PER = D / 32;
     constexpr int GROUP = 32 / C;   // lanes that hold one chunk position's score after the butterfly
     using Bits = RowBits<Q8 ? PER : 2 * PER>;
     const int lane = threadIdx.x & 31;
     const int mine = lane / GROUP;   // the chunk position whose score this lane ends up holding
-    m = -INFINITY;
-    l = 0.0f;
 #pragma unroll
-    for (int i = 0; i < PER; ++i) acc[i] = 0.0f;
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) acc[g][i] = 0.0f;
+    }
     // Double buffered: the next chunk's 2 C rows are loaded before this chunk is computed. Besides
     // hiding the loads behind the arithmetic, this is what keeps them together: without it ptxas
     // sinks most V loads below the dots (V has slack on the critical path), which waits for K
@@ -186,31 +192,34 @@ __device__ __forceinline__ void chunked_scan(const float (&q)[D / 32], const Row
     cur.load<D, Q8, STEP>(kb, vb, ksb, vsb, first, end, map_from, rows);
     for (int p0 = first; p0 < end; p0 += STRIDE) {
         nxt.load<D, Q8, STEP>(kb, vb, ksb, vsb, p0 + STRIDE, end, map_from, rows);
-        float dot[C];
 #pragma unroll
-        for (int j = 0; j < C; ++j) {
-            dot[j] = row_dot<PER, Q8>(q, cur.k[j]);
-            if constexpr (Q8) dot[j] *= cur.ks[j];
+        for (int g = 0; g < G; ++g) {
+            float dot[C];
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                dot[j] = row_dot<PER, Q8>(q[g], cur.k[j]);
+                if constexpr (Q8) dot[j] *= cur.ks[j];
+            }
+            const float sum = warp_sum_scatter<C>(dot);
+            const float sc = p0 + mine * STEP < end ? sum * scale : -INFINITY;
+            float m_chunk = sc;
+#pragma unroll
+            for (int o = GROUP; o < 32; o <<= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
+            const float m_new = fmaxf(m[g], m_chunk);
+            const float corr = expf(m[g] - m_new);
+            const float w_mine = expf(sc - m_new);
+            float w_sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PER; ++i) acc[g][i] *= corr;
+#pragma unroll
+            for (int j = 0; j < C; ++j) {
+                const float w = __shfl_sync(0xffffffffu, w_mine, j * GROUP);
+                w_sum += w;
+                row_accumulate<PER, Q8>(acc[g], Q8 ? w * cur.vs[j] : w, cur.v[j]);
+            }
+            l[g] = l[g] * corr + w_sum;
+            m[g] = m_new;
         }
-        const float sum = warp_sum_scatter<C>(dot);
-        const float sc = p0 + mine * STEP < end ? sum * scale : -INFINITY;
-        float m_chunk = sc;
-#pragma unroll
-        for (int o = GROUP; o < 32; o <<= 1) m_chunk = fmaxf(m_chunk, __shfl_xor_sync(0xffffffffu, m_chunk, o));
-        const float m_new = fmaxf(m, m_chunk);
-        const float corr = expf(m - m_new);
-        const float w_mine = expf(sc - m_new);
-        float w_sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PER; ++i) acc[i] *= corr;
-#pragma unroll
-        for (int j = 0; j < C; ++j) {
-            const float w = __shfl_sync(0xffffffffu, w_mine, j * GROUP);
-            w_sum += w;
-            row_accumulate<PER, Q8>(acc, Q8 ? w * cur.vs[j] : w, cur.v[j]);
-        }
-        l = l * corr + w_sum;
-        m = m_new;
         cur = nxt;
     }
 }
