@@ -194,25 +194,42 @@ struct PrepIn {
 template <int TYPE>
 __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, int n_vec, uint8_t *__restrict__ ws, bool both) {
     pdl_launch_dependents();
+    const int64_t u = blockIdx.x;
+    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
+    // The norm weights: no kernel writes them, so they load before the wait, while the kernel
+    // before still runs.
+    float wv[8];
+    if (in.norm && v < n_vec) {
+        const float4 *w = reinterpret_cast<const float4 *>(in.norm + u * QK_K + 8 * lane);
+        const float4 w0 = w[0], w1 = w[1];
+        wv[0] = w0.x; wv[1] = w0.y; wv[2] = w0.z; wv[3] = w0.w;
+        wv[4] = w1.x; wv[5] = w1.y; wv[6] = w1.z; wv[7] = w1.w;
+    }
     pdl_wait();   // x, and the workspace the previous matvec on it may still read
     if (blockIdx.x == 0)
 #pragma unroll
         for (int i = 0; i < MAX_TILES / 1024; ++i)
             reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
-    const int64_t u = blockIdx.x;
-    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __shared__ float norm_scale[8];
-    if (in.norm && in.ssq) {   // warp v: vector v's partials, lane-strided in order, then the xor tree
+    float xv[8];
+    float norm_scale = 1.0f;   // (norm set) vector v's 1 / rms, the same in every lane of warp v
+    const bool x_early = in.norm && in.ssq;
+    if (x_early) {   // warp v: vector v's x and partials loaded together; the partials lane-strided in order, then the xor tree
         if (v < n_vec) {
+            const float4 *src = reinterpret_cast<const float4 *>(in.x + at);
+            const float4 a = src[0], b = src[1];
+            xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+            xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
             float t = 0.0f;
             for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * 8 + v];
             t = warp_sum(t);
-            if (lane == 0) norm_scale[v] = 1.0f / sqrtf(t / K + in.eps);
+            norm_scale = 1.0f / sqrtf(t / K + in.eps);
         }
     } else if (in.norm) {   // the whole block, for every vector (rms_norm_kernel's order: blockDim.x is 256 there too)
         // Every vector's load of one i is issued together, each vector still summed in i order:
         // summed one vector after another, the sums were n_vec chains of L2 round trips in a row
         // (H100, 5 positions: +24 us per fused projection, 2.60 -> 3.78 ms of deltanet projections).
+        __shared__ float scales[8];
         float ss[8];
 #pragma unroll
         for (int vv = 0; vv < 8; ++vv) ss[vv] = 0.0f;
@@ -229,27 +246,26 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
         for (int vv = 0; vv < 8; ++vv)
             if (vv < n_vec) {   // n_vec is the block's: every thread takes the same branches
                 const float t = block_sum(ss[vv]);
-                if (threadIdx.x == 0) norm_scale[vv] = 1.0f / sqrtf(t / K + in.eps);
+                if (threadIdx.x == 0) scales[vv] = 1.0f / sqrtf(t / K + in.eps);
             }
+        __syncthreads();
+        if (v < n_vec) norm_scale = scales[v];
     }
-    __syncthreads();
     uint8_t *rec = ws + XP_OFF + u * REC, *rec2 = ws + XP_OFF + (K / QK_K + u) * REC;
     if (v >= n_vec) {
         if (lane == 0) reinterpret_cast<float *>(rec + INV_OFF)[v] = 1.0f;
         if (lane == 0 && both) reinterpret_cast<float *>(rec2 + INV_OFF)[v] = 1.0f;
         return;
     }
-    const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
-    const float4 *src = reinterpret_cast<const float4 *>(in.x + at);
-    const float4 a = src[0], b = src[1];
-    float xv[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+    if (!x_early) {
+        const float4 *src = reinterpret_cast<const float4 *>(in.x + at);
+        const float4 a = src[0], b = src[1];
+        xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
+        xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+    }
     if (in.norm) {
-        const float scale = norm_scale[v];
-        const float4 *w = reinterpret_cast<const float4 *>(in.norm + u * QK_K + 8 * lane);
-        const float4 w0 = w[0], w1 = w[1];
-        const float wv[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
 #pragma unroll
-        for (int j = 0; j < 8; ++j) xv[j] = xv[j] * scale * wv[j];
+        for (int j = 0; j < 8; ++j) xv[j] = xv[j] * norm_scale * wv[j];
     } else if (in.head_norm) {
         float ss = 0.0f;
 #pragma unroll
@@ -716,15 +732,17 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
 #endif
 
 // Args::ssq: the sums of squares of the tile's final y rows, per vector ([tile][8]), once its block
-// has written them (the residual a norm prep reads next: PrepIn::ssq). Warp v sums vector v's 32
-// rows by the xor tree. Not inlined: its registers stay out of the main loop's count.
-// Scalars, not the block's Args: a reference to its local copy would make the main loop keep one.
-__device__ __noinline__ void tile_ssq(const float *ys, int64_t n_out, int n_vec, float *ssq, int64_t m0, int64_t tile) {
-    __syncthreads();   // the block's y stores, visible to the whole block
+// has written them (the residual a norm prep reads next: PrepIn::ssq). fin: the same final values
+// as the block stored them to y, staged in shared memory ([vector][32 rows]), so the sums wait for
+// no read of y back from L2. Warp v sums vector v's 32 rows by the xor tree. Not inlined: its
+// registers stay out of the main loop's count. Scalars, not the block's Args: a reference to its
+// local copy would make the main loop keep one.
+__device__ __noinline__ void tile_ssq(const float *fin, int64_t n_out, int n_vec, float *ssq, int64_t m0, int64_t tile) {
+    __syncthreads();   // the block's staged values, visible to the whole block
     const int lane = threadIdx.x & 31;
     for (int v = threadIdx.x >> 5; v < n_vec; v += blockDim.x >> 5) {
         const int64_t o = m0 + lane;
-        const float y = o < n_out ? ys[(int64_t)v * n_out + o] : 0.0f;
+        const float y = o < n_out ? fin[v * ROWS + lane] : 0.0f;
         const float t = warp_sum(y * y);
         if (lane == 0) ssq[tile * 8 + v] = t;
     }
@@ -834,6 +852,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     for (int s = 0; s < 8; ++s) red[(warp * 8 + s) * 32 + lane] = acc[s >> 2][s & 3];
     __syncthreads();
     float *slot = a.part + (size_t)bid * SLOT_FLOATS;   // split: this block's partial [8][32]
+    float *fin = red + WARPS * 8 * 32;                 // args.ssq: the final y values [8][32]
     for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
         const int s = idx >> 5, ln = idx & 31;
         float v = 0.0f;
@@ -846,14 +865,16 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         if (vec < a.n_vec && o < a.n_out) {
             if (S == 1) {
                 float *dst = a.y + (int64_t)vec * a.n_out + o;
-                *dst = a.accumulate ? *dst + v : v;
+                const float f = a.accumulate ? *dst + v : v;
+                *dst = f;
+                fin[vec * ROWS + r] = f;
             } else {
                 __stcg(slot + vec * ROWS + r, v);
             }
         }
     }
     if (S == 1) {   // uniform over the grid
-        if (args.ssq) tile_ssq(args.y, args.n_out, args.n_vec, args.ssq, m0, tile);
+        if (args.ssq) tile_ssq(fin, args.n_out, args.n_vec, args.ssq, m0, tile);
         return;
     }
     // Split-K: the last of the tile's S blocks to arrive sums the S slots in split order. Release:
@@ -877,10 +898,12 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
             float v = 0.0f;
             for (int q = 0; q < S; ++q) v += __ldcg(slots + (size_t)q * SLOT_FLOATS + vec * ROWS + r);
             float *dst = a.y + (int64_t)vec * a.n_out + o;
-            *dst = a.accumulate ? *dst + v : v;
+            const float f = a.accumulate ? *dst + v : v;
+            *dst = f;
+            fin[vec * ROWS + r] = f;
         }
     }
-    if (args.ssq) tile_ssq(args.y, args.n_out, args.n_vec, args.ssq, m0, tile);
+    if (args.ssq) tile_ssq(fin, args.n_out, args.n_vec, args.ssq, m0, tile);
 }
 
 template <int TYPE, int WARPS, int STAGES, bool TMA>
@@ -967,8 +990,9 @@ inline bool setup(const Device &d) {
 
 template <int TYPE, int WARPS, int STAGES>
 inline size_t smem_bytes(int n_vec) {
-    // the rings (the block reduction reuses their start), then a mbarrier per stage and warp
-    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)WARPS * 8 * 32 * 4) +
+    // the rings (the block reduction and the final values for tile_ssq reuse their start), then a
+    // mbarrier per stage and warp
+    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)(WARPS + 1) * 8 * 32 * 4) +
            (size_t)WARPS * STAGES * 8;
 }
 
