@@ -322,7 +322,7 @@ def test_markdown_spec_vs_spec_table_has_both_acceptances_and_the_ratio():
     assert "(1) llama.cpp spec D=3 failed: boom" in md
     assert "- llama.cpp, depth 8192, D 1: 2 of 6 repetitions generated other tokens than the first" in section
     assert "depth 0, D 3:" not in section
-    assert "no --mtp-accuracy" in section                           # the random head is called what it is
+    assert "(--model, or --mtp-accuracy none)" in section          # the random head is called what it is
     man["model"] = {"mtp_accuracy": 0.75}
     section = report.markdown(rep)
     assert "made to be right after 75% of the tokens" in section[section.index("## MTP speculation"):]

@@ -168,7 +168,7 @@ def test_report_table_compares_the_tree_with_the_best_and_fastest_chain_of_its_b
     md = report.markdown(_tree_report({"mtp_accuracy": 0.6}))
     assert "second choice is no better (no --mtp-runner-up)" in md
     md = report.markdown(_tree_report({}))
-    assert "no --mtp-accuracy" in md
+    assert "(--model, or --mtp-accuracy none)" in md
 
 
 def test_runner_plans_tree_rows_and_names_the_runner_up_model(tmp_path):

@@ -361,7 +361,8 @@ def test_llama_cpp_mtp_drafting_sees_the_rate(tiny_files, greedy):
 
 def test_bench_model_is_cached_per_accuracy(tmp_path, monkeypatch):
     """`openjet bench --mtp-accuracy R`: the generated q27b is made with that rate, cached under its
-    own name (the plain one keeps its name); the report's manifest reads the rate from the file."""
+    own name (the random head's keeps its name); the report's manifest reads the rate from the file.
+    Without the options the bench's own head: BENCH_MTP_ACCURACY with BENCH_MTP_RUNNER_UP."""
     from collections import namedtuple
 
     from openjet_plugin.bench import runner
@@ -378,16 +379,44 @@ def test_bench_model_is_cached_per_accuracy(tmp_path, monkeypatch):
     monkeypatch.setattr(synth, "synth_model", fake_synth_model)
     monkeypatch.setattr(runner.shutil, "disk_usage", lambda p: namedtuple("usage", "free")(10 ** 12))
     logs = []
-    plain = runner.default_model(tmp_path, logs.append)
-    switched = runner.default_model(tmp_path, logs.append, 0.75)
+    plain = runner.default_model(tmp_path, logs.append, None, None)
+    switched = runner.default_model(tmp_path, logs.append, 0.75, None)
     assert plain.name == "q27b-Q4_K_M-seed0.gguf" and switched.name == "q27b-Q4_K_M-seed0-mtp0.75.gguf"
     assert made == [("q27b", None), ("q27b", 0.75)]
-    assert runner.default_model(tmp_path, logs.append, 0.75) == switched and len(made) == 2   # cached
+    assert runner.default_model(tmp_path, logs.append, 0.75, None) == switched and len(made) == 2   # cached
     assert mtp_accuracy_of(switched) == 0.75 and mtp_accuracy_of(plain) is None
+    bench = runner.default_model(tmp_path, logs.append)          # what ab.sh and the bench read
+    assert bench.name == (f"q27b-Q4_K_M-seed0-mtp{runner.BENCH_MTP_ACCURACY:g}"
+                          f"-ru{runner.BENCH_MTP_RUNNER_UP:g}.gguf")
+    assert made[-1] == ("q27b", runner.BENCH_MTP_ACCURACY, runner.BENCH_MTP_RUNNER_UP)
     assert runner.parser().parse_args(["--mtp-accuracy", "0.5"]).mtp_accuracy == 0.5
-    assert runner.parser().parse_args([]).mtp_accuracy is None
     # --mtp-runner-up: its own file too, its share in the metadata
     from openjet_plugin.testing.synth import mtp_runner_up_of
     second = runner.default_model(tmp_path, logs.append, 0.75, 0.8)
     assert second.name == "q27b-Q4_K_M-seed0-mtp0.75-ru0.8.gguf" and made[-1] == ("q27b", 0.75, 0.8)
     assert mtp_runner_up_of(second) == 0.8 and mtp_runner_up_of(switched) is None
+
+
+def test_bench_head_options():
+    """`--mtp-accuracy` / `--mtp-runner-up` as the bench reads them: the bench's head where neither is
+    given, an accuracy alone without a runner-up, 'none' for the random head; refused with --model
+    or where they contradict each other, naming the option."""
+    from openjet_plugin.bench import runner
+
+    def head(*argv):
+        return runner.head_of_args(runner.parser().parse_args(list(argv)))
+
+    assert runner.BENCH_MTP_ACCURACY == 0.75 and 0 < runner.BENCH_MTP_RUNNER_UP < 1
+    assert head() == (runner.BENCH_MTP_ACCURACY, runner.BENCH_MTP_RUNNER_UP)
+    assert head("--mtp-accuracy", "0.6") == (0.6, None)
+    assert head("--mtp-accuracy", "0.6", "--mtp-runner-up", "0.3") == (0.6, 0.3)
+    assert head("--mtp-runner-up", "0.3") == (runner.BENCH_MTP_ACCURACY, 0.3)
+    assert head("--mtp-accuracy", "none") == (None, None)
+    assert head("--mtp-accuracy", "NONE", "--mtp-runner-up", "none") == (None, None)
+    assert head("--model", "x.gguf") == (None, None)             # that file's head is its own
+    with pytest.raises(ValueError, match="--mtp-runner-up"):
+        head("--mtp-accuracy", "none", "--mtp-runner-up", "0.5")
+    with pytest.raises(ValueError, match="not to --model"):
+        head("--model", "x.gguf", "--mtp-accuracy", "0.75")
+    with pytest.raises(SystemExit):
+        runner.parser().parse_args(["--mtp-accuracy", "most"])

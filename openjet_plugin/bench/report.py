@@ -524,8 +524,8 @@ def spec_vs_spec_section(side, by_key, status, details, median_of, mtp_accuracy:
            + (f" The model's MTP head was made to be right after {mtp_accuracy:.0%} of the tokens "
               "(--mtp-accuracy): the measured acceptance is that rate times the share of positions where "
               "the main model follows its successor map (0.97-0.99)." if mtp_accuracy is not None else
-              " The model's MTP head is as generated or trained (no --mtp-accuracy): on a random-weight "
-              "model it is right ~99% of the time, far above a real model's."), "",
+              " The model's MTP head is as generated or trained (--model, or --mtp-accuracy none): on a "
+              "random-weight model it is right ~99% of the time, far above a real model's."), "",
            "| depth | D | openjet tokens/s | openjet acceptance | llama.cpp tokens/s | llama.cpp acceptance "
            "| openjet/llama.cpp | openjet × its decode | llama.cpp × its decode |",
            "|---|---|---|---|---|---|---|---|---|"]
@@ -557,8 +557,8 @@ def head_text(model: dict) -> str:
     """What the bench model's MTP head was made to do (manifest.model: mtp_accuracy, mtp_runner_up)."""
     acc, second = model.get("mtp_accuracy"), model.get("mtp_runner_up")
     if acc is None:
-        return ("The model's MTP head is as generated or trained (no --mtp-accuracy): on a random-weight "
-                "model it is right ~99% of the time.")
+        return ("The model's MTP head is as generated or trained (--model, or --mtp-accuracy none): on a "
+                "random-weight model it is right ~99% of the time.")
     text = f"The model's MTP head was made to be right after {acc:.0%} of the tokens (--mtp-accuracy {acc:g})"
     if second is None:
         return text + "; where it is wrong its second choice is no better (no --mtp-runner-up)."

@@ -43,14 +43,11 @@ load_or_build_native "$W/native-load.log"
 # (the one the bench will read: with --mtp-accuracy / --mtp-runner-up among the arguments, the
 # generated model of that head, which the bench then finds made)
 python3 - "$CACHE" "$@" >"$W/model.log" 2>&1 <<'PY' &
-import argparse, sys
+import sys
 from pathlib import Path
-from openjet_plugin.bench.runner import default_model
-ap = argparse.ArgumentParser(add_help=False)
-ap.add_argument("--mtp-accuracy", type=float)
-ap.add_argument("--mtp-runner-up", type=float)
-a, _ = ap.parse_known_args(sys.argv[2:])
-print(default_model(Path(sys.argv[1]), print, a.mtp_accuracy, a.mtp_runner_up))
+from openjet_plugin.bench.runner import default_model, head_of_args, parser
+a, _ = parser().parse_known_args(sys.argv[2:])
+print(default_model(Path(sys.argv[1]), print, *head_of_args(a)))
 PY
 model_pid=$!
 # 4. the GPU suite
