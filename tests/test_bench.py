@@ -655,6 +655,22 @@ class _ToyEngine:
             out[i] = self.draft[i]
         return 0
 
+    def _row(self, out, width, peak):
+        # logits falling away from the argmax: a sampled request mostly follows the greedy one
+        for j in range(width):
+            out[j] = -abs(j - peak) * 2.0
+        return 0
+
+    def oj_get_logits(self, h, index, out, n_vocab):
+        if not 0 <= index < len(self.last):
+            return self._fail(f"logits row {index}: {len(self.last)} evaluated")
+        return self._row(out, n_vocab, self.last[index])
+
+    def oj_get_draft_logits(self, h, index, out, width):
+        if not 0 <= index < len(self.draft):
+            return self._fail(f"draft logits row {index}: {len(self.draft)} drafted")
+        return self._row(out, width, self.draft[index])
+
     def oj_checkpoint_save(self, h, slot):
         self.slots[slot] = self.n_past
         return 0
