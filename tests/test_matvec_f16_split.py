@@ -57,7 +57,10 @@ SOURCE_ANCHORS = [
     # residual row-tile sums: tile t's vector v at ssq[t * 8 + v], K / 32 of them summed by the prep
     ("matvec_f16.cuh", "if (lane == 0) ssq[tile * 8 + v] = t;"),
     ("matvec_f16.cuh", "for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * 8 + v];"),
-    ("matvec_f16.cuh", "if (lane == 0) norm_scale[v] = 1.0f / sqrtf(t / K + in.eps);"),
+    ("matvec_f16.cuh", "norm_scale = 1.0f / sqrtf(t / K + in.eps);"),
+    # tile_ssq reads the tile's final values as the block stored them (staged in shared memory)
+    ("matvec_f16.cuh", "const float y = o < n_out ? fin[v * ROWS + lane] : 0.0f;"),
+    ("matvec_f16.cuh", "fin[vec * ROWS + r] = f;"),
     ("matvec.cu", "return fused_prep(ws, 1, n_vec) && w.M > 0 && w.M % mvf16::ROWS == 0 && w.M / mvf16::ROWS <= SSQ_TILES;"),
     ("matvec_f16.cuh", "c.x = a.xp + u * REC;"),
     ("matvec_f16.cuh", "c.x += WARPS * REC;"),
