@@ -93,6 +93,19 @@ class TokenDistribution:
                     vocab_ids: np.ndarray | None = None, n_vocab: int | None = None) -> "TokenDistribution":
         """The distribution `Sampler.sample` would draw from. With `vocab_ids`, `logits` score only
         those tokens (a restricted draft head); every other token gets probability 0."""
+        if (vocab_ids is not None and not params.has_penalties and not params.logit_bias
+                and (params.greedy or 0 < params.top_k < len(vocab_ids))):
+            # the restricted row where it is: its top-k are the full row's (every other token is
+            # -inf), in the same order (vocab_ids ascending, so ties still go to the lower id), and
+            # the pool's sums run over the same values in the same order, so the same ids and probs
+            # without a scatter into the whole vocabulary (1.5 ms a draft on a 248K vocabulary)
+            if n_vocab is None:
+                raise ValueError("n_vocab is required with vocab_ids")
+            r = np.asarray(logits)
+            if r.shape != (len(vocab_ids),):
+                raise ValueError(f"logits have shape {r.shape}, expected ({len(vocab_ids)},) for the draft vocabulary")
+            ids, probs = token_distribution(r, params)
+            return cls(np.asarray(vocab_ids, dtype=np.int64)[ids], probs, n_vocab)
         x = _over_vocab(logits, vocab_ids, n_vocab)
         ids, probs = token_distribution(x, params, history)
         return cls(ids, probs, x.shape[0])
@@ -166,7 +179,23 @@ class TokenDistribution:
         return self._dense
 
     def prob(self, token: int) -> float:
-        return float(self.dense()[token])
+        if self._dense is not None:
+            return float(self._dense[token])
+        # a look-up in the support (top-k: a few dozen ids), not a dense row of the whole
+        # vocabulary built for one value; where an id repeats, the last one, as dense() keeps
+        hit = np.flatnonzero(self.ids == token)
+        return float(self.probs[hit[-1]]) if hit.size else 0.0
+
+    def at(self, ids: np.ndarray) -> np.ndarray:
+        """float64 probabilities at `ids` (ascending, unique), as dense()[ids] would give them,
+        read from the support where no dense row exists."""
+        if self._dense is not None:
+            return self._dense[ids]
+        order = np.argsort(self.ids, kind="stable")
+        srt = self.ids[order]
+        pos = np.searchsorted(srt, ids, side="right") - 1      # the last of a repeated id, as dense()
+        safe = np.clip(pos, 0, None)
+        return np.where((pos >= 0) & (srt[safe] == ids), self.probs[order[safe]], 0.0)
 
     def draw(self, u: float) -> int:
         return draw_token(self.ids, self.probs, u)
@@ -239,6 +268,14 @@ def verify_sampled(p: Sequence[TokenDistribution], q: Sequence[TokenDistribution
         x = int(x)
         if rng.random() < rule.accept(p[i].prob(x), q[i].prob(x)):
             continue
+        if p[i].ids.size + q[i].ids.size <= p[i].n_vocab // 8:
+            # over the union of the two supports (outside it p and q are both 0, and so is the
+            # residual), in id order as the dense row's nonzero entries: a few dozen values where
+            # top-k applies, not passes over the whole vocabulary (3.4 ms on 248K)
+            ids = np.union1d(p[i].ids, q[i].ids)
+            r = rule.residual(p[i].at(ids), q[i].at(ids))
+            keep = np.flatnonzero(r > 0)
+            return Verdict(i, draw_token(ids[keep], r[keep], rng.random()))
         r = rule.residual(p[i].dense(), q[i].dense())
         ids = np.flatnonzero(r > 0)
         return Verdict(i, draw_token(ids, r[ids], rng.random()))

@@ -597,3 +597,74 @@ def test_tokens_per_cycle_of_the_trained_model(default_reference, tokenizer, sum
     # native engine over 12), and deeper drafting pays
     assert results[("greedy", 4, False)].tokens_per_cycle >= 2.0
     assert results[("greedy", 4, False)].tokens_per_cycle > results[("greedy", 1, False)].tokens_per_cycle
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7),                                     # top-k 40, top-p 0.95, min-p 0.05
+    SamplingParams(temperature=1.0, top_k=5, top_p=1.0, min_p=0.0),
+    SamplingParams(temperature=0.3, top_k=200, top_p=0.5, min_p=0.0),
+    SamplingParams(temperature=0.0),                                     # greedy
+])
+def test_a_restricted_draft_row_gives_the_distribution_of_its_scatter(params):
+    """TokenDistribution.from_logits over a restricted draft head's row (vocab_ids) reads the row where
+    it is when no penalty or bias applies: the same ids and probabilities, bit for bit, as the row
+    scattered into -inf over the whole vocabulary (ties at the cut included); prob() reads the support
+    without a dense row and agrees with dense() in and out of it."""
+    rng = np.random.default_rng(7)
+    V = 5000
+    ids = np.sort(rng.choice(V, 700, replace=False))
+    for _ in range(20):
+        row = np.round(rng.standard_normal(len(ids)) * 3, 1).astype(np.float32)    # many ties
+        fast = TokenDistribution.from_logits(row, params, (), vocab_ids=ids, n_vocab=V)
+        full = np.full(V, -np.inf, dtype=np.float32)
+        full[ids] = row
+        slow = TokenDistribution.from_logits(full, params)
+        assert np.array_equal(fast.ids, slow.ids) and np.array_equal(fast.probs, slow.probs)
+        assert fast.n_vocab == slow.n_vocab == V
+        for tok in [int(fast.ids[0]), int(fast.ids[-1]), int(np.setdiff1d(np.arange(V), fast.ids)[0])]:
+            assert fast.prob(tok) == slow.dense()[tok]
+    # penalties read the history over the whole vocabulary: the scatter path, unchanged
+    pen = SamplingParams(temperature=0.7, repeat_penalty=1.3)
+    hist = [int(ids[3]), int(ids[9])]
+    row = rng.standard_normal(len(ids)).astype(np.float32)
+    full = np.full(V, -np.inf, dtype=np.float32)
+    full[ids] = row
+    a = TokenDistribution.from_logits(row, pen, hist, vocab_ids=ids, n_vocab=V)
+    b = TokenDistribution.from_logits(full, pen, hist)
+    assert np.array_equal(a.ids, b.ids) and np.array_equal(a.probs, b.probs)
+    with pytest.raises(ValueError, match="expected \\(700,\\)"):
+        TokenDistribution.from_logits(row[:5], params, (), vocab_ids=ids, n_vocab=V)
+    with pytest.raises(ValueError, match="n_vocab is required"):
+        TokenDistribution.from_logits(row, params, (), vocab_ids=ids)
+
+
+def test_a_rejection_draws_from_the_supports_union_as_from_the_dense_rows():
+    """verify_sampled's residual over the union of p's and q's supports (where top-k keeps them small)
+    gives the verdicts the dense rows over the whole vocabulary give, uniform for uniform; at() reads
+    dense()[ids] from the support, repeated ids included."""
+    def dense_verify(p, q, drafts, rng):                     # the rule over whole-vocabulary rows
+        for i, x in enumerate(drafts):
+            if rng.random() < acceptance_probability(p[i].prob(int(x)), q[i].prob(int(x))):
+                continue
+            r = residual_distribution(p[i].dense(), q[i].dense())
+            ids = np.flatnonzero(r > 0)
+            return Verdict(i, int(ids[np.searchsorted(np.cumsum(r[ids]), rng.random() * r[ids].sum(), side="right")
+                                    .clip(max=len(ids) - 1)]))
+        return Verdict(len(drafts), p[-1].draw(rng.random()))
+
+    gen = np.random.default_rng(11)
+    V, params = 4000, SamplingParams(temperature=0.8, top_k=12, top_p=1.0, min_p=0.0)
+    rejected = 0
+    for seed in range(300):
+        p = [TokenDistribution.from_logits(gen.standard_normal(V).astype(np.float32) * 2, params) for _ in range(3)]
+        q = [TokenDistribution.from_logits(gen.standard_normal(V).astype(np.float32) * 2, params) for _ in range(2)]
+        drafts = [q[0].draw(gen.random()), q[1].draw(gen.random())]
+        a = verify_sampled(p, q, drafts, np.random.default_rng(seed))
+        b = dense_verify(p, q, drafts, np.random.default_rng(seed))
+        assert a == b
+        rejected += a.n_accepted < 2
+    assert rejected > 100                                    # the residual path ran, many times
+    d = TokenDistribution(np.array([5, 2, 5, 9]), np.array([0.1, 0.2, 0.3, 0.4]), 12)
+    ids = np.arange(12)
+    assert np.array_equal(d.at(ids), TokenDistribution(d.ids, d.probs, 12).dense()[ids])
+    assert d.prob(5) == d.dense()[5] and d.prob(3) == 0.0
