@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# What a sampled request costs against a greedy one on the GPU machine (issue 28): the carried
+# wheels, the native library (the carried one when it loads, else built for sm_90), the bench's
+# q27b (generated once into build/cache), then `python -m openjet_plugin.bench.sampled` through the
+# Engine at each depth: greedy and temperature 0.7, without speculation and at D = 3 (one engine
+# each). $OUT/sampled-<depth>.jsonl per depth; the tables are printed last.
+#
+#   bash scripts/gpu.sh sampled                  # depths 0 and 8192
+#   SAMPLED_DEPTHS=0 SAMPLED_ARGS="--drafts 0,1,3 --tokens 256" bash scripts/gpu.sh sampled
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+. scripts/gpu/common.sh
+OUT=${OUT:-/tmp/openjet-sampled-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
+CACHE=$OPENJET_CACHE_DIR/bench
+mkdir -p "$CACHE"
+install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
+load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; exit 1; }
+M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
+[ -f "$M" ] || { echo "sampled: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
+rc=0
+for d in ${SAMPLED_DEPTHS:-0 8192}; do
+    echo "== depth $d"
+    python3 -m openjet_plugin.bench.sampled --model "$M" --backend native --depth "$d" \
+        --out "$OUT/sampled-$d.jsonl" ${SAMPLED_ARGS:-} 2>>"$OUT/log.txt" || rc=$?
+done
+exit $rc
