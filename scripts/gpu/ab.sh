@@ -25,8 +25,7 @@ CACHE=$OPENJET_CACHE_DIR/bench
 mkdir -p "$CACHE"
 install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
 load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; exit 1; }
-M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
-[ -f "$M" ] || { echo "ab: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
+M=$(bench_q27b "$OUT/model.log") || exit 1
 : >"$OUT/settings.txt"
 i=0
 IFS=';' read -ra SETTINGS <<<"default;${AB:-}"

@@ -71,6 +71,18 @@ load_or_build_native() {
         || OPENJET_CUDA_ARCHS=90 python3 -m openjet_plugin.build_native >>"$1" 2>&1
 }
 
+# bench_q27b LOG
+#   The bench's generated q27b (bench/runner.py default_model, with the bench's MTP head: made once
+#   into $OPENJET_CACHE_DIR/bench) as a path on stdout; the generation's output in LOG (replaced).
+#   Returns 1, naming the problem on stderr with LOG's tail, where there is no such file.
+bench_q27b() {
+    local m
+    m=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" \
+        "$OPENJET_CACHE_DIR/bench" 2>"$1" | tail -1)
+    [ -f "$m" ] || { echo "no q27b model ($m)" >&2; tail -5 "$1" >&2; return 1; }
+    echo "$m"
+}
+
 # compile_harness LOG NVCC_ARGUMENT...
 #   A kernel harness (native/tools/) compiled by nvcc, its output in LOG (replaced: with -Xptxas -v
 #   it holds the register report the scripts read). On failure shows LOG's last 30 lines and returns 1.

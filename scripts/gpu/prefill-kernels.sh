@@ -19,8 +19,7 @@ mkdir -p "$CACHE"
 install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
 record_gpu "$OUT/gpu.txt"
 load_or_build_native "$OUT/native.log" || { tail -20 "$OUT/native.log"; exit 1; }
-M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
-[ -f "$M" ] || { echo "prefill-kernels: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
+M=$(bench_q27b "$OUT/model.log") || exit 1
 timeout "${PIECE_TIMEOUT:-300}" ncu --profile-from-start off --csv --page raw \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --log-file "$OUT/ncu.csv" \
     python3 scripts/prefill_piece.py "$M" --positions "${PIECE_POSITIONS:-64}" --depth "${PIECE_DEPTH:-4096}" >"$OUT/run.log" 2>&1

@@ -17,8 +17,7 @@ CACHE=$OPENJET_CACHE_DIR/bench
 mkdir -p "$CACHE"
 install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
 load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; exit 1; }
-M=$(python3 -c "import sys; from pathlib import Path; from openjet_plugin.bench.runner import default_model; print(default_model(Path(sys.argv[1]), print))" "$CACHE" 2>"$OUT/model.log" | tail -1)
-[ -f "$M" ] || { echo "sampled: no q27b model ($M)"; tail -5 "$OUT/model.log"; exit 1; }
+M=$(bench_q27b "$OUT/model.log") || exit 1
 rc=0
 for d in ${SAMPLED_DEPTHS:-0 8192}; do
     echo "== depth $d"
