@@ -50,16 +50,25 @@ DEFAULT_DRAFT_VOCAB_SIZE = 32768
 
 # --- distributions and the verification rules ---------------------------------------------------
 
+def _restricted_row(logits: np.ndarray, vocab_ids: np.ndarray, n_vocab: int | None) -> np.ndarray:
+    """A restricted draft head's row as given (one logit per id of `vocab_ids`); ValueError naming
+    what does not fit."""
+    if n_vocab is None:
+        raise ValueError("n_vocab is required with vocab_ids")
+    r = np.asarray(logits)
+    if r.ndim > 1 and max(r.shape) == r.size:      # one row (or column) of a 2-D array
+        r = r.reshape(-1)
+    if r.shape != (len(vocab_ids),):
+        raise ValueError(f"logits have shape {np.shape(logits)}, expected ({len(vocab_ids)},) for the draft vocabulary")
+    return r
+
+
 def _over_vocab(logits: np.ndarray, vocab_ids: np.ndarray | None, n_vocab: int | None) -> np.ndarray:
     """`logits` over the whole vocabulary: as given, or (with `vocab_ids`, a restricted draft head's
     tokens) scattered into -inf everywhere else."""
-    x = np.asarray(logits)
     if vocab_ids is None:
-        return x
-    if n_vocab is None:
-        raise ValueError("n_vocab is required with vocab_ids")
-    if x.shape != (len(vocab_ids),):
-        raise ValueError(f"logits have shape {x.shape}, expected ({len(vocab_ids)},) for the draft vocabulary")
+        return np.asarray(logits)
+    x = _restricted_row(logits, vocab_ids, n_vocab)
     full = np.full(n_vocab, -np.inf, dtype=np.float32)
     full[vocab_ids] = x
     return full
@@ -99,12 +108,7 @@ class TokenDistribution:
             # -inf), in the same order (vocab_ids ascending, so ties still go to the lower id), and
             # the pool's sums run over the same values in the same order, so the same ids and probs
             # without a scatter into the whole vocabulary (1.5 ms a draft on a 248K vocabulary)
-            if n_vocab is None:
-                raise ValueError("n_vocab is required with vocab_ids")
-            r = np.asarray(logits)
-            if r.shape != (len(vocab_ids),):
-                raise ValueError(f"logits have shape {r.shape}, expected ({len(vocab_ids)},) for the draft vocabulary")
-            ids, probs = token_distribution(r, params)
+            ids, probs = token_distribution(_restricted_row(logits, vocab_ids, n_vocab), params)
             return cls(np.asarray(vocab_ids, dtype=np.int64)[ids], probs, n_vocab)
         x = _over_vocab(logits, vocab_ids, n_vocab)
         ids, probs = token_distribution(x, params, history)
@@ -125,11 +129,7 @@ class TokenDistribution:
         if params.greedy or params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0 or params.temperature != 1.0:
             raise ValueError("TokenDistribution.head takes temperature 1 with top-k, top-p and min-p off")
         if vocab_ids is not None and not params.has_penalties and not params.logit_bias:
-            if n_vocab is None:
-                raise ValueError("n_vocab is required with vocab_ids")
-            r = np.asarray(logits).reshape(-1) if np.ndim(logits) else np.asarray(logits)
-            if r.shape != (len(vocab_ids),):
-                raise ValueError(f"logits have shape {np.shape(logits)}, expected ({len(vocab_ids)},) for the draft vocabulary")
+            r = _restricted_row(logits, vocab_ids, n_vocab)
             finite = np.isfinite(r)                      # the rest have probability 0
             ids = np.asarray(vocab_ids, dtype=np.int64)[finite]
             vals = r[finite].astype(np.float64)
