@@ -85,6 +85,26 @@ def test_dump_of_a_missing_model_is_named(tmp_path, capsys):
     assert not (tmp_path / "a.npz").exists()
 
 
+def test_dump_with_a_negative_depth_is_refused_by_name(tmp_path, capsys):
+    assert bits.main(["dump", "--model", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "a.npz"),
+                      "--depth", "-1"]) == 2
+    assert "--depth" in capsys.readouterr().err
+    assert not (tmp_path / "a.npz").exists()
+
+
+@pytest.mark.gpu
+def test_dump_after_a_prefilled_depth_keeps_the_call_size_invariant(tmp_path):
+    from test_native_gpu import _native_or_skip, model_path
+
+    _native_or_skip()
+    model, _ = model_path("tiny", "Q4_K_M", tmp_path)
+    a = bits.dump(model, tmp_path / "a.npz", depth=300)
+    b = bits.dump(model, tmp_path / "b.npz")
+    assert bits.calls_agree(a)
+    # the prefix changes every row: the dump at depth is not the dump at 0
+    assert not np.array_equal(a["main"], b["main"])
+
+
 @pytest.mark.gpu
 def test_dump_of_one_library_twice_is_bit_identical(tmp_path):
     from test_native_gpu import _native_or_skip, model_path

@@ -10,7 +10,9 @@ by top-1 and KL instead.
 dump (a GPU): TOKENS seeded token ids evaluated in calls of 8, 5 and 1 positions (the main model's
 logits, the first COLUMNS of each row: the argmax and the mass of a random-weight model's rows lie
 anywhere, and 65,536 columns of every row keep a file small), and the MTP block's draft logits over
-the same tokens, 8 at a time.
+the same tokens, 8 at a time. `--depth D` puts D other seeded tokens before them (one prefill, the same
+for every call size), so that attention runs over D + 1.. positions in several splits: what a
+change to the split merge needs to be compared on (at depth 0 every call has one split).
 compare: whether each file's calls of 8, 5 and 1 positions agree bit for bit (the engine's own
 invariant: the number of positions per call never changes a result), then per row set (main, mtp)
 whether the two files' rows are bit-identical, with top-1 agreement, KL(a || b) and the largest
@@ -34,26 +36,37 @@ COLUMNS = 65536
 CALL_SIZES = (8, 5, 1)
 
 
-def dump(model: Path, out: Path, seed: int = 7) -> dict[str, np.ndarray]:
-    """The rows `compare` reads, from the native backend (OPENJET_NATIVE_LIB picks the library)."""
+def dump(model: Path, out: Path, seed: int = 7, depth: int = 0) -> dict[str, np.ndarray]:
+    """The rows `compare` reads, from the native backend (OPENJET_NATIVE_LIB picks the library),
+    after `depth` prefilled tokens."""
     from ..backends.native import NativeBackend
     from ..model_file import open_model
 
-    be = NativeBackend(open_model(Path(model)), n_ctx=512)
-    toks = [int(t) for t in np.random.default_rng(seed).integers(0, be.n_vocab, TOKENS)]
+    if depth < 0:
+        raise ValueError(f"--depth must be >= 0, got {depth}")
+    be = NativeBackend(open_model(Path(model)), n_ctx=depth + 512)
+    rng = np.random.default_rng(seed)
+    toks = [int(t) for t in rng.integers(0, be.n_vocab, TOKENS)]
+    prefix = [int(t) for t in rng.integers(0, be.n_vocab, depth)]
     cols = min(COLUMNS, be.n_vocab)
+
+    def start() -> None:
+        be.reset()
+        if prefix:
+            be._eval_chunks(prefix)
+
     main = []
     for size in CALL_SIZES:   # the same tokens in calls of 8, 5 and 1 positions
-        be.reset()
+        start()
         main.append(be.eval_all_logits(toks, positions_per_call=size)[:, :cols])
     rows = {"main": np.stack(main)}
     if be.supports_speculative:
-        be.reset()
+        start()
         mtp = []
         for a in range(0, TOKENS, 8):
             chunk = toks[a:a + 8]
             be._eval_chunk(chunk)
-            be.mtp_eval(chunk, pos0=a, h="main")
+            be.mtp_eval(chunk, pos0=depth + a, h="main")
             mtp.append(np.stack([be.draft_logits(j)[:cols] for j in range(len(chunk))]))
         rows["mtp"] = np.concatenate(mtp)
     np.savez(out, **rows)
@@ -107,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("dump", help="this library's rows (a GPU; OPENJET_NATIVE_LIB picks the library)")
     d.add_argument("--model", required=True, type=Path)
     d.add_argument("--out", required=True, type=Path)
+    d.add_argument("--depth", type=int, default=0, help="tokens prefilled before the compared ones (default 0)")
     c = sub.add_parser("compare", help="two dumps: exit 0 when they are bit-identical (and each keeps the invariant)")
     c.add_argument("a")
     c.add_argument("b")
@@ -115,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..errors import OpenJetError
 
         try:
-            rows = dump(args.model, args.out)
-        except (OpenJetError, OSError) as e:   # a model that is missing or refused, no GPU, an unwritable --out
+            rows = dump(args.model, args.out, depth=args.depth)
+        except (OpenJetError, OSError, ValueError) as e:   # a model that is missing or refused, no GPU, an unwritable --out
             print(f"bits: error: {e}", file=sys.stderr)
             return 2
         print(f"bits: {args.out}: " + ", ".join(f"{k} {v.shape}" for k, v in rows.items()))

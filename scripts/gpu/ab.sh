@@ -10,7 +10,8 @@
 # A setting may name another library: OPENJET_NATIVE_LIB=/path/libopenjet.so (a candidate built here
 # from a branch and carried). AB_BITS=1 also dumps each setting's logits of the q27b (bench/bits.py)
 # and compares them with the default's: a candidate that changes no arithmetic must give its bits
-# (the log says "bit-identical True" per row set; about 25 s a setting).
+# (the log says "bit-identical True" per row set; about 25 s a setting). AB_BITS_ARGS goes to the dump:
+# "--depth 8192" compares rows after 8,192 prefilled tokens (attention in 33 splits).
 #
 # Carry: .whl/ (cffi, pycparser, gguf for CPython 3.12) and the native library built here
 # (openjet_plugin/native: loaded as is when it loads, else rebuilt). $OUT/ab<i>.jsonl per setting
@@ -38,7 +39,7 @@ for s in "${SETTINGS[@]}"; do
         --verify 1,5 --decode-depths 0 --decode-tokens 64 --reps 5 ${AB_ARGS:-} >>"$OUT/log.txt" 2>&1
     echo "ab: setting $i ($s) exit $?" >>"$OUT/log.txt"
     if [ "${AB_BITS:-0}" = 1 ]; then
-        timeout 120 env "${env_args[@]}" python3 -m openjet_plugin.bench.bits dump --model "$M" --out "$OUT/bits$i.npz" >>"$OUT/log.txt" 2>&1
+        timeout 120 env "${env_args[@]}" python3 -m openjet_plugin.bench.bits dump --model "$M" --out "$OUT/bits$i.npz" ${AB_BITS_ARGS:-} >>"$OUT/log.txt" 2>&1
         [ "$i" -gt 0 ] && { echo "ab: bits of setting $i against the default:"; python3 -m openjet_plugin.bench.bits compare "$OUT/bits0.npz" "$OUT/bits$i.npz"; } >>"$OUT/log.txt" 2>&1
     fi
     i=$((i + 1))
