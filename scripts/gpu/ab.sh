@@ -19,14 +19,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/common.sh
-OUT=${OUT:-/tmp/openjet-ab-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
-CACHE=$OPENJET_CACHE_DIR/bench
-mkdir -p "$CACHE"
-install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
-load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; exit 1; }
-M=$(bench_q27b "$OUT/model.log") || exit 1
+q27b_setup ab || exit 1
 : >"$OUT/settings.txt"
 i=0
 IFS=';' read -ra SETTINGS <<<"default;${AB:-}"

@@ -83,6 +83,21 @@ bench_q27b() {
     echo "$m"
 }
 
+# q27b_setup NAME
+#   The start of a script that runs the bench's q27b: OUT (default /tmp/openjet-NAME-out) made, the
+#   bench cache under OPENJET_CACHE_DIR, the carried wheels, the native library, and M set to the
+#   q27b's path; logs pip.log, native-load.log and model.log under OUT. Returns 1 (the failing
+#   log's tail shown) where a step fails.
+q27b_setup() {
+    OUT=${OUT:-/tmp/openjet-$1-out}
+    mkdir -p "$OUT"
+    export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
+    mkdir -p "$OPENJET_CACHE_DIR/bench"
+    install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; return 1; }
+    load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; return 1; }
+    M=$(bench_q27b "$OUT/model.log") || return 1
+}
+
 # compile_harness LOG NVCC_ARGUMENT...
 #   A kernel harness (native/tools/) compiled by nvcc, its output in LOG (replaced: with -Xptxas -v
 #   it holds the register report the scripts read). On failure shows LOG's last 30 lines and returns 1.

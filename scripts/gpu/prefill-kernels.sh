@@ -11,15 +11,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/common.sh
-OUT=${OUT:-/tmp/openjet-prefill-kernels-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
-CACHE=$OPENJET_CACHE_DIR/bench
-mkdir -p "$CACHE"
-install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
+q27b_setup prefill-kernels || exit 1
 record_gpu "$OUT/gpu.txt"
-load_or_build_native "$OUT/native.log" || { tail -20 "$OUT/native.log"; exit 1; }
-M=$(bench_q27b "$OUT/model.log") || exit 1
 timeout "${PIECE_TIMEOUT:-300}" ncu --profile-from-start off --csv --page raw \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --log-file "$OUT/ncu.csv" \
     python3 scripts/prefill_piece.py "$M" --positions "${PIECE_POSITIONS:-64}" --depth "${PIECE_DEPTH:-4096}" >"$OUT/run.log" 2>&1

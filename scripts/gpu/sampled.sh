@@ -10,14 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 . scripts/gpu/common.sh
-OUT=${OUT:-/tmp/openjet-sampled-out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 OPENJET_CACHE_DIR=${OPENJET_CACHE_DIR:-$PWD/build/cache}
-CACHE=$OPENJET_CACHE_DIR/bench
-mkdir -p "$CACHE"
-install_carried_wheels_if_missing "$OUT/pip.log" || { tail -5 "$OUT/pip.log"; exit 1; }
-load_or_build_native "$OUT/native-load.log" || { tail -20 "$OUT/native-load.log"; exit 1; }
-M=$(bench_q27b "$OUT/model.log") || exit 1
+q27b_setup sampled || exit 1
 rc=0
 for d in ${SAMPLED_DEPTHS:-0 8192}; do
     echo "== depth $d"
