@@ -130,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             rows = dump(args.model, args.out, depth=args.depth)
-        except (OpenJetError, OSError, ValueError) as e:   # a model that is missing or refused, no GPU, an unwritable --out
+        # a model missing or refused, no GPU, an unwritable --out, a negative --depth
+        except (OpenJetError, OSError, ValueError) as e:
             print(f"bits: error: {e}", file=sys.stderr)
             return 2
         print(f"bits: {args.out}: " + ", ".join(f"{k} {v.shape}" for k, v in rows.items()))
