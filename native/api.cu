@@ -298,6 +298,16 @@ int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int
     return on_sequence(engine, "oj_cycle", [&] { *n_accepted = oj::engine_cycle(engine->e, tokens, n_tokens, n_draft, out_tokens, out_drafts); });
 }
 
+int32_t oj_cycle_sampled(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
+                         const oj_sampling *sampling, int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    if (!n_accepted) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "n_accepted is NULL");
+    if (!sampling) return set_error(engine, OJ_ERR_INVALID_ARGUMENT, "sampling is NULL");
+    return on_sequence(engine, "oj_cycle_sampled", [&] {
+        *n_accepted = oj::engine_cycle_sampled(engine->e, tokens, n_tokens, n_draft, *sampling, out_tokens, out_drafts);
+    });
+}
+
 int32_t oj_checkpoint_save(oj_engine *engine, int32_t slot) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return on_sequence(engine, "oj_checkpoint_save", [&] { oj::engine_checkpoint_save(engine->e, slot); });

@@ -34,21 +34,62 @@ __global__ void swiglu_kernel(float *__restrict__ gate, const float *__restrict_
         gate[i] = silu(gate[i]) * up[i];
 }
 
-// First index of the largest value of each row (numpy's argmax tie rule); NaN never wins.
-__global__ void argmax_kernel(const float *__restrict__ x, int32_t *__restrict__ out, int width) {
+// (value, index) ordered as argmax's rule takes them: the larger value, among equals the smaller index.
+__device__ __forceinline__ bool argmax_before(float v, int i, float w, int j) { return v > w || (v == w && i < j); }
+
+// grid (blocks of the row, rows), 1024 threads: the first index of the largest value of each row
+// (numpy's argmax tie rule); NaN never wins, a row with no value above -FLT_MAX gives 0. Each block
+// takes ROW_CHUNK values (8 loads in flight a thread) and leaves its best; the row's last block
+// to finish takes the best of the blocks' (the same index the whole row's scan gives).
+__global__ void __launch_bounds__(1024) argmax_kernel(const float *__restrict__ x, int32_t *__restrict__ out, int width,
+                                                      ArgmaxPart *__restrict__ part, uint32_t *__restrict__ done) {
     pdl_launch_dependents();
     pdl_wait();
-    const float *xr = x + (int64_t)blockIdx.x * width;
+    constexpr int PER = ROW_CHUNK / 1024;
+    const int row = blockIdx.y;
+    const float *xr = x + (int64_t)row * width;
+    const int c0 = blockIdx.x * ROW_CHUNK;
+    float v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = c0 + j * 1024 + threadIdx.x;
+        v[j] = i < width ? xr[i] : -FLT_MAX;
+    }
     float best = -FLT_MAX;
     int idx = 0x7fffffff;
-    for (int i = threadIdx.x; i < width; i += blockDim.x) {
-        const float v = xr[i];
-        if (v > best) { best = v; idx = i; }   // ascending i per thread: first index kept
-    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+        if (v[j] > best) best = v[j], idx = c0 + j * 1024 + threadIdx.x;   // ascending index per thread
     __shared__ float sv[1024];
     __shared__ int si[1024];
+    __shared__ bool last;
     const int i = block_argmax(best, idx, sv, si);
-    if (threadIdx.x == 0) out[blockIdx.x] = i == 0x7fffffff ? 0 : i;
+    ArgmaxPart *pr = part + (int64_t)row * ROW_MAX_BLOCKS;
+    if (threadIdx.x == 0) {
+        pr[blockIdx.x] = ArgmaxPart{sv[0], i};
+        __threadfence();
+        last = atomicAdd(done + row, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last || threadIdx.x >= 32) return;
+    __threadfence();
+    float bv = -FLT_MAX;
+    int bi = 0x7fffffff;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += 32) {
+        const float pv = __ldcg(&pr[b].val);
+        const int pi = __ldcg(&pr[b].idx);
+        if (argmax_before(pv, pi, bv, bi)) bv = pv, bi = pi;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (argmax_before(ov, oi, bv, bi)) bv = ov, bi = oi;
+    }
+    if (threadIdx.x == 0) {
+        out[row] = bi == 0x7fffffff ? 0 : bi;
+        done[row] = 0;   // for the next launch (which waits for this grid before reading it)
+    }
 }
 
 // out[i] = ids[out[i]]: the restricted draft head's argmax rows back to token ids.
@@ -168,8 +209,11 @@ void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st) 
     check_cuda(launch(swiglu_kernel, blocks, 256, 0, st, gate_inout, up, count), "swiglu");
 }
 
-void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st) {
-    check_cuda(launch(argmax_kernel, n, 1024, 0, st, x, out, width), "argmax");
+void argmax_rows(const float *x, int32_t *out, int n, int width, const RowScratch &rs, cudaStream_t st) {
+    const int blocks = (width + ROW_CHUNK - 1) / ROW_CHUNK;
+    if (blocks > ROW_MAX_BLOCKS || n > OJ_MAX_POSITIONS)
+        fail(OJ_ERR_INVALID_ARGUMENT, "argmax_rows: " + std::to_string(n) + " rows of " + std::to_string(width) + " values");
+    check_cuda(launch(argmax_kernel, dim3(blocks, n), 1024, 0, st, x, out, width, rs.argmax_part, rs.done), "argmax");
 }
 
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st) {

@@ -389,6 +389,16 @@ void alloc_scratch(Engine &e) {
         s.tree_h = f(N * E);
         s.tree_top = static_cast<TreeTop *>(e.alloc(sizeof(TreeTop), c));
     }
+    s.sample_top = static_cast<SampleTop *>(e.alloc(N * sizeof(SampleTop), c));
+    s.sample_q = static_cast<SampleDist *>(e.alloc((size_t)e.n_seq * N * sizeof(SampleDist), c));
+    s.sample_out = static_cast<int32_t *>(e.alloc(2 * sizeof(int32_t), c));
+    if (V > ROW_CHUNK * ROW_MAX_BLOCKS)
+        fail(OJ_ERR_UNSUPPORTED, "n_vocab " + std::to_string(V) + ": the engine's argmax and sampling kernels take rows of up to " +
+                                     std::to_string(ROW_CHUNK * ROW_MAX_BLOCKS) + " values");
+    s.rows.argmax_part = static_cast<ArgmaxPart *>(e.alloc(N * ROW_MAX_BLOCKS * sizeof(ArgmaxPart), c));
+    s.rows.top_part = static_cast<SampleTop *>(e.alloc(N * ROW_MAX_BLOCKS * sizeof(SampleTop), c));
+    s.rows.done = static_cast<uint32_t *>(e.alloc(2 * N * sizeof(uint32_t), c));
+    check_cuda(cudaMemset(s.rows.done, 0, 2 * N * sizeof(uint32_t)), "row counters");
     s.fault_probe = static_cast<int32_t *>(e.alloc(64, c));
     // oj_commit_path's moves: 4 ring buffers per DeltaNet layer, K and V (and their q8_0 scales)
     // per KV head of each attention layer, the hidden and argmax rows
@@ -584,6 +594,7 @@ void engine_reset(Engine &e) {
     e.mtp_n_past = 0;
     e.last_mtp_n = 0;
     e.result_rows = 0;
+    e.sampled_n_drafts = -1;
 }
 
 void engine_seq_select(Engine &e, int seq) {
@@ -655,7 +666,7 @@ void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, 
     stamp(e, PH_HEAD, weight_bytes(head));
     matvec(head, h, s.logits, n, false, e.stream);
     stamp(e, PH_ARGMAX);
-    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, e.stream);
+    argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, s.rows, e.stream);
     stamp(e, -1);
     e.prof.active = false;
     if (e.prof.host) {
@@ -831,6 +842,84 @@ int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *
     }
     for (int i = 0; i < k; ++i) out_tokens[i] = tokens[i + 1];
     out_tokens[k] = argmax[k];
+    return k;
+}
+
+int engine_cycle_sampled(Engine &e, const int32_t *tokens, int n, int n_draft, const oj_sampling &p, int32_t *out_tokens,
+                         int32_t *out_drafts) {
+    check_tokens(e, tokens, n);
+    if (!(p.temperature > 0.0f) || !std::isfinite(p.temperature))
+        fail(OJ_ERR_INVALID_ARGUMENT, "sampling temperature is " + std::to_string(p.temperature) +
+                                          "; oj_cycle_sampled takes a finite temperature > 0 (greedy requests: oj_cycle)");
+    if (p.top_k < 1 || p.top_k > OJ_SAMPLE_TOP_MAX)
+        fail(OJ_ERR_INVALID_ARGUMENT, "sampling top_k is " + std::to_string(p.top_k) + "; oj_cycle_sampled takes 1.." +
+                                          std::to_string(OJ_SAMPLE_TOP_MAX));
+    if (!(p.top_p > 0.0f && p.top_p <= 1.0f))
+        fail(OJ_ERR_INVALID_ARGUMENT, "sampling top_p is " + std::to_string(p.top_p) + "; it must be in (0, 1]");
+    if (!(p.min_p >= 0.0f && p.min_p < 1.0f))
+        fail(OJ_ERR_INVALID_ARGUMENT, "sampling min_p is " + std::to_string(p.min_p) + "; it must be in [0, 1)");
+    if (n_draft < 0 || n_draft > OJ_MAX_POSITIONS - 1)
+        fail(OJ_ERR_INVALID_ARGUMENT, "n_draft is " + std::to_string(n_draft) + "; oj_cycle_sampled drafts 0.." +
+                                          std::to_string(OJ_MAX_POSITIONS - 1));
+    if (!out_tokens) fail(OJ_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
+    if (n_draft > 0 && !out_drafts) fail(OJ_ERR_INVALID_ARGUMENT, "out_drafts is NULL with n_draft " + std::to_string(n_draft));
+    if (n_draft > 0 && !e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "n_draft " + std::to_string(n_draft) + ": the model has no MTP block");
+    if (n_draft > 0 && e.mtp_n_past <= e.n_past)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle_sampled drafts from the MTP row of the current token (position " +
+                                          std::to_string(e.n_past) + "), but the MTP rows end at " + std::to_string(e.mtp_n_past));
+    if (e.n_past + n + n_draft > e.n_ctx)
+        fail(OJ_ERR_CONTEXT_FULL, "oj_cycle_sampled at n_past " + std::to_string(e.n_past) + " with " + std::to_string(n) +
+                                      " tokens and " + std::to_string(n_draft) + " drafts needs positions past n_ctx " +
+                                      std::to_string(e.n_ctx));
+    if (n > 1) {
+        // the drafts must be the ones whose distributions the last call kept, for this token here
+        bool ours = e.sampled_n_drafts >= n - 1 && e.sampled_n_past == e.n_past && e.sampled_token == tokens[0];
+        for (int i = 1; ours && i < n; ++i) ours = tokens[i] == e.sampled_drafts[i - 1];
+        if (!ours)
+            fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle_sampled: tokens[1.." + std::to_string(n) + ") are not drafts the last "
+                                          "oj_cycle_sampled of this sequence drew for token " + std::to_string(tokens[0]) +
+                                          " at position " + std::to_string(e.n_past) + " (their distributions are needed to accept them)");
+    }
+    e.sampled_n_drafts = -1;   // used once, whatever happens next
+    const int P = e.n_past;
+    Scratch &s = e.s;
+    SampleDist *q = s.sample_q + (size_t)e.cur_seq * OJ_MAX_POSITIONS;
+    int32_t got[2];
+    verify(e, tokens, n);
+    sample_top(s.logits, e.dims.hp.n_vocab, e.dims.hp.n_vocab, nullptr, p.top_k, n, s.sample_top, s.rows, e.stream);
+    sample_verify(s.sample_top, s.tokens, q, n, p, s.sample_out, e.stream);
+    check_cuda(cudaMemcpyAsync(got, s.sample_out, sizeof got, cudaMemcpyDeviceToHost, e.stream), "oj_cycle_sampled verdict");
+    finish(e, "oj_cycle_sampled verdict");
+    const int k = got[0];
+    if (got[1] < 0) fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle_sampled: the main model's row " + std::to_string(k) + " has no finite logit");
+    int32_t emitted[OJ_MAX_POSITIONS];
+    for (int i = 0; i < k; ++i) emitted[i] = tokens[i + 1];
+    emitted[k] = got[1];
+    engine_commit(e, k + 1);
+    if (n_draft > 0) {
+        const int width = e.n_draft_ids > 0 ? e.n_draft_ids : e.dims.hp.n_vocab;
+        const int32_t *ids = e.n_draft_ids > 0 ? s.draft_ids : nullptr;
+        int32_t drafts[OJ_MAX_POSITIONS];
+        engine_mtp_eval(e, emitted, k + 1, P + 1, OJ_H_MAIN, nullptr);
+        for (int j = 0; j < n_draft; ++j) {
+            if (j > 0) engine_mtp_eval(e, drafts + j - 1, 1, P + k + 1 + j, OJ_H_DRAFT, nullptr);
+            // the next token's row is row k of the first call's, then row 0 of each chained one
+            sample_top(s.draft_logits + (size_t)(j == 0 ? k : 0) * width, width, width, ids, p.top_k, 1, s.sample_top, s.rows,
+                       e.stream);
+            sample_draft(s.sample_top, p, 32 + j, q + j, s.sample_out, e.stream);
+            check_cuda(cudaMemcpyAsync(drafts + j, s.sample_out, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle_sampled draft");
+            finish(e, "oj_cycle_sampled draft");
+            if (drafts[j] < 0)
+                fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle_sampled: the draft head's row has no finite logit");
+        }
+        e.mtp_n_past = e.n_past + 1;   // the next token's row; the draft rows past it are provisional
+        e.last_mtp_n = 0;
+        for (int j = 0; j < n_draft; ++j) out_drafts[j] = e.sampled_drafts[j] = drafts[j];
+        e.sampled_n_drafts = n_draft;
+        e.sampled_n_past = e.n_past;
+        e.sampled_token = emitted[k];
+    }
+    for (int i = 0; i <= k; ++i) out_tokens[i] = emitted[i];
     return k;
 }
 
@@ -1251,11 +1340,11 @@ void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *
     rms_norm(s.x, m.head_norm, s.draft_hidden, n, E, d.hp.rms_eps, E, e.stream);
     if (e.n_draft_ids > 0) {
         matvec_rows(*m.head, s.draft_ids, e.n_draft_ids, s.draft_hidden, s.draft_logits, n, e.stream);
-        argmax_rows(s.draft_logits, s.draft_argmax, n, e.n_draft_ids, e.stream);
+        argmax_rows(s.draft_logits, s.draft_argmax, n, e.n_draft_ids, s.rows, e.stream);
         map_ids(s.draft_argmax, s.draft_ids, n, e.stream);
     } else {
         matvec(*m.head, s.draft_hidden, s.draft_logits, n, false, e.stream);
-        argmax_rows(s.draft_logits, s.draft_argmax, n, d.hp.n_vocab, e.stream);
+        argmax_rows(s.draft_logits, s.draft_argmax, n, d.hp.n_vocab, s.rows, e.stream);
     }
 }
 

@@ -55,6 +55,35 @@ struct TreeTop {
     float max, sum;                     // the row's max and sum of exp(x - max) over its finite values
 };
 
+// oj_cycle_sampled (sample.cu): a row's top_k candidates as sample_top leaves them, and the
+// distribution a draw was made from (the candidates left by top-p / min-p, with their
+// probabilities), kept on the device for the next call's acceptance of that draft.
+struct SampleTop {
+    int32_t id[OJ_SAMPLE_TOP_MAX];      // token ids, (logit descending, id ascending)
+    float val[OJ_SAMPLE_TOP_MAX];       // their logits
+    int32_t n;                          // min(top_k, the row's finite values)
+};
+struct SampleDist {
+    int32_t id[OJ_SAMPLE_TOP_MAX];
+    double prob[OJ_SAMPLE_TOP_MAX];
+    int32_t n;
+};
+
+// Row reductions over a vocabulary (argmax_rows, sample_top) run ROW_CHUNK values of a row a block,
+// so that a row's 1 MB is read by tens of SMs, not one: each block leaves its partial result here
+// and the last of a row's blocks to finish (counted in done, which it resets) merges them.
+constexpr int ROW_CHUNK = 8192;
+constexpr int ROW_MAX_BLOCKS = 64;   // rows of up to 524,288 values
+struct ArgmaxPart {
+    float val;
+    int32_t idx;
+};
+struct RowScratch {
+    ArgmaxPart *argmax_part = nullptr;   // [OJ_MAX_POSITIONS][ROW_MAX_BLOCKS]
+    SampleTop *top_part = nullptr;       // [OJ_MAX_POSITIONS][ROW_MAX_BLOCKS]: indices within the row
+    uint32_t *done = nullptr;            // [2][OJ_MAX_POSITIONS], zero between launches
+};
+
 // One evaluation's Gated DeltaNet intermediates for up to OJ_MAX_POSITIONS positions: what a
 // replay needs to advance the state (deltanet.cu explains commit by replay).
 struct RingSlot {
@@ -145,6 +174,10 @@ struct Scratch {
     float *draft_hidden = nullptr;                     // [N][E]
     float *tree_h = nullptr;                           // [N][E] oj_draft_tree: each node's MTP hidden
     TreeTop *tree_top = nullptr;                       // oj_draft_tree: a node's candidates (row_top)
+    SampleTop *sample_top = nullptr;                   // [N] oj_cycle_sampled: each row's candidates
+    SampleDist *sample_q = nullptr;                    // [n_seq][N]: each sequence's drafts' distributions
+    int32_t *sample_out = nullptr;                     // [2]: the accepted drafts' count and the token drawn
+    RowScratch rows;                                   // argmax_rows' and sample_top's partials
     int32_t *fault_probe = nullptr;
 };
 
@@ -223,6 +256,11 @@ struct SeqState {
     int prev_row = 0;                 // hidden-window row of position n_past - 1 after the last commit
     int mtp_n_past = 0, last_mtp_n = 0;
     float *hidden = nullptr;          // its hidden window (Scratch::hidden while selected)
+    // The drafts the last oj_cycle_sampled drew (their distributions in Scratch::sample_q at this
+    // sequence's rows), for the next call at n_past with `token` first; n_drafts -1: none (used once).
+    int sampled_n_drafts = -1, sampled_n_past = 0;
+    int32_t sampled_token = 0;
+    int32_t sampled_drafts[OJ_MAX_POSITIONS] = {};
 };
 
 struct Engine : SeqState {
@@ -279,6 +317,9 @@ void engine_verify_tree(Engine &e, const int32_t *tokens, const int32_t *parent,
 void engine_commit_path(Engine &e, const int32_t *path, int n_path);
 // oj_cycle: returns the accepted drafts' count; out_tokens[0..k], out_drafts[0..n_draft)
 int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts);
+// oj_cycle_sampled: the same, every draw on the GPU under `p`
+int engine_cycle_sampled(Engine &e, const int32_t *tokens, int n, int n_draft, const oj_sampling &p, int32_t *out_tokens,
+                         int32_t *out_drafts);
 void engine_eval(Engine &e, const int32_t *tokens, int n);     // verify + commit all
 void engine_flush(Engine &e);                                   // replay pending positions now
 void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n);
@@ -367,7 +408,8 @@ size_t device_layout_bytes(int type, int64_t K, int64_t M);
 void rms_norm(const float *x, const float *w, float *y, int n, int width, float eps,
               int y_stride, cudaStream_t st);
 void swiglu(float *gate_inout, const float *up, int64_t count, cudaStream_t st);
-void argmax_rows(const float *x, int32_t *out, int n, int width, cudaStream_t st);
+// First index of each row's largest value (NaN never wins; a row with none: 0), ROW_CHUNK values a block.
+void argmax_rows(const float *x, int32_t *out, int n, int width, const RowScratch &rs, cudaStream_t st);
 // out[i] = ids[out[i]] for i < n (an argmax over a row subset back to token ids)
 void map_ids(int32_t *out, const int32_t *ids, int n, cudaStream_t st);
 void fault_probe(int32_t *out, cudaStream_t st);
@@ -378,6 +420,19 @@ void row_top(const float *x, int width, const int32_t *ids, int k, TreeTop *out,
 // elementwise.cu: for each of n_jobs jobs, rows path[i] -> rows i (i < n_path; path[i] >= i, as
 // a root-first path of a tree in topological order has): oj_commit_path's moves.
 void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st);
+
+// sample.cu (oj_cycle_sampled): for each of n_rows rows of x (row_stride floats apart, `width`
+// values), its min(k, finite values) largest (k 1..OJ_SAMPLE_TOP_MAX; ties: the smaller index),
+// indices mapped through ids when set, into out[row].
+void sample_top(const float *x, int64_t row_stride, int width, const int32_t *ids, int k, int n_rows, SampleTop *out,
+                const RowScratch &rs, cudaStream_t st);
+// sample.cu: the acceptance of n - 1 drafts (tokens[1..n), drawn from q[0..n-1)) against the rows'
+// candidates cand[0..n) under p, then the token drawn: out[0] = drafts accepted, out[1] = the token.
+void sample_verify(const SampleTop *cand, const int32_t *tokens, const SampleDist *q, int n, const oj_sampling &p,
+                   int32_t *out, cudaStream_t st);
+// sample.cu: a draw from cand's distribution under p with the stream's uniform `ctr`: the
+// distribution into *q, the token into *token.
+void sample_draft(const SampleTop *cand, const oj_sampling &p, int ctr, SampleDist *q, int32_t *token, cudaStream_t st);
 
 // deltanet.cu: one Gated DeltaNet layer's mixer: first replays n_replay accepted positions of ring
 // slot replay_slot into the state, then runs n new positions from ring slot `slot` (qkv, beta,

@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 12, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
+enum { OJ_ABI_VERSION = 13, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -248,6 +248,32 @@ int32_t oj_commit_path(oj_engine *engine, const int32_t *path, int32_t n_path);
    (oj_get_draft_*) are not readable. */
 int32_t oj_cycle(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
                  int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts);
+/* The sampled cycle (issue 28, ABI 13): oj_cycle for a request drawn at temperature > 0 with top-k
+   on, every draw made on the GPU. A row's distribution is openjet_plugin.sampling's
+   candidate_distribution: the top_k largest logits (ties: the smaller id), those within min_p of
+   the largest (min_p 0: all), the shortest prefix whose temperature-1 mass over the pool reaches
+   top_p (1: all), softmax(logit / temperature) over what is left. Drafts are drawn from the MTP head's
+   row under the same settings (the draft vocabulary applies); the main model's row at each
+   position accepts draft d with probability min(1, p(d) / q(d)), q the distribution d was drawn
+   from, else draws from max(0, p - q) normalised and stops; after every draft accepted it draws the
+   next token from the last row. The output follows the main model's distribution whatever the
+   drafts are. Uniforms come from a counter-based stream of `sampling->seed` (one call, one seed).
+   tokens[1..n_tokens) must be the leading drafts that the previous oj_cycle_sampled on this
+   sequence returned with tokens[0] as its next token at this n_past (their distributions stay on
+   the device until then, one use); with n_tokens 1 there are none. Outputs, bookkeeping and the
+   MTP rows as oj_cycle's. Refused by name: settings out of range (temperature > 0 and finite,
+   top_k 1..OJ_SAMPLE_TOP_MAX, top_p in (0, 1], min_p in [0, 1)), drafts that are not that call's,
+   a row with no finite logit. */
+enum { OJ_SAMPLE_TOP_MAX = 64 };
+typedef struct oj_sampling {
+    float temperature;
+    int32_t top_k;
+    float top_p;
+    float min_p;
+    uint64_t seed;
+} oj_sampling;
+int32_t oj_cycle_sampled(oj_engine *engine, const int32_t *tokens, int32_t n_tokens, int32_t n_draft,
+                         const oj_sampling *sampling, int32_t *n_accepted, int32_t *out_tokens, int32_t *out_drafts);
 /* Sequences (issue 29): an engine holds n_seq conversations. Every call that evaluates, commits,
    drafts, checkpoints or reads state applies to the selected sequence (0 after creation), as if it
    were the engine's only one; oj_reset resets only it. oj_seq_select switches in constant time (no

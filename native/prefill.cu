@@ -288,7 +288,7 @@ void prefill_end(Engine &e, int start, int n, int last_P, bool mtp_follows) {
     check_cuda(cudaMemcpyAsync(s.hidden, pf.hidden + (size_t)(last_P - 1) * E, (size_t)2 * E * 4, cudaMemcpyDeviceToDevice,
                                e.stream), "hidden window");
     matvec(e.output.present() ? e.output : e.tok_embd, s.hidden + E, s.logits, 1, false, e.stream);
-    argmax_rows(s.logits, s.argmax, 1, d.hp.n_vocab, e.stream);
+    argmax_rows(s.logits, s.argmax, 1, d.hp.n_vocab, s.rows, e.stream);
     check_cuda(cudaStreamSynchronize(e.stream), "prefill");
     e.n_past = start + n;
     e.last_start = e.n_past - 1;

@@ -15,7 +15,11 @@ the target's rows are copied only as far as verification reads them.
 
 Fused cycles (issue 8): where the library has oj_cycle (backend.supports_cycle), those greedy
 requests run each cycle as one call that verifies, commits, makes the next token's MTP row and
-drafts from it; the next cycle verifies those drafts (`_next`). A cycle drafts on the host
+drafts from it; the next cycle verifies those drafts (`_next`). Sampled requests the engine can
+draw (top-k 1..64, no penalties or bias, the standard rule; backends/native.sampled_cycle_refusal)
+do the same through oj_cycle_sampled (issue 28), every draw on the GPU from a seed the request's
+generator gives each call; they verify only drafts the last call drew, so a request's first cycle
+verifies its token alone. A cycle drafts on the host
 (draft_first/draft_next) only where no call left drafts for its token: the first of a request, or
 after a call with no room left in the context to draft.
 The in-call drafts see the draft vocabulary of the call: the tokens a cycle emits join it for the
@@ -28,6 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .backends.native import sampled_cycle_refusal
 from .sampling import SamplingParams, token_distribution
 from .speculative import (STANDARD_RULE, DepthPolicy, DraftVocab, SampledRule, SpeculativeStats,
                           TokenDistribution, verify_greedy, verify_sampled)
@@ -199,10 +204,14 @@ class NativeSpeculator:
         after the emitted tokens. rows_out: gets the target's logits row of each emitted token
         (for logprobs). Either one takes the host path: the fused oj_cycle picks its tokens on
         the GPU from unmasked logits and keeps the rows there."""
-        if (params.greedy and not params.has_penalties and not params.logit_bias
-                and grammar is None and rows_out is None
-                and getattr(self.b, "supports_cycle", False)):
+        plain = not params.has_penalties and not params.logit_bias and grammar is None and rows_out is None
+        if plain and params.greedy and getattr(self.b, "supports_cycle", False):
             out = self._cycle_fused(int(token), history, params, rng, max_emit)
+            if out is not None:
+                return out
+        elif (plain and self.oracle is None and self.rule == STANDARD_RULE
+                and getattr(self.b, "supports_sampled_cycle", False) and sampled_cycle_refusal(params) is None):
+            out = self._cycle_fused(int(token), history, params, rng, max_emit, sampled=True)
             if out is not None:
                 return out
         self._next = None
@@ -257,9 +266,15 @@ class NativeSpeculator:
         return emitted, depth, v.n_accepted
 
     def _cycle_fused(self, token: int, history: Sequence[int], params: SamplingParams,
-                     rng: np.random.Generator, max_emit: int) -> tuple[list[int], int, int] | None:
-        """cycle() through oj_cycle; None (nothing done) where the host path is the one to take:
-        no drafts this cycle and no MTP row for the token, which a draft-less cycle would not make."""
+                     rng: np.random.Generator, max_emit: int,
+                     sampled: bool = False) -> tuple[list[int], int, int] | None:
+        """cycle() through oj_cycle (sampled: oj_cycle_sampled); None (nothing done) where the host
+        path is the one to take: no drafts this cycle and no MTP row for the token, which a
+        draft-less cycle would not make.
+
+        A sampled cycle verifies only drafts the last call drew (the engine holds the
+        distributions they were drawn from): after any other step it verifies the token alone and
+        drafts for the next one."""
         b = self.b
         pos = b.n_past
         room = b.n_ctx - pos - 1
@@ -271,6 +286,8 @@ class NativeSpeculator:
             return None
         if row and self.oracle is None:
             drafts = last[2][:depth]
+        elif sampled:
+            drafts = []
         elif depth > 0:
             # the host's drafts; the MTP head's first step makes the token's row (not the oracle's)
             drafts = self._drafts(token, pos, depth, [int(t) for t in history], params, rng)[0]
@@ -286,7 +303,10 @@ class NativeSpeculator:
             b.draft_first(token)                       # oracle drafts: the head's row of the token only
         if n_draft:
             self._upload()                             # the tokens emitted so far draft with this call
-        k, emitted, nxt = b.cycle([token] + drafts, n_draft)
+        if sampled:
+            k, emitted, nxt = b.cycle([token] + drafts, n_draft, sampled=(params, int(rng.integers(0, 1 << 63))))
+        else:
+            k, emitted, nxt = b.cycle([token] + drafts, n_draft)
         if n_draft:
             self._next = (pos + 1 + k, emitted[-1], nxt)
         depth = len(drafts)

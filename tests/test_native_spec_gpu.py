@@ -7,7 +7,8 @@ runs it on the GPU machine; rows go to `$OPENJET_GPU_REPORT` like tests/test_nat
   acceptance 0 / 50 / 100 %), a divergence only at a logged near-tie;
 - after a run with rejections the DeltaNet/conv state and K/V equal one-token-at-a-time decoding;
 - sampled verification keeps the target distribution (chi-square, Bonferroni), and a broken rule
-  is caught by the same test;
+  is caught by the same test; with top-k on the draws are the GPU's (oj_cycle_sampled), with it
+  off the host's;
 - the trained default model's drafts are accepted (tokens per cycle per depth);
 - checkpoints give conversation reuse the same output as a fresh engine.
 """
@@ -319,9 +320,10 @@ def _expected_first_two(path: Path, prompt: list[int], params) -> tuple[np.ndarr
     return p1.dense(), p2 / p2.sum()
 
 
-def _sample_first_two(path: Path, prompt: list[int], params, depth: int, rule=None) -> np.ndarray:
+def _sample_first_two(path: Path, prompt: list[int], params, depth: int, rule=None) -> tuple[np.ndarray, int]:
     """The first two tokens the speculative cycles emit after `prompt`, N_SAMPLES times (each
-    from the checkpoint before the last prompt token, full-depth cycles)."""
+    from the checkpoint before the last prompt token, full-depth cycles), and how many cycles
+    drew on the GPU (oj_cycle_sampled: top-k on and the standard rule; else the host verifies)."""
     from openjet_plugin.backends.native import NativeBackend
     from openjet_plugin.model_file import open_model
     from openjet_plugin.speculative import DepthPolicy, SampledRule
@@ -332,6 +334,14 @@ def _sample_first_two(path: Path, prompt: list[int], params, depth: int, rule=No
     out = np.empty((N_SAMPLES, 2), dtype=np.int64)
     try:
         spec = NativeSpeculator(be, DepthPolicy(depth, adaptive=False), rule=rule or SampledRule())
+        on_gpu = [0]
+        cycle = be.cycle
+
+        def counted(tokens, n_draft, sampled=None):
+            on_gpu[0] += sampled is not None
+            return cycle(tokens, n_draft, sampled=sampled)
+
+        be.cycle = counted
         be.eval(prompt[:-1])
         be.save_checkpoint()
         full = 0
@@ -351,7 +361,7 @@ def _sample_first_two(path: Path, prompt: list[int], params, depth: int, rule=No
     finally:
         be.close()
         mf.close()
-    return out
+    return out, on_gpu[0]
 
 
 def _sampling_cases():
@@ -378,23 +388,28 @@ def sampled_prompt():
 def test_sampled_verification_keeps_the_target_distribution(native, sampled_prompt, depth, filt):
     params = _sampling_cases()[filt]
     e1, e2 = _expected_first_two(DEFAULT_GGUF, sampled_prompt, params)
-    s = _sample_first_two(DEFAULT_GGUF, sampled_prompt, params, depth)
+    s, on_gpu = _sample_first_two(DEFAULT_GGUF, sampled_prompt, params, depth)
     p1, p2 = _chi_square_p(s[:, 0], e1), _chi_square_p(s[:, 1], e2)
     report({"test": "spec_sampled_chi_square", "depth": depth, "filters": filt, "samples": N_SAMPLES,
-            "p_first": p1, "p_second": p2, "alpha_each": ALPHA_EACH})
+            "p_first": p1, "p_second": p2, "alpha_each": ALPHA_EACH, "gpu_cycles": on_gpu})
+    # top-k on: every cycle draws on the GPU (oj_cycle_sampled); top-k off: the host path
+    assert (on_gpu >= 2 * N_SAMPLES) if params.top_k else on_gpu == 0, on_gpu
     assert p1 > ALPHA_EACH, f"first emitted token is not distributed as the target (p = {p1:.3g})"
     assert p2 > ALPHA_EACH, f"second emitted token is not distributed as the target (p = {p2:.3g})"
 
 
-def test_the_distribution_test_catches_a_broken_rule(native, sampled_prompt):
-    """Accepting every draft emits the draft head's distribution: the same test must reject it."""
+@pytest.mark.parametrize("filt", ["plain", "filtered"])
+def test_the_distribution_test_catches_a_broken_rule(native, sampled_prompt, filt):
+    """Accepting every draft emits the draft head's distribution: the same test must reject it
+    (at each setting the GPU's draws are tested under; the broken rule runs on the host)."""
     from openjet_plugin.speculative import SampledRule
 
-    params = _sampling_cases()["plain"]
+    params = _sampling_cases()[filt]
     e1, e2 = _expected_first_two(DEFAULT_GGUF, sampled_prompt, params)
-    s = _sample_first_two(DEFAULT_GGUF, sampled_prompt, params, 1, rule=SampledRule(accept=lambda p, q: 1.0))
+    s, on_gpu = _sample_first_two(DEFAULT_GGUF, sampled_prompt, params, 1, rule=SampledRule(accept=lambda p, q: 1.0))
+    assert on_gpu == 0
     p1, p2 = _chi_square_p(s[:, 0], e1), _chi_square_p(s[:, 1], e2)
-    report({"test": "spec_sampled_broken_rule", "p_first": p1, "p_second": p2, "alpha_each": ALPHA_EACH})
+    report({"test": "spec_sampled_broken_rule", "filters": filt, "p_first": p1, "p_second": p2, "alpha_each": ALPHA_EACH})
     assert min(p1, p2) <= ALPHA_EACH, "the chi-square test did not catch an accept-everything rule"
 
 

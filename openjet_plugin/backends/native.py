@@ -49,7 +49,7 @@ import logging
 import os
 import threading
 import time
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -59,6 +59,9 @@ from ..config import SUPPORTED_TENSOR_TYPES, ModelConfig
 from ..errors import BackendUnavailableError, ContextOverflowError, NativeEngineError
 from .base import SequenceState
 from .passes import PassScheduler, Submitted, Work
+
+if TYPE_CHECKING:
+    from ..sampling import SamplingParams
 
 log = logging.getLogger("openjet_plugin")
 
@@ -91,6 +94,8 @@ CYCLE_ABI = 4                # the first oj_abi_version() with oj_cycle
 TREE_ABI = 6                 # the first oj_abi_version() with oj_verify_tree / oj_commit_path
 DRAFT_TREE_ABI = 8           # the first oj_abi_version() with oj_draft_tree
 PIECE_ABI = 12               # the first oj_abi_version() with oj_prefill_layers
+SAMPLED_CYCLE_ABI = 13       # the first oj_abi_version() with oj_cycle_sampled
+SAMPLE_TOP_MAX = 64          # OJ_SAMPLE_TOP_MAX: the largest top_k oj_cycle_sampled draws under
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -158,6 +163,21 @@ def prefill_bytes(config: ModelConfig, prefill_chunk: int) -> int:
     workspace = max(p_pad * K + (K // 32) * p_pad * 8, 2 * p_pad * K + (K // 256) * p_pad * 32 + 4 * p_pad)
     dn_coef = -(-P // DELTANET_CHUNK) * Hv * DELTANET_CHUNK_COEF_BYTES
     return 4 * P + 4 * floats + workspace + dn_coef
+
+
+def sampled_cycle_refusal(params) -> str | None:
+    """Why oj_cycle_sampled cannot draw a request under `params` (a SamplingParams), or None: it
+    draws at temperature > 0 from at most SAMPLE_TOP_MAX candidates, with no penalties or bias
+    (those take the host path, which applies them to the whole row)."""
+    if params.greedy:
+        return "temperature 0 is greedy (oj_cycle)"
+    if not 0 < params.top_k <= SAMPLE_TOP_MAX:
+        return f"top_k {params.top_k} is outside 1..{SAMPLE_TOP_MAX}"
+    if params.has_penalties:
+        return "repetition, frequency or presence penalties are on"
+    if params.logit_bias:
+        return "logit_bias is set"
+    return None
 
 
 def check_sequences(n_seq) -> int:
@@ -349,6 +369,7 @@ class NativeBackend:
         self.batched_prefill = (self.prefill_chunk > 0
                                 and int(self._nl.lib.oj_abi_version()) >= PREFILL_ABI)
         self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
+        self.supports_sampled_cycle = int(self._nl.lib.oj_abi_version()) >= SAMPLED_CYCLE_ABI
         self.supports_tree = int(self._nl.lib.oj_abi_version()) >= TREE_ABI
         self.supports_draft_tree = int(self._nl.lib.oj_abi_version()) >= DRAFT_TREE_ABI
         self.supports_pieces = self.batched_prefill and int(self._nl.lib.oj_abi_version()) >= PIECE_ABI
@@ -1031,14 +1052,30 @@ class NativeBackend:
         self._uncaught += kept[max(0, self._mtp_upto - start):]
 
     @_on_engine
-    def cycle(self, tokens: list[int], n_draft: int) -> tuple[int, list[int], list[int]]:
+    def cycle(self, tokens: list[int], n_draft: int,
+              sampled: tuple[SamplingParams, int] | None = None) -> tuple[int, list[int], list[int]]:
         """One greedy cycle in one call (oj_cycle): verify tokens = [current token, drafts] at
         n_past, accept the drafts equal to the main model's argmax before them, commit the current
         token and those, and with n_draft > 0 draft n_draft tokens from the next token. Returns
         (n_accepted, emitted: the accepted drafts then the next token, the next token's drafts).
         n_draft > 0 drafts from the current token's MTP row: draft_first(token) makes it, and so
         does a cycle whose next token it was. Results read afterwards (argmax, logits) are the
-        verify's positions."""
+        verify's positions.
+
+        sampled = (params, seed): the sampled cycle (oj_cycle_sampled): every draw on the GPU under
+        params' temperature, top-k (1..SAMPLE_TOP_MAX), top-p and min-p, the uniforms from seed;
+        the drafts verified must be the ones the last sampled cycle returned for this token here
+        (the engine keeps the distributions they were drawn from)."""
+        if sampled is not None:
+            params, seed = sampled
+            why = sampled_cycle_refusal(params)
+            if why:
+                raise ValueError(f"a sampled cycle cannot draw this request: {why}")
+            if not self.supports_sampled_cycle:
+                raise ValueError(f"a sampled cycle needs oj_cycle_sampled (ABI {SAMPLED_CYCLE_ABI}); the "
+                                 f"library has ABI {int(self._nl.lib.oj_abi_version())}")
+            if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 1 << 64:
+                raise ValueError(f"the sampled cycle's seed must be an integer in [0, 2**64), got {seed!r}")
         toks = [int(t) for t in tokens]
         if not 1 <= len(toks) <= MAX_POSITIONS:
             raise ValueError(f"cycle takes 1..{MAX_POSITIONS} tokens (the current token and up to "
@@ -1073,7 +1110,13 @@ class NativeBackend:
         n_acc = ffi.new("int32_t *")
         out = ffi.new("int32_t[]", len(toks))
         drafts = ffi.new("int32_t[]", n_draft) if n_draft else ffi.NULL
-        self._check(self._nl.lib.oj_cycle(self._handle(), buf, len(toks), n_draft, n_acc, out, drafts), "cycle")
+        if sampled is None:
+            self._check(self._nl.lib.oj_cycle(self._handle(), buf, len(toks), n_draft, n_acc, out, drafts), "cycle")
+        else:
+            sp = ffi.new("oj_sampling *", {"temperature": params.temperature, "top_k": params.top_k,
+                                           "top_p": params.top_p, "min_p": params.min_p, "seed": int(seed)})
+            self._check(self._nl.lib.oj_cycle_sampled(self._handle(), buf, len(toks), n_draft, sp, n_acc, out, drafts),
+                        "sampled cycle")
         k = int(n_acc[0])
         emitted = [int(out[i]) for i in range(k + 1)]
         self._last_n = len(toks)

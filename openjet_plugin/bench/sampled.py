@@ -1,8 +1,10 @@
 """What a sampled request costs against a greedy one, with and without MTP speculation, through the
 Engine API (issue 28): greedy requests without penalties run each speculative cycle in one engine
-call (oj_cycle) and read only the argmax back; a sampled request takes the host path, which copies
-each draft's and each verified position's logits row off the device and builds the distribution
-in numpy (speculative_native.py). This measures the difference as a user meets it.
+call (oj_cycle) and read only the argmax back; sampled requests with top-k on run it through
+oj_cycle_sampled, which draws on the GPU (a library before ABI 13, or top-k off, penalties or bias:
+the host path, which copies each draft's and each verified position's logits row off the device
+and builds the distribution in numpy; speculative_native.py). This measures the difference as a
+user meets it.
 
     python -m openjet_plugin.bench.sampled --model M [--backend native] [--depth 0] [--drafts 0,3]
         [--temperatures 0,0.7] [--tokens 128] [--reps 3] [--out OUT.jsonl]
