@@ -17,14 +17,14 @@
 #   cluster        the multi-GPU serving check
 #   train          the default model's training run
 #   sampled        sampled against greedy requests through the Engine, with and without speculation
-#   attn | deltanet | gemm | gemm-f16 | gemm-wgmma | matvec-f16 | matvec-group | stream-layout
+#   attn | deltanet | gemm | gemm-f16 | gemm-wgmma | matvec-f16 | matvec-group | stream-layout | row-select
 #                  the kernel harnesses (native/tools/), each against float64 with its timings
 #   launch-chain   what a dependent launch costs beyond its bytes (plain, PDL, graph)
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
-commands="check bench session ab setup agreement sanitize phases prefill-kernels cluster train sampled attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group launch-chain stream-layout"
+commands="check bench session ab setup agreement sanitize phases prefill-kernels cluster train sampled attn deltanet gemm gemm-f16 gemm-wgmma matvec-f16 matvec-group launch-chain stream-layout row-select"
 case "$cmd" in
     "" | -h | --help)
         sed -n '2,22p' "$0"
