@@ -24,12 +24,15 @@ LIB_ENV = "OPENJET_NATIVE_LIB"
 
 
 def header_path() -> Path:
-    """The installed copy beside the library, else the source tree's."""
-    for p in (PACKAGE_NATIVE_DIR / "openjet.h", SOURCE_HEADER):
+    """The copy beside the library (the folder of OPENJET_NATIVE_LIB's library when it has one: a
+    library built from another tree, an A/B's candidate, carries the header of its own ABI), else
+    the package's, else the source tree's."""
+    places = [library_path().parent / "openjet.h", PACKAGE_NATIVE_DIR / "openjet.h", SOURCE_HEADER]
+    for p in places:
         if p.is_file():
             return p
     raise BackendUnavailableError(
-        f"native/openjet.h not found (looked in {PACKAGE_NATIVE_DIR} and {SOURCE_HEADER.parent})")
+        f"native/openjet.h not found (looked in {', '.join(str(p.parent) for p in dict.fromkeys(places))})")
 
 
 def cdef_source(header_text: str) -> str:
@@ -102,7 +105,8 @@ def load() -> NativeLibrary:
             raise BackendUnavailableError(f"cannot load {path}: {e}") from e
         if int(lib.oj_abi_version()) != int(lib.OJ_ABI_VERSION):
             raise BackendUnavailableError(
-                f"{path} has ABI version {lib.oj_abi_version()}, the header {lib.OJ_ABI_VERSION}; rebuild it")
+                f"{path} has ABI version {lib.oj_abi_version()}, the header {header_path()} "
+                f"{lib.OJ_ABI_VERSION}; rebuild it (or put its own openjet.h beside it)")
         _cached = NativeLibrary(ffi, lib, path)
         return _cached
 

@@ -142,3 +142,26 @@ def test_compiles_for_sm90_and_fails_cleanly_without_gpu(tmp_path, monkeypatch):
 
         ok, reason = native_backend.native_status(_NoModel(), 64)
         assert not ok and "CUDA" in reason
+
+
+def test_a_library_elsewhere_is_read_with_the_header_beside_it(tmp_path, monkeypatch):
+    """OPENJET_NATIVE_LIB's folder holding an openjet.h (a library built from another tree, an A/B's
+    candidate of another ABI): that header declares it; without one, the package's or the source
+    tree's does."""
+    from cffi import FFI
+
+    other = tmp_path / "other"
+    other.mkdir()
+    text = _native.SOURCE_HEADER.read_text()
+    abi = int(re.search(r"OJ_ABI_VERSION = (\d+)", text).group(1))
+    (other / "openjet.h").write_text(text.replace(f"OJ_ABI_VERSION = {abi}", f"OJ_ABI_VERSION = {abi - 1}"))
+    monkeypatch.setenv(_native.LIB_ENV, str(other / "libopenjet.so"))
+    assert _native.header_path() == other / "openjet.h"
+    assert _native.make_ffi().dlopen(None).OJ_ABI_VERSION == abi - 1
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    monkeypatch.setenv(_native.LIB_ENV, str(bare / "libopenjet.so"))
+    assert _native.header_path() in (_native.PACKAGE_NATIVE_DIR / "openjet.h", _native.SOURCE_HEADER)
+    ffi = FFI()
+    ffi.cdef(_native.cdef_source(_native.header_path().read_text()))
+    assert ffi.dlopen(None).OJ_ABI_VERSION == abi

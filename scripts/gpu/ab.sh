@@ -8,7 +8,7 @@
 #   AB="OJ_GEMMWG_CFG=2,64,4" AB_ARGS="--prefill 64:4096" bash scripts/gpu.sh ab   (AB_ARGS: more bench/ours.py rows)
 #
 # A setting may name another library: OPENJET_NATIVE_LIB=/path/libopenjet.so (a candidate built here
-# from a branch and carried). AB_BITS=1 also dumps each setting's logits of the q27b (bench/bits.py)
+# from a branch and carried; where its ABI differs from the tree's, with its own openjet.h beside it). AB_BITS=1 also dumps each setting's logits of the q27b (bench/bits.py)
 # and compares them with the default's: a candidate that changes no arithmetic must give its bits
 # (the log says "bit-identical True" per row set; about 25 s a setting). AB_BITS_ARGS goes to the dump:
 # "--depth 8192" compares rows after 8,192 prefilled tokens (attention in 33 splits).
