@@ -49,6 +49,11 @@ def test_every_row_is_measured_on_the_native_backend(tmp_path, tiny_model, toy_n
     assert all(len(d["tokens_generated"]) == 2 for d in details)
     table = capsys.readouterr().out
     assert "| 8 | 2 | 0.7 |" in table and "× greedy" in table and "1.00×" in table   # greedy against itself
+    # each measured row: its samples' range, and with drafts its acceptance per draft
+    rows = {tuple(r.split("|")[2:4]): r.split("|") for r in table.splitlines() if r.startswith("| 8 |")}
+    assert len(rows) == 4 and all("[" in r[4] and "]" in r[4] for r in rows.values())
+    assert all(0 <= float(rows[(" 2 ", t)][6]) <= 1 for t in (" 0 ", " 0.7 "))
+    assert all(rows[(" 0 ", t)][6].strip() == "" for t in (" 0 ", " 0.7 "))
 
 
 def test_the_llama_cpp_backend_measures_too(tmp_path, capsys):

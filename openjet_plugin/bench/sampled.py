@@ -67,8 +67,9 @@ def measure(engine, prompt: list[int], tokens: int, reps: int, temperature: floa
                      "acceptance": round(accepted / proposed, 4) if proposed else None}
 
 
-def run(args, out) -> list[tuple[dict, list[float] | None, str]]:
-    """Every row, each a result or a skip with its reason: [(params, samples or None, reason)]."""
+def run(args, out) -> list[tuple[dict, list[float] | None, str, dict | None]]:
+    """Every row, each a result or a skip with its reason: [(params, samples or None, reason,
+    details or None)]."""
     from .. import load
     from .spec import prompt_tokens
 
@@ -82,7 +83,7 @@ def run(args, out) -> list[tuple[dict, list[float] | None, str]]:
                 p = row_params(args.depth, drafts, t)
                 reason = f"load(draft_depth={drafts}) failed: {type(exc).__name__}: {exc}"
                 out.skip(METRIC, p, reason)
-                rows.append((p, None, reason))
+                rows.append((p, None, reason, None))
             continue
         try:
             prompt = prompt_tokens(engine.n_vocab, max(args.depth, 1))
@@ -93,27 +94,33 @@ def run(args, out) -> list[tuple[dict, list[float] | None, str]]:
                 except Exception as exc:  # noqa: BLE001 - one row's failure is recorded
                     reason = f"{type(exc).__name__}: {exc}"
                     out.skip(METRIC, p, reason)
-                    rows.append((p, None, reason))
+                    rows.append((p, None, reason, None))
                     continue
                 out.result(METRIC, p, "tokens/s", samples)
                 out.details(METRIC, p, details)
-                rows.append((p, samples, ""))
+                rows.append((p, samples, "", details))
         finally:
             engine.close()
     return rows
 
 
 def table(rows) -> str:
-    greedy = {p["drafts"]: statistics.median(s) for p, s, _ in rows if s and p["temperature"] == 0}
-    lines = ["| depth | drafts | temperature | tokens/s (median) | × greedy, same drafts |", "|---|---|---|---|---|"]
-    for p, s, reason in rows:
+    """The rows as markdown: the median with the samples' range, the ratio to the greedy row of the
+    same drafts, and the acceptance per draft (a sampled row's loss against greedy is its acceptance
+    or its cost per cycle; the two columns tell which)."""
+    greedy = {p["drafts"]: statistics.median(s) for p, s, _, _ in rows if s and p["temperature"] == 0}
+    lines = ["| depth | drafts | temperature | tokens/s (median [min, max]) | × greedy, same drafts | acceptance per draft |",
+             "|---|---|---|---|---|---|"]
+    for p, s, reason, details in rows:
+        head = f"| {p['depth']} | {p['drafts']} | {p['temperature']:g} |"
         if not s:
-            lines.append(f"| {p['depth']} | {p['drafts']} | {p['temperature']:g} | not measured: {reason} | |")
+            lines.append(f"{head} not measured: {reason} | | |")
             continue
         m = statistics.median(s)
         g = greedy.get(p["drafts"])
-        lines.append(f"| {p['depth']} | {p['drafts']} | {p['temperature']:g} | {m:.1f} | "
-                     f"{m / g:.2f}× |" if g else f"| {p['depth']} | {p['drafts']} | {p['temperature']:g} | {m:.1f} | |")
+        acc = (details or {}).get("acceptance")
+        lines.append(f"{head} {m:.1f} [{min(s):.1f}, {max(s):.1f}] | {f'{m / g:.2f}×' if g else ''} | "
+                     f"{'' if acc is None else f'{acc:.3f}'} |")
     return "\n".join(lines)
 
 
@@ -144,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"openjet bench (sampled): {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(table(rows))
-    return 0 if all(s for _, s, _ in rows) else 4
+    return 0 if all(s for _, s, _, _ in rows) else 4
 
 
 if __name__ == "__main__":
