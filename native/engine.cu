@@ -805,20 +805,30 @@ void engine_commit_path(Engine &e, const int32_t *path, int n_path) {
     e.result_rows = n_path;
 }
 
-int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
+namespace {
+
+// The arguments oj_cycle and oj_cycle_sampled share, refused by name (`call` names the entry point).
+void check_cycle(const Engine &e, const int32_t *tokens, int n, int n_draft, const int32_t *out_tokens,
+                 const int32_t *out_drafts, const std::string &call) {
     check_tokens(e, tokens, n);
     if (n_draft < 0 || n_draft > OJ_MAX_POSITIONS - 1)
-        fail(OJ_ERR_INVALID_ARGUMENT, "n_draft is " + std::to_string(n_draft) + "; oj_cycle drafts 0.." + std::to_string(OJ_MAX_POSITIONS - 1));
+        fail(OJ_ERR_INVALID_ARGUMENT, "n_draft is " + std::to_string(n_draft) + "; " + call + " drafts 0.." + std::to_string(OJ_MAX_POSITIONS - 1));
     if (!out_tokens) fail(OJ_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
     if (n_draft > 0 && !out_drafts) fail(OJ_ERR_INVALID_ARGUMENT, "out_drafts is NULL with n_draft " + std::to_string(n_draft));
     if (n_draft > 0 && !e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "n_draft " + std::to_string(n_draft) + ": the model has no MTP block");
     if (n_draft > 0 && e.mtp_n_past <= e.n_past)
-        fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle drafts from the MTP row of the current token (position " + std::to_string(e.n_past) +
+        fail(OJ_ERR_INVALID_ARGUMENT, call + " drafts from the MTP row of the current token (position " + std::to_string(e.n_past) +
                                           "), but the MTP rows end at " + std::to_string(e.mtp_n_past));
     // the verify's positions, then MTP rows up to n_past + n + n_draft - 1
     if (e.n_past + n + n_draft > e.n_ctx)
-        fail(OJ_ERR_CONTEXT_FULL, "oj_cycle at n_past " + std::to_string(e.n_past) + " with " + std::to_string(n) + " tokens and " +
+        fail(OJ_ERR_CONTEXT_FULL, call + " at n_past " + std::to_string(e.n_past) + " with " + std::to_string(n) + " tokens and " +
                                       std::to_string(n_draft) + " drafts needs positions past n_ctx " + std::to_string(e.n_ctx));
+}
+
+}  // namespace
+
+int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
+    check_cycle(e, tokens, n, n_draft, out_tokens, out_drafts, "oj_cycle");
     const int P = e.n_past;
     int32_t argmax[OJ_MAX_POSITIONS], drafts[OJ_MAX_POSITIONS];
     verify(e, tokens, n);
@@ -847,7 +857,7 @@ int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *
 
 int engine_cycle_sampled(Engine &e, const int32_t *tokens, int n, int n_draft, const oj_sampling &p, int32_t *out_tokens,
                          int32_t *out_drafts) {
-    check_tokens(e, tokens, n);
+    check_cycle(e, tokens, n, n_draft, out_tokens, out_drafts, "oj_cycle_sampled");
     if (!(p.temperature > 0.0f) || !std::isfinite(p.temperature))
         fail(OJ_ERR_INVALID_ARGUMENT, "sampling temperature is " + std::to_string(p.temperature) +
                                           "; oj_cycle_sampled takes a finite temperature > 0 (greedy requests: oj_cycle)");
@@ -858,19 +868,6 @@ int engine_cycle_sampled(Engine &e, const int32_t *tokens, int n, int n_draft, c
         fail(OJ_ERR_INVALID_ARGUMENT, "sampling top_p is " + std::to_string(p.top_p) + "; it must be in (0, 1]");
     if (!(p.min_p >= 0.0f && p.min_p < 1.0f))
         fail(OJ_ERR_INVALID_ARGUMENT, "sampling min_p is " + std::to_string(p.min_p) + "; it must be in [0, 1)");
-    if (n_draft < 0 || n_draft > OJ_MAX_POSITIONS - 1)
-        fail(OJ_ERR_INVALID_ARGUMENT, "n_draft is " + std::to_string(n_draft) + "; oj_cycle_sampled drafts 0.." +
-                                          std::to_string(OJ_MAX_POSITIONS - 1));
-    if (!out_tokens) fail(OJ_ERR_INVALID_ARGUMENT, "out_tokens is NULL");
-    if (n_draft > 0 && !out_drafts) fail(OJ_ERR_INVALID_ARGUMENT, "out_drafts is NULL with n_draft " + std::to_string(n_draft));
-    if (n_draft > 0 && !e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "n_draft " + std::to_string(n_draft) + ": the model has no MTP block");
-    if (n_draft > 0 && e.mtp_n_past <= e.n_past)
-        fail(OJ_ERR_INVALID_ARGUMENT, "oj_cycle_sampled drafts from the MTP row of the current token (position " +
-                                          std::to_string(e.n_past) + "), but the MTP rows end at " + std::to_string(e.mtp_n_past));
-    if (e.n_past + n + n_draft > e.n_ctx)
-        fail(OJ_ERR_CONTEXT_FULL, "oj_cycle_sampled at n_past " + std::to_string(e.n_past) + " with " + std::to_string(n) +
-                                      " tokens and " + std::to_string(n_draft) + " drafts needs positions past n_ctx " +
-                                      std::to_string(e.n_ctx));
     if (n > 1) {
         // the drafts must be the ones whose distributions the last call kept, for this token here
         bool ours = e.sampled_n_drafts >= n - 1 && e.sampled_n_past == e.n_past && e.sampled_token == tokens[0];
