@@ -189,6 +189,14 @@ int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int3
     });
 }
 
+int32_t oj_graph_stats(const oj_engine *engine, int64_t *replayed, int64_t *direct, int32_t *held) {
+    if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
+    if (replayed) *replayed = engine->e.graph_replays;
+    if (direct) *direct = engine->e.direct_passes;
+    if (held) *held = (int32_t)engine->e.graphs.size();
+    return OJ_OK;
+}
+
 int32_t oj_reset(oj_engine *engine) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     return guarded(engine, [&] {

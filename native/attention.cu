@@ -114,9 +114,11 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
                                          void *__restrict__ k_cache, void *__restrict__ v_cache,
                                          __half *__restrict__ k_scale, __half *__restrict__ v_scale,
                                          int n_head, int n_head_kv, int n_ctx, int pos0, float eps,
-                                         RopeParams rp, uint64_t tree, SeqBatch sb, size_t seq_bytes) {
+                                         RopeParams rp, uint64_t tree, SeqBatch sb, size_t seq_bytes,
+                                         const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
+    if (!SEQS && dyn) pos0 = dyn->pos0;
     extern __shared__ float normed[];
     const int n = blockIdx.x, hh = blockIdx.y, D = blockDim.x, t = threadIdx.x;
     const bool is_q = hh < n_head;
@@ -174,9 +176,11 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
                                  const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
                                  const __half *__restrict__ v_scale, float *__restrict__ part_ml,
                                  float *__restrict__ part_acc, int n_head, int n_head_kv, int n_ctx,
-                                 int pos0, int n_splits, float scale, uint64_t tree, SeqBatch sb, size_t seq_bytes) {
+                                 int pos0, int n_splits, float scale, uint64_t tree, SeqBatch sb, size_t seq_bytes,
+                                 const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
+    if (!SEQS && dyn) pos0 = dyn->pos0;
     constexpr int PER = D / 32;
     using Bits = RowBits<Q8 ? PER : 2 * PER>;
     static_assert(sizeof(Bits) == (Q8 ? PER : 2 * PER), "one load per lane and row");
@@ -290,41 +294,42 @@ __global__ void attention_combine_kernel(const float *__restrict__ part_ml, cons
 // nullptr (the selected sequence's planes, pos0 and tree).
 template <int D, bool Q8, int G>
 void launch_partial_g(int n, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
-                      int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st) {
+                      int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st, const PassArgs *dyn) {
     const SeqBatch none{};
     const dim3 grid(H / G, n, n_splits);
     check_cuda(seqs ? launch(attention_partial_chunked_kernel<D, Q8, CHUNK, G, true>, grid, 32 * PARTIAL_WARPS, 0, st,
                              q_rot, L.kv_base.k_cache, L.kv_base.v_cache, L.kv_base.k_scale, L.kv_base.v_scale,
                              s.part_ml, s.part_acc, H, Hkv, n_ctx, 0, n_splits, scale, (uint64_t)0, *seqs,
-                             L.kv_seq_bytes)
+                             L.kv_seq_bytes, (const PassArgs *)nullptr)
                     : launch(attention_partial_chunked_kernel<D, Q8, CHUNK, G, false>, grid, 32 * PARTIAL_WARPS, 0, st,
                              q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, s.part_ml, s.part_acc, H, Hkv, n_ctx,
-                             pos0, n_splits, scale, tree, none, (size_t)0),
+                             pos0, n_splits, scale, tree, none, (size_t)0, dyn),
                "attention_partial");
 }
 
 template <int D, bool Q8>
 void launch_partial(int n, const Layer &L, const float *q_rot, Scratch &s, int H, int Hkv, int n_ctx, int pos0,
-                    int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st) {
+                    int n_splits, float scale, uint64_t tree, const SeqBatch *seqs, cudaStream_t st, const PassArgs *dyn) {
     if ((H / Hkv) % HEADS_PER_BLOCK == 0)
-        launch_partial_g<D, Q8, HEADS_PER_BLOCK>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st);
+        launch_partial_g<D, Q8, HEADS_PER_BLOCK>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st, dyn);
     else
-        launch_partial_g<D, Q8, 1>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st);
+        launch_partial_g<D, Q8, 1>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st, dyn);
 }
 
 // tree: tree.cuh's word, 0 for a chain (any n: a prefill pass too). seqs: as launch_partial's.
 template <bool Q8>
 void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, const float *v, float *q_rot, int n,
-                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
+                int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr,
+                const PassArgs *dyn = nullptr) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     const SeqBatch none{};
     check_cuda(seqs ? launch(attention_prepare_kernel<Q8, true>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v,
                              L.q_norm, L.k_norm, q_rot, L.kv_base.k_cache, L.kv_base.v_cache, L.kv_base.k_scale,
                              L.kv_base.v_scale, H, Hkv, n_ctx, 0, d.hp.rms_eps, rope_params(d), (uint64_t)0, *seqs,
-                             L.kv_seq_bytes)
+                             L.kv_seq_bytes, (const PassArgs *)nullptr)
                     : launch(attention_prepare_kernel<Q8, false>, dim3(n, H + Hkv), D, D * sizeof(float), st, qg, k, v,
                              L.q_norm, L.k_norm, q_rot, L.k_cache, L.v_cache, L.k_scale, L.v_scale, H, Hkv, n_ctx, pos0,
-                             d.hp.rms_eps, rope_params(d), tree, none, (size_t)0),
+                             d.hp.rms_eps, rope_params(d), tree, none, (size_t)0, dyn),
                "attention_prepare");
 }
 
@@ -332,7 +337,8 @@ void prepare_kv(const ModelDims &d, Layer &L, const float *qg, const float *k, c
 // seqs: as launch_partial's (then as many splits as the furthest position needs).
 template <bool Q8>
 void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, const float *qg, float *out, int n,
-               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
+               int pos0, int n_ctx, cudaStream_t st, uint64_t tree = 0, const SeqBatch *seqs = nullptr,
+               const PassArgs *dyn = nullptr) {
     const int D = d.hp.head_dim, H = d.hp.n_head, Hkv = d.hp.n_head_kv;
     int end = pos0 + n;
     if (seqs) {
@@ -343,9 +349,9 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
     switch (D) {
-        case 64: launch_partial<64, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
-        case 128: launch_partial<128, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
-        case 256: launch_partial<256, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st); break;
+        case 64: launch_partial<64, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st, dyn); break;
+        case 128: launch_partial<128, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st, dyn); break;
+        case 256: launch_partial<256, Q8>(n, L, q_rot, s, H, Hkv, n_ctx, pos0, n_splits, scale, tree, seqs, st, dyn); break;
         default: fail(OJ_ERR_UNSUPPORTED, "attention.key_length must be 64, 128 or 256");
     }
     check_launch("attention_partial");
@@ -355,18 +361,18 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
 
 template <bool Q8>
 void attention_mix_kv(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                      uint64_t tree, const SeqBatch *seqs = nullptr) {
-    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree, seqs);
-    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree, seqs);
+                      uint64_t tree, const SeqBatch *seqs = nullptr, const PassArgs *dyn = nullptr) {
+    prepare_kv<Q8>(d, L, s.qg, s.k, s.v, s.q_rot, n, pos0, n_ctx, st, tree, seqs, dyn);
+    decode_kv<Q8>(d, L, s, s.q_rot, s.qg, s.attn_out, n, pos0, n_ctx, st, tree, seqs, dyn);
 }
 
 }  // namespace
 
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx, cudaStream_t st,
-                   uint64_t tree) {
+                   uint64_t tree, const PassArgs *dyn) {
     switch (L.kv_type) {
-        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree); break;
-        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree); break;
+        case OJ_KV_F16: attention_mix_kv<false>(d, L, s, n, pos0, n_ctx, st, tree, nullptr, dyn); break;
+        case OJ_KV_Q8_0: attention_mix_kv<true>(d, L, s, n, pos0, n_ctx, st, tree, nullptr, dyn); break;
         default: fail(OJ_ERR_UNSUPPORTED, "KV cache type " + std::to_string(L.kv_type) + " has no attention kernel");
     }
 }

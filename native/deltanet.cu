@@ -73,9 +73,11 @@ template <int KERNEL, bool TREE>
 __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_replay,
                                      const float *__restrict__ qkv, int n, const float *__restrict__ w,
                                      float *__restrict__ state, float *__restrict__ out, int C, bool commit,
-                                     uint64_t parents, int norm_heads, int n_key_heads, float eps, float q_scale) {
+                                     uint64_t parents, int norm_heads, int n_key_heads, float eps, float q_scale,
+                                     const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
+    if (dyn) n_replay = dyn->n_replay;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
     if ((int)blockIdx.x < norm_heads)   // the whole block (C is a multiple of S)
@@ -118,9 +120,10 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            const float *__restrict__ alpha_raw, int n,
                            const float *__restrict__ dt_bias, const float *__restrict__ ssm_a,
                            float *__restrict__ state, float *__restrict__ out, int C, int key_dim,
-                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents) {
+                           int n_key_heads, int n_v_heads, bool commit, uint64_t parents, const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
+    if (dyn) n_replay = dyn->n_replay;
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
                       n_key_heads, n_v_heads, commit, TREE ? parents : 0);
@@ -159,7 +162,7 @@ __global__ void deltanet_gated_norm_kernel(float *__restrict__ o, const float *_
 // (parents != 0: the n new ones are a draft tree, tree.cuh's word).
 void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, int n_replay,
                          const RingSlot &cur, int n, float *dn_out, bool commit, cudaStream_t st,
-                         bool recurrence = true, uint64_t parents = 0) {
+                         bool recurrence = true, uint64_t parents = 0, const PassArgs *dyn = nullptr) {
     const int C = d.ssm_conv_dim(), S = d.hp.ssm_d_state, Hk = d.hp.ssm_n_group, Hv = d.hp.ssm_dt_rank;
     const int key_dim = d.ssm_key_dim();
     const int threads = S, blocks = C / S;   // a block per head of the conv output
@@ -173,7 +176,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 #define OJ_CONV(K)                                                                                                  \
     e = launch(tree ? deltanet_conv_kernel<K, true> : deltanet_conv_kernel<K, false>, blocks, threads, 0, st, replay.qkv, \
                n_replay, cur.qkv, n, L.conv1d, L.conv_state, cur.conv, C, commit, parents, fused_norm ? 2 * Hk : 0, Hk, \
-               d.hp.rms_eps, q_scale)
+               d.hp.rms_eps, q_scale, dyn)
     switch (d.hp.ssm_conv_kernel) {
         case 2: OJ_CONV(2); break;
         case 3: OJ_CONV(3); break;
@@ -190,7 +193,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 #define OJ_RECURRENCE(SS)                                                                                         \
     e = launch(tree ? deltanet_recurrence_kernel<SS, true> : deltanet_recurrence_kernel<SS, false>, grid, 128, 0, st,  \
                replay.conv, replay.beta, replay.alpha, n_replay, cur.conv, cur.beta, cur.alpha, n, L.dt_bias, L.ssm_a,  \
-               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents)
+               L.ssm_state, dn_out, C, key_dim, Hk, Hv, commit, parents, dyn)
     switch (S) {
         case 32: OJ_RECURRENCE(32); break;
         case 64: OJ_RECURRENCE(64); break;
@@ -204,8 +207,8 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
 }  // namespace
 
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t parents) {
-    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents);
+                  cudaStream_t st, uint64_t parents, const PassArgs *dyn) {
+    conv_and_recurrence(d, L, L.ring[replay_slot], n_replay, L.ring[slot], n, s.dn_out, false, st, true, parents, dyn);
 }
 
 void deltanet_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const RingSlot &cur, const SeqBatch &b,

@@ -38,6 +38,8 @@ void *Engine::alloc(size_t bytes, uint64_t &counter) {
 }
 
 void Engine::release_all() {
+    for (PassGraph &g : graphs) cudaGraphExecDestroy(g.exec);
+    graphs.clear();
     for (cudaEvent_t ev : prof.events) cudaEventDestroy(ev);
     prof.events.clear();
     for (void *p : allocations) cudaFree(p);
@@ -361,7 +363,9 @@ void alloc_scratch(Engine &e) {
     Scratch &s = e.s;
     uint64_t &c = e.memory.activations;
     auto f = [&](int64_t count) { return static_cast<float *>(e.alloc(count * sizeof(float), c)); };
-    s.tokens = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
+    static_assert(sizeof(PassArgs) % sizeof(int32_t) == 0, "PassArgs in int32 words");
+    s.tokens = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t) + sizeof(PassArgs), c));
+    s.pass = reinterpret_cast<PassArgs *>(s.tokens + N);
     s.x = f(N * E);
     s.xn = f(N * E);
     s.ffn_gate = f((int64_t)N * d.hp.n_ff);
@@ -449,7 +453,8 @@ void ffn(Engine &e, Layer &L, int n, bool &sums) {
 // attn_norm(s.x) -> gated attention added into s.x (`tree`: the positions' shape, oj_verify_tree;
 // `seqs`: oj_eval_seqs's positions, pos0 and tree unused).
 // sums: as ffn's.
-void attention_layer(Engine &e, Layer &L, int n, int pos0, bool &sums, uint64_t tree = 0, const SeqBatch *seqs = nullptr) {
+void attention_layer(Engine &e, Layer &L, int n, int pos0, bool &sums, uint64_t tree = 0, const SeqBatch *seqs = nullptr,
+                     const PassArgs *dyn = nullptr) {
     Scratch &s = e.s;
     const Matrix *w[] = {&L.wq, &L.wk, &L.wv};
     float *const y[] = {s.qg, s.k, s.v};
@@ -464,7 +469,7 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0, bool &sums, uint64_t 
     const uint64_t kv = rows * e.dims.kv_dim() * 2;
     stamp(e, PH_AT_CORE, L.kv_type == OJ_KV_F16 ? kv * 2 : kv * 34 / 32);
     if (seqs) attention_mix_seqs(e.dims, L, s, n, *seqs, e.n_ctx, e.stream);
-    else attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree);
+    else attention_mix(e.dims, L, s, n, pos0, e.n_ctx, e.stream, tree, dyn);
     stamp(e, PH_AT_OUT, weight_bytes(L.wo));
     sums = matvec_residual(L.wo, s.attn_out, s.x, n, e.stream);
 }
@@ -473,7 +478,7 @@ void attention_layer(Engine &e, Layer &L, int n, int pos0, bool &sums, uint64_t 
 // this evaluation (kept for the replay). `seqs`: oj_eval_seqs's positions, each sequence's state
 // advanced in the pass (the selected sequence's free ring slot is only scratch then).
 // sums: as ffn's.
-void deltanet_layer(Engine &e, Layer &L, int n, bool &sums, const SeqBatch *seqs = nullptr) {
+void deltanet_layer(Engine &e, Layer &L, int n, bool &sums, const SeqBatch *seqs = nullptr, const PassArgs *dyn = nullptr) {
     Scratch &s = e.s;
     const RingSlot &r = L.ring[e.slot];
     const Matrix *w[] = {&L.wqkv, &L.wgate, &L.wbeta, &L.walpha};
@@ -484,7 +489,7 @@ void deltanet_layer(Engine &e, Layer &L, int n, bool &sums, const SeqBatch *seqs
     const ModelDims &d = e.dims;
     stamp(e, PH_DN_MIX, 2 * 4 * (recurrent_floats(d)));
     if (seqs) deltanet_mix_seqs(e.dims, L, s, n, r, *seqs, e.stream);
-    else deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree);
+    else deltanet_mix(e.dims, L, s, n, e.slot, e.replay_slot, e.replay_n, e.stream, e.tree, dyn);
     stamp(e, PH_DN_OUT, weight_bytes(L.wssm_out));
     sums = matvec_gated_norm(L.wssm_out, s.dn_out, s.z, L.ssm_norm, d.hp.ssm_dt_rank, d.hp.ssm_d_state, d.hp.rms_eps, s.x, n,
                              true, e.stream);
@@ -642,22 +647,23 @@ void commit_rows(Engine &e, int n_accept) {
 
 // The main model over the n positions whose tokens are in s.tokens, onto the stream: embedding,
 // every layer, the output norm into `h` ([n][E]), head and argmax into s.logits / s.argmax; profiled
-// from t0 when oj_profile is on. pos0 and tree place a verify's positions (oj_verify, oj_verify_tree),
-// seqs oj_eval_seqs' (pos0 and tree unused then).
-void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, float *h,
-               std::chrono::steady_clock::time_point t0) {
+// when oj_profile is on. pos0 and tree place a verify's positions (oj_verify, oj_verify_tree), seqs
+// oj_eval_seqs' (pos0 and tree unused then); dyn: a captured chain pass's (run_pass), pos0 and the
+// replay count read from there.
+void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, float *h, const PassArgs *dyn = nullptr) {
     const ModelDims &d = e.dims;
     const int E = d.hp.n_embd;
     Scratch &s = e.s;
     e.prof.active = e.prof.on;
     e.prof.used = 0;   // a pass that failed half-way left its events behind
+    if (!dyn) ++e.direct_passes;
     stamp(e, PH_EMBED);
     embed_rows(e.tok_embd, s.tokens, s.x, n, e.stream);
     bool sums = false;   // the embedding leaves no row-tile sums
     for (int il = 0; il < d.hp.n_layer; ++il) {
         Layer &L = e.layers[il];
-        if (L.recurrent) deltanet_layer(e, L, n, sums, seqs);
-        else attention_layer(e, L, n, pos0, sums, tree, seqs);
+        if (L.recurrent) deltanet_layer(e, L, n, sums, seqs, dyn);
+        else attention_layer(e, L, n, pos0, sums, tree, seqs, dyn);
         ffn(e, L, n, sums);
     }
     stamp(e, PH_NORM);
@@ -669,10 +675,113 @@ void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, 
     argmax_rows(s.logits, s.argmax, n, d.hp.n_vocab, s.rows, e.stream);
     stamp(e, -1);
     e.prof.active = false;
-    if (e.prof.host) {
-        e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        ++e.prof.host_passes;
+}
+
+// oj_profile's host time: from the pass's start (t0) to its last launch enqueued.
+void host_time(Engine &e, std::chrono::steady_clock::time_point t0) {
+    if (!e.prof.host) return;
+    e.prof.host_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    ++e.prof.host_passes;
+}
+
+// Why chain passes are replayed from CUDA graphs (issue 25): a pass is ~700 dependent launches, and
+// from a stream each costs the GPU 1-3 us beside its work even under PDL, where a graph's costs
+// 0.4-0.9 us (bench/results/2026-12-05-launch-chain-*.txt: empty kernels 2.0 -> 0.5-0.8 us on an
+// H100, 4.5 -> 0.4-0.9 us on an H200). The graph holds its shape's launches (positions, ring slots,
+// sequence, attention splits, the matvec workspaces' addresses) and reads the rest from s.pass.
+// A capture that fails (GRAPH_TRIES in a row) leaves the engine on direct launches for good.
+constexpr int GRAPH_TRIES = 3;
+
+// The graph of a chain pass over n positions at e.n_past, captured now (nullptr where the capture
+// failed: nothing ran; the caller launches directly). Replaces `reuse` (the same shape with other
+// splits or workspaces) in place where cudaGraphExecUpdate takes it, else the least recently used
+// graph once MAX_GRAPHS are held.
+Engine::PassGraph *capture_pass(Engine &e, int n, float *h, int splits, uint64_t workspaces, Engine::PassGraph *reuse) {
+    cudaGraph_t g = nullptr;
+    if (cudaStreamBeginCapture(e.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
+        cudaGetLastError();
+        ++e.graph_failures;
+        return nullptr;
     }
+    bool launched = true;
+    try {
+        main_pass(e, n, e.n_past, 0, nullptr, h, e.s.pass);
+    } catch (const Error &) {   // a launch refused under capture; the direct launches report it if it is real
+        launched = false;
+    }
+    const cudaError_t ended = cudaStreamEndCapture(e.stream, &g);
+    cudaGetLastError();
+    if (!launched || ended != cudaSuccess || !g) {
+        if (g) cudaGraphDestroy(g);
+        ++e.graph_failures;
+        return nullptr;
+    }
+    Engine::PassGraph *slot = nullptr;
+    if (reuse) {
+        cudaGraphExecUpdateResultInfo info;
+        if (cudaGraphExecUpdate(reuse->exec, g, &info) == cudaSuccess) slot = reuse;
+        else {
+            cudaGetLastError();
+            cudaGraphExecDestroy(reuse->exec);
+            reuse->exec = nullptr;
+        }
+    }
+    if (!slot) {
+        cudaGraphExec_t exec = nullptr;
+        if (cudaGraphInstantiate(&exec, g, 0) != cudaSuccess) {
+            cudaGetLastError();
+            cudaGraphDestroy(g);
+            if (reuse) e.graphs.erase(e.graphs.begin() + (reuse - e.graphs.data()));
+            ++e.graph_failures;
+            return nullptr;
+        }
+        if (reuse) slot = reuse;
+        else if ((int)e.graphs.size() < Engine::MAX_GRAPHS) {
+            e.graphs.push_back({});
+            slot = &e.graphs.back();
+        } else {
+            slot = &*std::min_element(e.graphs.begin(), e.graphs.end(),
+                                      [](const Engine::PassGraph &a, const Engine::PassGraph &b) { return a.used < b.used; });
+            cudaGraphExecDestroy(slot->exec);
+        }
+        slot->exec = exec;
+    }
+    cudaGraphDestroy(g);
+    *slot = {n, e.slot, e.replay_slot, e.cur_seq, splits, workspaces, slot->exec, 0};
+    e.graph_failures = 0;
+    return slot;
+}
+
+// A chain pass (oj_verify, oj_eval, oj_cycle) over n positions at e.n_past, the tokens and the
+// call's PassArgs already sent to s.tokens / s.pass: replayed from its shape's graph (captured on
+// first use), or launched directly where the pass is profiled (events at the phase boundaries) or
+// graphs failed.
+void run_pass(Engine &e, int n, float *h) {
+    if (e.prof.on || e.graph_failures >= GRAPH_TRIES) {
+        main_pass(e, n, e.n_past, 0, nullptr, h);
+        return;
+    }
+    const int splits = attention_splits_for(e.n_past + n);
+    const uint64_t workspaces = matvec_workspace_generation();
+    Engine::PassGraph *hit = nullptr, *reuse = nullptr;
+    for (Engine::PassGraph &g : e.graphs)
+        if (g.n == n && g.slot == e.slot && g.replay_slot == e.replay_slot && g.seq == e.cur_seq) {
+            if (g.splits == splits && g.workspaces == workspaces) hit = &g;
+            else reuse = &g;
+        }
+    if (!hit) hit = capture_pass(e, n, h, splits, workspaces, reuse);
+    if (!hit) {
+        try {
+            main_pass(e, n, e.n_past, 0, nullptr, h);
+        } catch (const Error &) {   // the capture failed for the launches' own error, not the graph's
+            --e.graph_failures;
+            throw;
+        }
+        return;
+    }
+    hit->used = ++e.graph_clock;
+    check_cuda(cudaGraphLaunch(hit->exec, e.stream), "eval: the pass's graph");
+    ++e.graph_replays;
 }
 
 // parent: a checked parent array (oj_verify_tree) or nullptr (a chain).
@@ -685,7 +794,12 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     const ModelDims &d = e.dims;
     const int E = d.hp.n_embd;
     Scratch &s = e.s;
-    check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    // the tokens and the chain pass's PassArgs in one copy (s.pass follows s.tokens)
+    int32_t sent[OJ_MAX_POSITIONS + sizeof(PassArgs) / sizeof(int32_t)] = {};
+    std::memcpy(sent, tokens, n * sizeof(int32_t));
+    const PassArgs args{e.n_past, e.replay_n};
+    std::memcpy(sent + OJ_MAX_POSITIONS, &args, sizeof(args));
+    check_cuda(cudaMemcpyAsync(s.tokens, sent, sizeof(sent), cudaMemcpyHostToDevice, e.stream), "copy tokens");
     // A verify that was never committed is dropped (as oj_commit(0) would).
     e.uncommitted = 0;
     e.tree = tree;
@@ -696,7 +810,9 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     else if (e.prev_row != 0)
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
-    main_pass(e, n, e.n_past, tree, nullptr, s.hidden + E, t0);
+    if (tree) main_pass(e, n, e.n_past, tree, nullptr, s.hidden + E);
+    else run_pass(e, n, s.hidden + E);
+    host_time(e, t0);
     finish(e, "eval");
     collect(e);
     // the replay is in the state now; this evaluation's positions wait in e.slot for oj_commit
@@ -977,7 +1093,8 @@ void engine_eval_seqs(Engine &e, const int32_t *seqs, const int32_t *tokens, int
     const auto t0 = std::chrono::steady_clock::now();
     check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
     float *h = s.h_in;   // the pass's hidden rows (the MTP block's input buffer, free here)
-    main_pass(e, n, 0, 0, &b, h, t0);
+    main_pass(e, n, 0, 0, &b, h);
+    host_time(e, t0);
     // each sequence's hidden window as after its own one-token oj_eval: row 0 = h of the position
     // before (zeros at position 0), row 1 = the new one's
     for (int t = 0; t < n; ++t) {

@@ -115,6 +115,14 @@ struct SeqBatch {
     int32_t pos[OJ_MAX_POSITIONS];
 };
 
+// A chain pass's values that change from call to call (issue 25): the kernels of a captured pass
+// (engine.cu, PassGraph) read them from device memory (Scratch::pass, written with the tokens before
+// the graph's launch), so one graph serves every call of its shape. nullptr: the launch's own values.
+struct PassArgs {
+    int32_t pos0;       // the first position's cache row (n_past)
+    int32_t n_replay;   // accepted positions of the other ring slot to replay first
+};
+
 struct Layer {
     bool recurrent = false;
     float *attn_norm = nullptr, *post_norm = nullptr;
@@ -156,7 +164,8 @@ struct Mtp {
 
 // Activation buffers, sized for OJ_MAX_POSITIONS positions.
 struct Scratch {
-    int32_t *tokens = nullptr;
+    int32_t *tokens = nullptr;                         // [N], then the pass's PassArgs
+    PassArgs *pass = nullptr;                          // = tokens + OJ_MAX_POSITIONS: one copy sends both
     float *x = nullptr, *xn = nullptr;                 // residual stream, normed input [N][E]
     float *ffn_gate = nullptr, *ffn_up = nullptr;      // [N][n_ff]
     float *z = nullptr, *dn_out = nullptr;             // [N][value_dim]
@@ -288,6 +297,19 @@ struct Engine : SeqState {
     int n_draft_ids = 0;              // 0: the draft head scores the whole vocabulary
     std::vector<Checkpoint> checkpoints;
     Profile prof;
+    // Captured chain passes (engine.cu, run_pass): a pass's launches as one CUDA graph per shape,
+    // replayed with the call's PassArgs; at most MAX_GRAPHS, the least recently used replaced.
+    struct PassGraph {
+        int n, slot, replay_slot, seq, splits;
+        uint64_t workspaces;       // matvec_workspace_generation() when captured (a grown one is freed)
+        cudaGraphExec_t exec;
+        uint64_t used;
+    };
+    static constexpr int MAX_GRAPHS = 32;
+    std::vector<PassGraph> graphs;
+    uint64_t graph_clock = 0;
+    int graph_failures = 0;        // captures that failed in a row; direct launches after GRAPH_TRIES
+    int64_t graph_replays = 0, direct_passes = 0;   // oj_graph_stats
 
     // oj_seq_state_save / load's copies (engine.cu, StateCopy): on copy_stream, beside the passes on
     // stream, through two pinned staging buffers allocated at the first copy; copy_mutex runs them
@@ -369,6 +391,9 @@ void check_no_piece(const Engine &e, int seq, const char *what);
 // --- launchers (each in the file of its kernel) --------------------------------------------
 // matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st);
+// matvec.cu: how many times a matvec workspace was replaced (a captured pass holds the old one's
+// address: engine.cu captures again after a change).
+uint64_t matvec_workspace_generation();
 // matvec.cu: y_i[n][:] = W_i x[n] for the n matrices (same K) that read one x, e.g. a layer's
 // projections of its normed input: on the fp16 path runs of up to 4 of one type share one prepared
 // x and one launch (each output as its own matvec would give it at the launch's split), anything
@@ -439,8 +464,9 @@ void sample_draft(const SampleTop *cand, const oj_sampling &p, int ctr, SampleDi
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 // `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
 // follow each node's ancestors).
+// dyn: n_replay read from device memory instead (a captured pass).
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
-                  cudaStream_t st, uint64_t tree = 0);
+                  cudaStream_t st, uint64_t tree = 0, const PassArgs *dyn = nullptr);
 // deltanet.cu: the mixer for the positions of oj_eval_seqs, position t the next of sequence
 // b.seq[t] (its conv and ssm state at Layer::conv_base / ssm_base + seq * the per-sequence floats),
 // from ring slot `cur` to s.dn_out, each sequence's state ADVANCED by its position (committed in
@@ -464,8 +490,9 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 // `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
 // its depth, attention over the committed rows and its path's (tree_path_rows).
+// dyn: pos0 read from device memory instead (a captured pass; the splits stay those of the pos0 given).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
-                   cudaStream_t st, uint64_t tree = 0);
+                   cudaStream_t st, uint64_t tree = 0, const PassArgs *dyn = nullptr);
 // attention.cu: attention_mix for the positions of oj_eval_seqs, position t at b.pos[t] in
 // sequence b.seq[t]'s KV cache (Layer::kv_base + seq * kv_seq_bytes).
 void attention_mix_seqs(const ModelDims &d, Layer &L, Scratch &s, int n, const SeqBatch &b, int n_ctx, cudaStream_t st);

@@ -34,6 +34,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -43,7 +44,6 @@
 #include "dequant.cuh"
 #include "engine.cuh"
 #include "matvec_f16.cuh"
-#include "pdl.cuh"
 #include "pdl.cuh"
 
 namespace oj {
@@ -659,6 +659,8 @@ int path() { return g_path; }
 // The fp16 path (matvec_f16.cuh: x in fp16 under a power-of-two scale per vector and super-block,
 // the weights dequantised exactly in fp16) for Q4_K and Q6_K; its workspace per (device, stream),
 // grown on demand.
+std::atomic<uint64_t> g_workspace_generation{0};
+
 void *f16_workspace(int64_t K, cudaStream_t st) {
     struct Buf {
         void *p = nullptr;
@@ -677,6 +679,7 @@ void *f16_workspace(int64_t K, cudaStream_t st) {
             if (b.p) {   // the old buffer may still be in use on the stream
                 check_cuda(cudaStreamSynchronize(st), "matvec f16: sync before growing the workspace");
                 check_cuda(cudaFree(b.p), "matvec f16: cudaFree");
+                ++g_workspace_generation;
             }
             b.p = nullptr;
             check_cuda(cudaMalloc(&b.p, std::max<size_t>(need, matvec_f16_workspace_bytes(32768))), "matvec f16: workspace");
@@ -739,6 +742,8 @@ __global__ void embed_kernel(const Matrix w, const int32_t *__restrict__ tokens,
 }
 
 }  // namespace
+
+uint64_t matvec_workspace_generation() { return g_workspace_generation.load(); }
 
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st) {
     launch_any(w, x, y, n_vec, accumulate, nullptr, w.M, st, "matvec");

@@ -35,7 +35,7 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 13, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
+enum { OJ_ABI_VERSION = 14, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -174,6 +174,12 @@ int32_t oj_memory(const oj_engine *engine, oj_memory_report *out);
 int32_t oj_profile(oj_engine *engine, int32_t on);
 int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
                         double *span_ms, double *host_ms);
+/* The main model's chain passes (oj_verify, oj_eval, oj_cycle; ABI 14) replay CUDA graphs, one per
+   shape (positions, ring slots, sequence, attention splits) captured at its first use; a profiled
+   pass (oj_profile 1), a draft tree and oj_eval_seqs launch their kernels directly, as does every
+   pass once captures failed 3 times in a row. oj_graph_stats: the passes replayed from a graph and
+   launched directly since the engine was made, and the graphs held (any pointer may be NULL). */
+int32_t oj_graph_stats(const oj_engine *engine, int64_t *replayed, int64_t *direct, int32_t *held);
 /* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches; a prompt
    piece of it in flight (oj_prefill_layers) is dropped. */
 int32_t oj_reset(oj_engine *engine);

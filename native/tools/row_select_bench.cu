@@ -270,7 +270,7 @@ int main() {
         CK(cudaFree(dtok));
         int df;
         const double x = chi2(seen, want, DRAWS, &df);
-        const double pv = chi2_p(x, df);
+        const double pv = df > 0 ? chi2_p(x, df) : 1.0;   // one survivor: no statistic, every draw must be it
         std::printf("sample_draft T %.2f top_k %d top_p %.2f min_p %.2f: %zu survivors, |q - host| max %.2e, chi2 %.1f df %d p %.3g\n",
                     p0.temperature, p0.top_k, p0.top_p, p0.min_p, want.size(), max_err, x, df, pv);
         check(seen.back() == 0, "sample_draft drew a token outside the survivors");
@@ -326,7 +326,7 @@ int main() {
         }
         int df;
         const double x = chi2(seen, pd, DRAWS, &df);
-        const double pv = chi2_p(x, df);
+        const double pv = df > 0 ? chi2_p(x, df) : 1.0;
         const double rate = (double)accepted / DRAWS;
         std::printf("sample_verify: acceptance %.4f (sum min(p, q) %.4f), emitted token chi2 %.1f df %d p %.3g\n", rate,
                     overlap, x, df, pv);

@@ -95,6 +95,7 @@ TREE_ABI = 6                 # the first oj_abi_version() with oj_verify_tree / 
 DRAFT_TREE_ABI = 8           # the first oj_abi_version() with oj_draft_tree
 PIECE_ABI = 12               # the first oj_abi_version() with oj_prefill_layers
 SAMPLED_CYCLE_ABI = 13       # the first oj_abi_version() with oj_cycle_sampled
+GRAPH_ABI = 14               # the first oj_abi_version() with oj_graph_stats (chain passes from CUDA graphs)
 SAMPLE_TOP_MAX = 64          # OJ_SAMPLE_TOP_MAX: the largest top_k oj_cycle_sampled draws under
 PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
@@ -1363,6 +1364,18 @@ class NativeBackend:
         phases = [{"name": ffi.string(r.name).decode(), "calls": int(r.calls), "launches": int(r.launches),
                    "ms": float(r.ms), "bytes": int(r.bytes)} for r in rows[0:n[0]]]
         return {"passes": int(passes[0]), "span_ms": float(span[0]), "host_ms": float(host[0]), "phases": phases}
+
+    @_on_engine
+    def graph_stats(self) -> dict | None:
+        """oj_graph_stats: {"replayed", "direct", "held"}: the main-model passes replayed from a
+        captured CUDA graph and launched directly since the engine was made, and the graphs held;
+        None from a library before ABI 14 (every pass launched directly)."""
+        ffi, lib = self._nl.ffi, self._nl.lib
+        if int(lib.oj_abi_version()) < GRAPH_ABI:
+            return None
+        replayed, direct, held = ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("int32_t *")
+        self._check(lib.oj_graph_stats(self._handle(), replayed, direct, held), "graph_stats")
+        return {"replayed": int(replayed[0]), "direct": int(direct[0]), "held": int(held[0])}
 
     @_on_engine
     def debug_fault(self, kind: int) -> None:

@@ -33,7 +33,7 @@ PY
 # a missing package once stopped the whole suite at collection)
 export OPENJET_GPU_REPORT="$OUT/report.jsonl" OPENJET_GPU_MODELS=${OPENJET_GPU_MODELS:-$PWD/.gpumodels}
 rm -f "$OPENJET_GPU_REPORT"
-timeout "${PYTEST_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu ${PYTEST_FILES:-tests/test_native_gpu.py tests/test_native_spec_gpu.py tests/test_native_prefill_gpu.py tests/test_native_cycle_gpu.py tests/test_native_cycle_sampled_gpu.py tests/test_native_tree_gpu.py tests/test_native_seqs_gpu.py tests/test_native_seqs_engine_gpu.py tests/test_constraints_gpu.py tests/test_bench_agreement.py tests/test_bench_bits.py} \
+timeout "${PYTEST_TIMEOUT:-480}" python3 -m pytest -p no:cacheprovider -q -rs -m gpu ${PYTEST_FILES:-tests/test_native_gpu.py tests/test_native_spec_gpu.py tests/test_native_prefill_gpu.py tests/test_native_cycle_gpu.py tests/test_native_cycle_sampled_gpu.py tests/test_native_graph_gpu.py tests/test_native_tree_gpu.py tests/test_native_seqs_gpu.py tests/test_native_seqs_engine_gpu.py tests/test_constraints_gpu.py tests/test_bench_agreement.py tests/test_bench_bits.py} \
     -n "${PYTEST_WORKERS:-6}" --timeout 450 --continue-on-collection-errors ${PYTEST_ARGS:-} >"$OUT/pytest.log" 2>&1
 rc=$?
 grep -E "passed|failed|error|skipped" "$OUT/pytest.log" | tail -3
