@@ -118,7 +118,10 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
                                          const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
-    if (!SEQS && dyn) pos0 = dyn->pos0;
+    if (!SEQS && dyn) {
+        pos0 = dyn->pos0;
+        tree = dyn->tree;
+    }
     extern __shared__ float normed[];
     const int n = blockIdx.x, hh = blockIdx.y, D = blockDim.x, t = threadIdx.x;
     const bool is_q = hh < n_head;
@@ -180,7 +183,10 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
                                  const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
-    if (!SEQS && dyn) pos0 = dyn->pos0;
+    if (!SEQS && dyn) {
+        pos0 = dyn->pos0;
+        tree = dyn->tree;
+    }
     constexpr int PER = D / 32;
     using Bits = RowBits<Q8 ? PER : 2 * PER>;
     static_assert(sizeof(Bits) == (Q8 ? PER : 2 * PER), "one load per lane and row");

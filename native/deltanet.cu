@@ -77,7 +77,10 @@ __global__ void deltanet_conv_kernel(const float *__restrict__ replay_in, int n_
                                      const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
-    if (dyn) n_replay = dyn->n_replay;
+    if (dyn) {
+        n_replay = dyn->n_replay;
+        parents = dyn->tree;
+    }
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c < C) conv_channel<KERNEL>(c, replay_in, n_replay, qkv, n, w, state, out, C, commit, TREE ? parents : 0);
     if ((int)blockIdx.x < norm_heads)   // the whole block (C is a multiple of S)
@@ -123,7 +126,10 @@ deltanet_recurrence_kernel(const float *__restrict__ replay_conv, const float *_
                            int n_key_heads, int n_v_heads, bool commit, uint64_t parents, const PassArgs *dyn) {
     pdl_launch_dependents();
     pdl_wait();
-    if (dyn) n_replay = dyn->n_replay;
+    if (dyn) {
+        n_replay = dyn->n_replay;
+        parents = dyn->tree;
+    }
     recurrence_row<S>(blockIdx.x, blockIdx.y * 4 + (threadIdx.x >> 5), threadIdx.x & 31, replay_conv, replay_beta,
                       replay_alpha, n_replay, conv_out, beta_raw, alpha_raw, n, dt_bias, ssm_a, state, out, C, key_dim,
                       n_key_heads, n_v_heads, commit, TREE ? parents : 0);

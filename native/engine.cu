@@ -684,19 +684,21 @@ void host_time(Engine &e, std::chrono::steady_clock::time_point t0) {
     ++e.prof.host_passes;
 }
 
-// Why chain passes are replayed from CUDA graphs (issue 25): a pass is ~700 dependent launches, and
+// Why verify passes are replayed from CUDA graphs (issue 25): a pass is ~700 dependent launches, and
 // from a stream each costs the GPU 1-3 us beside its work even under PDL, where a graph's costs
 // 0.4-0.9 us (bench/results/2026-12-05-launch-chain-*.txt: empty kernels 2.0 -> 0.5-0.8 us on an
 // H100, 4.5 -> 0.4-0.9 us on an H200). The graph holds its shape's launches (positions, ring slots,
-// sequence, attention splits, the matvec workspaces' addresses) and reads the rest from s.pass.
+// sequence, attention splits, chain or tree kernels, the matvec workspaces' addresses) and reads the
+// rest (first position, replay count, tree word) from s.pass.
 // A capture that fails (GRAPH_TRIES in a row) leaves the engine on direct launches for good.
 constexpr int GRAPH_TRIES = 3;
 
-// The graph of a chain pass over n positions at e.n_past, captured now (nullptr where the capture
+// The graph of a pass over n positions at e.n_past (tree: their shape), captured now (nullptr where the capture
 // failed: nothing ran; the caller launches directly). Replaces `reuse` (the same shape with other
 // splits or workspaces) in place where cudaGraphExecUpdate takes it, else the least recently used
 // graph once MAX_GRAPHS are held.
-Engine::PassGraph *capture_pass(Engine &e, int n, float *h, int splits, uint64_t workspaces, Engine::PassGraph *reuse) {
+Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int splits, uint64_t workspaces,
+                                Engine::PassGraph *reuse) {
     cudaGraph_t g = nullptr;
     if (cudaStreamBeginCapture(e.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
         cudaGetLastError();
@@ -705,7 +707,7 @@ Engine::PassGraph *capture_pass(Engine &e, int n, float *h, int splits, uint64_t
     }
     bool launched = true;
     try {
-        main_pass(e, n, e.n_past, 0, nullptr, h, e.s.pass);
+        main_pass(e, n, e.n_past, tree, nullptr, h, e.s.pass);
     } catch (const Error &) {   // a launch refused under capture; the direct launches report it if it is real
         launched = false;
     }
@@ -747,32 +749,32 @@ Engine::PassGraph *capture_pass(Engine &e, int n, float *h, int splits, uint64_t
         slot->exec = exec;
     }
     cudaGraphDestroy(g);
-    *slot = {n, e.slot, e.replay_slot, e.cur_seq, splits, workspaces, slot->exec, 0};
+    *slot = {n, e.slot, e.replay_slot, e.cur_seq, splits, tree != 0, workspaces, slot->exec, 0};
     e.graph_failures = 0;
     return slot;
 }
 
-// A chain pass (oj_verify, oj_eval, oj_cycle) over n positions at e.n_past, the tokens and the
-// call's PassArgs already sent to s.tokens / s.pass: replayed from its shape's graph (captured on
-// first use), or launched directly where the pass is profiled (events at the phase boundaries) or
-// graphs failed.
-void run_pass(Engine &e, int n, float *h) {
+// A pass of oj_verify, oj_eval, oj_cycle or oj_verify_tree over n positions at e.n_past (`tree`:
+// their shape, tree.cuh's word), the tokens and the call's PassArgs already sent to s.tokens /
+// s.pass: replayed from its shape's graph (captured on first use), or launched directly where the
+// pass is profiled (events at the phase boundaries) or graphs failed.
+void run_pass(Engine &e, int n, uint64_t tree, float *h) {
     if (e.prof.on || e.graph_failures >= GRAPH_TRIES) {
-        main_pass(e, n, e.n_past, 0, nullptr, h);
+        main_pass(e, n, e.n_past, tree, nullptr, h);
         return;
     }
     const int splits = attention_splits_for(e.n_past + n);
     const uint64_t workspaces = matvec_workspace_generation();
     Engine::PassGraph *hit = nullptr, *reuse = nullptr;
     for (Engine::PassGraph &g : e.graphs)
-        if (g.n == n && g.slot == e.slot && g.replay_slot == e.replay_slot && g.seq == e.cur_seq) {
+        if (g.n == n && g.slot == e.slot && g.replay_slot == e.replay_slot && g.seq == e.cur_seq && g.tree == (tree != 0)) {
             if (g.splits == splits && g.workspaces == workspaces) hit = &g;
             else reuse = &g;
         }
-    if (!hit) hit = capture_pass(e, n, h, splits, workspaces, reuse);
+    if (!hit) hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);
     if (!hit) {
         try {
-            main_pass(e, n, e.n_past, 0, nullptr, h);
+            main_pass(e, n, e.n_past, tree, nullptr, h);
         } catch (const Error &) {   // the capture failed for the launches' own error, not the graph's
             --e.graph_failures;
             throw;
@@ -797,7 +799,7 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     // the tokens and the chain pass's PassArgs in one copy (s.pass follows s.tokens)
     int32_t sent[OJ_MAX_POSITIONS + sizeof(PassArgs) / sizeof(int32_t)] = {};
     std::memcpy(sent, tokens, n * sizeof(int32_t));
-    const PassArgs args{e.n_past, e.replay_n};
+    const PassArgs args{e.n_past, e.replay_n, tree};
     std::memcpy(sent + OJ_MAX_POSITIONS, &args, sizeof(args));
     check_cuda(cudaMemcpyAsync(s.tokens, sent, sizeof(sent), cudaMemcpyHostToDevice, e.stream), "copy tokens");
     // A verify that was never committed is dropped (as oj_commit(0) would).
@@ -810,8 +812,7 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     else if (e.prev_row != 0)
         check_cuda(cudaMemcpyAsync(s.hidden, s.hidden + (size_t)e.prev_row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "hidden window");
     e.prev_row = 0;
-    if (tree) main_pass(e, n, e.n_past, tree, nullptr, s.hidden + E);
-    else run_pass(e, n, s.hidden + E);
+    run_pass(e, n, tree, s.hidden + E);
     host_time(e, t0);
     finish(e, "eval");
     collect(e);

@@ -121,6 +121,7 @@ struct SeqBatch {
 struct PassArgs {
     int32_t pos0;       // the first position's cache row (n_past)
     int32_t n_replay;   // accepted positions of the other ring slot to replay first
+    uint64_t tree;      // the positions' shape (tree.cuh's word; 0: a chain)
 };
 
 struct Layer {
@@ -301,6 +302,7 @@ struct Engine : SeqState {
     // replayed with the call's PassArgs; at most MAX_GRAPHS, the least recently used replaced.
     struct PassGraph {
         int n, slot, replay_slot, seq, splits;
+        bool tree;                 // a draft tree's kernels (any tree of n nodes) or a chain's
         uint64_t workspaces;       // matvec_workspace_generation() when captured (a grown one is freed)
         cudaGraphExec_t exec;
         uint64_t used;
@@ -464,7 +466,8 @@ void sample_draft(const SampleTop *cand, const oj_sampling &p, int ctr, SampleDi
 // alpha already projected there) to s.dn_out (before the gated norm), committing nothing.
 // `tree`: the positions' shape (tree.cuh; 0: a chain; else a tree's conv windows and recurrences
 // follow each node's ancestors).
-// dyn: n_replay read from device memory instead (a captured pass).
+// dyn: n_replay and the tree's word read from device memory instead (a captured pass; `tree` still
+// picks the kernels: a chain's or a tree's).
 void deltanet_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int slot, int replay_slot, int n_replay,
                   cudaStream_t st, uint64_t tree = 0, const PassArgs *dyn = nullptr);
 // deltanet.cu: the mixer for the positions of oj_eval_seqs, position t the next of sequence
@@ -490,7 +493,8 @@ void deltanet_replay(const ModelDims &d, Layer &L, int replay_slot, int n_replay
 // from s.qg/s.k/s.v to s.attn_out (before attn_output).
 // `tree`: the positions' shape (tree.cuh; 0: a chain): node i's K/V at row pos0 + i, RoPE at pos0 +
 // its depth, attention over the committed rows and its path's (tree_path_rows).
-// dyn: pos0 read from device memory instead (a captured pass; the splits stay those of the pos0 given).
+// dyn: pos0 and the tree's word read from device memory instead (a captured pass; the splits stay
+// those of the pos0 given).
 void attention_mix(const ModelDims &d, Layer &L, Scratch &s, int n, int pos0, int n_ctx,
                    cudaStream_t st, uint64_t tree = 0, const PassArgs *dyn = nullptr);
 // attention.cu: attention_mix for the positions of oj_eval_seqs, position t at b.pos[t] in

@@ -639,3 +639,31 @@ def test_prefill_limits_match_the_header():
     assert lib.OJ_ABI_VERSION >= native.PREFILL_ABI
     assert "prefill_chunk" in dict(ffi.typeof("oj_model_desc").fields)
     assert "prefill" in dict(ffi.typeof("oj_memory_report").fields)
+
+
+class GraphFakeLib(FakeLib):
+    """FakeLib at ABI 14 with oj_graph_stats: counts its verifies as replays."""
+
+    abi = 14
+
+    def oj_graph_stats(self, h, replayed, direct, held):
+        if replayed != self.ffi.NULL:
+            replayed[0] = self.verifies
+        if direct != self.ffi.NULL:
+            direct[0] = 0
+        if held != self.ffi.NULL:
+            held[0] = min(self.verifies, 2)
+        return 0
+
+
+def test_graph_stats_read_the_library_or_say_none_before_abi_14(monkeypatch, template):
+    from openjet_plugin.model_file import open_model
+
+    install_fake(monkeypatch, GraphFakeLib)
+    be = native.NativeBackend(open_model(template.model_path), n_ctx=512)
+    be.verify([1, 2, 3])
+    be.commit(3)
+    be.verify([4])
+    assert be.graph_stats() == {"replayed": 2, "direct": 0, "held": 2}
+    monkeypatch.setattr(GraphFakeLib, "abi", 13)
+    assert be.graph_stats() is None

@@ -5,11 +5,11 @@ backend (oj_profile 1: events at the phase boundaries) launches every kernel of 
 stream; an unprofiled one replays its shape's graph, which reads the pass's first position and
 replay count from device memory. Both are driven through the same script from the same random
 tokens: verifies of 1..8 positions with commits of every length 0..n (so each graph replays with
-other replay counts and positions than it was captured with), a draft tree now and then (launched
-directly, between graph replays), past three 256-position boundaries (the attention splits in a
-graph's shape), f16 and q8_0 KV, and two sequences of one engine taking turns. Every logits row
-must be equal bit for bit, the unprofiled backend must have replayed graphs for its chain passes
-and the profiled one none.
+other replay counts and positions than it was captured with), a draft tree now and then (two tree
+shapes of one graph), past three 256-position boundaries (the attention splits in a graph's
+shape), f16 and q8_0 KV, and two sequences of one engine taking turns. Every logits row must be
+equal bit for bit, every pass of the unprofiled backend replayed from a graph and none of the
+profiled one's.
 """
 
 from __future__ import annotations
@@ -62,9 +62,10 @@ def _step(be, kind: str, toks: list[int], arg) -> list[np.ndarray]:
         rows = [be.logits(i) for i in range(len(toks))]
         be.commit(arg)
     else:
-        be.verify_tree(toks, [-1, 0, 0, 1, 2])
+        parent, path = arg
+        be.verify_tree(toks, parent)
         rows = [be.logits(i) for i in range(len(toks))]
-        be.commit_path(arg)
+        be.commit_path(path)
     return rows
 
 
@@ -75,9 +76,9 @@ def _script(rng: np.random.Generator, n_vocab: int, positions: int):
         i += 1
         if i % TREE_EVERY == 0:
             toks = [int(t) for t in rng.integers(0, n_vocab, 5)]
-            path = [0, 1, 3] if i % 2 else [0, 2, 4]
-            steps.append(("tree", toks, path))
-            done += len(path)
+            parent, path = ([-1, 0, 0, 1, 2], [0, 1, 3]) if i % 2 else ([-1, 0, 1, 0, 3], [0, 3, 4])
+            steps.append(("tree", toks, (parent, path)))
+            done += len(path)   # both paths keep 3
         else:
             n = int(rng.integers(1, 9))
             toks = [int(t) for t in rng.integers(0, n_vocab, n)]
@@ -116,10 +117,9 @@ def test_graph_replays_equal_direct_launches(native, workdir, name, kv_type):
         steps = _script(np.random.default_rng(25), direct.n_vocab, POSITIONS)
         rows = _compare(name, direct, graphs, [direct], [graphs], [steps])
         got, want = graphs.graph_stats(), direct.graph_stats()
-        chains = sum(1 for s in steps if s[0] == "chain")
         report({"test": "graph_replays_equal_direct", "model": name, "kv": kv_type, "steps": len(steps),
                 "rows_equal": rows, "graphs": got, "profiled": want})
-        assert got["replayed"] >= chains and got["held"] >= 1, got
+        assert got["replayed"] == len(steps) and got["direct"] == 0 and got["held"] >= 2, got
         assert want["replayed"] == 0 and want["direct"] >= len(steps), want
     finally:
         direct.close()
@@ -137,7 +137,7 @@ def test_graph_replays_follow_each_sequence(native, workdir):
         rows = _compare("two sequences", direct, graphs, direct.sequences(), graphs.sequences(), steps)
         got = graphs.graph_stats()
         report({"test": "graph_replays_two_sequences", "rows_equal": rows, "graphs": got})
-        assert got["replayed"] > 0 and got["held"] >= 2, got
+        assert got["replayed"] == sum(map(len, steps)) and got["direct"] == 0 and got["held"] >= 2, got
     finally:
         direct.close()
         graphs.close()
