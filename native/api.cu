@@ -189,11 +189,14 @@ int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int3
     });
 }
 
-int32_t oj_graph_stats(const oj_engine *engine, int64_t *replayed, int64_t *direct, int32_t *held) {
+int32_t oj_graph_stats(const oj_engine *engine, int64_t *replayed, int64_t *direct, int32_t *held, int64_t *captures,
+                       double *capture_ms) {
     if (!engine) return set_error(nullptr, OJ_ERR_INVALID_ARGUMENT, "engine is NULL");
     if (replayed) *replayed = engine->e.graph_replays;
     if (direct) *direct = engine->e.direct_passes;
     if (held) *held = (int32_t)engine->e.graphs.size();
+    if (captures) *captures = engine->e.graph_captures;
+    if (capture_ms) *capture_ms = engine->e.graph_capture_ms;
     return OJ_OK;
 }
 

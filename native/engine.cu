@@ -771,7 +771,14 @@ void run_pass(Engine &e, int n, uint64_t tree, float *h) {
             if (g.splits == splits && g.workspaces == workspaces) hit = &g;
             else reuse = &g;
         }
-    if (!hit) hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);
+    if (!hit) {
+        const auto t0 = std::chrono::steady_clock::now();
+        hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);
+        if (hit) {
+            ++e.graph_captures;
+            e.graph_capture_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        }
+    }
     if (!hit) {
         try {
             main_pass(e, n, e.n_past, tree, nullptr, h);

@@ -312,6 +312,8 @@ struct Engine : SeqState {
     uint64_t graph_clock = 0;
     int graph_failures = 0;        // captures that failed in a row; direct launches after GRAPH_TRIES
     int64_t graph_replays = 0, direct_passes = 0;   // oj_graph_stats
+    int64_t graph_captures = 0;                      // captures made (new graphs and updates)
+    double graph_capture_ms = 0;                     // their host time: capture, instantiate or update
 
     // oj_seq_state_save / load's copies (engine.cu, StateCopy): on copy_stream, beside the passes on
     // stream, through two pinned staging buffers allocated at the first copy; copy_mutex runs them

@@ -646,13 +646,17 @@ class GraphFakeLib(FakeLib):
 
     abi = 14
 
-    def oj_graph_stats(self, h, replayed, direct, held):
+    def oj_graph_stats(self, h, replayed, direct, held, captures, capture_ms):
         if replayed != self.ffi.NULL:
             replayed[0] = self.verifies
         if direct != self.ffi.NULL:
             direct[0] = 0
         if held != self.ffi.NULL:
             held[0] = min(self.verifies, 2)
+        if captures != self.ffi.NULL:
+            captures[0] = min(self.verifies, 2)
+        if capture_ms != self.ffi.NULL:
+            capture_ms[0] = 2.5 * min(self.verifies, 2)
         return 0
 
 
@@ -664,6 +668,6 @@ def test_graph_stats_read_the_library_or_say_none_before_abi_14(monkeypatch, tem
     be.verify([1, 2, 3])
     be.commit(3)
     be.verify([4])
-    assert be.graph_stats() == {"replayed": 2, "direct": 0, "held": 2}
+    assert be.graph_stats() == {"replayed": 2, "direct": 0, "held": 2, "captures": 2, "capture_ms": 5.0}
     monkeypatch.setattr(GraphFakeLib, "abi", 13)
     assert be.graph_stats() is None

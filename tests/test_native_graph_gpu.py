@@ -120,6 +120,8 @@ def test_graph_replays_equal_direct_launches(native, workdir, name, kv_type):
         report({"test": "graph_replays_equal_direct", "model": name, "kv": kv_type, "steps": len(steps),
                 "rows_equal": rows, "graphs": got, "profiled": want})
         assert got["replayed"] == len(steps) and got["direct"] == 0 and got["held"] >= 2, got
+        assert got["captures"] >= got["held"] and got["capture_ms"] > 0, got
+        assert want["captures"] == 0, want
         assert want["replayed"] == 0 and want["direct"] >= len(steps), want
     finally:
         direct.close()

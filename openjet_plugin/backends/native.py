@@ -1367,15 +1367,18 @@ class NativeBackend:
 
     @_on_engine
     def graph_stats(self) -> dict | None:
-        """oj_graph_stats: {"replayed", "direct", "held"}: the main-model passes replayed from a
-        captured CUDA graph and launched directly since the engine was made, and the graphs held;
-        None from a library before ABI 14 (every pass launched directly)."""
+        """oj_graph_stats: {"replayed", "direct", "held", "captures", "capture_ms"}: the main-model
+        passes replayed from a captured CUDA graph and launched directly since the engine was made,
+        the graphs held, the captures made and their host time (ms); None from a library before
+        ABI 14 (every pass launched directly)."""
         ffi, lib = self._nl.ffi, self._nl.lib
         if int(lib.oj_abi_version()) < GRAPH_ABI:
             return None
         replayed, direct, held = ffi.new("int64_t *"), ffi.new("int64_t *"), ffi.new("int32_t *")
-        self._check(lib.oj_graph_stats(self._handle(), replayed, direct, held), "graph_stats")
-        return {"replayed": int(replayed[0]), "direct": int(direct[0]), "held": int(held[0])}
+        captures, ms = ffi.new("int64_t *"), ffi.new("double *")
+        self._check(lib.oj_graph_stats(self._handle(), replayed, direct, held, captures, ms), "graph_stats")
+        return {"replayed": int(replayed[0]), "direct": int(direct[0]), "held": int(held[0]),
+                "captures": int(captures[0]), "capture_ms": float(ms[0])}
 
     @_on_engine
     def debug_fault(self, kind: int) -> None:
