@@ -648,8 +648,8 @@ void commit_rows(Engine &e, int n_accept) {
 // The main model over the n positions whose tokens are in s.tokens, onto the stream: embedding,
 // every layer, the output norm into `h` ([n][E]), head and argmax into s.logits / s.argmax; profiled
 // when oj_profile is on. pos0 and tree place a verify's positions (oj_verify, oj_verify_tree), seqs
-// oj_eval_seqs' (pos0 and tree unused then); dyn: a captured chain pass's (run_pass), pos0 and the
-// replay count read from there.
+// oj_eval_seqs' (pos0 and tree unused then); dyn: a captured pass's (run_pass), pos0, the replay
+// count and the tree word read from there.
 void main_pass(Engine &e, int n, int pos0, uint64_t tree, const SeqBatch *seqs, float *h, const PassArgs *dyn = nullptr) {
     const ModelDims &d = e.dims;
     const int E = d.hp.n_embd;
@@ -803,7 +803,7 @@ void verify(Engine &e, const int32_t *tokens, int n, const int32_t *parent = nul
     const ModelDims &d = e.dims;
     const int E = d.hp.n_embd;
     Scratch &s = e.s;
-    // the tokens and the chain pass's PassArgs in one copy (s.pass follows s.tokens)
+    // the tokens and the pass's PassArgs in one copy (s.pass follows s.tokens)
     int32_t sent[OJ_MAX_POSITIONS + sizeof(PassArgs) / sizeof(int32_t)] = {};
     std::memcpy(sent, tokens, n * sizeof(int32_t));
     const PassArgs args{e.n_past, e.replay_n, tree};

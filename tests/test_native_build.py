@@ -127,6 +127,9 @@ def test_compiles_for_sm90_and_fails_cleanly_without_gpu(tmp_path, monkeypatch):
     out = ffi.new("oj_engine **")
     assert native.oj_engine_create(ffi.NULL, out) == native.OJ_ERR_INVALID_ARGUMENT
     assert ffi.string(native.oj_last_error(ffi.NULL)) == b"desc is NULL"
+    replayed = ffi.new("int64_t *", -1)
+    assert native.oj_graph_stats(ffi.NULL, replayed, ffi.NULL, ffi.NULL, ffi.NULL, ffi.NULL) == native.OJ_ERR_INVALID_ARGUMENT
+    assert ffi.string(native.oj_last_error(ffi.NULL)) == b"engine is NULL" and replayed[0] == -1
     cc = ffi.new("int32_t[2]")
     rc = native.oj_device_info(0, cc, cc + 1, ffi.NULL, ffi.NULL, ffi.NULL, 0)
     if rc != native.OJ_OK:
