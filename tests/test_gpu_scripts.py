@@ -347,6 +347,16 @@ def test_every_device_script_parses():
         assert r.returncode == 0, f"{s.name}: {r.stderr}"
 
 
+def test_ab_libs_refuses_a_bad_setting_before_building():
+    """scripts/ab_libs.sh (an A/B's libraries of several commits) names a malformed setting or an
+    unknown commit and exits 2 before any build."""
+    for args, said in ((["base=main", "q6"], "expected NAME=COMMIT, got 'q6'"),
+                       (["base=HEAD", "x=no-such-commit-0"], "no commit 'no-such-commit-0'")):
+        r = subprocess.run(["bash", "scripts/ab_libs.sh", *args], cwd=REPO, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and said in r.stdout, (args, r.stdout, r.stderr)
+
+
 def test_gpu_entry_point_lists_its_commands_and_refuses_an_unknown_one(tmp_path):
     """scripts/gpu.sh: every command it names has its script under scripts/gpu/ (and every script
     there but common.sh, which the others source, is a command); an unknown command exits 2 naming
