@@ -706,11 +706,13 @@ Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int s
         return nullptr;
     }
     bool launched = true;
+    e.s.pass_splits = splits;
     try {
         main_pass(e, n, e.n_past, tree, nullptr, h, e.s.pass);
     } catch (const Error &) {   // a launch refused under capture; the direct launches report it if it is real
         launched = false;
     }
+    e.s.pass_splits = 0;
     const cudaError_t ended = cudaStreamEndCapture(e.stream, &g);
     cudaGetLastError();
     if (!launched || ended != cudaSuccess || !g) {
@@ -763,7 +765,7 @@ void run_pass(Engine &e, int n, uint64_t tree, float *h) {
         main_pass(e, n, e.n_past, tree, nullptr, h);
         return;
     }
-    const int splits = attention_splits_for(e.n_past + n);
+    const int splits = attention_split_bucket(attention_splits_for(e.n_past + n), e.s.max_splits);
     const uint64_t workspaces = matvec_workspace_generation();
     Engine::PassGraph *hit = nullptr, *reuse = nullptr;
     for (Engine::PassGraph &g : e.graphs)

@@ -175,6 +175,11 @@ struct Scratch {
     float *q_rot = nullptr, *attn_out = nullptr;       // [N][q_dim]
     float *part_ml = nullptr, *part_acc = nullptr;     // split-K partials
     int max_splits = 0;
+    // A pass being captured (engine.cu, capture_pass): the attention split count its grids are built
+    // for, attention_split_bucket's (>= the pass's own; 0: the pass's own). Splits past a position's
+    // keys write (-inf, 0) and the combine skips them, as it skips the empty splits of the positions
+    // before the last: the same bits as the pass's own count.
+    int pass_splits = 0;
     float *cat = nullptr;                              // [N][2E] MTP input
     float *h_in = nullptr;                             // [N][E] MTP h
     float *logits = nullptr, *draft_logits = nullptr;  // [N][n_vocab]
@@ -520,5 +525,6 @@ void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, c
                        int split = -1);
 // attention.cu: split-K blocks needed per (head, position) at a context of n_ctx positions.
 int attention_splits_for(int n_ctx);
+int attention_split_bucket(int splits, int max_splits);
 
 }  // namespace oj

@@ -42,11 +42,17 @@
 // Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
 // as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
 //
-// Prepared x, per super-block u a record of REC bytes: for vector v (8 slots) 576 bytes = 512 of
-// fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps 2c, 2c+1 of lane t), 32 of
-// Q4_K min sums [t][hi_2t, hi_2t+1, lo_2t, lo_2t+1], 32 pad (a vector stride of 144 words keeps
-// the quads' 16-byte shared loads conflict-free); then 8 fp32 inverse scales 2^-e (1 for vectors
-// past n_vec). Vectors past n_vec are neither written nor read (their lanes feed B = 0).
+// Prepared x, per super-block u a record of REC bytes: 8 vector slots, then at INV_OFF 8 fp32
+// inverse scales 2^-e (1 for vectors past n_vec). Vectors past n_vec are neither written nor read
+// (their lanes feed B = 0). A vector's slot (vec_bytes, the stride a stage keeps too):
+//   - Q4_K, 576 bytes: 512 of fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps
+//     2c, 2c+1 of lane t), 32 of min sums [t][hi_2t, hi_2t+1, lo_2t, lo_2t+1], 32 pad (a stride of
+//     144 words keeps the quads' 16-byte shared loads conflict-free);
+//   - Q6_K, 512 bytes: the fp16 x alone, the two 64-byte halves of each 128 bytes swapped in odd
+//     vectors (x_swizzle: a stride of 128 words with the same conflict-free loads). Without the 64
+//     bytes a 5-vector stage (4 warps x 2 stages) is 9,472 bytes instead of 9,728, which keeps 3
+//     blocks on an SM of 228 KB instead of 2: a 5-position pass lost 0.2-0.5 ms in its Q6_K-bearing
+//     projections at 2 (H100, bench/results/2026-12-07-session23-h100.md).
 //
 // Split-K workspace: the caller's workspace (matvec.cu keeps one per (device, stream); a call's two
 // kernels run on that stream, so calls sharing a workspace are serialised, and calls on other
@@ -88,7 +94,7 @@ namespace oj {
 namespace {
 namespace mvf16 {
 
-constexpr int VEC_BYTES = 576;                  // one vector's part of a super-block record
+constexpr int VEC_BYTES = 576;                  // a vector slot of a record (Q4_K's stride; Q6_K takes 512 of it)
 constexpr int XS_OFF = 512;                     // min sums inside it
 constexpr int INV_OFF = 8 * VEC_BYTES;          // the 8 inverse scales
 constexpr int REC = INV_OFF + 32;               // bytes per super-block of prepared x
@@ -108,9 +114,13 @@ __host__ __device__ constexpr int other_type(int type) { return type == TYPE_Q4_
 // Weight bytes per stage (32 rows of one super-block): Q4_K as stored; Q6_K q plane + scales.
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
-__host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
+// a vector's bytes of x in a record and a stage (Q6_K has no min sums, and no pad: x_swizzle)
+__host__ __device__ constexpr int vec_bytes(int type) { return type == TYPE_Q4_K ? VEC_BYTES : 512; }
+// Q6_K, vector v: the byte offset within its 512 bytes where logical offset o lies
+__host__ __device__ constexpr int x_swizzle(int v) { return (v & 1) * 64; }
+__host__ __device__ constexpr int x_bytes(int type, int n_vec) { return n_vec * vec_bytes(type) + 32; }
 // rounded up to 128 bytes: a stage is a bulk copy's destination (stream_tma)
-__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
+__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(type, n_vec) + 127) / 128 * 128; }
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
 // column col of the super-block. Both types take bytes (0, 2) of a word for slots (0, 1) and
@@ -143,13 +153,14 @@ __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, 
         e = max(min(15 - ex, 126), -126);
     }
     const float scale = ldexpf(1.0f, e);
-    __half *xh = reinterpret_cast<__half *>(rec + v * VEC_BYTES);
+    __half *xh = reinterpret_cast<__half *>(rec + v * vec_bytes(TYPE));
+    const int sw = TYPE == TYPE_Q6_K ? x_swizzle(v) / 2 : 0;   // in halfs
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const float vs = xv[j] * scale;   // exact (power of two)
         s += vs;
-        xh[x_dest(TYPE, 8 * lane + j)] = __float2half_rn(vs);
+        xh[x_dest(TYPE, 8 * lane + j) ^ sw] = __float2half_rn(vs);
     }
     if (TYPE == TYPE_Q4_K) {   // sub-block sb = lane / 4: the 4 lanes' sums, fixed order
         s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -425,20 +436,21 @@ __device__ __forceinline__ void issue_w(const Args &a, uint8_t *st, const Src &c
 // copies vector g's chunks t, t + 4, ...; lanes 0, 1 the inverse scales.
 template <int TYPE>
 __device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, const uint8_t *rec, int g, int t, int lane) {
+    constexpr int VB = vec_bytes(TYPE);
     if (g < a.n_vec) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
+        for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VB + 16 * (t + 4 * j), rec + g * VB + 16 * (t + 4 * j));
         // Q4_K: the 32 bytes of min sums (not the pad: the prep never writes it)
-        if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VEC_BYTES + XS_OFF + 16 * t, rec + g * VEC_BYTES + XS_OFF + 16 * t);
+        if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VB + XS_OFF + 16 * t, rec + g * VB + XS_OFF + 16 * t);
     }
-    if (lane < 2) gemm::cp16(xs + a.n_vec * VEC_BYTES + 16 * lane, rec + INV_OFF + 16 * lane);
+    if (lane < 2) gemm::cp16(xs + a.n_vec * VB + 16 * lane, rec + INV_OFF + 16 * lane);
 }
 
 // Q4_K, one super-block for the warp's two tiles.
 __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
                                         float (&acc)[2][4]) {
     const bool hx = g < n_vec;
-    const uint8_t *xg = xs + g * VEC_BYTES;
+    const uint8_t *xg = xs + g * vec_bytes(TYPE_Q4_K);
     __half2 scL[2][2], biL[2][2], scH[2][2], biH[2][2];
     uint32_t mA[2][2];
     float d[2][2], dm[2][2];
@@ -497,7 +509,7 @@ __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, in
         }
     }
     const uint2 bs = hx ? lds8(xg + XS_OFF + 8 * t) : make_uint2(0u, 0u);
-    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * VEC_BYTES + 8 * t);
+    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q4_K) + 8 * t);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float t2[4];
@@ -539,11 +551,14 @@ __device__ __forceinline__ void q6_group(const uint4 (&qa)[2][2], const uint4 (&
     }
 }
 
+// x0 / x1: the lane's 16 bytes of logical offsets 16 t and 64 + 16 t of the vector (x_swizzle
+// applied); group C's are 128 C further.
 template <int C>
 __device__ __forceinline__ void q6_groups(const uint4 (&qa)[2][2], const uint4 (&qb)[2][2], const uint4 (&qh)[2][2],
-                                          const uint4 (&scw)[2][2], const uint8_t *xg, bool hx, int t, float (&s)[2][4]) {
-    const uint4 b01 = hx ? lds16(xg + 64 * (2 * C) + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
-    const uint4 b23 = hx ? lds16(xg + 64 * (2 * C + 1) + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+                                          const uint4 (&scw)[2][2], const uint8_t *x0, const uint8_t *x1, bool hx,
+                                          float (&s)[2][4]) {
+    const uint4 b01 = hx ? lds16(x0 + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 b23 = hx ? lds16(x1 + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
     q6_group<C, 0>(qa, qb, qh, scw, b01.x, b01.y, s);
     q6_group<C, 1>(qa, qb, qh, scw, b01.z, b01.w, s);
     q6_group<C, 2>(qa, qb, qh, scw, b23.x, b23.y, s);
@@ -553,7 +568,9 @@ __device__ __forceinline__ void q6_groups(const uint4 (&qa)[2][2], const uint4 (
 __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
                                         const uint32_t (&par)[2][2], float (&acc)[2][4]) {
     const bool hx = g < n_vec;
-    const uint8_t *xg = xs + g * VEC_BYTES;
+    const uint8_t *xg = xs + g * vec_bytes(TYPE_Q6_K);
+    const int sw = x_swizzle(g);
+    const uint8_t *x0 = xg + 16 * t + sw, *x1 = xg + 16 * t + (64 - sw);
     uint4 qa[2][2], qb[2][2], qh[2][2], scw[2][2];
     float dq[2][2];
 #pragma unroll
@@ -579,11 +596,11 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
-    q6_groups<0>(qa, qb, qh, scw, xg, hx, t, s);
-    q6_groups<1>(qa, qb, qh, scw, xg, hx, t, s);
-    q6_groups<2>(qa, qb, qh, scw, xg, hx, t, s);
-    q6_groups<3>(qa, qb, qh, scw, xg, hx, t, s);
-    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * VEC_BYTES + 8 * t);
+    q6_groups<0>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<1>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<2>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<3>(qa, qb, qh, scw, x0, x1, hx, s);
+    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q6_K) + 8 * t);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -647,7 +664,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
                                            float (&acc)[2][4]) {
     constexpr bool Q6 = TYPE == TYPE_Q6_K;
     constexpr int W = w_bytes(TYPE);
-    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
+    const uint32_t xb = (uint32_t)a.n_vec * vec_bytes(TYPE), tx = (Q6 ? ROWS * 208 : W) + xb + 32;
     if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();

@@ -8,8 +8,10 @@ bytes and a launch's shared memory. The rules checked:
   three fit a block and two such blocks fit an SM, else 2; a forced count is kept when it fits;
   never more shared memory than a block may have, and no copy-engine stages on a cc < 9.0 device;
 - stages are whole multiples of 128 bytes (the tensor copies' destination alignment) holding the
-  weights and the vectors' x; a launch's shared memory is the rings plus one 8-byte mbarrier per
-  stage and warp.
+  weights and the vectors' x (576 bytes a vector for Q4_K, with its min sums; 512 for Q6_K); a
+  launch's shared memory is the rings plus one 8-byte mbarrier per stage and warp;
+- on an H200's 228 KB per SM, 4 warps x 2 stages of Q6_K at 5 vectors still fit 3 blocks (the
+  reason Q6_K's records have no pad), and Q4_K keeps 4 blocks up to 4 vectors.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from cuda_tools import build_host_tool
 REPO = Path(__file__).resolve().parent.parent
 Q4_K, Q6_K = 12, 14
 W_BYTES = {Q4_K: 32 * 144, Q6_K: 32 * (192 + 16 + 4)}
+VEC_BYTES = {Q4_K: 576, Q6_K: 512}
+H200_SMEM_SM, BLOCK_RESERVE = 233472, 1024
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +65,21 @@ def test_types_on_the_copy_engine_and_their_stages(exe):
 
 def test_stage_bytes_and_shared_memory(exe):
     rows = [r for r in _run(exe) if r["what"] == "smem"]
-    assert len(rows) == 3 * 8
+    assert len(rows) == 4 * 8
     for r in rows:
         sb = r["stage_bytes"]
-        need = W_BYTES[r["type"]] + r["n_vec"] * 576 + 32
+        need = W_BYTES[r["type"]] + r["n_vec"] * VEC_BYTES[r["type"]] + 32
         assert sb % 128 == 0 and need <= sb < need + 128, r
         rings = r["warps"] * r["stages"] * sb
         assert r["smem"] == max(rings, r["warps"] * 8 * 32 * 4) + r["warps"] * r["stages"] * 8, r
+
+
+def test_blocks_per_sm_at_five_vectors(exe):
+    # Blocks of 4 warps x 2 stages that the shared memory of one H200 SM holds, each with the
+    # runtime's per-block reserve: what the occupancy calculator finds (registers allow more).
+    rows = [r for r in _run(exe) if r["what"] == "smem" and r["warps"] == 4 and r["stages"] == 2]
+    fit = {(r["type"], r["n_vec"]): H200_SMEM_SM // (r["smem"] + BLOCK_RESERVE) for r in rows}
+    assert fit[(Q6_K, 5)] == 3 and fit[(Q6_K, 4)] == 3 and fit[(Q6_K, 6)] == 2, fit
+    assert fit[(Q4_K, 4)] == 4 and fit[(Q4_K, 5)] == 3, fit
+    # the split model reads 1 and 8 vectors' occupancy: unchanged by the Q6_K stride (the same bits)
+    assert fit[(Q6_K, 1)] == 3 and fit[(Q6_K, 8)] == 2, fit

@@ -42,6 +42,7 @@ int main() {
     for (int n_vec = 1; n_vec <= 8; ++n_vec) {
         smem_line<TYPE_Q4_K, 4, 2>(n_vec);
         smem_line<TYPE_Q4_K, 4, 3>(n_vec);
+        smem_line<TYPE_Q6_K, 4, 2>(n_vec);
         smem_line<TYPE_Q6_K, 8, 2>(n_vec);
     }
     return 0;
