@@ -651,7 +651,9 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 }
 
 // The main loop on the copy engine (stream_tma): the same stages, steps and step_q4 / step_q6 as
-// the cp.async loop, a warp's ring with one mbarrier per stage. Lane 0 arms a stage's barrier with
+// the cp.async loop, a warp's ring with one mbarrier per stage, but each stage refilled as soon as
+// its step is computed, so STAGES super-blocks are in flight while the warp waits (the cp.async
+// loop refills after the next step's wait: STAGES - 1). Lane 0 arms a stage's barrier with
 // its byte count and issues bulk copies of the row tile's super-block u, contiguous in the tiled
 // layouts (quant_blocks.cuh; Q4_K: 4,608 bytes; Q6_K: the q plane's 6,144 and the scale plane's 512)
 // and of the vectors' x and inverse scales. A copy instruction takes uniform operands: one copy per
@@ -701,37 +703,30 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
             bar_cp_async_arrive(bar);
         }
     };
+    // Every stage is filled before the first wait, and a stage is refilled as soon as the warp has
+    // read it (after the step's compute, not after the next step's wait): a warp keeps STAGES
+    // super-blocks in flight while it waits, not STAGES - 1, and the weights of the first STAGES
+    // of them stream while the prep before runs.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
+    for (int s = 0; s < STAGES; ++s)
         if (s < nj) issue_w(ring + s * SB, bars + s, uw + (int64_t)s * WARPS);
     pdl_wait();   // the prep grid's x
     if (lane == 0)
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s)
+        for (int s = 0; s < STAGES; ++s)
             if (s < nj) {
                 const uint8_t *rec = a.xp + (uw + (int64_t)s * WARPS) * REC;
                 bulk(ring + s * SB + W, rec, xb, bars + s);
                 bulk(ring + s * SB + W + xb, rec + INV_OFF, 32, bars + s);
             }
-    int64_t un = uw + (int64_t)(STAGES - 1) * WARPS;   // the super-block of the next refill
+    int64_t un = uw + (int64_t)STAGES * WARPS;   // the super-block of the next refill
     const uint8_t *xn = a.xp + un * REC;
-    uint32_t ph = 0;               // bit s: the parity stage s's barrier completes next
-    int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
+    uint32_t ph = 0;   // bit s: the parity stage s's barrier completes next
+    int rd = 0;        // the ring stage of step j (refilled with step j + STAGES once read)
     for (int j = 0; j < nj; ++j) {
         bar_wait(bars + rd, (ph >> rd) & 1u);
         ph ^= 1u << rd;
-        if (j + STAGES - 1 < nj) {   // refill the stage step j - 1 read (every lane past it: the loop's last __syncwarp)
-            uint8_t *st = ring + wr * SB;
-            if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
-            issue_w(st, bars + wr, un);
-            if (lane == 0) {
-                bulk(st + W, xn, xb, bars + wr);
-                bulk(st + W + xb, xn + INV_OFF, 32, bars + wr);
-            }
-            un += WARPS;
-            xn += WARPS * REC;
-        }
-        const uint8_t *st = ring + rd * SB;
+        uint8_t *st = ring + rd * SB;
         if constexpr (Q6) {
             uint32_t pr[2][2];
             q6_parity(par, uw + j * WARPS, pr);
@@ -739,9 +734,18 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
         } else {
             step_q4(st, st + W, a.n_vec, g, t, acc);
         }
+        __syncwarp();   // every lane is past its reads of the stage
+        if (j + STAGES < nj) {
+            if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
+            issue_w(st, bars + rd, un);
+            if (lane == 0) {
+                bulk(st + W, xn, xb, bars + rd);
+                bulk(st + W + xb, xn + INV_OFF, 32, bars + rd);
+            }
+            un += WARPS;
+            xn += WARPS * REC;
+        }
         rd = rd == STAGES - 1 ? 0 : rd + 1;
-        wr = wr == STAGES - 1 ? 0 : wr + 1;
-        __syncwarp();
     }
     // every phase armed has completed (the loop waited on each)
     if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");
