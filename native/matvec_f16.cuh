@@ -116,7 +116,7 @@ __host__ __device__ constexpr int other_type(int type) { return type == TYPE_Q4_
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
 // a vector's bytes of x in a record and a stage (Q6_K has no min sums, and no pad: x_swizzle)
 __host__ __device__ constexpr int vec_bytes(int type) { return type == TYPE_Q4_K ? VEC_BYTES : 512; }
-// Q6_K, vector v: the byte offset within its 512 bytes where logical offset o lies
+// Q6_K, vector v: logical byte offset o of its 512 bytes lies at o ^ x_swizzle(v)
 __host__ __device__ constexpr int x_swizzle(int v) { return (v & 1) * 64; }
 __host__ __device__ constexpr int x_bytes(int type, int n_vec) { return n_vec * vec_bytes(type) + 32; }
 // rounded up to 128 bytes: a stage is a bulk copy's destination (stream_tma)
@@ -136,6 +136,13 @@ __host__ __device__ inline int x_dest(int type, int c) {
     return (2 * C + (QQ >> 1)) * 32 + t * 8 + 4 * (QQ & 1) + jmap(c & 3);
 }
 
+// Q6_K: where the prep stores vector v's column c (in halfs of the vector's 512 bytes), and the
+// byte offsets of lane (g, t)'s two 16-byte loads of group 0 (logical 16 t and 64 + 16 t; group C's
+// are 128 C further). tools/matvec_f16_config_check.cu checks on the CPU that every load finds the
+// columns the unswizzled order puts there, and that each 8 lanes' loads hit 8 different bank quads.
+__host__ __device__ inline int q6_x_store(int v, int c) { return x_dest(TYPE_Q6_K, c) ^ (x_swizzle(v) / 2); }
+__host__ __device__ inline int q6_x_load(int g, int t, int half) { return 16 * t + (half ? 64 - x_swizzle(g) : x_swizzle(g)); }
+
 // Vector v's 8 values of super-block record rec held by this lane (columns 8 lane .. 8 lane + 7):
 // their power-of-two scale, fp16 values in TYPE's k order, Q4_K's sub-block sums, the inverse
 // scale (prep_kernel below).
@@ -154,13 +161,12 @@ __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, 
     }
     const float scale = ldexpf(1.0f, e);
     __half *xh = reinterpret_cast<__half *>(rec + v * vec_bytes(TYPE));
-    const int sw = TYPE == TYPE_Q6_K ? x_swizzle(v) / 2 : 0;   // in halfs
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const float vs = xv[j] * scale;   // exact (power of two)
         s += vs;
-        xh[x_dest(TYPE, 8 * lane + j) ^ sw] = __float2half_rn(vs);
+        xh[TYPE == TYPE_Q6_K ? q6_x_store(v, 8 * lane + j) : x_dest(TYPE, 8 * lane + j)] = __float2half_rn(vs);
     }
     if (TYPE == TYPE_Q4_K) {   // sub-block sb = lane / 4: the 4 lanes' sums, fixed order
         s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -569,8 +575,7 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
                                         const uint32_t (&par)[2][2], float (&acc)[2][4]) {
     const bool hx = g < n_vec;
     const uint8_t *xg = xs + g * vec_bytes(TYPE_Q6_K);
-    const int sw = x_swizzle(g);
-    const uint8_t *x0 = xg + 16 * t + sw, *x1 = xg + 16 * t + (64 - sw);
+    const uint8_t *x0 = xg + q6_x_load(g, t, 0), *x1 = xg + q6_x_load(g, t, 1);
     uint4 qa[2][2], qb[2][2], qh[2][2], scw[2][2];
     float dq[2][2];
 #pragma unroll

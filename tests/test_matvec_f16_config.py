@@ -11,7 +11,12 @@ bytes and a launch's shared memory. The rules checked:
   weights and the vectors' x (576 bytes a vector for Q4_K, with its min sums; 512 for Q6_K); a
   launch's shared memory is the rings plus one 8-byte mbarrier per stage and warp;
 - on an H200's 228 KB per SM, 4 warps x 2 stages of Q6_K at 5 vectors still fit 3 blocks (the
-  reason Q6_K's records have no pad), and Q4_K keeps 4 blocks up to 4 vectors.
+  reason Q6_K's records have no pad), and Q4_K keeps 4 blocks up to 4 vectors;
+- Q6_K's swizzled x (the halves of each 128 bytes swapped in odd vectors): every lane's load finds
+  the columns the unswizzled order (x_dest, what step_q6 consumes) puts at its logical offset, each
+  vector's 256 columns land on 256 distinct halfs of its 512 bytes, and the 8 lanes of each quarter
+  warp load 8 distinct 16-byte bank quads (vectors 512 bytes apart: without the swizzle, 2-way
+  conflicts).
 """
 
 from __future__ import annotations
@@ -83,3 +88,27 @@ def test_blocks_per_sm_at_five_vectors(exe):
     assert fit[(Q4_K, 4)] == 4 and fit[(Q4_K, 5)] == 3, fit
     # the split model reads 1 and 8 vectors' occupancy: unchanged by the Q6_K stride (the same bits)
     assert fit[(Q6_K, 1)] == 3 and fit[(Q6_K, 8)] == 2, fit
+
+
+def test_q6_k_swizzled_x_is_found_by_every_load(exe):
+    (r,) = [r for r in _run(exe) if r["what"] == "q6_x"]
+    dest, store, vb = r["dest"], r["store"], r["vec_bytes"]
+    load = [r["load"][4 * g:4 * g + 4] for g in range(8)]
+    assert vb == 512 and sorted(dest) == list(range(256))
+    column_at = {p: c for c, p in enumerate(dest)}          # the unswizzled order: half p holds column
+    for v in range(8):
+        assert sorted(store[v]) == list(range(256)), v       # a permutation of the vector's halfs
+        held = {p: c for c, p in enumerate(store[v])}         # what the swizzled record holds where
+        for t in range(4):
+            for half in range(2):
+                for C in range(4):
+                    for e in range(8):                         # the 8 halfs of one 16-byte load
+                        phys = (load[v][t][half] + 128 * C) // 2 + e
+                        logical = (16 * t + 64 * half + 128 * C) // 2 + e
+                        assert held[phys] == column_at[logical], (v, t, half, C, e)
+    # bank quads (16 bytes) of one quarter warp's loads: lanes 8q..8q+7 are vectors 2q, 2q+1, t 0..3
+    for q in range(4):
+        for half in range(2):
+            for C in range(4):
+                quads = [((g * vb + load[g][t][half] + 128 * C) // 16) % 8 for g in (2 * q, 2 * q + 1) for t in range(4)]
+                assert len(set(quads)) == 8, (q, half, C, quads)
