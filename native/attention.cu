@@ -413,17 +413,4 @@ void attention_by_decode(const ModelDims &d, Layer &L, Scratch &s, const float *
 
 int attention_splits_for(int n_ctx) { return (n_ctx + SPLIT - 1) / SPLIT; }
 
-// The split count a captured pass's grids take for a pass that needs `splits`: a power of two up to
-// 8, then a multiple of 8 (at most max_splits), so that a graph serves 2,048 positions of growth
-// past 2,048 instead of 256 (a new count is a new capture and graph update, ~4-5 ms of host time
-// each shape) for at most 7 splits of empty blocks a position and head pair.
-int attention_split_bucket(int splits, int max_splits) {
-    int b = 1;
-    if (splits <= 8)
-        while (b < splits) b *= 2;
-    else
-        b = (splits + 7) / 8 * 8;
-    return std::min(std::max(b, splits), max_splits);
-}
-
 }  // namespace oj

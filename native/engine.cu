@@ -756,10 +756,39 @@ Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int s
     return slot;
 }
 
+// Whether a chain pass of n positions has a graph for the engine's ring slots and sequence (any
+// split count or workspaces: one that is stale is updated in place at its use).
+bool has_chain_graph(const Engine &e, int n) {
+    for (const Engine::PassGraph &g : e.graphs)
+        if (g.n == n && g.slot == e.slot && g.replay_slot == e.replay_slot && g.seq == e.cur_seq && !g.tree) return true;
+    return false;
+}
+
+// Captures, at the first chain pass of n positions for these ring slots and this sequence, the
+// other chain sizes that fit the context too: a speculative cycle verifies D + 1 positions, and
+// fewer near a request's end, so each size's first use would pay its capture (a few ms of host
+// time) in the middle of decoding; a 128-token benchmark row at D = 7 lost 4-5% to them (H100,
+// bench/results/2026-12-07-session23-h100.md). Only while the graphs held leave room for all of
+// them (none is replaced for it), and not past a failed capture.
+void capture_chain_sizes(Engine &e, int n, float *h, uint64_t workspaces) {
+    std::vector<int> sizes;
+    for (int m = 1; m <= OJ_MAX_POSITIONS; ++m)
+        if (m != n && e.n_past + m <= e.n_ctx && !has_chain_graph(e, m)) sizes.push_back(m);
+    if (sizes.empty() || (int)(e.graphs.size() + sizes.size()) >= Engine::MAX_GRAPHS) return;
+    for (int m : sizes) {
+        const int splits = attention_split_bucket(attention_splits_for(e.n_past + m), e.s.max_splits);
+        const auto t0 = std::chrono::steady_clock::now();
+        if (!capture_pass(e, m, 0, h, splits, workspaces, nullptr)) return;
+        ++e.graph_captures;
+        e.graph_capture_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+}
+
 // A pass of oj_verify, oj_eval, oj_cycle or oj_verify_tree over n positions at e.n_past (`tree`:
 // their shape, tree.cuh's word), the tokens and the call's PassArgs already sent to s.tokens /
-// s.pass: replayed from its shape's graph (captured on first use), or launched directly where the
-// pass is profiled (events at the phase boundaries) or graphs failed.
+// s.pass: replayed from its shape's graph (captured on first use, with a chain's other sizes:
+// capture_chain_sizes), or launched directly where the pass is profiled (events at the phase
+// boundaries) or graphs failed.
 void run_pass(Engine &e, int n, uint64_t tree, float *h) {
     if (e.prof.on || e.graph_failures >= GRAPH_TRIES) {
         main_pass(e, n, e.n_past, tree, nullptr, h);
@@ -773,6 +802,7 @@ void run_pass(Engine &e, int n, uint64_t tree, float *h) {
             if (g.splits == splits && g.workspaces == workspaces) hit = &g;
             else reuse = &g;
         }
+    if (!hit && !reuse && !tree) capture_chain_sizes(e, n, h, workspaces);   // before: it may move e.graphs
     if (!hit) {
         const auto t0 = std::chrono::steady_clock::now();
         hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);

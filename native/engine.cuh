@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -525,6 +526,18 @@ void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, c
                        int split = -1);
 // attention.cu: split-K blocks needed per (head, position) at a context of n_ctx positions.
 int attention_splits_for(int n_ctx);
-int attention_split_bucket(int splits, int max_splits);
+// The split count a captured pass's attention grids take for a pass that needs `splits` (at most
+// max_splits, the allocated): a power of two up to 8, then a multiple of 8, so that a graph serves
+// 2,048 positions of growth past 2,048 instead of 256 (a new count is a capture and a graph update,
+// ~4-5 ms of host time a shape), for at most 7 empty splits a position and head pair (their blocks
+// find no keys and write (-inf, 0); the combine skips them). tools/pass_shape_check.cu prints it.
+inline int attention_split_bucket(int splits, int max_splits) {
+    int b = 1;
+    if (splits <= 8)
+        while (b < splits) b *= 2;
+    else
+        b = (splits + 7) / 8 * 8;
+    return std::min(std::max(b, splits), max_splits);
+}
 
 }  // namespace oj
