@@ -351,7 +351,7 @@ void decode_kv(const ModelDims &d, Layer &L, Scratch &s, const float *q_rot, con
         end = 0;
         for (int t = 0; t < n; ++t) end = std::max(end, seqs->pos[t] + 1);
     }
-    const int n_splits = (end + SPLIT - 1) / SPLIT;
+    const int n_splits = std::max((end + SPLIT - 1) / SPLIT, seqs ? 0 : s.pass_splits);
     if (n_splits > s.max_splits) fail(OJ_ERR_CONTEXT_FULL, "attention: more splits than allocated");
     const float scale = 1.0f / sqrtf((float)D);
     switch (D) {

@@ -388,6 +388,7 @@ void alloc_scratch(Engine &e) {
     if (e.has_mtp) {
         s.draft_logits = f(N * V);
         s.draft_argmax = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
+        s.draft_chain = static_cast<int32_t *>(e.alloc(N * sizeof(int32_t), c));
         s.draft_hidden = f(N * E);
         s.draft_ids = static_cast<int32_t *>(e.alloc(V * sizeof(int32_t), c));
         s.tree_h = f(N * E);
@@ -706,11 +707,13 @@ Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int s
         return nullptr;
     }
     bool launched = true;
+    e.s.pass_splits = splits;
     try {
         main_pass(e, n, e.n_past, tree, nullptr, h, e.s.pass);
     } catch (const Error &) {   // a launch refused under capture; the direct launches report it if it is real
         launched = false;
     }
+    e.s.pass_splits = 0;
     const cudaError_t ended = cudaStreamEndCapture(e.stream, &g);
     cudaGetLastError();
     if (!launched || ended != cudaSuccess || !g) {
@@ -754,16 +757,45 @@ Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int s
     return slot;
 }
 
+// Whether a chain pass of n positions has a graph for the engine's ring slots and sequence (any
+// split count or workspaces: one that is stale is updated in place at its use).
+bool has_chain_graph(const Engine &e, int n) {
+    for (const Engine::PassGraph &g : e.graphs)
+        if (g.n == n && g.slot == e.slot && g.replay_slot == e.replay_slot && g.seq == e.cur_seq && !g.tree) return true;
+    return false;
+}
+
+// Captures, at the first chain pass of n positions for these ring slots and this sequence, the
+// other chain sizes that fit the context too: a speculative cycle verifies D + 1 positions, and
+// fewer near a request's end, so each size's first use would pay its capture (a few ms of host
+// time) in the middle of decoding; a 128-token benchmark row at D = 7 lost 4-5% to them (H100,
+// bench/results/2026-12-07-session23-h100.md). Only while the graphs held leave room for all of
+// them (none is replaced for it), and not past a failed capture.
+void capture_chain_sizes(Engine &e, int n, float *h, uint64_t workspaces) {
+    std::vector<int> sizes;
+    for (int m = 1; m <= OJ_MAX_POSITIONS; ++m)
+        if (m != n && e.n_past + m <= e.n_ctx && !has_chain_graph(e, m)) sizes.push_back(m);
+    if (sizes.empty() || (int)(e.graphs.size() + sizes.size()) >= Engine::MAX_GRAPHS) return;
+    for (int m : sizes) {
+        const int splits = attention_split_bucket(attention_splits_for(e.n_past + m), e.s.max_splits);
+        const auto t0 = std::chrono::steady_clock::now();
+        if (!capture_pass(e, m, 0, h, splits, workspaces, nullptr)) return;
+        ++e.graph_captures;
+        e.graph_capture_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+}
+
 // A pass of oj_verify, oj_eval, oj_cycle or oj_verify_tree over n positions at e.n_past (`tree`:
 // their shape, tree.cuh's word), the tokens and the call's PassArgs already sent to s.tokens /
-// s.pass: replayed from its shape's graph (captured on first use), or launched directly where the
-// pass is profiled (events at the phase boundaries) or graphs failed.
+// s.pass: replayed from its shape's graph (captured on first use, with a chain's other sizes:
+// capture_chain_sizes), or launched directly where the pass is profiled (events at the phase
+// boundaries) or graphs failed.
 void run_pass(Engine &e, int n, uint64_t tree, float *h) {
     if (e.prof.on || e.graph_failures >= GRAPH_TRIES) {
         main_pass(e, n, e.n_past, tree, nullptr, h);
         return;
     }
-    const int splits = attention_splits_for(e.n_past + n);
+    const int splits = attention_split_bucket(attention_splits_for(e.n_past + n), e.s.max_splits);
     const uint64_t workspaces = matvec_workspace_generation();
     Engine::PassGraph *hit = nullptr, *reuse = nullptr;
     for (Engine::PassGraph &g : e.graphs)
@@ -771,6 +803,7 @@ void run_pass(Engine &e, int n, uint64_t tree, float *h) {
             if (g.splits == splits && g.workspaces == workspaces) hit = &g;
             else reuse = &g;
         }
+    if (!hit && !reuse && !tree) capture_chain_sizes(e, n, h, workspaces);   // before: it may move e.graphs
     if (!hit) {
         const auto t0 = std::chrono::steady_clock::now();
         hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);
@@ -951,6 +984,9 @@ void check_cycle(const Engine &e, const int32_t *tokens, int n, int n_draft, con
 
 }  // namespace
 
+void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *h, bool device_tokens = false);
+void mtp_enqueue(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host);
+
 int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *out_tokens, int32_t *out_drafts) {
     check_cycle(e, tokens, n, n_draft, out_tokens, out_drafts, "oj_cycle");
     const int P = e.n_past;
@@ -962,14 +998,25 @@ int engine_cycle(Engine &e, const int32_t *tokens, int n, int n_draft, int32_t *
     while (k + 1 < n && tokens[k + 1] == argmax[k]) ++k;
     engine_commit(e, k + 1);
     if (n_draft > 0) {
-        engine_mtp_eval(e, argmax, k + 1, P + 1, OJ_H_MAIN, nullptr);
-        check_cuda(cudaMemcpyAsync(drafts, e.s.draft_argmax + k, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
-        finish(e, "oj_cycle draft");
-        for (int j = 1; j < n_draft; ++j) {
-            engine_mtp_eval(e, drafts + j - 1, 1, P + k + 1 + j, OJ_H_DRAFT, nullptr);
-            check_cuda(cudaMemcpyAsync(drafts + j, e.s.draft_argmax, sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle draft");
-            finish(e, "oj_cycle draft");
+        // The MTP rows of the accepted positions and the next token (draft 0 from the last), then
+        // each further draft from the one before on the device: an argmax row is always an id in
+        // range (argmax_rows; the restricted head's mapped through its ids), so the next step's
+        // embedding reads it where it is, and the drafts come back in one copy, one wait a cycle
+        // instead of two a draft. The same launches and operands as oj_mtp_eval step by step.
+        Scratch &s = e.s;
+        const int E = e.dims.hp.n_embd;
+        mtp_enqueue(e, argmax, k + 1, P + 1, OJ_H_MAIN, nullptr);
+        check_cuda(cudaMemcpyAsync(s.draft_chain, s.draft_argmax + k, sizeof(int32_t), cudaMemcpyDeviceToDevice, e.stream),
+                   "oj_cycle draft");
+        for (int j = 1; j < n_draft; ++j) {   // OJ_H_DRAFT: the last step's hidden row
+            const int row = j == 1 ? k : 0;
+            check_cuda(cudaMemcpyAsync(s.h_in, s.draft_hidden + (size_t)row * E, E * 4, cudaMemcpyDeviceToDevice, e.stream), "draft h");
+            mtp_launch(e, s.draft_chain + j - 1, 1, P + k + 1 + j, s.h_in, true);
+            check_cuda(cudaMemcpyAsync(s.draft_chain + j, s.draft_argmax, sizeof(int32_t), cudaMemcpyDeviceToDevice, e.stream),
+                       "oj_cycle draft");
         }
+        check_cuda(cudaMemcpyAsync(drafts, s.draft_chain, n_draft * sizeof(int32_t), cudaMemcpyDeviceToHost, e.stream), "oj_cycle drafts");
+        finish(e, "oj_cycle drafts");
         e.mtp_n_past = e.n_past + 1;   // the next token's row; the draft rows past it are provisional
         e.last_mtp_n = 0;
         for (int j = 0; j < n_draft; ++j) out_drafts[j] = drafts[j];
@@ -1407,9 +1454,8 @@ void engine_set_draft_vocab(Engine &e, const int32_t *ids, int n) {
     e.last_mtp_n = 0;   // draft results of the old vocabulary are gone
 }
 
-void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *h);
-
-void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host) {
+// oj_mtp_eval's checks and launches, without the wait (oj_cycle enqueues its drafts after it).
+void mtp_enqueue(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host) {
     if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block (nextn_predict_layers = 0 or nextn tensors absent)");
     check_tokens(e, tokens, n);
     if (pos0 < 0 || pos0 > e.mtp_n_past)
@@ -1439,20 +1485,26 @@ void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_so
         fail(OJ_ERR_INVALID_ARGUMENT, "h_source " + std::to_string(h_source) + " is not an oj_h_source");
     }
     mtp_launch(e, tokens, n, pos0, h);
-    finish(e, "mtp_eval");
     e.mtp_n_past = pos0 + n;
     e.last_mtp_n = n;
 }
 
+void engine_mtp_eval(Engine &e, const int32_t *tokens, int n, int pos0, int h_source, const float *h_host) {
+    mtp_enqueue(e, tokens, n, pos0, h_source, h_host);
+    finish(e, "mtp_eval");
+}
+
 // The MTP block and its head over n positions at pos0.. from `h` (n device rows) onto the stream:
 // the draft results land in s.draft_logits / draft_argmax / draft_hidden.
-void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *h) {
+// device_tokens: `tokens` are in device memory (oj_cycle's chained drafts), read where they are.
+void mtp_launch(Engine &e, const int32_t *tokens, int n, int pos0, const float *h, bool device_tokens) {
     const ModelDims &d = e.dims;
     const int E = d.hp.n_embd;
     Scratch &s = e.s;
     Mtp &m = e.mtp;
-    check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
-    embed_rows(*m.embed, s.tokens, s.x, n, e.stream);
+    if (!device_tokens)
+        check_cuda(cudaMemcpyAsync(s.tokens, tokens, n * sizeof(int32_t), cudaMemcpyHostToDevice, e.stream), "copy tokens");
+    embed_rows(*m.embed, device_tokens ? tokens : s.tokens, s.x, n, e.stream);
     rms_norm(s.x, m.enorm, s.cat, n, E, d.hp.rms_eps, 2 * E, e.stream);
     rms_norm(h, m.hnorm, s.cat + E, n, E, d.hp.rms_eps, 2 * E, e.stream);
     matvec(m.eh_proj, s.cat, s.x, n, false, e.stream);

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -175,10 +176,16 @@ struct Scratch {
     float *q_rot = nullptr, *attn_out = nullptr;       // [N][q_dim]
     float *part_ml = nullptr, *part_acc = nullptr;     // split-K partials
     int max_splits = 0;
+    // A pass being captured (engine.cu, capture_pass): the attention split count its grids are built
+    // for, attention_split_bucket's (>= the pass's own; 0: the pass's own). Splits past a position's
+    // keys write (-inf, 0) and the combine skips them, as it skips the empty splits of the positions
+    // before the last: the same bits as the pass's own count.
+    int pass_splits = 0;
     float *cat = nullptr;                              // [N][2E] MTP input
     float *h_in = nullptr;                             // [N][E] MTP h
     float *logits = nullptr, *draft_logits = nullptr;  // [N][n_vocab]
     int32_t *argmax = nullptr, *draft_argmax = nullptr;
+    int32_t *draft_chain = nullptr;                    // [N]: oj_cycle's drafts, made on the device
     int32_t *draft_ids = nullptr;                      // [n_vocab]: the draft vocabulary, when restricted
     float *hidden = nullptr;                           // [N+1][E]: row 0 = position before the batch
     float *draft_hidden = nullptr;                     // [N][E]
@@ -520,5 +527,18 @@ void attention_prefill(const ModelDims &d, const Layer &L, const float *q_rot, c
                        int split = -1);
 // attention.cu: split-K blocks needed per (head, position) at a context of n_ctx positions.
 int attention_splits_for(int n_ctx);
+// The split count a captured pass's attention grids take for a pass that needs `splits` (at most
+// max_splits, the allocated): a power of two up to 8, then a multiple of 8, so that a graph serves
+// 2,048 positions of growth past 2,048 instead of 256 (a new count is a capture and a graph update,
+// ~4-5 ms of host time a shape), for at most 7 empty splits a position and head pair (their blocks
+// find no keys and write (-inf, 0); the combine skips them). tools/pass_shape_check.cu prints it.
+inline int attention_split_bucket(int splits, int max_splits) {
+    int b = 1;
+    if (splits <= 8)
+        while (b < splits) b *= 2;
+    else
+        b = (splits + 7) / 8 * 8;
+    return std::min(std::max(b, splits), max_splits);
+}
 
 }  // namespace oj

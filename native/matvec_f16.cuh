@@ -42,11 +42,17 @@
 // Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
 // as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
 //
-// Prepared x, per super-block u a record of REC bytes: for vector v (8 slots) 576 bytes = 512 of
-// fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps 2c, 2c+1 of lane t), 32 of
-// Q4_K min sums [t][hi_2t, hi_2t+1, lo_2t, lo_2t+1], 32 pad (a vector stride of 144 words keeps
-// the quads' 16-byte shared loads conflict-free); then 8 fp32 inverse scales 2^-e (1 for vectors
-// past n_vec). Vectors past n_vec are neither written nor read (their lanes feed B = 0).
+// Prepared x, per super-block u a record of REC bytes: 8 vector slots, then at INV_OFF 8 fp32
+// inverse scales 2^-e (1 for vectors past n_vec). Vectors past n_vec are neither written nor read
+// (their lanes feed B = 0). A vector's slot (vec_bytes, the stride a stage keeps too):
+//   - Q4_K, 576 bytes: 512 of fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps
+//     2c, 2c+1 of lane t), 32 of min sums [t][hi_2t, hi_2t+1, lo_2t, lo_2t+1], 32 pad (a stride of
+//     144 words keeps the quads' 16-byte shared loads conflict-free);
+//   - Q6_K, 512 bytes: the fp16 x alone, the two 64-byte halves of each 128 bytes swapped in odd
+//     vectors (x_swizzle: a stride of 128 words with the same conflict-free loads). Without the 64
+//     bytes a 5-vector stage (4 warps x 2 stages) is 9,472 bytes instead of 9,728, which keeps 3
+//     blocks on an SM of 228 KB instead of 2: a 5-position pass lost 0.2-0.5 ms in its Q6_K-bearing
+//     projections at 2 (H100, bench/results/2026-12-07-session23-h100.md).
 //
 // Split-K workspace: the caller's workspace (matvec.cu keeps one per (device, stream); a call's two
 // kernels run on that stream, so calls sharing a workspace are serialised, and calls on other
@@ -88,7 +94,7 @@ namespace oj {
 namespace {
 namespace mvf16 {
 
-constexpr int VEC_BYTES = 576;                  // one vector's part of a super-block record
+constexpr int VEC_BYTES = 576;                  // a vector slot of a record (Q4_K's stride; Q6_K takes 512 of it)
 constexpr int XS_OFF = 512;                     // min sums inside it
 constexpr int INV_OFF = 8 * VEC_BYTES;          // the 8 inverse scales
 constexpr int REC = INV_OFF + 32;               // bytes per super-block of prepared x
@@ -108,9 +114,13 @@ __host__ __device__ constexpr int other_type(int type) { return type == TYPE_Q4_
 // Weight bytes per stage (32 rows of one super-block): Q4_K as stored; Q6_K q plane + scales.
 // Q6_K: q [32][192], scales [32][16], then per row the aligned 4-byte word holding its fp16 d.
 __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ? ROWS * 144 : ROWS * (192 + 16 + 4); }
-__host__ __device__ constexpr int x_bytes(int n_vec) { return n_vec * VEC_BYTES + 32; }
+// a vector's bytes of x in a record and a stage (Q6_K has no min sums, and no pad: x_swizzle)
+__host__ __device__ constexpr int vec_bytes(int type) { return type == TYPE_Q4_K ? VEC_BYTES : 512; }
+// Q6_K, vector v: logical byte offset o of its 512 bytes lies at o ^ x_swizzle(v)
+__host__ __device__ constexpr int x_swizzle(int v) { return (v & 1) * 64; }
+__host__ __device__ constexpr int x_bytes(int type, int n_vec) { return n_vec * vec_bytes(type) + 32; }
 // rounded up to 128 bytes: a stage is a bulk copy's destination (stream_tma)
-__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(n_vec) + 127) / 128 * 128; }
+__host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(type, n_vec) + 127) / 128 * 128; }
 
 // k order: lane t, k16 step ks, slot e (0, 1: mma k 2t, 2t+1; 2, 3: k 2t+8, 2t+9) holds value
 // column col of the super-block. Both types take bytes (0, 2) of a word for slots (0, 1) and
@@ -125,6 +135,13 @@ __host__ __device__ inline int x_dest(int type, int c) {
     const int H = c >> 7, QQ = (c >> 5) & 3, c1 = (c >> 4) & 1, t = (c >> 2) & 3, C = 2 * H + c1;
     return (2 * C + (QQ >> 1)) * 32 + t * 8 + 4 * (QQ & 1) + jmap(c & 3);
 }
+
+// Q6_K: where the prep stores vector v's column c (in halfs of the vector's 512 bytes), and the
+// byte offsets of lane (g, t)'s two 16-byte loads of group 0 (logical 16 t and 64 + 16 t; group C's
+// are 128 C further). tools/matvec_f16_config_check.cu checks on the CPU that every load finds the
+// columns the unswizzled order puts there, and that each 8 lanes' loads hit 8 different bank quads.
+__host__ __device__ inline int q6_x_store(int v, int c) { return x_dest(TYPE_Q6_K, c) ^ (x_swizzle(v) / 2); }
+__host__ __device__ inline int q6_x_load(int g, int t, int half) { return 16 * t + (half ? 64 - x_swizzle(g) : x_swizzle(g)); }
 
 // Vector v's 8 values of super-block record rec held by this lane (columns 8 lane .. 8 lane + 7):
 // their power-of-two scale, fp16 values in TYPE's k order, Q4_K's sub-block sums, the inverse
@@ -143,13 +160,13 @@ __device__ __forceinline__ void prep_store(float (&xv)[8], uint8_t *rec, int v, 
         e = max(min(15 - ex, 126), -126);
     }
     const float scale = ldexpf(1.0f, e);
-    __half *xh = reinterpret_cast<__half *>(rec + v * VEC_BYTES);
+    __half *xh = reinterpret_cast<__half *>(rec + v * vec_bytes(TYPE));
     float s = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         const float vs = xv[j] * scale;   // exact (power of two)
         s += vs;
-        xh[x_dest(TYPE, 8 * lane + j)] = __float2half_rn(vs);
+        xh[TYPE == TYPE_Q6_K ? q6_x_store(v, 8 * lane + j) : x_dest(TYPE, 8 * lane + j)] = __float2half_rn(vs);
     }
     if (TYPE == TYPE_Q4_K) {   // sub-block sb = lane / 4: the 4 lanes' sums, fixed order
         s += __shfl_xor_sync(0xffffffffu, s, 1);
@@ -425,20 +442,21 @@ __device__ __forceinline__ void issue_w(const Args &a, uint8_t *st, const Src &c
 // copies vector g's chunks t, t + 4, ...; lanes 0, 1 the inverse scales.
 template <int TYPE>
 __device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, const uint8_t *rec, int g, int t, int lane) {
+    constexpr int VB = vec_bytes(TYPE);
     if (g < a.n_vec) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VEC_BYTES + 16 * (t + 4 * j), rec + g * VEC_BYTES + 16 * (t + 4 * j));
+        for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VB + 16 * (t + 4 * j), rec + g * VB + 16 * (t + 4 * j));
         // Q4_K: the 32 bytes of min sums (not the pad: the prep never writes it)
-        if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VEC_BYTES + XS_OFF + 16 * t, rec + g * VEC_BYTES + XS_OFF + 16 * t);
+        if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VB + XS_OFF + 16 * t, rec + g * VB + XS_OFF + 16 * t);
     }
-    if (lane < 2) gemm::cp16(xs + a.n_vec * VEC_BYTES + 16 * lane, rec + INV_OFF + 16 * lane);
+    if (lane < 2) gemm::cp16(xs + a.n_vec * VB + 16 * lane, rec + INV_OFF + 16 * lane);
 }
 
 // Q4_K, one super-block for the warp's two tiles.
 __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
                                         float (&acc)[2][4]) {
     const bool hx = g < n_vec;
-    const uint8_t *xg = xs + g * VEC_BYTES;
+    const uint8_t *xg = xs + g * vec_bytes(TYPE_Q4_K);
     __half2 scL[2][2], biL[2][2], scH[2][2], biH[2][2];
     uint32_t mA[2][2];
     float d[2][2], dm[2][2];
@@ -497,7 +515,7 @@ __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, in
         }
     }
     const uint2 bs = hx ? lds8(xg + XS_OFF + 8 * t) : make_uint2(0u, 0u);
-    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * VEC_BYTES + 8 * t);
+    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q4_K) + 8 * t);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         float t2[4];
@@ -539,11 +557,14 @@ __device__ __forceinline__ void q6_group(const uint4 (&qa)[2][2], const uint4 (&
     }
 }
 
+// x0 / x1: the lane's 16 bytes of logical offsets 16 t and 64 + 16 t of the vector (x_swizzle
+// applied); group C's are 128 C further.
 template <int C>
 __device__ __forceinline__ void q6_groups(const uint4 (&qa)[2][2], const uint4 (&qb)[2][2], const uint4 (&qh)[2][2],
-                                          const uint4 (&scw)[2][2], const uint8_t *xg, bool hx, int t, float (&s)[2][4]) {
-    const uint4 b01 = hx ? lds16(xg + 64 * (2 * C) + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
-    const uint4 b23 = hx ? lds16(xg + 64 * (2 * C + 1) + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+                                          const uint4 (&scw)[2][2], const uint8_t *x0, const uint8_t *x1, bool hx,
+                                          float (&s)[2][4]) {
+    const uint4 b01 = hx ? lds16(x0 + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
+    const uint4 b23 = hx ? lds16(x1 + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
     q6_group<C, 0>(qa, qb, qh, scw, b01.x, b01.y, s);
     q6_group<C, 1>(qa, qb, qh, scw, b01.z, b01.w, s);
     q6_group<C, 2>(qa, qb, qh, scw, b23.x, b23.y, s);
@@ -553,7 +574,8 @@ __device__ __forceinline__ void q6_groups(const uint4 (&qa)[2][2], const uint4 (
 __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
                                         const uint32_t (&par)[2][2], float (&acc)[2][4]) {
     const bool hx = g < n_vec;
-    const uint8_t *xg = xs + g * VEC_BYTES;
+    const uint8_t *xg = xs + g * vec_bytes(TYPE_Q6_K);
+    const uint8_t *x0 = xg + q6_x_load(g, t, 0), *x1 = xg + q6_x_load(g, t, 1);
     uint4 qa[2][2], qb[2][2], qh[2][2], scw[2][2];
     float dq[2][2];
 #pragma unroll
@@ -579,11 +601,11 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
     for (int i = 0; i < 2; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
-    q6_groups<0>(qa, qb, qh, scw, xg, hx, t, s);
-    q6_groups<1>(qa, qb, qh, scw, xg, hx, t, s);
-    q6_groups<2>(qa, qb, qh, scw, xg, hx, t, s);
-    q6_groups<3>(qa, qb, qh, scw, xg, hx, t, s);
-    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * VEC_BYTES + 8 * t);
+    q6_groups<0>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<1>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<2>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<3>(qa, qb, qh, scw, x0, x1, hx, s);
+    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q6_K) + 8 * t);
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
@@ -634,7 +656,9 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 }
 
 // The main loop on the copy engine (stream_tma): the same stages, steps and step_q4 / step_q6 as
-// the cp.async loop, a warp's ring with one mbarrier per stage. Lane 0 arms a stage's barrier with
+// the cp.async loop, a warp's ring with one mbarrier per stage, but each stage refilled as soon as
+// its step is computed, so STAGES super-blocks are in flight while the warp waits (the cp.async
+// loop refills after the next step's wait: STAGES - 1). Lane 0 arms a stage's barrier with
 // its byte count and issues bulk copies of the row tile's super-block u, contiguous in the tiled
 // layouts (quant_blocks.cuh; Q4_K: 4,608 bytes; Q6_K: the q plane's 6,144 and the scale plane's 512)
 // and of the vectors' x and inverse scales. A copy instruction takes uniform operands: one copy per
@@ -647,7 +671,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
                                            float (&acc)[2][4]) {
     constexpr bool Q6 = TYPE == TYPE_Q6_K;
     constexpr int W = w_bytes(TYPE);
-    const uint32_t xb = (uint32_t)a.n_vec * VEC_BYTES, tx = (Q6 ? ROWS * 208 : W) + xb + 32;
+    const uint32_t xb = (uint32_t)a.n_vec * vec_bytes(TYPE), tx = (Q6 ? ROWS * 208 : W) + xb + 32;
     if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();
@@ -684,37 +708,30 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
             bar_cp_async_arrive(bar);
         }
     };
+    // Every stage is filled before the first wait, and a stage is refilled as soon as the warp has
+    // read it (after the step's compute, not after the next step's wait): a warp keeps STAGES
+    // super-blocks in flight while it waits, not STAGES - 1, and the weights of the first STAGES
+    // of them stream while the prep before runs.
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s)
+    for (int s = 0; s < STAGES; ++s)
         if (s < nj) issue_w(ring + s * SB, bars + s, uw + (int64_t)s * WARPS);
     pdl_wait();   // the prep grid's x
     if (lane == 0)
 #pragma unroll
-        for (int s = 0; s < STAGES - 1; ++s)
+        for (int s = 0; s < STAGES; ++s)
             if (s < nj) {
                 const uint8_t *rec = a.xp + (uw + (int64_t)s * WARPS) * REC;
                 bulk(ring + s * SB + W, rec, xb, bars + s);
                 bulk(ring + s * SB + W + xb, rec + INV_OFF, 32, bars + s);
             }
-    int64_t un = uw + (int64_t)(STAGES - 1) * WARPS;   // the super-block of the next refill
+    int64_t un = uw + (int64_t)STAGES * WARPS;   // the super-block of the next refill
     const uint8_t *xn = a.xp + un * REC;
-    uint32_t ph = 0;               // bit s: the parity stage s's barrier completes next
-    int rd = 0, wr = STAGES - 1;   // ring stages of steps j and j + STAGES - 1
+    uint32_t ph = 0;   // bit s: the parity stage s's barrier completes next
+    int rd = 0;        // the ring stage of step j (refilled with step j + STAGES once read)
     for (int j = 0; j < nj; ++j) {
         bar_wait(bars + rd, (ph >> rd) & 1u);
         ph ^= 1u << rd;
-        if (j + STAGES - 1 < nj) {   // refill the stage step j - 1 read (every lane past it: the loop's last __syncwarp)
-            uint8_t *st = ring + wr * SB;
-            if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
-            issue_w(st, bars + wr, un);
-            if (lane == 0) {
-                bulk(st + W, xn, xb, bars + wr);
-                bulk(st + W + xb, xn + INV_OFF, 32, bars + wr);
-            }
-            un += WARPS;
-            xn += WARPS * REC;
-        }
-        const uint8_t *st = ring + rd * SB;
+        uint8_t *st = ring + rd * SB;
         if constexpr (Q6) {
             uint32_t pr[2][2];
             q6_parity(par, uw + j * WARPS, pr);
@@ -722,9 +739,18 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
         } else {
             step_q4(st, st + W, a.n_vec, g, t, acc);
         }
+        __syncwarp();   // every lane is past its reads of the stage
+        if (j + STAGES < nj) {
+            if (lane == 0) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");   // generic reads, then async writes
+            issue_w(st, bars + rd, un);
+            if (lane == 0) {
+                bulk(st + W, xn, xb, bars + rd);
+                bulk(st + W + xb, xn + INV_OFF, 32, bars + rd);
+            }
+            un += WARPS;
+            xn += WARPS * REC;
+        }
         rd = rd == STAGES - 1 ? 0 : rd + 1;
-        wr = wr == STAGES - 1 ? 0 : wr + 1;
-        __syncwarp();
     }
     // every phase armed has completed (the loop waited on each)
     if (lane < STAGES) asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" ::"r"(su32(bars + lane)) : "memory");

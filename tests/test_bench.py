@@ -1416,3 +1416,38 @@ def test_a_bad_accept_trees_item_is_refused_by_name(tmp_path, capsys, value):
     err = capsys.readouterr().err
     assert "--accept-trees: expected VALUE:BUDGET items" in err and repr(value) in err
     assert not out.exists() or "metric" not in out.read_text()
+
+
+def test_a_verify_row_fits_the_context_the_bench_sizes():
+    """bench/ours.py sizes n_ctx for a verify row by verify_row_positions; the row's passes
+    (verify_samples, then profiled_samples: profiled and host-time-only) append without a restore.
+    A stand-in backend counts what they append and refuses past the context, as the engine does
+    (the 8-position profile overflowed a 1,136-position context on the GPU before: session 24)."""
+    from openjet_plugin.bench import ours
+
+    class Counting:
+        n_vocab = 100
+
+        def __init__(self, n_ctx: int):
+            self.n_ctx, self.n_past, self.host = n_ctx, 0, False
+
+        def eval_argmax(self, toks):
+            if self.n_past + len(toks) > self.n_ctx:
+                raise RuntimeError(f"{self.n_past + len(toks)} tokens do not fit {self.n_ctx}")
+            self.n_past += len(toks)
+            return 0
+
+        def profile(self, on, host_only=False):
+            self.host = host_only
+
+        def profile_read(self):
+            phases = [{"name": n, "calls": 1, "launches": 1, "ms": 0.1, "bytes": 10**6} for n in ours.PROJECTION_PHASES]
+            return {"passes": 1, "span_ms": 1.0, "host_ms": 0.1, "phases": phases}
+
+    rng = np.random.default_rng(0)
+    for reps in (1, 5):
+        for p in (1, 5, 8):
+            be = Counting(ours.verify_row_positions(p, reps))
+            ours.verify_samples(be, p, reps, rng)
+            ours.profiled_samples(be, p, reps, rng)
+            assert be.n_past == be.n_ctx, (reps, p, be.n_past)

@@ -6,10 +6,12 @@ stream; an unprofiled one replays its shape's graph, which reads the pass's firs
 replay count from device memory. Both are driven through the same script from the same random
 tokens: verifies of 1..8 positions with commits of every length 0..n (so each graph replays with
 other replay counts and positions than it was captured with), a draft tree now and then (two tree
-shapes of one graph), past three 256-position boundaries (the attention splits in a graph's
-shape), f16 and q8_0 KV, and two sequences of one engine taking turns. Every logits row must be
-equal bit for bit, every pass of the unprofiled backend replayed from a graph and none of the
-profiled one's.
+shapes of one graph), past three 256-position boundaries (a graph's attention grid is sized by
+attention_split_bucket: 1, 2, 4, 4 splits there, the last with an empty split a position), f16 and
+q8_0 KV, and two sequences of one engine taking turns; and past 2,304 positions after a prefill,
+where 9 and 10 needed splits share the bucket of 16, so no shape is captured twice. Every logits
+row must be equal bit for bit, every pass of the unprofiled backend replayed from a graph and none
+of the profiled one's.
 """
 
 from __future__ import annotations
@@ -42,14 +44,14 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("graph_models")
 
 
-def _backends(path: Path, kv_type: str, n_seq: int = 1):
+def _backends(path: Path, kv_type: str, n_seq: int = 1, n_ctx: int = 1024):
     """(model file, profiled backend: direct launches, unprofiled backend: graphs)."""
     from openjet_plugin.backends.native import NativeBackend
     from openjet_plugin.model_file import open_model
 
     mf = open_model(path)
-    direct = NativeBackend(mf, n_ctx=1024, kv_type=kv_type, n_seq=n_seq)
-    graphs = NativeBackend(mf, n_ctx=1024, kv_type=kv_type, n_seq=n_seq)
+    direct = NativeBackend(mf, n_ctx=n_ctx, kv_type=kv_type, n_seq=n_seq)
+    graphs = NativeBackend(mf, n_ctx=n_ctx, kv_type=kv_type, n_seq=n_seq)
     direct.profile(True)
     return mf, direct, graphs
 
@@ -140,6 +142,33 @@ def test_graph_replays_follow_each_sequence(native, workdir):
         got = graphs.graph_stats()
         report({"test": "graph_replays_two_sequences", "rows_equal": rows, "graphs": got})
         assert got["replayed"] == sum(map(len, steps)) and got["direct"] == 0 and got["held"] >= 2, got
+    finally:
+        direct.close()
+        graphs.close()
+        mf.close()
+
+
+def test_graph_serves_its_split_bucket(native, workdir):
+    """After a 2,200-token prefill (the same bits on both backends: launched directly), steps past
+    2,304 positions, where the pass needs 10 splits instead of 9: both in the bucket of 16, so every
+    shape is captured once (captures == held; without the bucket each shape used on both sides of
+    2,304 would be captured again) and the rows with 6 or 7 empty splits a position equal the direct
+    launches' exact count bit for bit."""
+    path = ts._model("small-Q4_K_M", workdir)
+    mf, direct, graphs = _backends(path, "q8_0", n_ctx=4096)
+    try:
+        rng = np.random.default_rng(31)
+        prompt = [int(t) for t in rng.integers(0, direct.n_vocab, 2200)]
+        a, b = direct.eval(prompt), graphs.eval(prompt)
+        assert np.array_equal(a, b), "the prefill's last logits differ between two engines"
+        steps = _script(rng, direct.n_vocab, 200)
+        rows = _compare("split bucket", direct, graphs, [direct], [graphs], [steps])
+        got = graphs.graph_stats()
+        report({"test": "graph_split_bucket", "steps": len(steps), "rows_equal": rows,
+                "n_past": graphs.n_past, "graphs": got})
+        assert graphs.n_past > 2304 + 8, graphs.n_past
+        assert got["replayed"] == len(steps) and got["direct"] == 0, got
+        assert got["captures"] == got["held"], got
     finally:
         direct.close()
         graphs.close()

@@ -1,7 +1,7 @@
 // matvec_f16_config_check.cu: matvec_f16.cuh's host-side configuration on the CPU (no GPU needed):
 // which types stream on the copy engine, the stage count stages_for picks for
 // each type, vector count and device, the stages' 128-byte rounding and the shared-memory size with
-// its barriers. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
+// its barriers, and where Q6_K's swizzled x is stored and loaded. Prints one JSON object per case; tests/test_matvec_f16_config.py runs it and
 // checks the rules.
 //
 //   nvcc -std=c++17 -arch=sm_90 -Inative native/tools/matvec_f16_config_check.cu -o mvcfg
@@ -39,9 +39,25 @@ int main() {
                                     name, type, warps, n_vec, forced, sb,
                                     mvf16::stages_for(d, type, warps, sb, forced), d.optin, d.smem_sm);
                     }
+    // Q6_K's swizzled x: where the prep stores each vector's columns, the unswizzled order, and
+    // each lane's two loads (tests/test_matvec_f16_config.py composes them)
+    std::printf("{\"what\": \"q6_x\", \"dest\": [");
+    for (int c = 0; c < 256; ++c) std::printf("%s%d", c ? ", " : "", mvf16::x_dest(TYPE_Q6_K, c));
+    std::printf("], \"store\": [");
+    for (int v = 0; v < 8; ++v) {
+        std::printf("%s[", v ? ", " : "");
+        for (int c = 0; c < 256; ++c) std::printf("%s%d", c ? ", " : "", mvf16::q6_x_store(v, c));
+        std::printf("]");
+    }
+    std::printf("], \"load\": [");
+    for (int g = 0; g < 8; ++g)
+        for (int t = 0; t < 4; ++t)
+            std::printf("%s[%d, %d]", g + t ? ", " : "", mvf16::q6_x_load(g, t, 0), mvf16::q6_x_load(g, t, 1));
+    std::printf("], \"vec_bytes\": %d}\n", mvf16::vec_bytes(TYPE_Q6_K));
     for (int n_vec = 1; n_vec <= 8; ++n_vec) {
         smem_line<TYPE_Q4_K, 4, 2>(n_vec);
         smem_line<TYPE_Q4_K, 4, 3>(n_vec);
+        smem_line<TYPE_Q6_K, 4, 2>(n_vec);
         smem_line<TYPE_Q6_K, 8, 2>(n_vec);
     }
     return 0;

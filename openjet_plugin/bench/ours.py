@@ -155,6 +155,12 @@ def decode_samples(be, n_tokens: int, reps: int, first: int, restore=None) -> li
     return samples
 
 
+def verify_row_positions(positions: int, reps: int) -> int:
+    """Positions a verify row appends after its fill: verify_samples' reps + 2 passes, then
+    profiled_samples' twice that (profiled, then host time only), with no restore between them."""
+    return 3 * positions * (reps + 2)
+
+
 def verify_samples(be, positions: int, reps: int, rng: np.random.Generator) -> list[float]:
     samples = []
     for r in range(-2, reps):                      # two warm-up passes
@@ -503,7 +509,7 @@ def run(args, out: Emitter) -> int:
         raise ValueError(f"--verify: positions {too_many} outside 1..{MAX_POSITIONS} (one native call)")
     # a tree of budget B drafts up to B - 1 tokens deep
     max_drafts = max([p["drafts"] if "drafts" in p else p["budget"] - 1 for _, p in spec_todo], default=0)
-    need_ctx = max([args.verify_depth + 2 * MAX_POSITIONS * (args.reps + 2)]   # verify_ms, then projection_gbps
+    need_ctx = max([args.verify_depth + verify_row_positions(MAX_POSITIONS, args.reps)]
                    + [d + (args.reps + 1) * args.decode_tokens + WARMUP_STEPS for d in depths]
                    + [d + args.spec_tokens + max_drafts + 16 for d in spec_depths]
                    + [d + n + 16 for n, d in prefill_todo])
