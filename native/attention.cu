@@ -168,13 +168,17 @@ __global__ void attention_prepare_kernel(const float *__restrict__ qg, const flo
     }
 }
 
+// Why 4 blocks an SM (the launch bound's second number): a block's 16 chunks a warp run one after
+// another, each a memory latency, so a long context's partials are bound by the blocks resident and
+// the waves of them: at depth 30,720, 120 splits x 12 head pairs = 1,440 blocks are 3.6 waves at 3
+// blocks an SM (146 registers at G = 2), 2.7 at 4 (128 registers; ptxas spills 28 bytes at D = 256).
 // grid (n_head / G, n, n_splits), block 32 * PARTIAL_WARPS; block x takes query heads G x ..
 // G x + G - 1 (G divides n_head / n_head_kv: one KV head), each row of K and V loaded once for
 // the G of them; each warp's positions taken C at a time (chunked_scan, attention_common.cuh, with
 // the block's PARTIAL_WARPS warps interleaving row by row). Lane l holds dims [l*PER, l*PER + PER).
 // SEQS: as attention_prepare_kernel's (position n scans 0..sb.pos[n] of its sequence's planes).
 template <int D, bool Q8, int C, int G, bool SEQS>
-__global__ void __launch_bounds__(32 * PARTIAL_WARPS)
+__global__ void __launch_bounds__(32 * PARTIAL_WARPS, 4)
 attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__restrict__ k_cache,
                                  const void *__restrict__ v_cache, const __half *__restrict__ k_scale,
                                  const __half *__restrict__ v_scale, float *__restrict__ part_ml,
