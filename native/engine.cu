@@ -700,6 +700,7 @@ constexpr int GRAPH_TRIES = 3;
 // graph once MAX_GRAPHS are held.
 Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int splits, uint64_t workspaces,
                                 Engine::PassGraph *reuse) {
+    const auto t0 = std::chrono::steady_clock::now();
     cudaGraph_t g = nullptr;
     if (cudaStreamBeginCapture(e.stream, cudaStreamCaptureModeRelaxed) != cudaSuccess) {
         cudaGetLastError();
@@ -754,7 +755,14 @@ Engine::PassGraph *capture_pass(Engine &e, int n, uint64_t tree, float *h, int s
     cudaGraphDestroy(g);
     *slot = {n, e.slot, e.replay_slot, e.cur_seq, splits, tree != 0, workspaces, slot->exec, 0};
     e.graph_failures = 0;
+    ++e.graph_captures;
+    e.graph_capture_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     return slot;
+}
+
+// The attention split count of a captured pass over n positions at e.n_past (its graph's key).
+int pass_split_bucket(const Engine &e, int n) {
+    return attention_split_bucket(attention_splits_for(e.n_past + n), e.s.max_splits);
 }
 
 // Whether a chain pass of n positions has a graph for the engine's ring slots and sequence (any
@@ -776,13 +784,8 @@ void capture_chain_sizes(Engine &e, int n, float *h, uint64_t workspaces) {
     for (int m = 1; m <= OJ_MAX_POSITIONS; ++m)
         if (m != n && e.n_past + m <= e.n_ctx && !has_chain_graph(e, m)) sizes.push_back(m);
     if (sizes.empty() || (int)(e.graphs.size() + sizes.size()) >= Engine::MAX_GRAPHS) return;
-    for (int m : sizes) {
-        const int splits = attention_split_bucket(attention_splits_for(e.n_past + m), e.s.max_splits);
-        const auto t0 = std::chrono::steady_clock::now();
-        if (!capture_pass(e, m, 0, h, splits, workspaces, nullptr)) return;
-        ++e.graph_captures;
-        e.graph_capture_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    }
+    for (int m : sizes)
+        if (!capture_pass(e, m, 0, h, pass_split_bucket(e, m), workspaces, nullptr)) return;
 }
 
 // A pass of oj_verify, oj_eval, oj_cycle or oj_verify_tree over n positions at e.n_past (`tree`:
@@ -795,7 +798,7 @@ void run_pass(Engine &e, int n, uint64_t tree, float *h) {
         main_pass(e, n, e.n_past, tree, nullptr, h);
         return;
     }
-    const int splits = attention_split_bucket(attention_splits_for(e.n_past + n), e.s.max_splits);
+    const int splits = pass_split_bucket(e, n);
     const uint64_t workspaces = matvec_workspace_generation();
     Engine::PassGraph *hit = nullptr, *reuse = nullptr;
     for (Engine::PassGraph &g : e.graphs)
@@ -804,14 +807,7 @@ void run_pass(Engine &e, int n, uint64_t tree, float *h) {
             else reuse = &g;
         }
     if (!hit && !reuse && !tree) capture_chain_sizes(e, n, h, workspaces);   // before: it may move e.graphs
-    if (!hit) {
-        const auto t0 = std::chrono::steady_clock::now();
-        hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);
-        if (hit) {
-            ++e.graph_captures;
-            e.graph_capture_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-        }
-    }
+    if (!hit) hit = capture_pass(e, n, tree, h, splits, workspaces, reuse);
     if (!hit) {
         try {
             main_pass(e, n, e.n_past, tree, nullptr, h);

@@ -175,11 +175,12 @@ int32_t oj_profile(oj_engine *engine, int32_t on);
 int32_t oj_profile_read(oj_engine *engine, oj_phase *out, int32_t capacity, int32_t *n_phases, int32_t *passes,
                         double *span_ms, double *host_ms);
 /* The main model's passes of oj_verify, oj_verify_tree, oj_eval and oj_cycle (ABI 14) replay CUDA
-   graphs, one per shape (positions, ring slots, sequence, attention splits, chain or tree) captured
-   at its first use; a profiled pass (oj_profile 1) and oj_eval_seqs launch their kernels directly,
-   as does every pass once captures failed 3 times in a row. oj_graph_stats: the passes replayed from
-   a graph and launched directly since the engine was made, the graphs held, the captures made (new
-   or updating a held graph) and the host time they took, ms (any pointer may be NULL). */
+   graphs, one per shape (positions, ring slots, sequence, attention split bucket, chain or tree)
+   captured at its first use (a chain's with its other sizes); a profiled pass (oj_profile 1) and
+   oj_eval_seqs launch their kernels directly, as does every pass once captures failed 3 times in a
+   row. oj_graph_stats: the passes replayed from a graph and launched directly since the engine was
+   made, the graphs held, the captures made (new or updating a held graph) and the host time they
+   took, ms (any pointer may be NULL). */
 int32_t oj_graph_stats(const oj_engine *engine, int64_t *replayed, int64_t *direct, int32_t *held, int64_t *captures,
                        double *capture_ms);
 /* Forget the conversation: n_past = 0, zero recurrent and conv state, empty KV caches; a prompt
