@@ -94,14 +94,16 @@ namespace oj {
 namespace {
 namespace mvf16 {
 
+constexpr int MAX_VEC = 16;                     // vectors a call takes: 1..8 one n8 tile of the mma, 9..16 two
+constexpr int SSQ_VEC = 8;                      // vectors of a row tile's sums of squares ([tile][8]; calls of <= 8)
 constexpr int VEC_BYTES = 576;                  // a vector slot of a record (Q4_K's stride; Q6_K takes 512 of it)
 constexpr int XS_OFF = 512;                     // min sums inside it
-constexpr int INV_OFF = 8 * VEC_BYTES;          // the 8 inverse scales
-constexpr int REC = INV_OFF + 32;               // bytes per super-block of prepared x
+constexpr int INV_OFF = MAX_VEC * VEC_BYTES;    // the 16 inverse scales
+constexpr int REC = INV_OFF + 4 * MAX_VEC;      // bytes per super-block of prepared x
 constexpr int ROWS = 32;                        // weight rows per block (two m16 tiles)
 constexpr int MAX_SLOTS = 4096;                 // split partial slots (row tiles x splits) per call
 constexpr int MAX_TILES = MAX_SLOTS / 2;        // a split call has S >= 2, so at most this many tiles
-constexpr size_t SLOT_FLOATS = 8 * ROWS;        // one partial: [8 vectors][32 rows] fp32
+constexpr size_t SLOT_FLOATS = MAX_VEC * ROWS;  // one partial: [16 vectors][32 rows] fp32
 constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;                          // counters first
 constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;   // then the prepared x
 static_assert(MAX_TILES % 1024 == 0 && XP_OFF % 256 == 0, "split region: whole uint4 per thread, aligned x");
@@ -118,7 +120,10 @@ __host__ __device__ constexpr int w_bytes(int type) { return type == TYPE_Q4_K ?
 __host__ __device__ constexpr int vec_bytes(int type) { return type == TYPE_Q4_K ? VEC_BYTES : 512; }
 // Q6_K, vector v: logical byte offset o of its 512 bytes lies at o ^ x_swizzle(v)
 __host__ __device__ constexpr int x_swizzle(int v) { return (v & 1) * 64; }
-__host__ __device__ constexpr int x_bytes(int type, int n_vec) { return n_vec * vec_bytes(type) + 32; }
+// vector tiles (n8 columns of the mma) of n_vec vectors, and their inverse scales' bytes in a stage
+__host__ __device__ constexpr int vec_tiles(int n_vec) { return n_vec > 8 ? 2 : 1; }
+__host__ __device__ constexpr int inv_bytes(int n_vec) { return 32 * vec_tiles(n_vec); }
+__host__ __device__ constexpr int x_bytes(int type, int n_vec) { return n_vec * vec_bytes(type) + inv_bytes(n_vec); }
 // rounded up to 128 bytes: a stage is a bulk copy's destination (stream_tma)
 __host__ __device__ constexpr int stage_bytes(int type, int n_vec) { return (w_bytes(type) + x_bytes(type, n_vec) + 127) / 128 * 128; }
 
@@ -205,14 +210,15 @@ struct PrepIn {
     const float *ssq = nullptr;
 };
 
-// One block per super-block u, warp v = vector v: lane l holds columns 8 l .. 8 l + 7.
-// ws: the whole workspace; block 0 also zeroes the split-K arrival counters at its start.
+// One block per super-block u and 8 vectors (blockIdx.y: vectors 8 y .. 8 y + 7), warp w = vector
+// 8 y + w: lane l holds columns 8 l .. 8 l + 7.
+// ws: the whole workspace; block (0, 0) also zeroes the split-K arrival counters at its start.
 // both: also the records in the other type's order, after these (region 1: XP_OFF + nb * REC on).
 template <int TYPE>
 __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, int n_vec, uint8_t *__restrict__ ws, bool both) {
     pdl_launch_dependents();
     const int64_t u = blockIdx.x;
-    const int v = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int v0 = 8 * (int)blockIdx.y, v = v0 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const int64_t at = (int64_t)v * K + u * QK_K + 8 * lane;
     // The norm weights: no kernel writes them, so they load before the wait, while the kernel
     // before still runs.
@@ -224,7 +230,7 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
         wv[4] = w1.x; wv[5] = w1.y; wv[6] = w1.z; wv[7] = w1.w;
     }
     pdl_wait();   // x, and the workspace the previous matvec on it may still read
-    if (blockIdx.x == 0)
+    if (blockIdx.x == 0 && blockIdx.y == 0)
 #pragma unroll
         for (int i = 0; i < MAX_TILES / 1024; ++i)
             reinterpret_cast<uint4 *>(ws)[threadIdx.x + 256 * i] = make_uint4(0u, 0u, 0u, 0u);
@@ -238,7 +244,7 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
             xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
             xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
             float t = 0.0f;
-            for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * 8 + v];
+            for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * SSQ_VEC + v];   // n_vec <= SSQ_VEC (check_prep)
             t = warp_sum(t);
             norm_scale = 1.0f / sqrtf(t / K + in.eps);
         }
@@ -254,19 +260,19 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
         for (int64_t i = threadIdx.x; i < K; i += blockDim.x) {
 #pragma unroll
             for (int vv = 0; vv < 8; ++vv)
-                if (vv < n_vec) {
-                    const float xi = in.x[(int64_t)vv * K + i];
+                if (v0 + vv < n_vec) {
+                    const float xi = in.x[(int64_t)(v0 + vv) * K + i];
                     ss[vv] += xi * xi;
                 }
         }
 #pragma unroll
         for (int vv = 0; vv < 8; ++vv)
-            if (vv < n_vec) {   // n_vec is the block's: every thread takes the same branches
+            if (v0 + vv < n_vec) {   // n_vec and v0 are the block's: every thread takes the same branches
                 const float t = block_sum(ss[vv]);
                 if (threadIdx.x == 0) scales[vv] = 1.0f / sqrtf(t / K + in.eps);
             }
         __syncthreads();
-        if (v < n_vec) norm_scale = scales[v];
+        if (v < n_vec) norm_scale = scales[v - v0];
     }
     uint8_t *rec = ws + XP_OFF + u * REC, *rec2 = ws + XP_OFF + (K / QK_K + u) * REC;
     if (v >= n_vec) {
@@ -438,25 +444,34 @@ __device__ __forceinline__ void issue_w(const Args &a, uint8_t *st, const Src &c
     }
 }
 
-// The prepared x of a super-block (its record rec) for the call's vectors: lane (g, t), g < n_vec,
-// copies vector g's chunks t, t + 4, ...; lanes 0, 1 the inverse scales.
-template <int TYPE>
+// The prepared x of a super-block (its record rec) for the call's vectors: lane (g, t) copies
+// vector g's chunks t, t + 4, ... (and vector g + 8's for NT = 2), where the vector is < n_vec;
+// lanes 0 .. 2 NT - 1 the inverse scales.
+template <int TYPE, int NT>
 __device__ __forceinline__ void issue_x(const Args &a, uint8_t *xs, const uint8_t *rec, int g, int t, int lane) {
     constexpr int VB = vec_bytes(TYPE);
-    if (g < a.n_vec) {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) gemm::cp16(xs + g * VB + 16 * (t + 4 * j), rec + g * VB + 16 * (t + 4 * j));
-        // Q4_K: the 32 bytes of min sums (not the pad: the prep never writes it)
-        if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + g * VB + XS_OFF + 16 * t, rec + g * VB + XS_OFF + 16 * t);
+    for (int h = 0; h < NT; ++h) {
+        const int v = g + 8 * h;
+        if (v < a.n_vec) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) gemm::cp16(xs + v * VB + 16 * (t + 4 * j), rec + v * VB + 16 * (t + 4 * j));
+            // Q4_K: the 32 bytes of min sums (not the pad: the prep never writes it)
+            if (TYPE == TYPE_Q4_K && t < 2) gemm::cp16(xs + v * VB + XS_OFF + 16 * t, rec + v * VB + XS_OFF + 16 * t);
+        }
     }
-    if (lane < 2) gemm::cp16(xs + a.n_vec * VB + 16 * lane, rec + INV_OFF + 16 * lane);
+    if (lane < 2 * NT) gemm::cp16(xs + a.n_vec * VB + 16 * lane, rec + INV_OFF + 16 * lane);
 }
 
-// Q4_K, one super-block for the warp's two tiles.
+// Q4_K, one super-block for the warp's two row tiles and NT vector tiles (vectors g, g + 8): each
+// A fragment dequantised once serves NT mma.
+template <int NT>
 __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
-                                        float (&acc)[2][4]) {
-    const bool hx = g < n_vec;
-    const uint8_t *xg = xs + g * vec_bytes(TYPE_Q4_K);
+                                        float (&acc)[NT][2][4]) {
+    bool hx[NT];
+#pragma unroll
+    for (int h = 0; h < NT; ++h) hx[h] = g + 8 * h < n_vec;
+    const uint8_t *xg = xs + g * vec_bytes(TYPE_Q4_K);   // vector g; g + 8 is 8 slots on
     __half2 scL[2][2], biL[2][2], scH[2][2], biH[2][2];
     uint32_t mA[2][2];
     float d[2][2], dm[2][2];
@@ -486,10 +501,13 @@ __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, in
             const uint32_t mp = __byte_perm(mnw, 0x64646464u, 0x4040u | b | ((b + 1) << 8));
             mA[i][r] = gemmf16::h2u(__hsub2(gemmf16::u2h(mp), c1024));
         }
-    float tmp[2][4];
+    float tmp[NT][2][4];
 #pragma unroll
     for (int wi = 0; wi < 8; ++wi) {
-        const uint4 bx = hx ? lds16(xg + 64 * wi + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
+        uint4 bx[NT];
+#pragma unroll
+        for (int h = 0; h < NT; ++h)
+            bx[h] = hx[h] ? lds16(xg + 8 * h * vec_bytes(TYPE_Q4_K) + 64 * wi + 16 * t) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const uint32_t w0 = wi < 4 ? (wi == 0 ? qlo[i][0].x : wi == 1 ? qlo[i][0].y : wi == 2 ? qlo[i][0].z : qlo[i][0].w)
@@ -502,36 +520,44 @@ __device__ __forceinline__ void step_q4(const uint8_t *ws, const uint8_t *xs, in
                 const uint32_t A1 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(w1)), scL[i][1], biL[i][1]));
                 const uint32_t A2 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(s0)), scL[i][0], biL[i][0]));
                 const uint32_t A3 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<0>(s1)), scL[i][1], biL[i][1]));
-                if (wi == 0) gemmf16::mma_f16<true>(tmp[i], A0, A1, A2, A3, bx.x, bx.y);
-                else gemmf16::mma_f16<false>(tmp[i], A0, A1, A2, A3, bx.x, bx.y);
+#pragma unroll
+                for (int h = 0; h < NT; ++h) {
+                    if (wi == 0) gemmf16::mma_f16<true>(tmp[h][i], A0, A1, A2, A3, bx[h].x, bx[h].y);
+                    else gemmf16::mma_f16<false>(tmp[h][i], A0, A1, A2, A3, bx[h].x, bx[h].y);
+                }
             }
             {   // high nibbles: sub-block 2t + 1, B = step 2 wi + 1
                 const uint32_t A0 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(w0)), scH[i][0], biH[i][0]));
                 const uint32_t A1 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(w1)), scH[i][1], biH[i][1]));
                 const uint32_t A2 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(s0)), scH[i][0], biH[i][0]));
                 const uint32_t A3 = gemmf16::h2u(__hfma2(gemmf16::u2h(gemmf16::nibble_pair_magic<1>(s1)), scH[i][1], biH[i][1]));
-                gemmf16::mma_f16<false>(tmp[i], A0, A1, A2, A3, bx.z, bx.w);
+#pragma unroll
+                for (int h = 0; h < NT; ++h) gemmf16::mma_f16<false>(tmp[h][i], A0, A1, A2, A3, bx[h].z, bx[h].w);
             }
         }
     }
-    const uint2 bs = hx ? lds8(xg + XS_OFF + 8 * t) : make_uint2(0u, 0u);
-    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q4_K) + 8 * t);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        float t2[4];
-        gemmf16::mma_f16<true>(t2, mA[i][0], mA[i][1], mA[i][0], mA[i][1], bs.x, bs.y);
+    for (int h = 0; h < NT; ++h) {
+        const uint2 bs = hx[h] ? lds8(xg + 8 * h * vec_bytes(TYPE_Q4_K) + XS_OFF + 8 * t) : make_uint2(0u, 0u);
+        const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q4_K) + 32 * h + 8 * t);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float v = fmaf(d[i][e >> 1], tmp[i][e], dm[i][e >> 1] * t2[e]);
-            acc[i][e] = fmaf((e & 1) ? inv.y : inv.x, v, acc[i][e]);
+        for (int i = 0; i < 2; ++i) {
+            float t2[4];
+            gemmf16::mma_f16<true>(t2, mA[i][0], mA[i][1], mA[i][0], mA[i][1], bs.x, bs.y);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float v = fmaf(d[i][e >> 1], tmp[h][i][e], dm[i][e >> 1] * t2[e]);
+                acc[h][i][e] = fmaf((e & 1) ? inv.y : inv.x, v, acc[h][i][e]);
+            }
         }
     }
 }
 
 // Q6_K, one scale group (half C >> 1, quarter QQ, 16-value half C & 1): k16 step 4 C + QQ.
-template <int C, int QQ>
+template <int C, int QQ, int NT>
 __device__ __forceinline__ void q6_group(const uint4 (&qa)[2][2], const uint4 (&qb)[2][2], const uint4 (&qh)[2][2],
-                                         const uint4 (&scw)[2][2], uint32_t b0, uint32_t b1, float (&s)[2][4]) {
+                                         const uint4 (&scw)[2][2], const uint32_t (&b0)[NT], const uint32_t (&b1)[NT],
+                                         float (&s)[NT][2][4]) {
     constexpr int S = 8 * (C >> 1) + 2 * QQ + (C & 1);   // ggml's scale index
     const __half2 c1056 = __float2half2_rn(1056.0f);
 #pragma unroll
@@ -543,37 +569,55 @@ __device__ __forceinline__ void q6_group(const uint4 (&qa)[2][2], const uint4 (&
             a[r] = gemmf16::h2u(__hsub2(gemmf16::u2h(__byte_perm(v, 0x64646464u, gemmf16::SEL_LO)), c1056));
             a[2 + r] = gemmf16::h2u(__hsub2(gemmf16::u2h(__byte_perm(v, 0x64646464u, gemmf16::SEL_HI)), c1056));
         }
-        float tq[4];
-        gemmf16::mma_f16<true>(tq, a[0], a[1], a[2], a[3], b0, b1);
+        float tq[NT][4];
+#pragma unroll
+        for (int h = 0; h < NT; ++h) gemmf16::mma_f16<true>(tq[h], a[0], a[1], a[2], a[3], b0[h], b1[h]);
         // signed scale bytes, stored XOR 0x80: (2^23 + 128 + sc) - (2^23 + 128). The constant is
         // PRMT's first operand (always a register, set once) so that the selector is the immediate:
         // the other order had ptxas move the selector into a register before every PRMT.
         const float sg = __uint_as_float(__byte_perm(0x4B000000u, wd<(S >> 2)>(scw[i][0]), 0x3004u | (S & 3))) - 8388736.0f;
         const float s8 = __uint_as_float(__byte_perm(0x4B000000u, wd<(S >> 2)>(scw[i][1]), 0x3004u | (S & 3))) - 8388736.0f;
-        s[i][0] = fmaf(sg, tq[0], s[i][0]);
-        s[i][1] = fmaf(sg, tq[1], s[i][1]);
-        s[i][2] = fmaf(s8, tq[2], s[i][2]);
-        s[i][3] = fmaf(s8, tq[3], s[i][3]);
+#pragma unroll
+        for (int h = 0; h < NT; ++h) {
+            s[h][i][0] = fmaf(sg, tq[h][0], s[h][i][0]);
+            s[h][i][1] = fmaf(sg, tq[h][1], s[h][i][1]);
+            s[h][i][2] = fmaf(s8, tq[h][2], s[h][i][2]);
+            s[h][i][3] = fmaf(s8, tq[h][3], s[h][i][3]);
+        }
     }
 }
 
-// x0 / x1: the lane's 16 bytes of logical offsets 16 t and 64 + 16 t of the vector (x_swizzle
-// applied); group C's are 128 C further.
-template <int C>
+// x0 / x1: the lane's 16 bytes of logical offsets 16 t and 64 + 16 t of vector g (x_swizzle
+// applied); group C's are 128 C further; vector g + 8's (NT = 2, the same swizzle: the same parity)
+// 8 slots on.
+template <int C, int NT>
 __device__ __forceinline__ void q6_groups(const uint4 (&qa)[2][2], const uint4 (&qb)[2][2], const uint4 (&qh)[2][2],
-                                          const uint4 (&scw)[2][2], const uint8_t *x0, const uint8_t *x1, bool hx,
-                                          float (&s)[2][4]) {
-    const uint4 b01 = hx ? lds16(x0 + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
-    const uint4 b23 = hx ? lds16(x1 + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
-    q6_group<C, 0>(qa, qb, qh, scw, b01.x, b01.y, s);
-    q6_group<C, 1>(qa, qb, qh, scw, b01.z, b01.w, s);
-    q6_group<C, 2>(qa, qb, qh, scw, b23.x, b23.y, s);
-    q6_group<C, 3>(qa, qb, qh, scw, b23.z, b23.w, s);
+                                          const uint4 (&scw)[2][2], const uint8_t *x0, const uint8_t *x1,
+                                          const bool (&hx)[NT], float (&s)[NT][2][4]) {
+    uint4 b01[NT], b23[NT];
+#pragma unroll
+    for (int h = 0; h < NT; ++h) {
+        b01[h] = hx[h] ? lds16(x0 + 8 * h * vec_bytes(TYPE_Q6_K) + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
+        b23[h] = hx[h] ? lds16(x1 + 8 * h * vec_bytes(TYPE_Q6_K) + 128 * C) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    uint32_t p[8][NT];   // the four groups' B words (b0, b1) a vector tile
+#pragma unroll
+    for (int h = 0; h < NT; ++h) {
+        p[0][h] = b01[h].x, p[1][h] = b01[h].y, p[2][h] = b01[h].z, p[3][h] = b01[h].w;
+        p[4][h] = b23[h].x, p[5][h] = b23[h].y, p[6][h] = b23[h].z, p[7][h] = b23[h].w;
+    }
+    q6_group<C, 0, NT>(qa, qb, qh, scw, p[0], p[1], s);
+    q6_group<C, 1, NT>(qa, qb, qh, scw, p[2], p[3], s);
+    q6_group<C, 2, NT>(qa, qb, qh, scw, p[4], p[5], s);
+    q6_group<C, 3, NT>(qa, qb, qh, scw, p[6], p[7], s);
 }
 
+template <int NT>
 __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, int n_vec, int g, int t,
-                                        const uint32_t (&par)[2][2], float (&acc)[2][4]) {
-    const bool hx = g < n_vec;
+                                        const uint32_t (&par)[2][2], float (&acc)[NT][2][4]) {
+    bool hx[NT];
+#pragma unroll
+    for (int h = 0; h < NT; ++h) hx[h] = g + 8 * h < n_vec;
     const uint8_t *xg = xs + g * vec_bytes(TYPE_Q6_K);
     const uint8_t *x0 = xg + q6_x_load(g, t, 0), *x1 = xg + q6_x_load(g, t, 1);
     uint4 qa[2][2], qb[2][2], qh[2][2], scw[2][2];
@@ -596,20 +640,25 @@ __device__ __forceinline__ void step_q6(const uint8_t *ws, const uint8_t *xs, in
             const uint32_t dw = *reinterpret_cast<const uint32_t *>(ws + ROWS * 208 + row * 4);
             dq[i][r] = gemm::half_bits(par[i][r] ? dw >> 16 : dw & 0xFFFFu);
         }
-    float s[2][4];
+    float s[NT][2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < NT; ++h)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[i][e] = 0.0f;
-    q6_groups<0>(qa, qb, qh, scw, x0, x1, hx, s);
-    q6_groups<1>(qa, qb, qh, scw, x0, x1, hx, s);
-    q6_groups<2>(qa, qb, qh, scw, x0, x1, hx, s);
-    q6_groups<3>(qa, qb, qh, scw, x0, x1, hx, s);
-    const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q6_K) + 8 * t);
+        for (int i = 0; i < 2; ++i)
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+            for (int e = 0; e < 4; ++e) s[h][i][e] = 0.0f;
+    q6_groups<0, NT>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<1, NT>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<2, NT>(qa, qb, qh, scw, x0, x1, hx, s);
+    q6_groups<3, NT>(qa, qb, qh, scw, x0, x1, hx, s);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = fmaf(((e & 1) ? inv.y : inv.x) * dq[i][e >> 1], s[i][e], acc[i][e]);
+    for (int h = 0; h < NT; ++h) {
+        const float2 inv = *reinterpret_cast<const float2 *>(xs + n_vec * vec_bytes(TYPE_Q6_K) + 32 * h + 8 * t);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[h][i][e] = fmaf(((e & 1) ? inv.y : inv.x) * dq[i][e >> 1], s[h][i][e], acc[h][i][e]);
+    }
 }
 
 // Q6_K: which half of each compute row's d word is its d in super-block u's stage: the parity of
@@ -665,13 +714,13 @@ __device__ __forceinline__ void bar_cp_async_arrive(uint64_t *bar) {
 // lane and row would be issued lane after lane (an ELECT loop of 32 per step). Q6_K's fp16 d of a
 // row is 2 bytes of the row-major d plane, so each lane still copies its row's d word by cp.async,
 // tied to the barrier by cp.async.mbarrier.arrive.noinc (init count 1 + 32).
-template <int TYPE, int WARPS, int STAGES>
+template <int TYPE, int WARPS, int STAGES, int NT>
 __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB, uint64_t *bars, int m0, int64_t uw, int nj, int g,
                                            int t, int lane, const int64_t (&crow)[2], const uint32_t (&par)[2][2],
-                                           float (&acc)[2][4]) {
+                                           float (&acc)[NT][2][4]) {
     constexpr bool Q6 = TYPE == TYPE_Q6_K;
-    constexpr int W = w_bytes(TYPE);
-    const uint32_t xb = (uint32_t)a.n_vec * vec_bytes(TYPE), tx = (Q6 ? ROWS * 208 : W) + xb + 32;
+    constexpr int W = w_bytes(TYPE), IB = 32 * NT;   // IB: the inverse scales' bytes (inv_bytes)
+    const uint32_t xb = (uint32_t)a.n_vec * vec_bytes(TYPE), tx = (Q6 ? ROWS * 208 : W) + xb + IB;
     if (lane < STAGES) bar_init(bars + lane, Q6 ? 33 : 1);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncwarp();
@@ -722,7 +771,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
             if (s < nj) {
                 const uint8_t *rec = a.xp + (uw + (int64_t)s * WARPS) * REC;
                 bulk(ring + s * SB + W, rec, xb, bars + s);
-                bulk(ring + s * SB + W + xb, rec + INV_OFF, 32, bars + s);
+                bulk(ring + s * SB + W + xb, rec + INV_OFF, IB, bars + s);
             }
     int64_t un = uw + (int64_t)STAGES * WARPS;   // the super-block of the next refill
     const uint8_t *xn = a.xp + un * REC;
@@ -735,9 +784,9 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
         if constexpr (Q6) {
             uint32_t pr[2][2];
             q6_parity(par, uw + j * WARPS, pr);
-            step_q6(st, st + W, a.n_vec, g, t, pr, acc);
+            step_q6<NT>(st, st + W, a.n_vec, g, t, pr, acc);
         } else {
-            step_q4(st, st + W, a.n_vec, g, t, acc);
+            step_q4<NT>(st, st + W, a.n_vec, g, t, acc);
         }
         __syncwarp();   // every lane is past its reads of the stage
         if (j + STAGES < nj) {
@@ -745,7 +794,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
             issue_w(st, bars + rd, un);
             if (lane == 0) {
                 bulk(st + W, xn, xb, bars + rd);
-                bulk(st + W + xb, xn + INV_OFF, 32, bars + rd);
+                bulk(st + W + xb, xn + INV_OFF, IB, bars + rd);
             }
             un += WARPS;
             xn += WARPS * REC;
@@ -770,7 +819,7 @@ __device__ __noinline__ void tile_ssq(const float *fin, int64_t n_out, int n_vec
         const int64_t o = m0 + lane;
         const float y = o < n_out ? fin[v * ROWS + lane] : 0.0f;
         const float t = warp_sum(y * y);
-        if (lane == 0) ssq[tile * 8 + v] = t;
+        if (lane == 0) ssq[tile * SSQ_VEC + v] = t;
     }
 }
 
@@ -778,7 +827,8 @@ __device__ __noinline__ void tile_ssq(const float *fin, int64_t n_out, int n_vec
 // cp.async instance no copy-engine loop, so neither pays the other's registers).
 // Block `bid` of a launch over args (matvec_kernel: blockIdx.x).
 // smem: the block's dynamic shared memory (smem_bytes).
-template <int TYPE, int WARPS, int STAGES, bool TMA>
+// NT: vector tiles (1: 1..8 vectors, 2: 9..16; vec_tiles).
+template <int TYPE, int WARPS, int STAGES, bool TMA, int NT>
 __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uint8_t *smem) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int S = args.split;
@@ -813,11 +863,13 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         for (int i = 0; i < 2; ++i)
 #pragma unroll
             for (int r = 0; r < 2; ++r) par[i][r] = (uint32_t)((src_row(m0 + 16 * i + g + 8 * r) * nb) & 1);
-    float acc[2][4];
+    float acc[NT][2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < NT; ++h)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[h][i][e] = 0.0f;
 
     const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;   // this warp's super-blocks
     const int64_t uw = u0 + warp;                                          // its first
@@ -825,7 +877,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if constexpr (TMA) {
         uint64_t *bars = reinterpret_cast<uint64_t *>(smem + (size_t)WARPS * STAGES * SB) + warp * STAGES;
-        stream_tma<TYPE, WARPS, STAGES>(a, ring, SB, bars, (int)m0, uw, nj, g, t, lane, crow, par, acc);
+        stream_tma<TYPE, WARPS, STAGES, NT>(a, ring, SB, bars, (int)m0, uw, nj, g, t, lane, crow, par, acc);
     } else
 #endif
     {
@@ -839,7 +891,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     pdl_wait();
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s)
-        if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);
+        if (s < J) issue_x<TYPE, NT>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);
     gemm::cp_commit();
 #pragma unroll
     for (int s = 1; s < STAGES - 1; ++s) gemm::cp_commit();   // empty groups keep the count
@@ -853,17 +905,17 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
         if (j + STAGES - 1 < nj) {
             uint8_t *st = ring + wr * SB;
             issue_w<TYPE>(a, st, nxt, lane);
-            issue_x<TYPE>(a, st + w_bytes(TYPE), nxt.x, g, t, lane);
+            issue_x<TYPE, NT>(a, st + w_bytes(TYPE), nxt.x, g, t, lane);
             advance<TYPE, WARPS>(nxt);
         }
         gemm::cp_commit();
         const uint8_t *st = ring + rd * SB;
         if constexpr (TYPE == TYPE_Q4_K) {
-            step_q4(st, st + w_bytes(TYPE), a.n_vec, g, t, acc);
+            step_q4<NT>(st, st + w_bytes(TYPE), a.n_vec, g, t, acc);
         } else {
             uint32_t pr[2][2];
             q6_parity(par, uw + j * WARPS, pr);
-            step_q6(st, st + w_bytes(TYPE), a.n_vec, g, t, pr, acc);
+            step_q6<NT>(st, st + w_bytes(TYPE), a.n_vec, g, t, pr, acc);
         }
         rd = rd == STAGES - 1 ? 0 : rd + 1;
         wr = wr == STAGES - 1 ? 0 : wr + 1;
@@ -873,21 +925,22 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     gemm::cp_wait<0>();
     __syncthreads();
     // partial sums of the warps meet in shared memory; summed in warp order (deterministic)
+    constexpr int NS = 8 * NT;   // accumulators a lane: [vector tile][row tile][4]
     float *red = reinterpret_cast<float *>(smem);
 #pragma unroll
-    for (int s = 0; s < 8; ++s) red[(warp * 8 + s) * 32 + lane] = acc[s >> 2][s & 3];
+    for (int s = 0; s < NS; ++s) red[(warp * NS + s) * 32 + lane] = acc[s >> 3][(s >> 2) & 1][s & 3];
     __syncthreads();
-    float *slot = a.part + (size_t)bid * SLOT_FLOATS;   // split: this block's partial [8][32]
-    float *fin = red + WARPS * 8 * 32;                 // args.ssq: the final y values [8][32]
-    for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
+    float *slot = a.part + (size_t)bid * SLOT_FLOATS;   // split: this block's partial [16][32]
+    float *fin = red + WARPS * NS * 32;                // args.ssq: the final y values [n_vec][32]
+    for (int idx = threadIdx.x; idx < 32 * NS; idx += 32 * WARPS) {
         const int s = idx >> 5, ln = idx & 31;
         float v = 0.0f;
 #pragma unroll
-        for (int wi = 0; wi < WARPS; ++wi) v += red[(wi * 8 + s) * 32 + ln];
-        const int i = s >> 2, e = s & 3, gg = ln >> 2, tt = ln & 3;
+        for (int wi = 0; wi < WARPS; ++wi) v += red[(wi * NS + s) * 32 + ln];
+        const int i = (s >> 2) & 1, e = s & 3, gg = ln >> 2, tt = ln & 3;
         const int r = 16 * i + gg + 8 * (e >> 1);   // row in the tile
         const int64_t o = m0 + r;
-        const int vec = 2 * tt + (e & 1);
+        const int vec = 8 * (s >> 3) + 2 * tt + (e & 1);
         if (vec < a.n_vec && o < a.n_out) {
             if (S == 1) {
                 float *dst = a.y + (int64_t)vec * a.n_out + o;
@@ -917,7 +970,7 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     }
     if (!__syncthreads_or(last)) return;
     const float *slots = a.part + (size_t)tile * S * SLOT_FLOATS;
-    for (int idx = threadIdx.x; idx < 256; idx += 32 * WARPS) {
+    for (int idx = threadIdx.x; idx < 32 * NS; idx += 32 * WARPS) {
         const int vec = idx >> 5, r = idx & 31;   // consecutive threads: consecutive rows
         const int64_t o = m0 + r;
         if (vec < a.n_vec && o < a.n_out) {
@@ -932,11 +985,11 @@ __device__ __forceinline__ void matvec_block(const Args &args, unsigned bid, uin
     if (args.ssq) tile_ssq(fin, args.n_out, args.n_vec, args.ssq, m0, tile);
 }
 
-template <int TYPE, int WARPS, int STAGES, bool TMA>
+template <int TYPE, int WARPS, int STAGES, bool TMA, int NT>
 __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constant__ Args args) {
     pdl_launch_dependents();   // the next kernel waits (pdl_wait) for this whole grid
     extern __shared__ __align__(128) uint8_t smem[];
-    matvec_block<TYPE, WARPS, STAGES, TMA>(args, blockIdx.x, smem);
+    matvec_block<TYPE, WARPS, STAGES, TMA, NT>(args, blockIdx.x, smem);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -944,11 +997,16 @@ __global__ void __launch_bounds__(32 * WARPS) matvec_kernel(const __grid_constan
 
 inline bool supports(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-// What prep, run and run_group take: a type with a kernel, K a positive multiple of 256, 1..8 vectors.
+// What prep, run and run_group take: a type with a kernel, K a positive multiple of 256, 1..16 vectors.
 inline void check_call(int type, int64_t K, int n_vec) {
     if (!supports(type)) fail(OJ_ERR_UNSUPPORTED, std::string("matvec_f16: no kernel for type ") + type_name(type));
     if (K <= 0 || K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(K));
-    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..8");
+    if (n_vec < 1 || n_vec > MAX_VEC) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..16, got " + std::to_string(n_vec));
+}
+// The row-tile sums of squares (a norm prep's PrepIn::ssq, a residual writer's Args::ssq) hold 8 vectors.
+inline void check_ssq(const void *ssq, int n_vec) {
+    if (ssq && n_vec > SSQ_VEC)
+        fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: row-tile sums of squares hold 8 vectors, the call has " + std::to_string(n_vec));
 }
 
 // x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ; both:
@@ -956,7 +1014,8 @@ inline void check_call(int type, int64_t K, int n_vec) {
 // split-K arrival counters.
 inline void prep(int type, const PrepIn &in, int64_t K, int n_vec, void *ws, cudaStream_t st, bool both = false) {
     check_call(type, K, n_vec);
-    const unsigned grid = (unsigned)(K / QK_K);
+    if (in.norm) check_ssq(in.ssq, n_vec);
+    const dim3 grid((unsigned)(K / QK_K), (unsigned)vec_tiles(n_vec));   // a block per super-block and 8 vectors
     uint8_t *w = static_cast<uint8_t *>(ws);
     check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, in, K, n_vec, w, both)
                                  : oj::launch(prep_kernel<TYPE_Q6_K>, grid, 256, 0, st, in, K, n_vec, w, both),
@@ -997,18 +1056,18 @@ inline Device device() {
 // it), and whether the loaded code has the griddepcontrol.wait (compiled for compute_90+; code
 // built for an older target and JIT-run on sm_90 has none, and an early start would read x before
 // the prep wrote it).
-template <int TYPE, int WARPS, int STAGES, bool TMA>
+template <int TYPE, int WARPS, int STAGES, bool TMA, int NT = 1>
 inline bool setup(const Device &d) {
     static std::mutex mu;
     static std::map<int, bool> waits_of;
     std::lock_guard<std::mutex> lock(mu);
     auto it = waits_of.find(d.id);
     if (it == waits_of.end()) {
-        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES, TMA>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        check_cuda(cudaFuncSetAttribute(matvec_kernel<TYPE, WARPS, STAGES, TMA, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         d.optin),
                    "matvec_f16: shared-memory attribute");
         cudaFuncAttributes fa;
-        check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES, TMA>), "matvec_f16: kernel attributes");
+        check_cuda(cudaFuncGetAttributes(&fa, matvec_kernel<TYPE, WARPS, STAGES, TMA, NT>), "matvec_f16: kernel attributes");
         it = waits_of.emplace(d.id, fa.ptxVersion >= 90).first;
     }
     return it->second;
@@ -1018,7 +1077,7 @@ template <int TYPE, int WARPS, int STAGES>
 inline size_t smem_bytes(int n_vec) {
     // the rings (the block reduction and the final values for tile_ssq reuse their start), then a
     // mbarrier per stage and warp
-    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)(WARPS + 1) * 8 * 32 * 4) +
+    return std::max<size_t>((size_t)WARPS * STAGES * stage_bytes(TYPE, n_vec), (size_t)(WARPS + 1) * 8 * vec_tiles(n_vec) * 32 * 4) +
            (size_t)WARPS * STAGES * 8;
 }
 
@@ -1027,11 +1086,11 @@ inline size_t smem_bytes(int n_vec) {
 // loop stays for older GPUs and for calls that gather rows (a bulk copy cannot).
 inline bool tma_for(int type) { return type == TYPE_Q4_K || type == TYPE_Q6_K; }
 
-template <int TYPE, int WARPS, int STAGES>
+template <int TYPE, int WARPS, int STAGES, int NT = 1>
 inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, cudaStream_t st) {
     // the copy engine: sm_90 code on a cc 9.0+ device, rows in order (a bulk copy cannot gather)
-    const bool tma = d.pdl && !a.rows && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
-    const bool waits = tma || setup<TYPE, WARPS, STAGES, false>(d);
+    const bool tma = d.pdl && !a.rows && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true, NT>(d);
+    const bool waits = tma || setup<TYPE, WARPS, STAGES, false, NT>(d);
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(a.n_vec);
     Args b = a;
     b.tma = tma;
@@ -1039,8 +1098,8 @@ inline void launch_cfg(const Args &a, int64_t tiles, const Device &d, bool pdl, 
     const bool with_pdl = pdl && d.pdl && waits;
     const cudaError_t e =
         blocks > 0x7FFFFFFF ? cudaErrorInvalidConfiguration
-        : tma ? launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, true>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b)
-              : launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, false>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b);
+        : tma ? launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, true, NT>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b)
+              : launch_pdl_if(with_pdl, matvec_kernel<TYPE, WARPS, STAGES, false, NT>, dim3((unsigned)blocks), dim3(32 * WARPS), smem, st, b);
     if (e != cudaSuccess)   // the launch's whole configuration, so a first failure is diagnosable
         check_cuda(e, ("matvec_f16: launch (type " + std::to_string(TYPE) + ", " + std::to_string(WARPS) + " warps, " +
                        std::to_string(STAGES) + " stages, split " + std::to_string(a.split) + ", " +
@@ -1074,8 +1133,8 @@ inline int resident_cfg(const Device &d, int n_vec) {
     const size_t smem = smem_bytes<TYPE, WARPS, STAGES>(n_vec);
     const bool tma = d.pdl && tma_for(TYPE) && setup<TYPE, WARPS, STAGES, true>(d);
     if (!tma) setup<TYPE, WARPS, STAGES, false>(d);
-    return occupancy(tma ? reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, true>)
-                         : reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, false>),
+    return occupancy(tma ? reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, true, 1>)
+                         : reinterpret_cast<const void *>(matvec_kernel<TYPE, WARPS, STAGES, false, 1>),
                      d, 32 * WARPS, smem);
 }
 template <int TYPE>
@@ -1150,6 +1209,12 @@ inline Config decide(const Device &d, int type, int64_t n_out, int64_t K, int n_
     c.warps = forced.warps ? forced.warps : forced.split == 1 && tiles < d.n_sm && nb >= 16 ? 8 : 4;
     if ((size_t)c.warps * 2 * sb8 > (size_t)d.optin) c.warps = 4;   // 8 vectors' 2 stages must fit
     c.stages = stages_for(d, type, c.warps, sb, forced.stages);
+    if (n_vec > 8) {   // two vector tiles: one instance, 4 warps x 2 stages (the same warps and split as 1..8 vectors)
+        if (c.warps != 4)
+            fail(OJ_ERR_UNSUPPORTED, "matvec_f16: 9..16 vectors run at 4 warps, this shape's configuration has " +
+                                         std::to_string(c.warps) + " (a forced OJ_MVF16_CFG / OJ_MVF16_SPLIT=1)");
+        c.stages = 2;
+    }
     if ((size_t)c.warps * c.stages * sb > (size_t)d.optin)
         fail(OJ_ERR_UNSUPPORTED, "matvec_f16: the device's shared memory per block is too small");
     if (forced.split) {
@@ -1194,6 +1259,10 @@ inline Config pick(const Device &d, int type, int64_t n_out, int64_t K, int n_ve
 // The launch at c's warps and stages.
 template <int TYPE>
 inline void launch_type(const Args &a, int64_t tiles, const Config &c, const Device &d, bool pdl, cudaStream_t st) {
+    if (a.n_vec > 8) {   // decide() gave 4 warps x 2 stages
+        launch_cfg<TYPE, 4, 2, 2>(a, tiles, d, pdl, st);
+        return;
+    }
     if (c.warps == 8) {
         if (c.stages == 3) launch_cfg<TYPE, 8, 3>(a, tiles, d, pdl, st);
         else launch_cfg<TYPE, 8, 2>(a, tiles, d, pdl, st);
@@ -1244,10 +1313,11 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
 inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
                 int64_t n_out, bool pdl, cudaStream_t st, int region = 0, float *ssq = nullptr) {
     check_call(w.type, w.K, n_vec);
+    check_ssq(ssq, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
     a.xp += region * (w.K / QK_K) * REC;
-    if (ssq && !rows) a.ssq = ssq;   // ssq: [tiles][8] floats
+    if (ssq && !rows) a.ssq = ssq;   // ssq: [tiles][SSQ_VEC] floats
     launch(a, n_out, pdl, st);
 }
 

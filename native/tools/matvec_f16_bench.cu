@@ -4,15 +4,16 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 -Inative -Xcompiler -fopenmp native/tools/matvec_f16_bench.cu \
 //        native/matvec.cu native/elementwise.cu native/deltanet.cu -o mvf -lgomp        (scripts/gpu.sh matvec-f16 builds and runs it)
 //
-// Per case: random valid blocks (bench_blocks.cuh), 8 random activation vectors (per-vector scales,
-// one with a 300x range), the engine's to_device_layout. Checks (each failure prints FAIL, exit 1):
-//   - every output written: y NaN-poisoned before every run, no NaN left for n = 1..8;
+// Per case: random valid blocks (bench_blocks.cuh), 16 random activation vectors (per-vector scales,
+// two with a 300x range), the engine's to_device_layout. Checks (each failure prints FAIL, exit 1):
+//   - every output written: y NaN-poisoned before every run, no NaN left for n = 1..16 (9..16: the
+//     two-vector-tile instance, where the configuration has the 4 warps it needs);
 //   - against a float64 host dequant (ggml-common.h definitions) times the UNROUNDED x on 64
 //     sampled rows: |y - ref| <= 2e-3 * sum_k |w_k x_k| (the measured maximum is printed);
 //   - against the bf16-split path (matvec_force_path(0)) on every output of all 8 vectors:
 //     max |y - y_bf16| <= 3e-2 * rms(y_bf16) of that vector (printed: max and rms of the difference);
-//   - vector v of every n-vector call (n = 1..8) bit-identical to a 1-vector call on x[v]; the
-//     outputs of vectors n..7 left untouched (still the poison);
+//   - vector v of every n-vector call (n = 1..16) bit-identical to a 1-vector call on x[v]; the
+//     outputs of vectors n..15 left untouched (still the poison);
 //   - accumulate adds: y == prev + W x exactly (one fp32 add onto the same W x);
 //   - prep once, then the matvec alone three times on that prepared x (y poisoned before each):
 //     every run bit-identical to matvec_f16 (the split-K counters are back at 0 after each call
@@ -72,12 +73,13 @@ static double copy_gbs() {
 struct Shape { const char *name; int64_t K, M; };
 enum Path { F16 = 0, F16RUN, BF16, NPATH };
 static const char *path_name[NPATH] = {"f16", "f16run", "bf16"};
-static const int TIMED_N[] = {1, 2, 5, 8};
+static const int TIMED_N[] = {1, 2, 5, 8, 16};
+constexpr int NV = 16;   // vectors of the checks (mvf16::MAX_VEC)
 static const int SWEEP_S[] = {1, 2, 3, 4, 5, 6, 8};
 constexpr int NSWEEP = sizeof(SWEEP_S) / sizeof(SWEEP_S[0]);
 
 struct Result {
-    double ms[NPATH][9] = {{0}};
+    double ms[NPATH][NV + 1] = {{0}};
     size_t bytes = 0;
     double ref_err = 0, bf_max = 0, bf_rms = 0;
     bool ok = true;
@@ -102,9 +104,9 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     const Matrix w = upload_matrix(type, K, M, file, &res.bytes);
 
     Rng g(seed ^ 0xABCDEFull);
-    std::vector<float> x(8 * K);
-    for (int n = 0; n < 8; ++n) {
-        const float scale = n == 7 ? 300.0f : 0.5f + n;
+    std::vector<float> x(NV * K);
+    for (int n = 0; n < NV; ++n) {
+        const float scale = n % 8 == 7 ? 300.0f : 0.5f + n;
         for (int64_t k = 0; k < K; ++k) x[n * K + k] = g.normalish() * scale;
     }
     // matvec_rows (the draft head's subset): an odd count, both ends, a repeat, descending runs
@@ -118,8 +120,8 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     int32_t *drows;
     void *ws;
     CK(cudaMalloc(&dx, x.size() * 4));
-    CK(cudaMalloc(&dy, 8 * M * 4));
-    CK(cudaMalloc(&dy1, 8 * M * 4));
+    CK(cudaMalloc(&dy, NV * M * 4));
+    CK(cudaMalloc(&dy1, NV * M * 4));
     CK(cudaMalloc(&dyb, 8 * M * 4));
     CK(cudaMalloc(&dyr, 8 * n_rows * 4));
     CK(cudaMalloc(&drows, n_rows * 4));
@@ -132,18 +134,18 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     for (int i = 0; i < 48; ++i) sample.push_back((int64_t)((double)i / 47 * (M - 1)));
     for (int i = 0; i < 16; ++i) sample.push_back((int64_t)(g.next() % (uint64_t)M));
     const size_t row_bytes = file_bytes(type, K, 1);
-    std::vector<double> ref(sample.size() * 8), mag(sample.size() * 8), wrow;
+    std::vector<double> ref(sample.size() * NV), mag(sample.size() * NV), wrow;
     for (size_t si = 0; si < sample.size(); ++si) {
         ref_row(type, K, file.data() + (size_t)sample[si] * row_bytes, wrow);
-        for (int n = 0; n < 8; ++n) {
+        for (int n = 0; n < NV; ++n) {
             double acc = 0, a = 0;
             for (int64_t k = 0; k < K; ++k) {
                 const double p = wrow[k] * (double)x[n * K + k];
                 acc += p;
                 a += std::fabs(p);
             }
-            ref[si * 8 + n] = acc;
-            mag[si * 8 + n] = a + 1e-30;
+            ref[si * NV + n] = acc;
+            mag[si * NV + n] = a + 1e-30;
         }
     }
     std::vector<uint8_t>().swap(file);
@@ -165,15 +167,17 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
     std::vector<float> y1;
     auto checks = [&]() {
         // 1-vector results on each x[v]
-        CK(cudaMemset(dy1, 0xFF, 8 * M * 4));
-        for (int v = 0; v < 8; ++v) matvec_f16(w, dx + (size_t)v * K, dy1 + (size_t)v * M, 1, false, ws, 0);
+        CK(cudaMemset(dy1, 0xFF, NV * M * 4));
+        for (int v = 0; v < NV; ++v) matvec_f16(w, dx + (size_t)v * K, dy1 + (size_t)v * M, 1, false, ws, 0);
         CK(cudaGetLastError());
-        y1 = fetch(dy1, 8 * M);
-        for (int n = 1; n <= 8; ++n) {
-            CK(cudaMemset(dy, 0xFF, 8 * M * 4));   // NaN
+        y1 = fetch(dy1, NV * M);
+        // 9..16 vectors take 4 warps; a forced 8-warp configuration refuses them (decide)
+        const int n_max = mvf16::config_for(type, M, K, 8).warps == 4 ? NV : 8;
+        for (int n = 1; n <= n_max; ++n) {
+            CK(cudaMemset(dy, 0xFF, NV * M * 4));   // NaN
             matvec_f16(w, dx, dy, n, false, ws, 0);
             CK(cudaGetLastError());
-            const std::vector<float> y = fetch(dy, 8 * M);
+            const std::vector<float> y = fetch(dy, NV * M);
             int64_t unwritten = 0, differ = 0, past = 0;
             for (size_t i = 0; i < (size_t)n * M; ++i) {
                 unwritten += !std::isfinite(y[i]);
@@ -186,7 +190,7 @@ static Result run_case(int type, const Shape &s, uint64_t seed, bool timed = tru
             double worst = 0;
             for (size_t si = 0; si < sample.size(); ++si)
                 for (int v = 0; v < n; ++v)
-                    worst = std::max(worst, std::fabs(y[(size_t)v * M + sample[si]] - ref[si * 8 + v]) / mag[si * 8 + v]);
+                    worst = std::max(worst, std::fabs(y[(size_t)v * M + sample[si]] - ref[si * NV + v]) / mag[si * NV + v]);
             res.ref_err = std::max(res.ref_err, worst);
             if (!(worst <= 2e-3)) fail_case("error / sum|w x| vs float64 (tol 2e-3)", n, worst);
         }
@@ -418,14 +422,14 @@ int main(int argc, char **argv) {
                     r.bf_rms, r.ok ? "ok" : "FAILED");
         std::fflush(stdout);
     }
-    std::printf("\n%-16s %8s %5s | %-29s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (prep+mv) % copy n=1 2 5 8",
+    std::printf("\n%-16s %8s %5s | %-35s | %-17s | %-17s | %s\n", "case", "MB", "W/S", "f16 (prep+mv) % copy n=1 2 5 8 16",
                 "f16run n=1 5", "bf16 n=1 5", "err f64  vs bf16");
     for (const Use &u : model) {
         const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
         auto pct = [&](double ms) { return ms > 0 ? 100.0 * (r.bytes / (ms * 1e-3) / 1e9) / g_copy : 0.0; };
-        std::printf("%-5s %-10s %8.1f %2d/%-2d | %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
+        std::printf("%-5s %-10s %8.1f %2d/%-2d | %5.1f %5.1f %5.1f %5.1f %5.1f       | %5.1f %5.1f       | %5.1f %5.1f       | %.1e %.1e%s\n",
                     type_name(u.type), u.s.name, r.bytes / 1e6, r.cfg1.warps, r.cfg1.split, pct(r.ms[F16][1]), pct(r.ms[F16][2]),
-                    pct(r.ms[F16][5]), pct(r.ms[F16][8]), pct(r.ms[F16RUN][1]), pct(r.ms[F16RUN][5]), pct(r.ms[BF16][1]),
+                    pct(r.ms[F16][5]), pct(r.ms[F16][8]), pct(r.ms[F16][16]), pct(r.ms[F16RUN][1]), pct(r.ms[F16RUN][5]), pct(r.ms[BF16][1]),
                     pct(r.ms[BF16][5]), r.ref_err, r.bf_max, r.ok ? "" : " FAIL");
     }
     // split sweep: the matvec alone (f16run) in us per forced split; * marks the fastest, [] the picked
@@ -453,7 +457,7 @@ int main(int argc, char **argv) {
                 "fastest split per shape n=1 %6.2f n=5 %6.2f\n",
                 pass_pick[0], pass_pick[1], pass_one[0], pass_one[1], pass_best[0], pass_best[1]);
     for (int p = 0; p < NPATH; ++p) {
-        double pass[9] = {0}, bytes = 0;
+        double pass[NV + 1] = {0}, bytes = 0;
         for (const Use &u : model) {
             const Result &r = results[std::string(type_name(u.type)) + " " + u.s.name];
             for (int n : TIMED_N) pass[n] += u.count * r.ms[p][n];
@@ -462,7 +466,7 @@ int main(int argc, char **argv) {
         std::printf("27B pass (%-6s, %.2f GB, kernel time, flushed L2): n=1 %6.2f ms (%5.0f GB/s, %4.1f%% of copy)  n=5 %6.2f ms",
                     path_name[p], bytes / 1e9, pass[1], bytes / (pass[1] * 1e-3) / 1e9, 100 * bytes / (pass[1] * 1e-3) / 1e9 / g_copy,
                     pass[5]);
-        if (pass[2] > 0) std::printf("  n=2 %6.2f  n=8 %6.2f", pass[2], pass[8]);
+        if (pass[2] > 0) std::printf("  n=2 %6.2f  n=8 %6.2f  n=16 %6.2f (16 / 8: %.3f)", pass[2], pass[8], pass[16], pass[16] / pass[8]);
         std::printf("\n");
     }
     std::printf("%s (%d failing cases)\n", g_failures ? "FAILED" : "all checks passed", g_failures);
