@@ -29,6 +29,7 @@
 // (kv_q8_0=True rounds K/V through q8_0 the same way).
 #include <algorithm>
 #include <cfloat>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -218,8 +219,10 @@ attention_partial_chunked_kernel(const float *__restrict__ q_rot, const void *__
     const __half *ksb = k_scale + row0 * (D / 32) + lane * PER / 32;   // q8_0 only
     const __half *vsb = v_scale + row0 * (D / 32) + lane * PER / 32;
     float m[G], l[G], acc[G][PER];
-    chunked_scan<D, Q8, C, PARTIAL_WARPS, G>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc, pos0,
-                                             tree_path_rows(tree, n));
+    // a tree's nodes read their path's rows from pos0 on; a chain (up to 16 positions, past the 8
+    // nibbles of a path) and a sequence's position read cache row p at position p
+    chunked_scan<D, Q8, C, PARTIAL_WARPS, G>(q, kb, vb, ksb, vsb, begin + warp, end, scale, m, l, acc,
+                                             tree ? pos0 : INT_MAX, tree_path_rows(tree, n));
     store_partial<D, G>(m, l, acc, part_ml, part_acc, ((int64_t)n * n_head + h) * n_splits + split, n_splits);
 }
 

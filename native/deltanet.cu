@@ -177,7 +177,7 @@ void conv_and_recurrence(const ModelDims &d, Layer &L, const RingSlot &replay, i
     // a kernel of its own (a block per position and head), with the same bits
     const bool fused_norm = n <= OJ_MAX_POSITIONS;
     const float q_scale = 1.0f / sqrtf((float)S);
-    if (tree && (commit || n > OJ_MAX_POSITIONS)) fail(OJ_ERR_INVALID_ARGUMENT, "a draft tree is never committed in the pass");
+    if (tree && (commit || n > OJ_MAX_TREE_NODES)) fail(OJ_ERR_INVALID_ARGUMENT, "a draft tree is never committed in the pass");
     cudaError_t e = cudaSuccess;
 #define OJ_CONV(K)                                                                                                  \
     e = launch(tree ? deltanet_conv_kernel<K, true> : deltanet_conv_kernel<K, false>, blocks, threads, 0, st, replay.qkv, \

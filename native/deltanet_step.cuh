@@ -136,7 +136,7 @@ __device__ __forceinline__ float delta_step(float (&s)[R], const StepIn<R> &in, 
 // State row j of value head h, one warp (lane = its lane): replays the accepted positions of the
 // previous evaluation into the state (written back), then runs this evaluation's positions for their
 // outputs only (deltanet_recurrence_kernel, deltanet.cu). parents != 0 (a draft tree of n <=
-// OJ_MAX_POSITIONS nodes, tree.cuh's word; never with commit): node t steps from its parent's
+// OJ_MAX_TREE_NODES nodes, tree.cuh's word; never with commit): node t steps from its parent's
 // state, every node's row held in registers (nodes in topological order: parent < t).
 template <int S>
 __device__ __forceinline__ void recurrence_row(int h, int j, int lane, const float *replay_conv,
@@ -167,9 +167,9 @@ __device__ __forceinline__ void recurrence_row(int h, int j, int lane, const flo
         for (int r = 0; r < R; ++r) row[r * 32 + lane] = s[r];
     }
     if (parents != 0) {
-        float node[OJ_MAX_POSITIONS][R];   // the row after each node
+        float node[OJ_MAX_TREE_NODES][R];   // the row after each node
 #pragma unroll
-        for (int t = 0; t < OJ_MAX_POSITIONS; ++t) {
+        for (int t = 0; t < OJ_MAX_TREE_NODES; ++t) {
             if (t >= n) continue;   // (not break: the loop must unroll so that node[] stays in registers)
             const int p = tree_parent(parents, t);   // warp-uniform
             float x[R];

@@ -107,12 +107,12 @@ __global__ void compact_rows_kernel(const CompactJob *__restrict__ jobs, uint64_
     pdl_wait();
     const CompactJob job = jobs[blockIdx.x];
     for (int w = blockIdx.y * blockDim.x + threadIdx.x; w < job.row_words; w += gridDim.y * blockDim.x) {
-        uint32_t v[OJ_MAX_POSITIONS];
+        uint32_t v[OJ_MAX_TREE_NODES];
 #pragma unroll
-        for (int i = 0; i < OJ_MAX_POSITIONS; ++i)
+        for (int i = 0; i < OJ_MAX_TREE_NODES; ++i)
             if (i < n_path) v[i] = job.base[(int64_t)((path >> (8 * i)) & 0xffu) * job.row_stride + w];
 #pragma unroll
-        for (int i = 0; i < OJ_MAX_POSITIONS; ++i)
+        for (int i = 0; i < OJ_MAX_TREE_NODES; ++i)
             if (i < n_path) job.base[(int64_t)i * job.row_stride + w] = v[i];
     }
 }
@@ -226,6 +226,8 @@ void row_top(const float *x, int width, const int32_t *ids, int k, TreeTop *out,
 }
 
 void compact_rows(const CompactJob *jobs, int n_jobs, int max_row_words, uint64_t path, int n_path, cudaStream_t st) {
+    if (n_path > OJ_MAX_TREE_NODES)
+        fail(OJ_ERR_INVALID_ARGUMENT, "compact_rows: a path of " + std::to_string(n_path) + " nodes (a tree has at most 8)");
     if (n_jobs == 0) return;
     const int per_job = std::min(8, (max_row_words + 255) / 256);
     check_cuda(launch(compact_rows_kernel, dim3(n_jobs, per_job), 256, 0, st, jobs, path, n_path), "compact_rows");

@@ -779,9 +779,12 @@ bool has_chain_graph(const Engine &e, int n) {
 // time) in the middle of decoding; a 128-token benchmark row at D = 7 lost 4-5% to them (H100,
 // bench/results/2026-12-07-session23-h100.md). Only while the graphs held leave room for all of
 // them (none is replaced for it), and not past a failed capture.
+// Sizes 1..8: the chain sizes of drafts up to 7, the speculative runs' (larger ones capture at their
+// first use; all 16 would take half the graphs a context's split buckets share).
+constexpr int EAGER_CHAIN_SIZES = 8;
 void capture_chain_sizes(Engine &e, int n, float *h, uint64_t workspaces) {
     std::vector<int> sizes;
-    for (int m = 1; m <= OJ_MAX_POSITIONS; ++m)
+    for (int m = 1; m <= EAGER_CHAIN_SIZES; ++m)
         if (m != n && e.n_past + m <= e.n_ctx && !has_chain_graph(e, m)) sizes.push_back(m);
     if (sizes.empty() || (int)(e.graphs.size() + sizes.size()) >= Engine::MAX_GRAPHS) return;
     for (int m : sizes)
@@ -870,6 +873,9 @@ void engine_verify(Engine &e, const int32_t *tokens, int n) { verify(e, tokens, 
 
 void engine_verify_tree(Engine &e, const int32_t *tokens, const int32_t *parent, int n) {
     check_tokens(e, tokens, n);
+    if (n > OJ_MAX_TREE_NODES)   // the kernels' tree word holds 8 nodes' parents (tree.cuh)
+        fail(OJ_ERR_INVALID_ARGUMENT, "oj_verify_tree: n_tokens is " + std::to_string(n) + "; a draft tree has 1.." +
+                                          std::to_string(OJ_MAX_TREE_NODES) + " nodes");
     if (!parent) fail(OJ_ERR_INVALID_ARGUMENT, "oj_verify_tree: parent is NULL");
     if (parent[0] != -1)
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_verify_tree: bad parent array: node 0 is the root (the current token), its parent must be -1, got " +
@@ -902,7 +908,7 @@ void engine_commit_path(Engine &e, const int32_t *path, int n_path) {
                                               " (entry " + std::to_string(i) + ") is not a child of node " +
                                               std::to_string(path[i - 1]));
         prefix = prefix && b == i;
-        packed |= (uint64_t)b << (8 * i);
+        if (i < OJ_MAX_TREE_NODES) packed |= (uint64_t)b << (8 * i);   // past 8: a chain's, always a prefix
     }
     if (!prefix) {
         // Move the path's rows to rows 0..n_path-1: this slot's DeltaNet intermediates (what the
@@ -1559,9 +1565,9 @@ int engine_draft_tree(Engine &e, const oj_tree_request &rq, int32_t *tokens, int
     if (!e.has_mtp) fail(OJ_ERR_INVALID_ARGUMENT, "the model has no MTP block (nextn_predict_layers = 0 or nextn tensors absent)");
     if (!tokens || !parent || !prob || !score) fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: an output array is NULL");
     if (!rq.root_h) fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: root_h is NULL");
-    if (rq.budget < 1 || rq.budget > OJ_MAX_POSITIONS)
+    if (rq.budget < 1 || rq.budget > OJ_MAX_TREE_NODES)
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: budget " + std::to_string(rq.budget) + " is outside 1.." +
-                                          std::to_string(OJ_MAX_POSITIONS));
+                                          std::to_string(OJ_MAX_TREE_NODES));
     if (rq.max_children < 1 || rq.max_children > OJ_TREE_MAX_CHILDREN)
         fail(OJ_ERR_INVALID_ARGUMENT, "oj_draft_tree: max_children " + std::to_string(rq.max_children) + " is outside 1.." +
                                           std::to_string(OJ_TREE_MAX_CHILDREN));

@@ -400,7 +400,7 @@ void alloc_prefill(Engine &e, int chunk);
 void check_no_piece(const Engine &e, int seq, const char *what);
 
 // --- launchers (each in the file of its kernel) --------------------------------------------
-// matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..8); W read once for all n.
+// matvec.cu: y[n][m] (+)= sum_k W[m][k] x[n][k] for n < n_vec (1..16); W read once for all n.
 void matvec(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, cudaStream_t st);
 // matvec.cu: how many times a matvec workspace was replaced (a captured pass holds the old one's
 // address: engine.cu captures again after a change).

@@ -53,6 +53,7 @@ namespace {
 // ---------------------------------------------------------------------------------------------
 // Float weights: one warp per row, fp32 FMAs (the v1 kernel).
 
+constexpr int MAX_VECTORS = OJ_MAX_POSITIONS;   // a call's vectors: the fp16 path 16, the others 8 a launch
 constexpr int ROWS_PER_BLOCK = 8;   // 8 warps, one row each
 
 template <int N>
@@ -701,8 +702,14 @@ bool f16_fits(const Matrix &w) { return path() == 2 && mvf16::supports(w.type) &
 
 void launch_any(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate,
                 const int32_t *rows, int64_t n_out, cudaStream_t st, const char *what) {
-    if (n_vec < 1 || n_vec > 8) fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": vector count must be 1..8");
+    if (n_vec < 1 || n_vec > MAX_VECTORS)
+        fail(OJ_ERR_INVALID_ARGUMENT, std::string(what) + ": vector count must be 1.." + std::to_string(MAX_VECTORS));
     if (n_out <= 0) return;
+    if (n_vec > 8 && !f16_fits(w)) {   // the other kernels take 8 vectors a launch: 8 at a time
+        for (int v0 = 0; v0 < n_vec; v0 += 8)
+            launch_any(w, x + (int64_t)v0 * w.K, y + (int64_t)v0 * n_out, std::min(8, n_vec - v0), accumulate, rows, n_out, st, what);
+        return;
+    }
     const bool kquant = w.type == TYPE_Q4_K || w.type == TYPE_Q5_K || w.type == TYPE_Q6_K;
     const bool quant = kquant || w.type == TYPE_Q8_0;
     if (kquant && w.K % QK_K != 0)
@@ -759,7 +766,7 @@ constexpr int MAX_MEMBERS = 8;
 // over 1 position 11.70 -> 10.47 ms (a13fc39), 11.82 -> 10.70 ms (43d7cd9). The unfused kernels
 // stay for the members the fp16 path does not take.
 bool fused_prep(const Matrix *const *w, int n, int n_vec) {
-    if (n_vec < 1 || n_vec > 8) return false;
+    if (n_vec < 1 || n_vec > MAX_VECTORS) return false;
     for (int i = 0; i < n; ++i)
         if (w[i]->M > 0 && !f16_fits(*w[i])) return false;
     return true;
@@ -783,7 +790,7 @@ void group_in(const Matrix *const *w, float *const *y, int n, const mvf16::PrepI
         Matrix ws[mvf16::GROUP_MAX];
         float *ys[mvf16::GROUP_MAX];
         int m = 0;
-        if (f16_fits(*w[i]) && n_vec >= 1 && n_vec <= 8)
+        if (f16_fits(*w[i]) && n_vec >= 1 && n_vec <= MAX_VECTORS)
             for (int k = i; k < n && m < mvf16::GROUP_MAX; ++k)
                 if (!done[k] && w[k]->type == w[i]->type && w[k]->M > 0) ws[m] = *w[k], ys[m] = y[k], done[k] = true, ++m;
         if (m >= 1) {
@@ -818,7 +825,7 @@ void matvec_group(const Matrix *const *w, float *const *y, int n, const float *x
 
 namespace {
 
-// The sums of squares of the residual's row tiles ([tiles][8]) that a residual writer leaves for the
+// The sums of squares of the residual's row tiles ([tiles][16]) that a residual writer leaves for the
 // next norm prep on its stream (residual_sums), per (device, stream).
 constexpr int64_t SSQ_TILES = mvf16::MAX_TILES;
 float *ssq_buffer(cudaStream_t st) {
@@ -828,7 +835,7 @@ float *ssq_buffer(cudaStream_t st) {
     check_cuda(cudaGetDevice(&dev), "residual sums: cudaGetDevice");
     std::lock_guard<std::mutex> lock(mu);
     float *&p = bufs[{dev, st}];
-    if (!p) check_cuda(cudaMalloc(&p, (size_t)SSQ_TILES * 8 * sizeof(float)), "residual sums: buffer");
+    if (!p) check_cuda(cudaMalloc(&p, (size_t)SSQ_TILES * mvf16::SSQ_VEC * sizeof(float)), "residual sums: buffer");
     return p;
 }
 

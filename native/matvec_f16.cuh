@@ -1,4 +1,4 @@
-// matvec_f16.cuh: decode matvec (quantised W x 1..8 activation vectors, every weight byte read once
+// matvec_f16.cuh: decode matvec (quantised W x 1..16 activation vectors, every weight byte read once
 // per call) with fp16 activations on the fp16 tensor cores: the decode default for Q4_K and Q6_K
 // (issue 8), the int8 path's instruction budget with near-bf16-split accuracy. Q4_K and Q6_K (the 27B
 // Q4_K_M map's types) in the engine's device layouts (quant_blocks.cuh). Checked and timed by
@@ -10,7 +10,7 @@
 //     [2^14, 2^15) (no global reduction: the prep kernel is one pass, one warp per (super-block,
 //     vector); undone exactly per super-block). fp16 rounding of x is the only rounding before
 //     fp32 accumulation. Each vector's prep and columns are independent of the others, and every
-//     reduction is in a fixed order, so 1..8 vectors per call give bit-identical results.
+//     reduction is in a fixed order, so 1..16 vectors per call give bit-identical results.
 //   - Q4_K: A = q * sc exactly in fp16 by one HFMA2 on the magic (1024 + q) / (1024 + 16 q)
 //     (gemm_f16.cuh's nibble_pair_magic); 16 k16 steps of a super-block accumulate into a
 //     temporary tile; the mins are one more mma (A' = m_s, B' = per-sub-block sum of the scaled,
@@ -42,7 +42,7 @@
 // Q6_K uses the regrouped planes as matvec.cu / gemm_f16.cuh do. The k order inside an mma is free
 // as long as A and B agree: the prep kernel writes x in the order each type's lanes consume it.
 //
-// Prepared x, per super-block u a record of REC bytes: 8 vector slots, then at INV_OFF 8 fp32
+// Prepared x, per super-block u a record of REC bytes: 16 vector slots, then at INV_OFF 16 fp32
 // inverse scales 2^-e (1 for vectors past n_vec). Vectors past n_vec are neither written nor read
 // (their lanes feed B = 0). A vector's slot (vec_bytes, the stride a stage keeps too):
 //   - Q4_K, 576 bytes: 512 of fp16 x as [chunk c 0..7][lane t 0..3][8 halfs] (chunk c = k16 steps
@@ -58,7 +58,7 @@
 // kernels run on that stream, so calls sharing a workspace are serialised, and calls on other
 // streams have their own) starts with a fixed-size region, at a fixed offset so that a buffer
 // reused for matrices of another K keeps it in place: MAX_TILES uint32 arrival counters, then
-// MAX_SLOTS partial slots of [8 vectors][32 rows] fp32; the prepared x follows. The counters are 0
+// MAX_SLOTS partial slots of [16 vectors][32 rows] fp32; the prepared x follows. The counters are 0
 // between calls: the prep kernel zeroes them (a fresh cudaMalloc holds garbage; the matvec touches
 // them only after griddepcontrol.wait, i.e. after the whole prep grid and its writes), and each
 // tile's last block resets its own (so a matvec run again on an already prepared x finds them 0
@@ -95,7 +95,7 @@ namespace {
 namespace mvf16 {
 
 constexpr int MAX_VEC = 16;                     // vectors a call takes: 1..8 one n8 tile of the mma, 9..16 two
-constexpr int SSQ_VEC = 8;                      // vectors of a row tile's sums of squares ([tile][8]; calls of <= 8)
+constexpr int SSQ_VEC = MAX_VEC;                // vectors of a row tile's sums of squares ([tile][16])
 constexpr int VEC_BYTES = 576;                  // a vector slot of a record (Q4_K's stride; Q6_K takes 512 of it)
 constexpr int XS_OFF = 512;                     // min sums inside it
 constexpr int INV_OFF = MAX_VEC * VEC_BYTES;    // the 16 inverse scales
@@ -205,7 +205,7 @@ struct PrepIn {
     const float *z = nullptr;           // [n_vec][K]
     int S = 0;
     float *xn = nullptr;           // [n_vec][K] or nullptr
-    // (norm set) the sums of squares of x's row tiles of 32 ([K / 32][8], from the launch that wrote
+    // (norm set) the sums of squares of x's row tiles of 32 ([K / 32][16], from the launch that wrote
     // x: Args::ssq): each vector's sum over K is the sum of its K / 32 partials, not of K squares
     const float *ssq = nullptr;
 };
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(256) prep_kernel(const PrepIn in, int64_t K, i
             xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w;
             xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
             float t = 0.0f;
-            for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * SSQ_VEC + v];   // n_vec <= SSQ_VEC (check_prep)
+            for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * SSQ_VEC + v];
             t = warp_sum(t);
             norm_scale = 1.0f / sqrtf(t / K + in.eps);
         }
@@ -806,7 +806,7 @@ __device__ __forceinline__ void stream_tma(const Args &a, uint8_t *ring, int SB,
 }
 #endif
 
-// Args::ssq: the sums of squares of the tile's final y rows, per vector ([tile][8]), once its block
+// Args::ssq: the sums of squares of the tile's final y rows, per vector ([tile][16]), once its block
 // has written them (the residual a norm prep reads next: PrepIn::ssq). fin: the same final values
 // as the block stored them to y, staged in shared memory ([vector][32 rows]), so the sums wait for
 // no read of y back from L2. Warp v sums vector v's 32 rows by the xor tree. Not inlined: its
@@ -1003,18 +1003,13 @@ inline void check_call(int type, int64_t K, int n_vec) {
     if (K <= 0 || K % QK_K) fail(OJ_ERR_UNSUPPORTED, "matvec_f16: K must be a positive multiple of 256, got " + std::to_string(K));
     if (n_vec < 1 || n_vec > MAX_VEC) fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: vector count must be 1..16, got " + std::to_string(n_vec));
 }
-// The row-tile sums of squares (a norm prep's PrepIn::ssq, a residual writer's Args::ssq) hold 8 vectors.
-inline void check_ssq(const void *ssq, int n_vec) {
-    if (ssq && n_vec > SSQ_VEC)
-        fail(OJ_ERR_INVALID_ARGUMENT, "matvec_f16: row-tile sums of squares hold 8 vectors, the call has " + std::to_string(n_vec));
-}
+
 
 // x [n_vec][K] fp32 -> the workspace, in the k order of `type` (Q4_K and Q6_K orders differ; both:
 // also in the other type's order, region 1 for run / run_group); also zeroes the workspace's
 // split-K arrival counters.
 inline void prep(int type, const PrepIn &in, int64_t K, int n_vec, void *ws, cudaStream_t st, bool both = false) {
     check_call(type, K, n_vec);
-    if (in.norm) check_ssq(in.ssq, n_vec);
     const dim3 grid((unsigned)(K / QK_K), (unsigned)vec_tiles(n_vec));   // a block per super-block and 8 vectors
     uint8_t *w = static_cast<uint8_t *>(ws);
     check_cuda(type == TYPE_Q4_K ? oj::launch(prep_kernel<TYPE_Q4_K>, grid, 256, 0, st, in, K, n_vec, w, both)
@@ -1155,7 +1150,7 @@ inline int resident(const Device &d, int type, int warps, int stages, int n_vec)
 // back the unsplit rule for the warps (8 when the grid alone leaves SMs idle and K has >= 16
 // super-blocks), i.e. this kernel as it was before split-K, for comparisons.
 // The warp count and S set the summation order, so they depend on the shape and device only, never
-// on n_vec (decided on 8 vectors' stages and occupancy where it matters): 1..8 vectors stay
+// on n_vec (decided on 8 vectors' stages and occupancy where it matters): 1..16 vectors stay
 // bit-identical on every device. The stage count may follow n_vec (it does not change the order).
 struct Config { int warps, stages, split; };
 
@@ -1313,7 +1308,6 @@ inline void launch(Args &a, int64_t rows, bool pdl, cudaStream_t st) {
 inline void run(const Matrix &w, void *ws, float *y, int n_vec, bool accumulate, const int32_t *rows,
                 int64_t n_out, bool pdl, cudaStream_t st, int region = 0, float *ssq = nullptr) {
     check_call(w.type, w.K, n_vec);
-    check_ssq(ssq, n_vec);
     if (n_out <= 0) return;
     Args a = args_for(w, ws, y, rows, n_out, n_vec, accumulate);
     a.xp += region * (w.K / QK_K) * REC;
@@ -1366,7 +1360,7 @@ inline void run_group(const Matrix *w, float *const *y, int n, void *ws, int n_v
 // Bytes of workspace for K (the split-K region, a fixed ~4 MB, then twice K / 256 records of prepared x).
 inline size_t matvec_f16_workspace_bytes(int64_t K) { return mvf16::workspace_bytes(K); }
 
-// y (+)= W x for 1..8 vectors, Q4_K / Q6_K: prep + matvec (the matvec overlapping the prep's tail
+// y (+)= W x for 1..16 vectors, Q4_K / Q6_K: prep + matvec (the matvec overlapping the prep's tail
 // on sm_90). The workspace must hold matvec_f16_workspace_bytes(w.K), belong to this stream while
 // the call runs, and need not be initialised (the prep zeroes what must start at 0).
 inline void matvec_f16(const Matrix &w, const float *x, float *y, int n_vec, bool accumulate, void *ws,

@@ -35,7 +35,10 @@
 extern "C" {
 #endif
 
-enum { OJ_ABI_VERSION = 14, OJ_MAX_POSITIONS = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
+/* OJ_MAX_POSITIONS: positions of one evaluation (oj_eval, oj_verify, oj_cycle); OJ_MAX_TREE_NODES:
+   nodes of a draft tree (oj_verify_tree, oj_draft_tree, a path of oj_commit_path that is not a
+   prefix), whose shape the kernels take as one 64-bit word of 8-bit parents. */
+enum { OJ_ABI_VERSION = 15, OJ_MAX_POSITIONS = 16, OJ_MAX_TREE_NODES = 8, OJ_MAX_PREFILL_CHUNK = 4096, OJ_MAX_SEQUENCES = 8 };
 
 typedef enum oj_status {
     OJ_OK = 0,
@@ -224,7 +227,7 @@ int32_t oj_verify(oj_engine *engine, const int32_t *tokens, int32_t n_tokens);
 /* Keep the first n_accept (0..n_tokens) positions of the last oj_verify: n_past += n_accept.
    After oj_verify_tree, nodes 0..n_accept-1 must form a chain (else oj_commit_path). */
 int32_t oj_commit(oj_engine *engine, int32_t n_accept);
-/* Draft-tree verification (issue 28). Evaluate a tree of n_tokens (1..OJ_MAX_POSITIONS) nodes
+/* Draft-tree verification (issue 28). Evaluate a tree of n_tokens (1..OJ_MAX_TREE_NODES) nodes
    provisionally, as oj_verify evaluates a chain: node 0 is the current token at n_past (parent[0]
    = -1), node i > 0 a child of parent[i] (0 <= parent[i] < i) at position n_past + depth(i). Node i
    sees what decoding its root-to-node path one token at a time would see: attention over the
@@ -362,7 +365,7 @@ typedef struct oj_tree_request {
     int32_t root;
     int32_t pos;
     const float *root_h;
-    int32_t budget;            /* 1..OJ_MAX_POSITIONS nodes, the root included */
+    int32_t budget;            /* 1..OJ_MAX_TREE_NODES nodes, the root included */
     int32_t max_children;      /* 1..OJ_TREE_MAX_CHILDREN */
     int32_t max_depth;         /* >= 0 */
     int32_t n_bins;            /* 1..OJ_TREE_MAX_BINS */

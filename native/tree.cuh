@@ -1,5 +1,5 @@
 // tree.cuh: a draft tree's shape (oj_verify_tree) as the kernels take it: one 64-bit word passed by
-// value. Byte i is node i's parent + 1 (the root's byte is 0), for up to OJ_MAX_POSITIONS = 8 nodes
+// value. Byte i is node i's parent + 1 (the root's byte is 0), for up to OJ_MAX_TREE_NODES = 8 nodes
 // in topological order (parent < node). The word 0 is a chain (oj_verify): every kernel then runs
 // its chain code, so a chain costs nothing and gives what it gave before trees.
 #pragma once

@@ -37,7 +37,8 @@ from .sampling import SamplingParams, token_distribution
 from .speculative import (STANDARD_RULE, DepthPolicy, DraftVocab, SampledRule, SpeculativeStats,
                           TokenDistribution, verify_greedy, verify_sampled)
 
-MAX_NATIVE_DEPTH = 7          # one oj_verify takes the current token + 7 drafts (OJ_MAX_POSITIONS 8)
+MAX_NATIVE_DEPTH = 7          # drafts a native cycle takes: 8 positions a verify (OJ_MAX_POSITIONS is 16; 8 is the
+                              # trees' limit, OJ_MAX_TREE_NODES, and the deepest chain measured)
 
 
 class _LazyRows:

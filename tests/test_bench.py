@@ -566,6 +566,8 @@ class _ToyEngine:
     It refuses what the real engine would make wrong: MTP rows that leave a hole, an MTP step whose
     main hidden is not there yet, a commit without a verify."""
 
+    OJ_MAX_POSITIONS = 16   # the header constant the backend reads
+
     def __init__(self, ffi, n_vocab: int):
         self.ffi, self.V = ffi, n_vocab
         self.n_past, self.last, self.pending, self.slots = 0, [], 0, {}

@@ -34,6 +34,7 @@ class FakeLib:
     """The oj_* entry points NativeBackend calls, with engine.cu's state machine."""
 
     abi = 3
+    OJ_MAX_POSITIONS = 8   # the header constant the backend reads (this fake's oj_* take 8 positions)
 
     def __init__(self, ffi):
         self.ffi = ffi

@@ -39,7 +39,10 @@ def test_cdef_source_drops_preprocessor_and_cplusplus_guard():
 
 def test_header_parses_with_cffi():
     ffi, consts = _constants()
-    assert consts.OJ_MAX_POSITIONS == 8
+    # the Python side's copies of the header's limits
+    from openjet_plugin.backends import native
+    assert consts.OJ_MAX_POSITIONS == native.MAX_POSITIONS == 16
+    assert consts.OJ_MAX_TREE_NODES == native.MAX_TREE_NODES == 8
     assert consts.OJ_OK == 0
     assert ffi.sizeof("oj_tensor") >= 8 + 4 + 4 + 32 + 8 + 8
     # every function the C API promises is declared

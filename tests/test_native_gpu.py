@@ -426,16 +426,19 @@ def test_kv_cache_bytes_equal_the_estimate(native, workdir):
 
 @pytest.mark.parametrize("preset,quant", [("tiny", "Q4_K_M"), ("small", "Q6_K"), ("small", "F32")])
 def test_multi_position_calls_equal_single(native, workdir, preset, quant):
-    """2..8 positions per call give the logits of one position per call (weights read once for all)."""
+    """2..16 positions per call give the logits of one position per call (weights read once for all;
+    9..16: the fp16 matvec's second vector tile, the other kernels 8 vectors a launch)."""
     path, _ = model_path(preset, quant, workdir)
     mf, be = _backend(path, n_ctx=128)
     try:
-        tokens = np.random.default_rng(7).integers(0, be.n_vocab, 48).tolist()
+        assert be.max_positions == 16
+        sizes = (2, 3, 4, 5, 6, 7, 8, 8, 5, 16, 9, 12)
+        tokens = np.random.default_rng(7).integers(0, be.n_vocab, sum(sizes)).tolist()
         single = be.eval_all_logits(tokens, positions_per_call=1)
         be.reset()
         multi = np.empty_like(single)
         a = 0
-        for n in (2, 3, 4, 5, 6, 7, 8, 8, 5):
+        for n in sizes:
             chunk = tokens[a:a + n]
             be._eval_chunk(chunk)
             for j in range(len(chunk)):

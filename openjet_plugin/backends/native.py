@@ -66,7 +66,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("openjet_plugin")
 
 
-MAX_POSITIONS = 8            # OJ_MAX_POSITIONS: positions per native call
+MAX_POSITIONS = 16           # OJ_MAX_POSITIONS: positions of one evaluation (the engine's buffers; a verify or cycle)
+CALL_POSITIONS = 8           # positions a call where the backend splits a run of tokens (eval, prompt spans, MTP rows)
+MAX_TREE_NODES = 8           # OJ_MAX_TREE_NODES: nodes of a draft tree (oj_verify_tree, oj_draft_tree)
 MAX_TREE_CHILDREN = 8        # OJ_TREE_MAX_CHILDREN: candidates a node of oj_draft_tree
 TREE_TOP_BYTES = 8 * MAX_TREE_CHILDREN + 8   # engine.cuh's TreeTop: ids and logits, the row's max and sum
 MIN_COMPUTE_CAPABILITY = (8, 6)
@@ -97,7 +99,7 @@ PIECE_ABI = 12               # the first oj_abi_version() with oj_prefill_layers
 SAMPLED_CYCLE_ABI = 13       # the first oj_abi_version() with oj_cycle_sampled
 GRAPH_ABI = 14               # the first oj_abi_version() with oj_graph_stats (chain passes from CUDA graphs)
 SAMPLE_TOP_MAX = 64          # OJ_SAMPLE_TOP_MAX: the largest top_k oj_cycle_sampled draws under
-PREFILL_MIN_SPAN = MAX_POSITIONS   # spans of at most this many tokens keep oj_eval (one call anyway)
+PREFILL_MIN_SPAN = CALL_POSITIONS  # spans of at most this many tokens keep oj_eval (one call anyway)
 GEMM_POSITION_TILE = 64      # gemm_prefill.cuh's BN: the int8 X workspace is padded to a multiple
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 _H_SOURCES = {"main": 0, "draft": 1}
@@ -370,6 +372,9 @@ class NativeBackend:
         self.batched_prefill = (self.prefill_chunk > 0
                                 and int(self._nl.lib.oj_abi_version()) >= PREFILL_ABI)
         self.supports_cycle = int(self._nl.lib.oj_abi_version()) >= CYCLE_ABI
+        # positions of one evaluation as the loaded library's header says (a library of ABI 14 or
+        # before, carried with its own openjet.h for an A/B: 8)
+        self.max_positions = int(self._nl.lib.OJ_MAX_POSITIONS)
         self.supports_sampled_cycle = int(self._nl.lib.oj_abi_version()) >= SAMPLED_CYCLE_ABI
         self.supports_tree = int(self._nl.lib.oj_abi_version()) >= TREE_ABI
         self.supports_draft_tree = int(self._nl.lib.oj_abi_version()) >= DRAFT_TREE_ABI
@@ -546,7 +551,7 @@ class NativeBackend:
         self._check(self._nl.lib.oj_n_past(self._handle(), out), "n_past")
         return int(out[0])
 
-    def _chunks(self, tokens: Iterable[int]) -> list[list[int]]:
+    def _chunks(self, tokens: Iterable[int], size: int = CALL_POSITIONS) -> list[list[int]]:
         toks = [int(t) for t in tokens]
         if not toks:
             raise ValueError("tokens is empty")
@@ -555,7 +560,7 @@ class NativeBackend:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.n_vocab})")
         if self.n_past + len(toks) > self.n_ctx:
             raise ContextOverflowError(self.n_past + len(toks), self.n_ctx)
-        return [toks[i:i + MAX_POSITIONS] for i in range(0, len(toks), MAX_POSITIONS)]
+        return [toks[i:i + size] for i in range(0, len(toks), size)]
 
     def _eval_chunk(self, chunk: list[int]) -> None:
         ffi = self._nl.ffi
@@ -587,7 +592,7 @@ class NativeBackend:
             if self.batched_prefill and (n > PREFILL_MIN_SPAN or prefill_all):
                 self._prefill_span(toks[i:i + n])
             else:
-                n = min(n, MAX_POSITIONS)
+                n = min(n, CALL_POSITIONS)
                 self._eval_chunk(toks[i:i + n])
             i += n
             if every and self.n_past % every == 0 and i < len(toks):
@@ -611,7 +616,7 @@ class NativeBackend:
         self._flush_mtp()
         if self.supports_speculative:
             if self._mtp_n_past() != self.n_past:
-                head, span = span[:MAX_POSITIONS], span[MAX_POSITIONS:]
+                head, span = span[:CALL_POSITIONS], span[CALL_POSITIONS:]
                 self._eval_chunk(head)
                 if len(span) <= PREFILL_MIN_SPAN:
                     if span:
@@ -795,10 +800,10 @@ class NativeBackend:
             self._mtp_left, self._uncaught, self._token_row = True, [], None
 
     @_on_engine
-    def eval_all_logits(self, tokens: list[int], positions_per_call: int = MAX_POSITIONS) -> np.ndarray:
+    def eval_all_logits(self, tokens: list[int], positions_per_call: int = CALL_POSITIONS) -> np.ndarray:
         """Logits `[n, n_vocab]` of every token (teacher forcing), `positions_per_call` at a time."""
-        if not 1 <= positions_per_call <= MAX_POSITIONS:
-            raise ValueError(f"positions_per_call must be 1..{MAX_POSITIONS}")
+        if not 1 <= positions_per_call <= self.max_positions:
+            raise ValueError(f"positions_per_call must be 1..{self.max_positions}")
         toks = [int(t) for t in tokens]
         self._chunks(toks)   # validation
         out = np.empty((len(toks), self.n_vocab), dtype=np.float32)
@@ -976,9 +981,9 @@ class NativeBackend:
     def verify(self, tokens: list[int]) -> None:
         """Evaluate the current token and the drafts at n_past provisionally (read the results
         with argmax()/logits()); nothing is kept until commit()."""
-        toks = self._chunks(tokens)
+        toks = self._chunks(tokens, self.max_positions)
         if len(toks) != 1:
-            raise ValueError(f"verify takes 1..{MAX_POSITIONS} tokens, got {len(tokens)}")
+            raise ValueError(f"verify takes 1..{self.max_positions} tokens, got {len(tokens)}")
         # rows still owed (a cycle that drafted nothing) need this window's hiddens: make them now
         self._flush_mtp()
         buf = self._nl.ffi.new("int32_t[]", toks[0])
@@ -1009,8 +1014,8 @@ class NativeBackend:
             raise RuntimeError(f"the native library is ABI {int(self._nl.lib.oj_abi_version())}; "
                                f"oj_verify_tree needs {TREE_ABI}: rebuild it")
         toks = self._chunks(tokens)
-        if len(toks) != 1:
-            raise ValueError(f"verify_tree takes 1..{MAX_POSITIONS} nodes, got {len(tokens)}")
+        if len(toks) != 1 or len(tokens) > MAX_TREE_NODES:
+            raise ValueError(f"verify_tree takes 1..{MAX_TREE_NODES} nodes, got {len(tokens)}")
         par = check_tree_parents(parent, len(toks[0]))
         self._flush_mtp()                          # as verify: owed rows need this window's hiddens
         ffi = self._nl.ffi
@@ -1078,12 +1083,12 @@ class NativeBackend:
             if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 1 << 64:
                 raise ValueError(f"the sampled cycle's seed must be an integer in [0, 2**64), got {seed!r}")
         toks = [int(t) for t in tokens]
-        if not 1 <= len(toks) <= MAX_POSITIONS:
-            raise ValueError(f"cycle takes 1..{MAX_POSITIONS} tokens (the current token and up to "
-                             f"{MAX_POSITIONS - 1} drafts), got {len(toks)}")
+        if not 1 <= len(toks) <= self.max_positions:
+            raise ValueError(f"cycle takes 1..{self.max_positions} tokens (the current token and up to "
+                             f"{self.max_positions - 1} drafts), got {len(toks)}")
         if (isinstance(n_draft, bool) or not isinstance(n_draft, (int, np.integer))
-                or not 0 <= n_draft < MAX_POSITIONS):
-            raise ValueError(f"n_draft must be an integer in [0, {MAX_POSITIONS - 1}] (the drafts of the "
+                or not 0 <= n_draft < self.max_positions):
+            raise ValueError(f"n_draft must be an integer in [0, {self.max_positions - 1}] (the drafts of the "
                              f"next verify), got {n_draft!r}")
         n_draft = int(n_draft)
         if n_draft and not self.supports_speculative:
@@ -1164,10 +1169,10 @@ class NativeBackend:
         if self._mtp_upto + len(self._uncaught) != pos:
             raise RuntimeError(f"MTP rows end at {self._mtp_upto} with {len(self._uncaught)} owed, "
                                f"the main model is at {pos}")
-        while len(toks) > MAX_POSITIONS:                       # more rows owed than one call takes
-            self._mtp_call(toks[:MAX_POSITIONS], self._mtp_upto, "main")
-            self._mtp_upto += MAX_POSITIONS
-            toks = toks[MAX_POSITIONS:]
+        while len(toks) > CALL_POSITIONS:                      # more rows owed than one call takes
+            self._mtp_call(toks[:CALL_POSITIONS], self._mtp_upto, "main")
+            self._mtp_upto += CALL_POSITIONS
+            toks = toks[CALL_POSITIONS:]
         self._mtp_call(toks, self._mtp_upto, "main")
         self._uncaught = []
         self._mtp_upto = pos + 1
@@ -1230,8 +1235,8 @@ class NativeBackend:
         """
         ffi, lib = self._nl.ffi, self._nl.lib
         toks = [int(t) for t in tokens]
-        if not 1 <= len(toks) <= MAX_POSITIONS:
-            raise ValueError(f"mtp_eval takes 1..{MAX_POSITIONS} tokens, got {len(toks)}")
+        if not 1 <= len(toks) <= self.max_positions:
+            raise ValueError(f"mtp_eval takes 1..{self.max_positions} tokens, got {len(toks)}")
         h_ptr = ffi.NULL
         if isinstance(h, str):
             if h not in _H_SOURCES:

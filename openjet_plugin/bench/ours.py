@@ -412,21 +412,21 @@ def trees_last(be, args, out: Emitter, rows: list[tuple[str, dict]], points: dic
 
 
 def fill_note(be) -> str:
-    from ..backends.native import MAX_POSITIONS
+    from ..backends.native import CALL_POSITIONS
 
     if getattr(be, "batched_prefill", False):
         return f"state filled by oj_prefill, passes of {be.prefill_chunk} positions"
-    return f"state filled {MAX_POSITIONS} positions per call (no oj_prefill)"
+    return f"state filled {CALL_POSITIONS} positions per call (no oj_prefill)"
 
 
 def _main_model_start(be, fill: Filler) -> None:
     """A fresh state whose MTP cache stays behind: the first positions through oj_eval with no MTP
     row (main_model_only), so the engine's prefill never makes MTP rows after it (it follows the
     MTP cache only when that ends at n_past). llama.cpp runs no MTP block either."""
-    from ..backends.native import MAX_POSITIONS
+    from ..backends.native import CALL_POSITIONS
 
     fill.reset()
-    toks = fill.rng.integers(0, be.n_vocab, size=MAX_POSITIONS).tolist()
+    toks = fill.rng.integers(0, be.n_vocab, size=CALL_POSITIONS).tolist()
     be.eval_argmax(toks)
     fill.appended += toks
 
@@ -435,7 +435,7 @@ def prefill_phase(be, rows: list[tuple[int, int]], args, out: Emitter, fill: Fil
     """prefill_tps rows, by increasing depth: one fill from a reset (main model only, the MTP cache
     left behind: _main_model_start), a checkpoint at each depth, and the timed appends from it
     (bench/prefill.py). Each row is a result or a skip with its reason."""
-    from ..backends.native import MAX_POSITIONS
+    from ..backends.native import CALL_POSITIONS
     from . import prefill
     from .spec import main_model_only, restore_to
 
@@ -443,10 +443,10 @@ def prefill_phase(be, rows: list[tuple[int, int]], args, out: Emitter, fill: Fil
         _main_model_start(be, fill)
         for i, (n, d) in enumerate(sorted(rows, key=lambda r: (r[1], r[0]))):
             params = {"new_tokens": n, "depth": d}
-            if d < MAX_POSITIONS:
-                out.skip("prefill_tps", params, f"depth {d}: the first {MAX_POSITIONS} positions go through oj_eval "
+            if d < CALL_POSITIONS:
+                out.skip("prefill_tps", params, f"depth {d}: the first {CALL_POSITIONS} positions go through oj_eval "
                                                "(to keep the MTP block out of the timed prefill); use a depth of at "
-                                               f"least {MAX_POSITIONS}")
+                                               f"least {CALL_POSITIONS}")
                 continue
             est_fill = fill.estimate(max(0, d - be.n_past)) or 0.0
             est_rows = fill.estimate(n * (args.reps + prefill.PREFILL_WARMUP)) or 0.0

@@ -61,7 +61,7 @@ class Settings:
     quick: bool = False
     depths: tuple[int, ...] = (0, 8192, 30720)
     decode_tokens: int = 128
-    verify_positions: tuple[int, ...] = (1, 2, 3, 4, 5, 8)   # 8: issue 25's 8 / 1 ratio, and the pass oj_eval_seqs takes for 8 sequences
+    verify_positions: tuple[int, ...] = (1, 2, 3, 4, 5, 8, 16)   # 8: issue 25's 8 / 1 ratio, and the pass oj_eval_seqs takes for 8 sequences; 16: a verify budget of 16 (trees, drafts beside 8 sequences)
     verify_depth: int = 1024
     # 64:4096: an appended turn (an agent's tool result) and a prompt piece beside decoding streams
     # (the latency row's mixed passes take 64 tokens each): what one small oj_prefill costs
