@@ -46,16 +46,16 @@ def kernel_totals(csv_path: Path) -> tuple[list[tuple[str, int, float]], float]:
 def profile_piece(model: str, positions: int, depth: int) -> None:
     import cupy   # the GPU machine's image has it; the profiler range is all it is used for
 
-    from openjet_plugin.backends.native import MAX_POSITIONS, NativeBackend
+    from openjet_plugin.backends.native import CALL_POSITIONS, NativeBackend
     from openjet_plugin.bench.spec import main_model_only
     from openjet_plugin.model_file import open_model
 
     be = NativeBackend(open_model(model), depth + 5 * positions + 16, draft_depth=0, kv_type="f16", seed=0)
     rng = np.random.default_rng(0)
     with main_model_only(be):
-        be.eval_argmax(rng.integers(0, be.n_vocab, size=MAX_POSITIONS).tolist())
-        if depth > MAX_POSITIONS:
-            be.eval_argmax(rng.integers(0, be.n_vocab, size=depth - MAX_POSITIONS).tolist())
+        be.eval_argmax(rng.integers(0, be.n_vocab, size=CALL_POSITIONS).tolist())
+        if depth > CALL_POSITIONS:
+            be.eval_argmax(rng.integers(0, be.n_vocab, size=depth - CALL_POSITIONS).tolist())
         for _ in range(3):
             t = time.perf_counter()
             be.eval_argmax(rng.integers(0, be.n_vocab, size=positions).tolist())
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("MODEL is needed (or --summary NCU_CSV)")
     if a.positions < 1:
         ap.error(f"--positions must be >= 1, got {a.positions}")
-    from openjet_plugin.backends.native import MAX_POSITIONS
+    from openjet_plugin.backends.native import CALL_POSITIONS
 
-    if a.depth < MAX_POSITIONS:   # the state starts with one oj_eval of that many (the main model alone)
-        ap.error(f"--depth {a.depth}: the first {MAX_POSITIONS} positions go through oj_eval")
+    if a.depth < CALL_POSITIONS:   # the state starts with one oj_eval of that many (the main model alone)
+        ap.error(f"--depth {a.depth}: the first {CALL_POSITIONS} positions go through oj_eval")
     profile_piece(a.model, a.positions, a.depth)
     return 0
 

@@ -28,10 +28,11 @@ QK_K = 256
 ROWS = 32
 MAX_SLOTS = 4096
 MAX_TILES = MAX_SLOTS // 2
-SLOT_FLOATS = 8 * ROWS
+MAX_VEC = 16
+SLOT_FLOATS = MAX_VEC * ROWS
 PART_OFF = MAX_TILES * 4
 XP_OFF = PART_OFF + MAX_SLOTS * SLOT_FLOATS * 4
-REC = 8 * 576 + 32
+REC = MAX_VEC * 576 + 4 * MAX_VEC
 PREP_THREADS = 256
 SPLIT_FILL, SPLIT_MEET = 1.0, 0.5
 
@@ -40,10 +41,13 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "constexpr int ROWS = 32;"),
     ("matvec_f16.cuh", "constexpr int MAX_SLOTS = 4096;"),
     ("matvec_f16.cuh", "constexpr int MAX_TILES = MAX_SLOTS / 2;"),
-    ("matvec_f16.cuh", "constexpr size_t SLOT_FLOATS = 8 * ROWS;"),
+    ("matvec_f16.cuh", "constexpr int MAX_VEC = 16;"),
+    ("matvec_f16.cuh", "constexpr int SSQ_VEC = MAX_VEC;"),
+    ("matvec_f16.cuh", "constexpr size_t SLOT_FLOATS = MAX_VEC * ROWS;"),
+    ("matvec_f16.cuh", "constexpr int INV_OFF = MAX_VEC * VEC_BYTES;"),
     ("matvec_f16.cuh", "constexpr size_t PART_OFF = (size_t)MAX_TILES * 4;"),
     ("matvec_f16.cuh", "constexpr size_t XP_OFF = PART_OFF + (size_t)MAX_SLOTS * SLOT_FLOATS * 4;"),
-    ("matvec_f16.cuh", "constexpr int REC = INV_OFF + 32;"),
+    ("matvec_f16.cuh", "constexpr int REC = INV_OFF + 4 * MAX_VEC;"),
     ("matvec_f16.cuh", "inline size_t workspace_bytes(int64_t K) { return XP_OFF + 2 * (size_t)(K / QK_K) * REC; }"),
     # prep: block 0 zeroes the counters, records after XP_OFF
     ("matvec_f16.cuh", "for (int i = 0; i < MAX_TILES / 1024; ++i)"),
@@ -54,9 +58,9 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "if (both) prep_store<other_type(TYPE)>(xv, rec2, v, lane);"),
     ("matvec_f16.cuh", "a.xp += region * (w.K / QK_K) * REC;"),
     ("matvec_f16.cuh", "a.xp += region * (w[0].K / QK_K) * REC;"),
-    # residual row-tile sums: tile t's vector v at ssq[t * 8 + v], K / 32 of them summed by the prep
-    ("matvec_f16.cuh", "if (lane == 0) ssq[tile * 8 + v] = t;"),
-    ("matvec_f16.cuh", "for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * 8 + v];"),
+    # residual row-tile sums: tile t's vector v at ssq[t * 16 + v], K / 32 of them summed by the prep
+    ("matvec_f16.cuh", "if (lane == 0) ssq[tile * SSQ_VEC + v] = t;"),
+    ("matvec_f16.cuh", "for (int64_t i = lane; i < K / 32; i += 32) t += in.ssq[i * SSQ_VEC + v];"),
     ("matvec_f16.cuh", "norm_scale = 1.0f / sqrtf(t / K + in.eps);"),
     # tile_ssq reads the tile's final values as the block stored them (staged in shared memory)
     ("matvec_f16.cuh", "const float y = o < n_out ? fin[v * ROWS + lane] : 0.0f;"),
@@ -81,7 +85,7 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "const int64_t J = warp < len ? (len - warp + WARPS - 1) / WARPS : 0;"),
     ("matvec_f16.cuh", "const int64_t uw = u0 + warp;"),
     ("matvec_f16.cuh", "const int64_t u = uw + (int64_t)s * WARPS;"),
-    ("matvec_f16.cuh", "if (s < J) issue_x<TYPE>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);"),
+    ("matvec_f16.cuh", "if (s < J) issue_x<TYPE, NT>(a, ring + s * SB + w_bytes(TYPE), a.xp + (uw + (int64_t)s * WARPS) * REC, g, t, lane);"),
     # the main loop's cursor starts at step STAGES - 1 and moves WARPS super-blocks per issue
     ("matvec_f16.cuh", "Src nxt = src_at<TYPE>(a, crow, uw + (int64_t)(STAGES - 1) * WARPS, lane);"),
     ("matvec_f16.cuh", "advance<TYPE, WARPS>(nxt);"),
@@ -94,8 +98,12 @@ SOURCE_ANCHORS = [
     ("matvec_f16.cuh", "dq[i][r] = gemm::half_bits(par[i][r] ? dw >> 16 : dw & 0xFFFFu);"),
     # the epilogue: slots, counters, the last block's fixed-order sum
     ("matvec_f16.cuh", "float *slot = a.part + (size_t)bid * SLOT_FLOATS;"),
+    ("matvec_f16.cuh", "constexpr int NS = 8 * NT;"),
+    ("matvec_f16.cuh", "for (int idx = threadIdx.x; idx < 32 * NS; idx += 32 * WARPS) {"),
+    ("matvec_f16.cuh", "const int i = (s >> 2) & 1, e = s & 3, gg = ln >> 2, tt = ln & 3;"),
     ("matvec_f16.cuh", "const int r = 16 * i + gg + 8 * (e >> 1);"),
-    ("matvec_f16.cuh", "const int vec = 2 * tt + (e & 1);"),
+    ("matvec_f16.cuh", "const int vec = 8 * (s >> 3) + 2 * tt + (e & 1);"),
+    ("matvec_f16.cuh", "__host__ __device__ constexpr int vec_tiles(int n_vec) { return n_vec > 8 ? 2 : 1; }"),
     ("matvec_f16.cuh", "__stcg(slot + vec * ROWS + r, v);"),
     ("matvec_f16.cuh", "last = atomicAdd(a.count + tile, 1u) == (uint32_t)(S - 1);"),
     ("matvec_f16.cuh", "if (last) a.count[tile] = 0u;"),
@@ -191,31 +199,31 @@ def _warp_sum(vals):
 
 def test_residual_row_tile_sums():
     # tile_ssq + prep_kernel's `in.ssq` branch, transcribed: tile t's 32 rows of vector v summed by
-    # the xor tree into ssq[t * 8 + v]; the prep's warp v sums the K / 32 partials lane-strided in
+    # the xor tree into ssq[t * 16 + v]; the prep's warp v sums the K / 32 partials lane-strided in
     # order, then the xor tree. The result is the vector's sum of squares (to fp32 rounding), the
     # same whichever n_vec the call had (each vector only reads its own column), and it fills only
-    # slots t * 8 + v of tiles < K / 32.
+    # slots t * 16 + v of tiles < K / 32.
     import numpy as np
     rng = np.random.default_rng(0)
     for K in (256, 5120, 6144):
         tiles = K // 32
-        for n_vec in (1, 5, 8):
+        for n_vec in (1, 5, 8, 16):
             y = rng.standard_normal((n_vec, K)).astype(np.float32) * 3
-            ssq = np.full(tiles * 8, np.nan, dtype=np.float32)
+            ssq = np.full(tiles * MAX_VEC, np.nan, dtype=np.float32)
             for t in range(tiles):
                 for v in range(n_vec):
-                    ssq[t * 8 + v] = _warp_sum(y[v, 32 * t:32 * t + 32] ** 2)
+                    ssq[t * MAX_VEC + v] = _warp_sum(y[v, 32 * t:32 * t + 32] ** 2)
             for v in range(n_vec):
                 lanes = [np.float32(0)] * 32
                 for lane in range(32):
                     acc = np.float32(0)
                     for i in range(lane, tiles, 32):
-                        acc = np.float32(acc + ssq[i * 8 + v])
+                        acc = np.float32(acc + ssq[i * MAX_VEC + v])
                     lanes[lane] = acc
                 total = _warp_sum(lanes)
                 ref = float(np.sum(y[v].astype(np.float64) ** 2))
                 assert abs(total - ref) <= 1e-5 * ref
-            assert np.isnan(ssq.reshape(tiles, 8)[:, n_vec:]).all()   # no vector past n_vec is written
+            assert np.isnan(ssq.reshape(tiles, MAX_VEC)[:, n_vec:]).all()   # no vector past n_vec is written
 
 
 def test_workspace_layout():
@@ -296,20 +304,24 @@ def test_slots_and_counters_in_bounds():
             assert tile * S + sp == bid and tile < tiles
             if S > 1:
                 assert tile < MAX_TILES and bid < MAX_SLOTS
-                last_cell = (tile * S + S - 1) * SLOT_FLOATS + 7 * ROWS + 31   # the tile's last slot float
+                last_cell = (tile * S + S - 1) * SLOT_FLOATS + (MAX_VEC - 1) * ROWS + 31   # the tile's last slot float
                 assert PART_OFF + 4 * last_cell + 4 <= XP_OFF
 
 
 def test_slot_cell_layout_is_a_bijection():
     # the block reduction's (idx -> row r, vector vec) and the last block's (idx -> vec, r) both
-    # cover [8][32] exactly once, so every cell written is read back by the same (vec, r)
-    write = set()
-    for idx in range(256):
-        s, ln = idx >> 5, idx & 31
-        i, e, gg, tt = s >> 2, s & 3, ln >> 2, ln & 3
-        write.add((2 * tt + (e & 1), 16 * i + gg + 8 * (e >> 1)))
-    read = {(idx >> 5, idx & 31) for idx in range(256)}
-    assert write == read == {(v, r) for v in range(8) for r in range(32)}
+    # cover [8 NT][32] exactly once (NT vector tiles: 1 for 1..8 vectors, 2 for 9..16), so every
+    # cell written is read back by the same (vec, r); one tile's cells are those it had alone
+    for nt in (1, 2):
+        ns = 8 * nt
+        write = set()
+        for idx in range(32 * ns):
+            s, ln = idx >> 5, idx & 31
+            i, e, gg, tt = (s >> 2) & 1, s & 3, ln >> 2, ln & 3
+            write.add((8 * (s >> 3) + 2 * tt + (e & 1), 16 * i + gg + 8 * (e >> 1)))
+        read = {(idx >> 5, idx & 31) for idx in range(32 * ns)}
+        assert write == read == {(v, r) for v in range(ns) for r in range(32)}
+        assert ns * ROWS <= SLOT_FLOATS
 
 
 def test_auto_split_bounds_and_no_n_vec():
