@@ -510,10 +510,16 @@ class _FakeBackend:
 
     def __init__(self):
         self.n_past = 0
-        self.calls: list[int] = []
+        self.calls: list[int] = []     # eval_argmax: a run of tokens, split as the backend likes
+        self.passes: list[int] = []    # eval_pass_argmax: one pass over the weights each
 
     def eval_argmax(self, tokens):
         self.calls.append(len(tokens))
+        self.n_past += len(tokens)
+        return (tokens[-1] * 7 + 1) % self.n_vocab
+
+    def eval_pass_argmax(self, tokens):
+        self.passes.append(len(tokens))
         self.n_past += len(tokens)
         return (tokens[-1] * 7 + 1) % self.n_vocab
 
@@ -528,9 +534,10 @@ def test_decode_and_verify_loops_time_what_they_say():
     samples = ours.decode_samples(be, n_tokens=16, reps=5, first=3)
     assert len(samples) == 5 and all(s > 0 and math.isfinite(s) for s in samples)
     assert be.calls == [1] * (ours.WARMUP_STEPS + 5 * 16)     # one position per decode step
-    be = _FakeBackend()
-    ms = ours.verify_samples(be, positions=4, reps=6, rng=np.random.default_rng(0))
-    assert len(ms) == 6 and be.calls == [4] * 8                # two warm-up passes, then the timed ones
+    for positions in (4, 16):                                  # each sample one pass of all its positions
+        be = _FakeBackend()
+        ms = ours.verify_samples(be, positions=positions, reps=6, rng=np.random.default_rng(0))
+        assert len(ms) == 6 and be.passes == [positions] * 8 and be.calls == []   # two warm-up passes, then the timed ones
     be = _FakeBackend()
     f = ours.Filler(be, np.random.default_rng(0))
     f.fill_to(1000)
@@ -1433,7 +1440,7 @@ def test_a_verify_row_fits_the_context_the_bench_sizes():
         def __init__(self, n_ctx: int):
             self.n_ctx, self.n_past, self.host = n_ctx, 0, False
 
-        def eval_argmax(self, toks):
+        def eval_pass_argmax(self, toks):
             if self.n_past + len(toks) > self.n_ctx:
                 raise RuntimeError(f"{self.n_past + len(toks)} tokens do not fit {self.n_ctx}")
             self.n_past += len(toks)
@@ -1448,7 +1455,7 @@ def test_a_verify_row_fits_the_context_the_bench_sizes():
 
     rng = np.random.default_rng(0)
     for reps in (1, 5):
-        for p in (1, 5, 8):
+        for p in (1, 5, 8, 16):
             be = Counting(ours.verify_row_positions(p, reps))
             ours.verify_samples(be, p, reps, rng)
             ours.profiled_samples(be, p, reps, rng)

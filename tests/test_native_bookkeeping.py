@@ -296,6 +296,31 @@ def test_speculative_engine_on_the_native_bookkeeping_equals_plain(fake_native, 
     assert st.drafts_accepted > 0 and st.cycles < st.generated_tokens
 
 
+def test_eval_pass_argmax_is_one_oj_eval_up_to_the_headers_limit(fake_native, template):
+    # eval_argmax splits 9 tokens into calls of CALL_POSITIONS; eval_pass_argmax makes one oj_eval
+    # of them where the library's OJ_MAX_POSITIONS allows it (this fake: 8), and names the limit
+    # where it does not, leaving the state as it was
+    from openjet_plugin.model_file import open_model
+
+    with open_model(template.model_path) as mf:
+        be = native.NativeBackend(mf, n_ctx=64, draft_depth=0, prefill_chunk=0)
+        try:
+            lib = fake_native[-1]
+            assert be.max_positions == lib.OJ_MAX_POSITIONS == 8
+            evals = []
+            real = lib.oj_eval
+            lib.oj_eval = lambda h, buf, n: evals.append(n) or real(h, buf, n)
+            assert be.eval_pass_argmax(list(range(3, 11))) == be.argmax()[-1]
+            assert evals == [8] and be.n_past == 8
+            with pytest.raises(ValueError, match="1..8 tokens, got 9"):
+                be.eval_pass_argmax(list(range(9)))
+            assert evals == [8] and be.n_past == 8
+            be.eval_argmax(list(range(9)))
+            assert evals == [8, 8, 1] and be.n_past == 17
+        finally:
+            be.close()
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 7, 9])
 def test_a_turn_that_extends_the_state_exactly(fake_native, template, max_tokens):
     """Token-list turns: the next prompt is the state plus the last emitted token plus more, so

@@ -726,6 +726,20 @@ class NativeBackend:
             self._eval_chunks(tokens)
             return self.argmax()[-1]
 
+    @_on_engine
+    def eval_pass_argmax(self, tokens: list[int]) -> int:
+        """eval_argmax in exactly one oj_eval of every token (1..max_positions: one pass over the
+        weights), which the bench's verify_ms and phase rows time; eval_argmax itself splits a run
+        into calls of CALL_POSITIONS and sends a longer span through oj_prefill."""
+        if self._shared.passes is not None:
+            raise RuntimeError("eval_pass_argmax: not under a pass scheduler (it evaluates alone)")
+        toks = self._chunks(tokens, self.max_positions)
+        if len(toks) != 1:
+            raise ValueError(f"eval_pass_argmax takes 1..{self.max_positions} tokens, got {len(tokens)}")
+        with self._shared.lock:
+            self._eval_chunk(toks[0])
+            return self.argmax()[-1]
+
     def eval_argmax_rows(self, tokens: list[int], rows_for) -> tuple[int, np.ndarray | None]:
         """eval_argmax, and the logits row of the last token where its argmax is in `rows_for` (a
         greedy request's negatively biased ids: only there can its biases change the choice), so
