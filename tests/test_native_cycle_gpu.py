@@ -29,6 +29,7 @@ pytestmark = pytest.mark.gpu
 NEAR_TIE = ts.NEAR_TIE
 N_CYCLES = 40
 N_DRAFTS = [4, 7, 1, 0, 3, 7, 2, 5, 0]      # n_draft of cycle c: N_DRAFTS[c % 9]
+N_DRAFTS_WIDE = [15, 9, 1, 0, 12, 15, 3, 8, 0]   # the same, for verifies of up to 16 positions
 STATE_REL_MAX = 1e-4                        # the same path: the main model's verify either way
 # The bar the MTP rows had while a cycle could run inside one cooperative launch (rows summed in
 # another order); both sides now run the same kernels.
@@ -146,8 +147,11 @@ def _host_drafts(be, token: int, n_draft: int) -> tuple[list[int], list[float]]:
     return drafts, gaps
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["8", "16"])
 @pytest.mark.parametrize("name", ["tiny-Q4_K_M", "small-Q4_K_M", "default"])
-def test_cycle_equals_verify_commit_and_host_drafts(native, workdir, name):
+def test_cycle_equals_verify_commit_and_host_drafts(native, workdir, name, wide):
+    """oj_cycle against oj_verify + oj_commit + the host's MTP steps, over verifies of up to 8
+    positions, or (wide) up to 16 with up to 15 drafts a cycle."""
     from openjet_plugin.backends.native import NativeBackend
     from openjet_plugin.model_file import open_model
     from openjet_plugin.speculative import ForcedAcceptanceDrafts, verify_greedy
@@ -156,8 +160,10 @@ def test_cycle_equals_verify_commit_and_host_drafts(native, workdir, name):
     prompts, plain = ts._plain(name, workdir)
     p, q = prompts[0], plain[0]
     mf = open_model(path)
-    a = NativeBackend(mf, n_ctx=1024, draft_depth=7)      # oj_cycle
-    b = NativeBackend(mf, n_ctx=1024, draft_depth=7)      # verify + commit + draft_first/draft_next
+    span, plan = (16, N_DRAFTS_WIDE) if wide else (8, N_DRAFTS)
+    a = NativeBackend(mf, n_ctx=1024, draft_depth=span - 1)      # oj_cycle
+    b = NativeBackend(mf, n_ctx=1024, draft_depth=span - 1)      # verify + commit + draft_first/draft_next
+    assert a.max_positions >= span, f"the library takes {a.max_positions} positions a call"
     oracle = ForcedAcceptanceDrafts(p + q, a.n_vocab, pattern=[0, 3, 7, 1, 5, 2, 7, 4])
     ties = {"main": 0, "draft": 0}
     worst, errs = 0.0, {}
@@ -170,7 +176,7 @@ def test_cycle_equals_verify_commit_and_host_drafts(native, workdir, name):
         for c in range(N_CYCLES):
             pos = a.n_past
             assert b.n_past == pos
-            n_tokens, n_draft = 1 + c % 8, N_DRAFTS[c % len(N_DRAFTS)]
+            n_tokens, n_draft = 1 + c % span, plan[c % len(plan)]
             drafts = fused[:n_tokens - 1] if c % 3 == 1 else []
             if c % 3 != 1:                       # the plain continuation, some tokens wrong
                 drafts = oracle.propose(pos, x, None, None, n_tokens - 1, None, None)[0]
@@ -223,7 +229,7 @@ def test_cycle_equals_verify_commit_and_host_drafts(native, workdir, name):
         a.close()
         b.close()
         mf.close()
-    report({"test": "cycle_equals_host_path", "model": name, "path": where, "cycles": N_CYCLES,
+    report({"test": "cycle_equals_host_path", "model": name, "span": span, "path": where, "cycles": N_CYCLES,
             "accepted": accepted, "logits_rel_err": worst, "near_ties": ties, "diverged_at": diverged,
             "state_rel_err": errs})
     assert accepted > 0
