@@ -402,6 +402,24 @@ def test_one_call_draft_tree_is_the_step_by_step_tree(monkeypatch, budget, calib
     assert one_call == step_by_step
 
 
+def test_a_tree_keeps_eight_nodes_where_a_verify_takes_sixteen(monkeypatch):
+    """A library of OJ_MAX_POSITIONS 16 still takes trees of OJ_MAX_TREE_NODES (8): the backend
+    refuses a ninth node by name before the engine, and a tree within the limit still runs."""
+    class WideTreeLib(TreeFakeLib):
+        OJ_MAX_POSITIONS = 16
+
+    install_fake(monkeypatch, WideTreeLib)
+    be = _backend(0)
+    be.eval([1, 2, 3])
+    assert be.max_positions == 16
+    with pytest.raises(ValueError, match="verify_tree takes 1..8 nodes, got 9"):
+        be.verify_tree(list(range(9)), list(range(-1, 8)))
+    assert be.n_past == 3
+    be.verify_tree([1, 2, 3, 4], [-1, 0, 0, 1])
+    be.commit_path([0, 1, 3])
+    assert be.n_past == 6
+
+
 def test_draft_tree_arguments_are_checked(monkeypatch):
     """NativeBackend.draft_tree refuses a root hidden of the wrong size and mismatched bins by name;
     a library before ABI 8 is refused, naming the rebuild."""
